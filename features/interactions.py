@@ -1,0 +1,119 @@
+"""The columnar interaction log every later step reads.
+
+Ids are stored once per distinct value (`user_ids`, `item_ids`, strings) and referred to by
+integer codes per interaction (`user`, `item`), the way a categorical column is. Every step works
+on whole NumPy arrays; nothing iterates over rows in Python.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+class DataError(ValueError):
+    """An input log that cannot be used; the message names the input and what was wrong."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Interactions:
+    """An interaction log with its item and user tables.
+
+    Attributes:
+        user_ids: [num_users] str, the distinct user ids.
+        item_ids: [num_items] str, the catalogue: every item of the item table, or of the log
+            when there is no item table.
+        user: [n] int32, index into `user_ids` per interaction.
+        item: [n] int32, index into `item_ids` per interaction.
+        timestamp: [n] int64, seconds (or any increasing integer clock).
+        rating: [n] float32 or None for implicit feedback.
+        item_features: name -> [num_items, ...] array aligned with `item_ids`
+            (`genres` multi-hot float32, `year` int32 with 0 unknown, `title` str).
+        user_features: name -> [num_users] array aligned with `user_ids` (str or numbers).
+        genre_names: the names of the `genres` columns.
+        dropped: reason -> number of input rows dropped for it.
+        source: where the log came from.
+    """
+
+    user_ids: np.ndarray
+    item_ids: np.ndarray
+    user: np.ndarray
+    item: np.ndarray
+    timestamp: np.ndarray
+    rating: np.ndarray | None = None
+    item_features: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    user_features: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    genre_names: tuple[str, ...] = ()
+    dropped: dict[str, int] = dataclasses.field(default_factory=dict)
+    source: str = ""
+
+    def __post_init__(self):
+        n = len(self.user)
+        for name in ("item", "timestamp", "rating"):
+            column = getattr(self, name)
+            if column is not None and len(column) != n:
+                raise DataError(f"{self.source}: column {name!r} has {len(column)} rows, "
+                                f"user has {n}")
+        for table, ids in ((self.item_features, self.item_ids), (self.user_features, self.user_ids)):
+            for name, values in table.items():
+                if len(values) != len(ids):
+                    raise DataError(f"{self.source}: feature {name!r} has {len(values)} rows "
+                                    f"for {len(ids)} ids")
+
+    def __len__(self) -> int:
+        return len(self.user)
+
+    @property
+    def num_users(self) -> int:
+        return len(self.user_ids)
+
+    @property
+    def num_items(self) -> int:
+        return len(self.item_ids)
+
+    def take(self, rows: np.ndarray) -> Interactions:
+        """The interactions at `rows` ([m] int), with the same id tables and features."""
+        rating = None if self.rating is None else self.rating[rows]
+        return dataclasses.replace(self, user=self.user[rows], item=self.item[rows],
+                                   timestamp=self.timestamp[rows], rating=rating)
+
+    def time_order(self) -> np.ndarray:
+        """[n] int64 rows sorted by user, then timestamp, ties kept in log order."""
+        return np.lexsort((np.arange(len(self)), self.timestamp, self.user))
+
+    def summary(self) -> dict:
+        """Counts of users, items and interactions, and the dropped rows by reason."""
+        return {"source": self.source, "users": self.num_users, "items": self.num_items,
+                "interactions": len(self), "has_ratings": self.rating is not None,
+                "item_features": sorted(self.item_features), "user_features": sorted(self.user_features),
+                "dropped": dict(self.dropped)}
+
+
+def encode_ids(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Categorical encoding of an id column.
+
+    Args:
+        values: [n] ids of any dtype; they are compared as strings.
+
+    Returns:
+        (ids [d] str in order of first appearance, codes [n] int32 with ids[codes] == values).
+    """
+    strings = np.asarray(values).astype(str)
+    ids, first, codes = np.unique(strings, return_index=True, return_inverse=True)
+    appearance = np.argsort(first, kind="stable")
+    rank = np.empty_like(appearance)
+    rank[appearance] = np.arange(len(appearance))
+    return ids[appearance], rank[codes.reshape(-1)].astype(np.int32)
+
+
+def drop_duplicate_rows(user: np.ndarray, item: np.ndarray, timestamp: np.ndarray,
+                        rating: np.ndarray | None) -> np.ndarray:
+    """[n] bool mask keeping the first of each group of exactly equal rows (file order)."""
+    keys = [timestamp, item, user] if rating is None else [rating, timestamp, item, user]
+    order = np.lexsort(keys)
+    same = np.ones(len(order) - 1, dtype=bool) if len(order) else np.zeros(0, dtype=bool)
+    for key in keys:
+        same &= key[order[1:]] == key[order[:-1]]
+    keep = np.ones(len(user), dtype=bool)
+    keep[order[1:][same]] = False
+    return keep

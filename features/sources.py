@@ -1,0 +1,498 @@
+"""Readers that turn every supported log into the same columnar `Interactions`.
+
+Sources: `synthetic`, `tfds:NAME` (MovieLens configs of TensorFlow Datasets), a GroupLens release
+(folder or `.zip`; ml-100k, ml-1m, ml-latest(-small), ml-20m, ml-25m, detected from file names),
+or a generic CSV / Parquet log with a column mapping. Files are parsed by Arrow in blocks;
+no code here loops over rows in Python.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import re
+import zipfile
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from features.interactions import DataError, Interactions, drop_duplicate_rows, encode_ids
+
+ML100K_GENRES = ("unknown", "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime",
+                 "Documentary", "Drama", "Fantasy", "Film-Noir", "Horror", "Musical", "Mystery",
+                 "Romance", "Sci-Fi", "Thriller", "War", "Western")
+TFDS_NAMES = ("100k", "1m", "latest-small", "25m")
+DEFAULT_COLUMNS = {"user": ("user_id", "userId", "user", "uid"),
+                   "item": ("item_id", "movieId", "movie_id", "item", "iid"),
+                   "time": ("timestamp", "time", "ts", "datetime"),
+                   "rating": ("rating", "user_rating", "score")}
+BLOCK_SIZE = 16 << 20
+
+
+def load(source: str, columns: dict[str, str] | None = None, data_dir: str | None = None,
+         seed: int = 0) -> Interactions:
+    """Loads an interaction log.
+
+    Args:
+        source: `synthetic`, `synthetic:PRESET`, `tfds:NAME` (e.g. `tfds:movielens/100k-ratings`),
+            a GroupLens folder or `.zip`, or a `.csv` / `.tsv` / `.parquet` file.
+        columns: for generic files, role -> column name: `user`, `item`, `time`, optional
+            `rating`, and side features as `user.NAME` or `item.NAME`.
+        data_dir: TFDS data directory holding an already prepared copy.
+        seed: seed of the synthetic generator.
+    """
+    if source == "synthetic" or source.startswith("synthetic:"):
+        from features.synthetic import PRESETS, generate
+        preset = source.partition(":")[2] or "default"
+        if preset not in PRESETS:
+            raise DataError(f"unknown synthetic preset {preset!r}; known: {sorted(PRESETS)}")
+        return generate(PRESETS[preset], seed=seed, name=f"synthetic:{preset}")
+    if source.startswith("tfds:"):
+        return load_tfds(source[len("tfds:"):], data_dir=data_dir)
+    if not os.path.exists(source):
+        raise DataError(f"{source}: no such file or folder (expected a GroupLens release folder "
+                        "or .zip, a .csv/.tsv/.parquet log, 'synthetic' or 'tfds:NAME')")
+    if os.path.isdir(source) or source.endswith(".zip"):
+        return load_grouplens(source)
+    return load_table(source, columns or {})
+
+
+def from_columns(source: str, user, item, timestamp, rating=None, *, catalogue=None,
+                 item_features=None, genre_names=(), user_table=None, dropped=None) -> Interactions:
+    """Validates raw columns and encodes them as `Interactions`.
+
+    Args:
+        source: name used in error messages.
+        user, item: [n] ids, any dtype. timestamp: [n] numeric. rating: [n] numeric or None.
+        catalogue: [num_items] item ids of the item table, or None to use the log's items.
+            Rows whose item is not in it are dropped and counted.
+        item_features: name -> [num_items, ...] aligned with `catalogue`.
+        user_table: (ids [u], name -> [u] features) or None.
+        dropped: counts of rows already dropped by the reader.
+    """
+    dropped = dict(dropped or {})
+    user, item = np.asarray(user), np.asarray(item)
+    if len(user) == 0:
+        raise DataError(f"{source}: the log is empty")
+    timestamp = _numeric(source, "timestamp", timestamp).astype(np.int64)
+    rating = None if rating is None else _numeric(source, "rating", rating).astype(np.float32)
+    user, item = user.astype(str), item.astype(str)
+    keep = drop_duplicate_rows(user, item, timestamp, rating)
+    _count(dropped, "duplicate_row", len(keep) - int(keep.sum()))
+    if catalogue is None:
+        item_ids, item_codes = encode_ids(item[keep])
+        item_features = {}
+    else:
+        item_ids = np.asarray(catalogue).astype(str)
+        item_codes, known = _positions(item_ids, item)
+        _count(dropped, "item_not_in_catalogue", int((keep & ~known).sum()))
+        keep &= known
+        if not keep.any():
+            raise DataError(f"{source}: no interaction's item is in the item table")
+        item_codes = item_codes[keep].astype(np.int32)
+    user_ids, user_codes = encode_ids(user[keep])
+    user_features = _align_user_features(user_ids, user_table)
+    return Interactions(user_ids=user_ids, item_ids=item_ids, user=user_codes, item=item_codes,
+                        timestamp=timestamp[keep], rating=None if rating is None else rating[keep],
+                        item_features=dict(item_features or {}), user_features=user_features,
+                        genre_names=tuple(genre_names), dropped=dropped, source=source)
+
+
+def _positions(table: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Index of each of `values` ([n] str) in `table` ([d] str), and whether it is there."""
+    if len(table) == 0:
+        return np.zeros(len(values), dtype=np.int64), np.zeros(len(values), dtype=bool)
+    order = np.argsort(table, kind="stable")
+    position = np.minimum(np.searchsorted(table[order], values), len(table) - 1)
+    return order[position], table[order[position]] == values
+
+
+def _count(dropped: dict[str, int], reason: str, number: int) -> None:
+    if number:
+        dropped[reason] = dropped.get(reason, 0) + number
+
+
+def _numeric(source: str, name: str, values) -> np.ndarray:
+    """[n] float64 or int64 values of a numeric column; a clear error otherwise."""
+    values = np.asarray(values)
+    if values.dtype.kind not in "iuf":
+        try:
+            values = values.astype(np.float64)
+        except (TypeError, ValueError):
+            bad = next(v for v in values if not _parses(v))
+            raise DataError(f"{source}: column {name!r} is not numeric "
+                            f"(first bad value {bad!r})") from None
+    if values.dtype.kind == "f":
+        missing = np.flatnonzero(np.isnan(values))
+        if len(missing):
+            raise DataError(f"{source}: column {name!r} has {len(missing)} missing or NaN values "
+                            f"(first at row {missing[0]})")
+    return values
+
+
+def _parses(value) -> bool:
+    try:
+        float(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def _align_user_features(user_ids: np.ndarray, user_table) -> dict[str, np.ndarray]:
+    """Features of `user_table` reordered to `user_ids`; unknown users get '' or 0."""
+    if user_table is None:
+        return {}
+    table_ids, features = user_table
+    position, found = _positions(np.asarray(table_ids).astype(str), user_ids)
+    aligned = {}
+    for name, values in features.items():
+        values = np.asarray(values)[position]
+        aligned[name] = np.where(found, values, "" if values.dtype.kind in "OUS" else 0)
+    return aligned
+
+
+# ---------------------------------------------------------------- GroupLens releases
+
+
+class _Release:
+    """Files of a GroupLens release, in a folder or a `.zip`, found by their base names."""
+
+    def __init__(self, path: str):
+        self.path = path
+        if path.endswith(".zip"):
+            if not zipfile.is_zipfile(path):
+                raise DataError(f"{path}: not a readable zip archive")
+            self._zip = zipfile.ZipFile(path)
+            names = [n for n in self._zip.namelist() if not n.endswith("/")]
+        else:
+            self._zip = None
+            names = [os.path.relpath(os.path.join(d, f), path)
+                     for d, _, files in os.walk(path) for f in files]
+        self.files = {os.path.basename(n): n for n in sorted(names, key=len, reverse=True)}
+
+    def has(self, name: str) -> bool:
+        return name in self.files
+
+    def read(self, name: str) -> bytes:
+        member = self.files[name]
+        if self._zip is not None:
+            return self._zip.read(member)
+        with open(os.path.join(self.path, member), "rb") as f:
+            return f.read()
+
+    def where(self, name: str) -> str:
+        return f"{self.path}:{self.files[name]}"
+
+
+def load_grouplens(path: str) -> Interactions:
+    """Reads a GroupLens MovieLens release (folder or `.zip`), detecting the format."""
+    release = _Release(path)
+    if release.has("u.data"):
+        return _read_ml100k(release)
+    if release.has("ratings.dat"):
+        return _read_ml1m(release)
+    if release.has("ratings.csv"):
+        return _read_ml_latest(release)
+    raise DataError(f"{path}: unknown format: expected u.data (ml-100k), ratings.dat (ml-1m) or "
+                    f"ratings.csv (ml-latest, ml-20m, ml-25m); found {sorted(release.files)[:10]}")
+
+
+def _read_delimited(release: _Release, name: str, names: list[str], delimiter: str,
+                    encoding: str = "utf8", header: bool = False, types=None) -> pa.Table:
+    """Parses one delimited file of a release with Arrow; `::` is mapped to a single byte."""
+    data = release.read(name)
+    if delimiter == "::":
+        data, delimiter = data.replace(b"::", b"\x1f"), "\x1f"
+    read = pacsv.ReadOptions(column_names=None if header else names, encoding=encoding,
+                             block_size=BLOCK_SIZE)
+    parse = pacsv.ParseOptions(delimiter=delimiter, quote_char='"' if header else False)
+    convert = pacsv.ConvertOptions(column_types=types or {}, strings_can_be_null=False)
+    try:
+        table = pacsv.read_csv(io.BytesIO(data), read_options=read, parse_options=parse,
+                               convert_options=convert)
+    except pa.ArrowInvalid as error:
+        raise DataError(f"{release.where(name)}: cannot parse: {error}") from None
+    missing = [c for c in names if c not in table.column_names]
+    if missing:
+        raise DataError(f"{release.where(name)}: missing required column(s) {missing}; "
+                        f"found {table.column_names}")
+    return table
+
+
+def _ratings(release: _Release, name: str, table: pa.Table, roles: tuple[str, str, str, str],
+             **tables) -> Interactions:
+    """Interactions from a ratings table whose (user, item, rating, time) columns are `roles`."""
+    user, item, rating, time = (_to_numpy(release.where(name), table, c) for c in roles)
+    return from_columns(release.path, user, item, time, rating, **tables)
+
+
+def _to_numpy(where: str, table: pa.Table, name: str) -> np.ndarray:
+    column = table.column(name)
+    if column.null_count:
+        raise DataError(f"{where}: column {name!r} has {column.null_count} missing values")
+    if pa.types.is_timestamp(column.type):
+        column = pc.divide(column.cast(pa.int64()), _TIME_UNITS[column.type.unit])
+    return column.to_numpy()
+
+
+_TIME_UNITS = {"s": 1, "ms": 1000, "us": 1000_000, "ns": 1000_000_000}
+
+
+def _year_from_title(titles: pa.ChunkedArray) -> np.ndarray:
+    """[n] int32 year in a trailing `(YYYY)` of each title, 0 when absent."""
+    match = pc.extract_regex(titles, r"\((?P<year>\d{4})\)\s*$")
+    years = pc.struct_field(match, "year").fill_null("0")
+    return pc.cast(years, pa.int32()).to_numpy(zero_copy_only=False)
+
+
+def _multi_hot(genre_lists: pa.ChunkedArray) -> tuple[np.ndarray, tuple[str, ...]]:
+    """[n, g] float32 multi-hot of `|`-joined genre strings, and the g genre names."""
+    lists = pc.split_pattern(genre_lists, "|").combine_chunks()
+    flat = lists.flatten()
+    rows = pc.list_parent_indices(lists).to_numpy()
+    names, codes = np.unique(flat.to_numpy(zero_copy_only=False).astype(str), return_inverse=True)
+    matrix = np.zeros((len(lists), len(names)), dtype=np.float32)
+    matrix[rows, codes] = 1.0
+    listed = names != "(no genres listed)"
+    return matrix[:, listed], tuple(names[listed])
+
+
+def _read_ml100k(release: _Release) -> Interactions:
+    ratings = _read_delimited(release, "u.data", ["user", "item", "rating", "time"], "\t")
+    items = None
+    if release.has("u.item"):
+        genre_columns = [f"g{i}" for i in range(len(ML100K_GENRES))]
+        table = _read_delimited(release, "u.item",
+                                ["item", "title", "released", "video", "url"] + genre_columns,
+                                "|", encoding="latin-1", types={"released": pa.string()})
+        released = pc.utf8_slice_codeunits(table.column("released"), -4)
+        year = pc.cast(pc.if_else(pc.match_substring_regex(released, r"^\d{4}$"), released, "0"),
+                       pa.int32()).to_numpy(zero_copy_only=False)
+        genres = np.stack([table.column(c).to_numpy() for c in genre_columns], 1).astype(np.float32)
+        items = dict(catalogue=table.column("item").to_numpy().astype(str), genre_names=ML100K_GENRES,
+                     item_features={"genres": genres, "year": year,
+                                    "title": table.column("title").to_numpy(zero_copy_only=False).astype(str)})
+    users = None
+    if release.has("u.user"):
+        table = _read_delimited(release, "u.user", ["user", "age", "gender", "occupation", "zip"],
+                                "|", types={"zip": pa.string()})
+        users = (table.column("user").to_numpy().astype(str),
+                 {c: table.column(c).to_numpy(zero_copy_only=False).astype(str)
+                  for c in ("age", "gender", "occupation")})
+    return _ratings(release, "u.data", ratings, ("user", "item", "rating", "time"),
+                    user_table=users, **(items or {}))
+
+
+def _read_ml1m(release: _Release) -> Interactions:
+    ratings = _read_delimited(release, "ratings.dat", ["user", "item", "rating", "time"], "::")
+    items = None
+    if release.has("movies.dat"):
+        table = _read_delimited(release, "movies.dat", ["item", "title", "genres"], "::",
+                                encoding="latin-1")
+        items = _movies_table(table)
+    users = None
+    if release.has("users.dat"):
+        table = _read_delimited(release, "users.dat", ["user", "gender", "age", "occupation", "zip"],
+                                "::", types={"zip": pa.string()})
+        users = (table.column("user").to_numpy().astype(str),
+                 {c: table.column(c).to_numpy(zero_copy_only=False).astype(str)
+                  for c in ("gender", "age", "occupation")})
+    return _ratings(release, "ratings.dat", ratings, ("user", "item", "rating", "time"),
+                    user_table=users, **(items or {}))
+
+
+def _read_ml_latest(release: _Release) -> Interactions:
+    ratings = _read_delimited(release, "ratings.csv", ["userId", "movieId", "rating", "timestamp"],
+                              ",", header=True)
+    items = None
+    if release.has("movies.csv"):
+        table = _read_delimited(release, "movies.csv", ["movieId", "title", "genres"], ",",
+                                header=True)
+        items = _movies_table(table.rename_columns(
+            ["item" if c == "movieId" else c for c in table.column_names]))
+    return _ratings(release, "ratings.csv", ratings, ("userId", "movieId", "rating", "timestamp"),
+                    **(items or {}))
+
+
+def _movies_table(table: pa.Table) -> dict:
+    """Catalogue and item features of a movies table with item, title and `|`-joined genres."""
+    genres, names = _multi_hot(table.column("genres"))
+    titles = table.column("title")
+    return dict(catalogue=table.column("item").to_numpy(zero_copy_only=False).astype(str),
+                genre_names=names,
+                item_features={"genres": genres, "year": _year_from_title(titles),
+                               "title": titles.to_numpy(zero_copy_only=False).astype(str)})
+
+
+# ---------------------------------------------------------------- generic CSV / Parquet
+
+
+def parse_columns(text: str) -> dict[str, str]:
+    """`user=a,item=b,time=c` -> {'user': 'a', 'item': 'b', 'time': 'c'}."""
+    mapping = {}
+    for part in filter(None, text.split(",")):
+        role, sep, name = part.partition("=")
+        if not sep or not role.strip() or not name.strip():
+            raise DataError(f"--columns: {part!r} is not ROLE=COLUMN")
+        mapping[role.strip()] = name.strip()
+    return mapping
+
+
+def load_table(path: str, columns: dict[str, str]) -> Interactions:
+    """Reads a generic CSV, TSV or Parquet log.
+
+    Args:
+        path: the file.
+        columns: role -> column name (`user`, `item`, `time`, optional `rating`, and
+            `user.NAME` / `item.NAME` side features); missing roles are looked up among common
+            names (user_id, userId, item_id, movieId, timestamp, rating, ...).
+    """
+    names = _table_column_names(path)
+    mapping = _resolve_columns(path, names, columns)
+    table = _read_table(path, sorted(set(mapping.values())))
+    values = {role: _to_numpy(path, table, name) for role, name in mapping.items()}
+    user, item = values.pop("user"), values.pop("item")
+    rating = values.pop("rating", None)
+    timestamp = values.pop("time")
+    item_features = {}
+    user_features = {}
+    for role, column in values.items():
+        kind, _, name = role.partition(".")
+        (user_features if kind == "user" else item_features)[name] = column
+    interactions = from_columns(path, user, item, timestamp, rating,
+                                user_table=_last_per_id(user, user_features))
+    if item_features:
+        ids, features = _last_per_id(item, item_features)
+        position, _ = _positions(ids, interactions.item_ids)
+        interactions = dataclasses.replace(
+            interactions, item_features={k: v[position] for k, v in features.items()})
+    return interactions
+
+
+def _last_per_id(ids: np.ndarray, features: dict[str, np.ndarray]):
+    """(distinct ids [d] str, name -> [d] the last value of the feature in file order)."""
+    if not features:
+        return None
+    strings = ids.astype(str)
+    reversed_ids, last = np.unique(strings[::-1], return_index=True)
+    rows = len(strings) - 1 - last
+    return reversed_ids, {name: values[rows] for name, values in features.items()}
+
+
+def _table_column_names(path: str) -> list[str]:
+    if path.endswith(".parquet"):
+        try:
+            return pq.ParquetFile(path).schema_arrow.names
+        except (pa.ArrowInvalid, OSError) as error:
+            raise DataError(f"{path}: not a readable Parquet file: {error}") from None
+    if not path.endswith((".csv", ".tsv", ".txt", ".csv.gz")):
+        raise DataError(f"{path}: unknown format: expected .csv, .tsv or .parquet, or a "
+                        "GroupLens release folder or .zip")
+    with open(path, "rb") as f:
+        header = f.readline().decode("utf8", errors="replace").strip()
+    if not header:
+        raise DataError(f"{path}: the log is empty")
+    return [c.strip().strip('"') for c in header.split(_delimiter(path))]
+
+
+def _delimiter(path: str) -> str:
+    return "\t" if path.endswith(".tsv") else ","
+
+
+def _resolve_columns(path: str, names: list[str], columns: dict[str, str]) -> dict[str, str]:
+    mapping = {}
+    for role, candidates in DEFAULT_COLUMNS.items():
+        if role in columns:
+            mapping[role] = columns[role]
+        elif (found := next((c for c in candidates if c in names), None)) is not None:
+            mapping[role] = found
+        elif role != "rating":
+            raise DataError(f"{path}: missing required column for {role!r}: none of "
+                            f"{list(candidates)} is present (columns: {names}); map it with "
+                            f"--columns {role}=NAME")
+    for role, name in columns.items():
+        if role not in DEFAULT_COLUMNS and not role.startswith(("user.", "item.")):
+            raise DataError(f"--columns: unknown role {role!r}; use user, item, time, rating, "
+                            "user.NAME or item.NAME")
+        mapping[role] = name
+    for role, name in mapping.items():
+        if name not in names:
+            raise DataError(f"{path}: missing required column {name!r} (for {role}); "
+                            f"columns: {names}")
+    return mapping
+
+
+def _read_table(path: str, include: list[str]) -> pa.Table:
+    """Reads the needed columns in blocks (Parquet row groups, CSV blocks of 16 MiB)."""
+    try:
+        if path.endswith(".parquet"):
+            parquet = pq.ParquetFile(path)
+            batches = list(parquet.iter_batches(columns=include, batch_size=1 << 20))
+            return pa.Table.from_batches(batches, schema=parquet.schema_arrow.empty_table()
+                                         .select(include).schema)
+        reader = pacsv.open_csv(path, read_options=pacsv.ReadOptions(block_size=BLOCK_SIZE),
+                                parse_options=pacsv.ParseOptions(delimiter=_delimiter(path)),
+                                convert_options=pacsv.ConvertOptions(include_columns=include))
+        return reader.read_all()
+    except pa.ArrowInvalid as error:
+        raise DataError(f"{path}: cannot parse: {error}") from None
+
+
+# ---------------------------------------------------------------- TensorFlow Datasets
+
+
+def load_tfds(name: str, data_dir: str | None = None) -> Interactions:
+    """Loads `movielens/*-ratings` (and its `-movies` catalogue) from TensorFlow Datasets."""
+    if not re.fullmatch(r"movielens/(%s)-ratings" % "|".join(map(re.escape, TFDS_NAMES)), name):
+        raise DataError(f"tfds:{name}: unsupported; use one of "
+                        f"{[f'tfds:movielens/{n}-ratings' for n in TFDS_NAMES]}")
+    import tensorflow_datasets as tfds
+    try:
+        ratings = _tfds_columns(tfds.load(name, split="train", data_dir=data_dir))
+        movies = _tfds_columns(tfds.load(name.replace("-ratings", "-movies"), split="train",
+                                         data_dir=data_dir))
+    except Exception as error:  # TFDS raises many kinds of download and preparation errors.
+        raise DataError(
+            f"tfds:{name}: could not load it ({type(error).__name__}: {str(error)[:300]}). "
+            "TFDS downloads a data set the first time; without network access, prepare it "
+            "elsewhere and pass --data-dir, or pass the GroupLens release instead: "
+            "--data path/to/ml-100k.zip (or its unpacked folder)") from None
+    genre_names = tuple(f"genre_{i}" for i in range(int(movies["movie_genres"].max(initial=0)) + 1))
+    genres = np.zeros((len(movies["movie_id"]), len(genre_names)), dtype=np.float32)
+    genres[movies["movie_genres_rows"], movies["movie_genres"]] = 1.0
+    titles = movies["movie_title"].astype(str)
+    item_features = {"genres": genres, "title": titles,
+                     "year": _year_from_title(pa.chunked_array([pa.array(titles)]))}
+    user_columns = {"user_gender": "gender", "bucketized_user_age": "age",
+                    "user_occupation_label": "occupation"}
+    user_table = _last_per_id(ratings["user_id"].astype(str),
+                              {name: ratings[column].astype(str)
+                               for column, name in user_columns.items() if column in ratings})
+    return from_columns(f"tfds:{name}", ratings["user_id"].astype(str),
+                        ratings["movie_id"].astype(str), ratings["timestamp"],
+                        ratings["user_rating"], catalogue=movies["movie_id"].astype(str),
+                        item_features=item_features, genre_names=genre_names,
+                        user_table=user_table)
+
+
+def _tfds_columns(dataset, batch_size: int = 65536) -> dict[str, np.ndarray]:
+    """Whole columns of a TFDS split, read in large ragged batches; list features come back
+    flat with `NAME_rows` giving each value's row."""
+    columns: dict[str, list] = {}
+    offset = 0
+    for batch in dataset.ragged_batch(batch_size):
+        size = None
+        for key, value in batch.items():
+            if hasattr(value, "flat_values"):
+                columns.setdefault(key, []).append(value.flat_values.numpy())
+                rows = value.value_rowids().numpy() + offset
+                columns.setdefault(key + "_rows", []).append(rows)
+                size = value.nrows().numpy()
+            else:
+                columns.setdefault(key, []).append(value.numpy())
+                size = len(value)
+        offset += int(size)
+    return {key: np.concatenate(parts) for key, parts in columns.items()}

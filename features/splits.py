@@ -1,0 +1,87 @@
+"""Train / validation / test splits of an `Interactions` log, as row indexes.
+
+- `temporal`: per user, sorted by time with ties kept in log order: the last interaction is
+  test, the second-last validation, the rest train. Users with fewer than 3 interactions stay
+  wholly in train and are counted.
+- `random`: the TFRS tutorials' protocol, an 80/20 shuffle with a seed (42); no validation.
+- `cutoff`: everything before a global timestamp is train, the rest test.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from features.interactions import DataError, Interactions
+
+SPLITS = ("temporal", "random", "cutoff")
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """Row indexes ([m] int64, each in increasing order) of the three parts of a log."""
+
+    kind: str
+    train: np.ndarray
+    validation: np.ndarray
+    test: np.ndarray
+    short_users: int = 0   # temporal: users kept wholly in train for having < 3 interactions
+
+    def sizes(self) -> dict[str, int]:
+        return {"train": len(self.train), "validation": len(self.validation),
+                "test": len(self.test)}
+
+
+def split(interactions: Interactions, kind: str = "temporal", *, seed: int = 42,
+          train_fraction: float = 0.8, cutoff: int | None = None) -> Split:
+    """Splits a log; see the module docstring for the protocols."""
+    if kind == "temporal":
+        return temporal_split(interactions)
+    if kind == "random":
+        return random_split(interactions, seed=seed, train_fraction=train_fraction)
+    if kind == "cutoff":
+        if cutoff is None:
+            raise DataError("split 'cutoff' needs a cutoff timestamp")
+        return cutoff_split(interactions, cutoff)
+    raise DataError(f"unknown split {kind!r}; known: {list(SPLITS)}")
+
+
+def positions_from_end(interactions: Interactions) -> tuple[np.ndarray, np.ndarray]:
+    """For every row, how many of its user's interactions come after it in time order, and how
+    many interactions its user has. Both [n] int64."""
+    order = interactions.time_order()
+    counts = np.bincount(interactions.user, minlength=interactions.num_users)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    user_sorted = interactions.user[order]
+    rank = np.arange(len(order)) - starts[user_sorted]                 # position in the user's time
+    from_end = np.empty(len(order), dtype=np.int64)
+    from_end[order] = counts[user_sorted] - 1 - rank
+    return from_end, counts[interactions.user]
+
+
+def temporal_split(interactions: Interactions) -> Split:
+    from_end, count = positions_from_end(interactions)
+    eligible = count >= 3
+    test = np.flatnonzero(eligible & (from_end == 0))
+    validation = np.flatnonzero(eligible & (from_end == 1))
+    train = np.flatnonzero(~eligible | (from_end >= 2))
+    counts = np.bincount(interactions.user, minlength=interactions.num_users)
+    short = int(((counts > 0) & (counts < 3)).sum())
+    return Split("temporal", train, validation, test, short_users=short)
+
+
+def random_split(interactions: Interactions, seed: int = 42, train_fraction: float = 0.8) -> Split:
+    if not 0 < train_fraction < 1:
+        raise DataError(f"train_fraction must be in (0, 1), got {train_fraction}")
+    order = np.random.default_rng(seed).permutation(len(interactions))
+    cut = int(round(train_fraction * len(order)))
+    return Split("random", np.sort(order[:cut]), np.zeros(0, dtype=np.int64), np.sort(order[cut:]))
+
+
+def cutoff_split(interactions: Interactions, cutoff: int) -> Split:
+    before = interactions.timestamp < cutoff
+    if before.all() or not before.any():
+        raise DataError(f"cutoff {cutoff} leaves one side empty (timestamps span "
+                        f"{interactions.timestamp.min()}..{interactions.timestamp.max()})")
+    return Split("cutoff", np.flatnonzero(before), np.zeros(0, dtype=np.int64),
+                 np.flatnonzero(~before))

@@ -1,0 +1,303 @@
+"""The data layer: sources, validation, splits, vocabularies, history and batches."""
+import os
+import subprocess
+import sys
+import zipfile
+
+import numpy as np
+import pytest
+
+from features import DataError, Vocabulary, build_history, load, split
+from features.history import latest_history
+from features.pipeline import batches, steps_per_epoch
+from features.synthetic import PRESETS, SyntheticConfig, generate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ML_LATEST_SMALL = os.path.join(ROOT, "..", "shared", "data", "ml-latest-small")
+
+# ------------------------------------------------------------------ small release files
+
+ML100K = {
+    "u.data": "1\t10\t5\t100\n1\t20\t3\t200\n2\t10\t4\t150\n2\t30\t2\t160\n1\t10\t5\t100\n",
+    "u.item": "10|Toy Story (1995)|01-Jan-1995||http://x|0|0|0|1|1|1|0|0|0|0|0|0|0|0|0|0|0|0|0\n"
+              "20|GoldenEye (1995)|01-Jan-1995||http://x|0|1|1|0|0|0|0|0|0|0|0|0|0|0|0|0|1|0|0\n"
+              "30|Caf\xe9 (1996)|01-Jan-1996||http://x|0|0|0|0|0|0|0|0|1|0|0|0|0|0|0|0|0|0|0\n",
+    "u.user": "1|24|M|technician|85711\n2|53|F|other|94043\n",
+}
+ML1M = {
+    "ratings.dat": "1::10::5::100\n1::20::3::200\n2::10::4::150\n2::99::1::170\n",
+    "movies.dat": "10::Toy Story (1995)::Animation|Children's|Comedy\n20::Heat: Two (1995)::Action\n",
+    "users.dat": "1::F::1::10::48067\n2::M::56::16::70072\n",
+}
+ML_LATEST = {
+    "ratings.csv": "userId,movieId,rating,timestamp\n1,10,4.0,100\n1,20,3.5,200\n2,10,5.0,150\n",
+    "movies.csv": 'movieId,title,genres\n10,"Toy Story (1995)",Adventure|Animation\n'
+                  '20,"American President, The (1995)",Comedy|Romance\n30,Untitled,(no genres listed)\n',
+}
+
+
+def write_release(tmp_path, files, as_zip, folder="ml-x", encoding="latin-1"):
+    root = tmp_path / folder
+    root.mkdir()
+    for name, text in files.items():
+        (root / name).write_bytes(text.encode(encoding))
+    if not as_zip:
+        return str(root)
+    archive = tmp_path / f"{folder}.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        for name in files:
+            z.write(root / name, f"{folder}/{name}")
+    return str(archive)
+
+
+@pytest.mark.parametrize("as_zip", [False, True], ids=["dir", "zip"])
+def test_ml100k(tmp_path, as_zip):
+    log = load(write_release(tmp_path, ML100K, as_zip))
+    assert len(log) == 4 and log.dropped == {"duplicate_row": 1}
+    assert log.item_ids.tolist() == ["10", "20", "30"]
+    assert log.item_features["title"][2] == "Caf\xe9 (1996)"
+    assert log.item_features["year"].tolist() == [1995, 1995, 1996]
+    names = np.array(log.genre_names)
+    assert names[log.item_features["genres"][0] == 1].tolist() == ["Animation", "Children's", "Comedy"]
+    assert log.user_features["occupation"].tolist() == ["technician", "other"]
+    assert log.rating.tolist() == [5, 3, 4, 2]
+
+
+@pytest.mark.parametrize("as_zip", [False, True], ids=["dir", "zip"])
+def test_ml1m(tmp_path, as_zip):
+    log = load(write_release(tmp_path, ML1M, as_zip))
+    assert log.dropped == {"item_not_in_catalogue": 1}
+    assert len(log) == 3
+    assert log.item_features["title"].tolist() == ["Toy Story (1995)", "Heat: Two (1995)"]
+    assert set(log.genre_names) == {"Animation", "Children's", "Comedy", "Action"}
+    assert log.user_features["gender"].tolist() == ["F", "M"]
+
+
+@pytest.mark.parametrize("as_zip", [False, True], ids=["dir", "zip"])
+def test_ml_latest(tmp_path, as_zip):
+    log = load(write_release(tmp_path, ML_LATEST, as_zip, encoding="utf8"))
+    assert log.item_ids.tolist() == ["10", "20", "30"]            # the catalogue, unrated included
+    assert log.item_features["year"].tolist() == [1995, 1995, 0]
+    assert log.item_features["genres"][2].sum() == 0
+    assert log.item_features["title"][1] == "American President, The (1995)"
+    assert log.user_ids[log.user].tolist() == ["1", "1", "2"]
+    assert log.item_ids[log.item].tolist() == ["10", "20", "10"]
+
+
+@pytest.mark.skipif(not os.path.isdir(ML_LATEST_SMALL), reason="shared MovieLens copy absent")
+def test_real_ml_latest_small():
+    log = load(ML_LATEST_SMALL)
+    assert len(log) == 100_011 and log.num_items == 9_125
+    assert log.item_features["genres"].shape[1] == 19
+
+
+def test_generic_csv_and_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    csv = tmp_path / "log.csv"
+    csv.write_text("uid,sku,ts,stars,color\na,x,3,1,red\na,y,1,2,blue\nb,x,2,5,red\n")
+    mapping = {"user": "uid", "item": "sku", "time": "ts", "rating": "stars", "item.color": "color"}
+    log = load(str(csv), columns=mapping)
+    assert log.item_ids.tolist() == ["x", "y"] and log.rating.tolist() == [1, 2, 5]
+    assert log.item_features["color"].tolist() == ["red", "blue"]
+    table = pa.table({"user_id": ["a", "b"], "item_id": [1, 2], "timestamp": [5, 6]})
+    pq.write_table(table, tmp_path / "log.parquet")
+    log = load(str(tmp_path / "log.parquet"))
+    assert log.rating is None and log.item_ids.tolist() == ["1", "2"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("user_id,item_id\na,x\n", "missing required column for 'time'"),
+    ("user_id,item_id,timestamp\n", "the log is empty"),
+    ("user_id,item_id,timestamp\na,x,yesterday\n", "column 'timestamp' is not numeric"),
+    ("user_id,item_id,timestamp,rating\na,x,1,good\n", "column 'rating' is not numeric"),
+    ("user_id,item_id,timestamp,rating\na,x,1,\n", "'rating' has 1 missing"),
+    ("user_id,item_id,timestamp,rating\na,x,1,nan\n", "'rating' has 1 missing"),
+])
+def test_bad_logs_name_the_problem(tmp_path, text, message):
+    path = tmp_path / "bad.csv"
+    path.write_text(text)
+    with pytest.raises(DataError, match=message) as error:
+        load(str(path))
+    assert "bad.csv" in str(error.value)
+
+
+def test_unknown_formats(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(DataError, match="unknown format"):
+        load(str(tmp_path))
+    (tmp_path / "log.json").write_text("{}")
+    with pytest.raises(DataError, match="unknown format"):
+        load(str(tmp_path / "log.json"))
+    with pytest.raises(DataError, match="unknown synthetic preset"):
+        load("synthetic:huge")
+    (tmp_path / "log.csv").write_text("user_id,item_id,timestamp\na,x,1\n")
+    with pytest.raises(DataError, match="unknown role 'usr'"):
+        load(str(tmp_path / "log.csv"), columns={"usr": "user_id"})
+
+
+def test_tfds_with_mock_data():
+    import tensorflow_datasets as tfds
+    with tfds.testing.mock_data(num_examples=40):
+        log = load("tfds:movielens/100k-ratings")
+    assert len(log) + sum(log.dropped.values()) == 40
+    assert log.rating is not None and "genres" in log.item_features
+    assert set(log.user_features) == {"gender", "age", "occupation"}
+
+
+def test_tfds_unsupported_name():
+    with pytest.raises(DataError, match="unsupported"):
+        load("tfds:mnist")
+
+
+# ------------------------------------------------------------------ splits
+
+
+@pytest.fixture(scope="module")
+def log():
+    return generate(PRESETS["tiny"], seed=3)
+
+
+def test_synthetic_is_deterministic_and_structured(log):
+    again = generate(PRESETS["tiny"], seed=3)
+    assert np.array_equal(log.item, again.item) and np.array_equal(log.timestamp, again.timestamp)
+    assert not np.array_equal(log.item, generate(PRESETS["tiny"], seed=4).item)
+    # sequential dependence: a user's next item follows the previous one far above chance
+    order = log.time_order()
+    users, items = log.user[order], log.item[order]
+    same_user = users[1:] == users[:-1]
+    pairs = set(zip(items[:-1][same_user].tolist(), items[1:][same_user].tolist()))
+    assert len(pairs) < 0.6 * same_user.sum()
+    counts = np.bincount(log.item, minlength=log.num_items)
+    assert np.sort(counts)[-log.num_items // 10:].sum() > 0.18 * len(log)   # uniform: 0.10
+
+
+def test_temporal_split(log):
+    parts = split(log, "temporal")
+    rows = np.concatenate([parts.train, parts.validation, parts.test])
+    assert np.array_equal(np.sort(rows), np.arange(len(log)))    # a partition
+    assert len(np.unique(log.user[parts.test])) == len(parts.test)
+    for u in np.unique(log.user[parts.test]):
+        train = parts.train[log.user[parts.train] == u]
+        (val,) = parts.validation[log.user[parts.validation] == u]
+        (test,) = parts.test[log.user[parts.test] == u]
+        assert log.timestamp[train].max() <= log.timestamp[val] <= log.timestamp[test]
+
+
+def test_temporal_split_ties_and_short_users():
+    from features.interactions import Interactions
+    log = Interactions(user_ids=np.array(["a", "b"]), item_ids=np.array(["x", "y", "z"]),
+                       user=np.array([0, 0, 0, 1, 1]), item=np.array([0, 1, 2, 0, 1]),
+                       timestamp=np.array([5, 5, 5, 1, 2]))
+    parts = split(log, "temporal")
+    assert parts.test.tolist() == [2] and parts.validation.tolist() == [1]   # file order on ties
+    assert parts.train.tolist() == [0, 3, 4] and parts.short_users == 1
+
+
+def test_random_split(log):
+    parts = split(log, "random", seed=42)
+    assert len(parts.train) == round(0.8 * len(log)) and len(parts.validation) == 0
+    assert not set(parts.train.tolist()) & set(parts.test.tolist())
+    assert np.array_equal(parts.test, split(log, "random", seed=42).test)
+    with pytest.raises(DataError, match="unknown split"):
+        split(log, "weekly")
+
+
+def test_cutoff_split(log):
+    cutoff = int(np.median(log.timestamp))
+    parts = split(log, "cutoff", cutoff=cutoff)
+    assert log.timestamp[parts.train].max() < cutoff <= log.timestamp[parts.test].min()
+
+
+# ------------------------------------------------------------------ vocabularies and history
+
+
+def test_vocabulary_round_trip(tmp_path):
+    vocab = Vocabulary.from_codes(np.array(["x", "y", "z", "w"]), np.array([2, 1, 2, 0, 1, 2]))
+    assert vocab.ids.tolist() == ["z", "y", "x"] and vocab.size == 5
+    assert vocab.lookup(["z", "x", "nope", ""]).tolist() == [2, 4, 1, 0]
+    vocab.save(str(tmp_path / "v.json"))
+    again = Vocabulary.load(str(tmp_path / "v.json"))
+    assert np.array_equal(again.ids, vocab.ids)
+    assert again.decode([2, 3, 1, 0]).tolist() == ["z", "y", "", ""]
+
+
+def test_vocabulary_matches_keras_string_lookup():
+    import tensorflow as tf
+    vocab = Vocabulary(["b", "a", "c"])
+    layer = tf.keras.layers.StringLookup(vocabulary=vocab.ids, mask_token="", num_oov_indices=1)
+    words = ["a", "", "zz", "c", "b"]
+    assert layer(tf.constant(words)).numpy().tolist() == vocab.lookup(words).tolist()
+
+
+def test_history_matches_a_plain_loop(log):
+    length = 4
+    history = build_history(log, length)
+    order = log.time_order()
+    seen = {}
+    for row in order:
+        past = seen.setdefault(int(log.user[row]), [])
+        expected = ([-1] * length + past)[-length:]
+        assert history[row].tolist() == expected
+        past.append(int(log.item[row]))
+    latest = latest_history(log, length)
+    for user, past in seen.items():
+        assert latest[user].tolist() == ([-1] * length + past)[-length:]
+
+
+# ------------------------------------------------------------------ batches
+
+
+def test_batches_cover_the_arrays_once_per_epoch():
+    data = {"a": np.arange(10), "b": np.arange(10) * 10.0, "c": np.zeros((10, 3))}
+    epochs = list(batches(data, 4, shuffle=True, seed=1, epochs=2, select=["a", "b"]))
+    assert [len(b["a"]) for b in epochs] == [4, 4, 2] * 2 and set(epochs[0]) == {"a", "b"}
+    first = np.concatenate([b["a"].numpy() for b in epochs[:3]])
+    second = np.concatenate([b["a"].numpy() for b in epochs[3:]])
+    assert sorted(first) == sorted(second) == list(range(10))
+    assert not np.array_equal(first, second)                        # reshuffled per epoch
+    for batch in epochs:
+        assert np.array_equal(batch["b"].numpy(), batch["a"].numpy() * 10.0)
+    plain = list(batches(data, 4, drop_remainder=True))
+    assert [b["a"].numpy().tolist() for b in plain] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert steps_per_epoch(10, 4) == 3 and steps_per_epoch(10, 4, drop_remainder=True) == 2
+
+
+def test_batches_reject_bad_input():
+    with pytest.raises(DataError, match="different numbers of rows"):
+        batches({"a": np.arange(3), "b": np.arange(4)}, 2)
+    with pytest.raises(DataError, match=r"no feature\(s\) \['z'\]"):
+        batches({"a": np.arange(3)}, 2, select=["z"])
+
+
+# ------------------------------------------------------------------ set-up
+
+
+@pytest.mark.parametrize("package", ["features", "retrieval", "ranking", "serving"])
+def test_keras_2_whichever_package_comes_first(package):
+    code = (f"import {package}, tensorflow as tf, tensorflow_recommenders as tfrs, tf_keras;"
+            "assert tf.keras.__name__.startswith('tf_keras'), tf.keras.__name__;"
+            "print(tf.keras.layers.Dense.__module__)")
+    env = {k: v for k, v in os.environ.items() if k != "TF_USE_LEGACY_KERAS"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "tf_keras" in done.stdout
+
+
+def test_describe_data_prints_one_json_object(tmp_path):
+    import json
+    script = os.path.join(ROOT, "scripts", "describe_data.py")
+    done = subprocess.run([sys.executable, script, "--data", "synthetic:tiny"], capture_output=True,
+                          text=True, timeout=120)
+    summary = json.loads(done.stdout)
+    assert summary["split_sizes"]["test"] == summary["test_users"] > 0
+    done = subprocess.run([sys.executable, script, "--data", str(tmp_path / "none.csv")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "no such file" in done.stderr
+
+
+def test_synthetic_config_sizes():
+    small = generate(SyntheticConfig(num_users=50, num_items=400, num_interactions=1000), seed=0)
+    assert 0.8 * 1000 < len(small) <= 1000 + 50 * 3
+    assert small.item_features["genres"].shape == (400, 12)
