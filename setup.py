@@ -9,6 +9,7 @@ STACK = [
     "tensorflow-datasets",
     "tensorflow-serving-api~=2.20.0",
     "numpy",
+    "scipy",
     "pyarrow",
     "matplotlib",
     "tqdm",
