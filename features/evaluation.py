@@ -45,14 +45,24 @@ class EvalSet:
         return len(self.rows)
 
 
-def eval_set(interactions: Interactions, parts: Split, part: str = "test") -> EvalSet:
+def eval_set(interactions: Interactions, parts: Split, part: str = "test",
+             exclude_seen: bool = True) -> EvalSet:
     """The rows of `part` with, for each, the user's earlier items (for `test`: train and
-    validation rows; for `validation`: train rows)."""
+    validation rows; for `validation`: train rows). With `exclude_seen` False (the random
+    protocol, several rows per user) nothing is excluded."""
     rows = {"test": parts.test, "validation": parts.validation}.get(part)
     if rows is None:
         raise DataError(f"unknown evaluation part {part!r}; use 'test' or 'validation'")
     before = parts.train if part == "validation" else np.concatenate([parts.train, parts.validation])
     known = interactions.take(before)
+    order = known.time_order()
+    last = np.full(interactions.num_users, -1)
+    last[known.user[order]] = known.item[order]                # later rows overwrite earlier
+    users = interactions.user[rows]
+    if not exclude_seen:
+        seen = sp.csr_matrix((len(rows), interactions.num_items), dtype=np.float32)
+        return EvalSet(rows=rows, users=users, targets=interactions.item[rows], seen=seen,
+                       last_item=last[users])
     row_of_user = np.full(interactions.num_users, -1)
     row_of_user[interactions.user[rows]] = np.arange(len(rows))
     if (np.bincount(interactions.user[rows], minlength=interactions.num_users) > 1).any():
@@ -62,10 +72,6 @@ def eval_set(interactions: Interactions, parts: Split, part: str = "test") -> Ev
                           (row_of_user[known.user[mask]], known.item[mask])),
                          shape=(len(rows), interactions.num_items))
     seen.data[:] = 1.0                                        # duplicates summed: back to 0/1
-    order = known.time_order()
-    last = np.full(interactions.num_users, -1)
-    last[known.user[order]] = known.item[order]                # later rows overwrite earlier
-    users = interactions.user[rows]
     return EvalSet(rows=rows, users=users, targets=interactions.item[rows], seen=seen,
                    last_item=last[users])
 

@@ -1,0 +1,69 @@
+"""Configuration of the retrieval stage, with named presets derived by `dataclasses.replace`."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+ENCODERS = ("none", "mean", "gru", "transformer")
+STRATEGIES = ("default", "mirrored", "multi_worker")
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrievalConfig:
+    """Everything that decides a retrieval run."""
+
+    embedding_dim: int = 64
+    history_length: int = 20
+    history_encoder: str = "gru"          # none | mean | gru | transformer
+    use_user_id: bool = True
+    use_user_features: bool = True
+    use_item_features: bool = True
+    l2_normalize: bool = True
+    temperature: float = 0.05
+    logq_correction: bool = True
+    remove_accidental_hits: bool = True
+    num_hard_negatives: int | None = None
+    optimizer: str = "adam"
+    learning_rate: float = 3e-3
+    batch_size: int = 512
+    epochs: int = 8
+    early_stopping_patience: int = 2      # epochs without validation recall@10 gain; 0 disables
+    mixed_precision: bool = False
+    jit_compile: bool = False
+    strategy: str = "default"             # default | mirrored | multi_worker (reads TF_CONFIG)
+    k: int = 100                          # candidates the export returns
+    seed: int = 0
+
+    def validate(self, num_items: int | None = None) -> None:
+        """Raises ValueError naming the first setting that cannot work."""
+        if self.history_encoder not in ENCODERS:
+            raise ValueError(f"history_encoder {self.history_encoder!r}: choose one of {ENCODERS}")
+        if self.history_encoder != "none" and self.history_length <= 0:
+            raise ValueError(f"history_encoder {self.history_encoder!r} needs history_length > 0, "
+                             f"got {self.history_length}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy {self.strategy!r}: choose one of {STRATEGIES}")
+        for name in ("embedding_dim", "batch_size", "epochs", "k"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {self.temperature}")
+        if num_items is not None and self.k > num_items:
+            raise ValueError(f"k={self.k} is larger than the catalogue ({num_items} items)")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+
+PRESETS = {
+    "default": RetrievalConfig(),
+    "tiny": RetrievalConfig(embedding_dim=16, history_length=5, batch_size=128, epochs=3,
+                            early_stopping_patience=0, k=20, learning_rate=1e-2),
+}
+
+
+def preset(name: str, **overrides) -> RetrievalConfig:
+    """A named preset with some fields replaced."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown retrieval preset {name!r}; known: {sorted(PRESETS)}")
+    return dataclasses.replace(PRESETS[name], **overrides)

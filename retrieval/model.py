@@ -1,0 +1,134 @@
+"""The two-tower retrieval model: a query tower over the user and their recent items, a
+candidate tower over the item and its features, trained with TFRS's in-batch softmax."""
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_recommenders as tfrs
+
+from retrieval.config import RetrievalConfig
+
+YEAR_BUCKETS = 32          # 0 unknown, then five-year buckets from 1900
+
+
+def year_bucket(year: tf.Tensor) -> tf.Tensor:
+    """[...] int32 year -> [...] int32 bucket in [0, YEAR_BUCKETS)."""
+    bucket = tf.clip_by_value((year - 1900) // 5 + 1, 1, YEAR_BUCKETS - 1)
+    return tf.where(year > 0, bucket, 0)
+
+
+def right_align(history: tf.Tensor) -> tf.Tensor:
+    """Moves the padding (0) of left-padded rows to the right, so a masked GRU can use cuDNN.
+
+    Args:
+        history: [batch, L] int, left-padded, oldest first.
+
+    Returns:
+        [batch, L] the same items, oldest first, padding at the end.
+    """
+    length = tf.shape(history)[1]
+    pads = tf.reduce_sum(tf.cast(history == 0, tf.int32), axis=1, keepdims=True)   # [batch, 1]
+    positions = (tf.range(length)[None, :] + pads) % length                       # [batch, L]
+    return tf.gather(history, positions, batch_dims=1)
+
+
+class HistoryEncoder(tf.keras.layers.Layer):
+    """Encodes [batch, L, d] item embeddings of a left-padded history into [batch, d]."""
+
+    def __init__(self, kind: str, dim: int, length: int, **kwargs):
+        super().__init__(**kwargs)
+        self.kind = kind
+        if kind == "gru":
+            self.gru = tf.keras.layers.GRU(dim)
+        elif kind == "transformer":
+            self.positions = tf.keras.layers.Embedding(length, dim)
+            self.attention = tf.keras.layers.MultiHeadAttention(num_heads=2, key_dim=dim // 2)
+            self.feed_forward = tf.keras.Sequential([tf.keras.layers.Dense(2 * dim, "relu"),
+                                                     tf.keras.layers.Dense(dim)])
+            self.norm1 = tf.keras.layers.LayerNormalization()
+            self.norm2 = tf.keras.layers.LayerNormalization()
+
+    def call(self, embeddings: tf.Tensor, history: tf.Tensor) -> tf.Tensor:
+        mask = history > 0                                                   # [batch, L]
+        if self.kind == "mean":
+            weights = tf.cast(mask, embeddings.dtype)[..., None]             # [batch, L, 1]
+            total = tf.reduce_sum(embeddings * weights, axis=1)              # [batch, d]
+            return total / tf.maximum(tf.reduce_sum(weights, axis=1), 1.0)
+        if self.kind == "gru":
+            return self.gru(embeddings, mask=mask)
+        x = embeddings + tf.cast(self.positions(tf.range(tf.shape(history)[1])), embeddings.dtype)
+        attention_mask = mask[:, None, :]                                    # [batch, 1, L]
+        x = self.norm1(x + self.attention(x, x, attention_mask=attention_mask))
+        x = self.norm2(x + self.feed_forward(x))                             # [batch, L, d]
+        return x[:, -1, :]                                                   # the latest item
+
+
+class TwoTower(tfrs.Model):
+    """Query tower: user id, user features, encoded history. Candidate tower: item id, genres,
+    year. Items enter both towers as catalogue codes ([batch] int64)."""
+
+    def __init__(self, config: RetrievalConfig, *, num_users: int, item_index: np.ndarray,
+                 item_vocab_size: int, item_genres: np.ndarray, item_year: np.ndarray,
+                 user_feature_sizes: dict[str, int], item_probability: np.ndarray):
+        super().__init__()
+        self.config = config
+        dim = config.embedding_dim
+        self.item_index = tf.constant(item_index, tf.int64)                  # [num_items]
+        self.item_genres = tf.constant(item_genres, tf.float32)              # [num_items, g]
+        self.item_year = tf.constant(item_year, tf.int32)                    # [num_items]
+        self.item_probability = tf.constant(np.maximum(item_probability, 1e-9), tf.float32)
+        self.item_embedding = tf.keras.layers.Embedding(item_vocab_size, dim)
+        self.year_embedding = tf.keras.layers.Embedding(YEAR_BUCKETS, 8)
+        self.genre_projection = tf.keras.layers.Dense(16)
+        self.user_embedding = tf.keras.layers.Embedding(num_users, dim) if config.use_user_id else None
+        self.user_feature_embeddings = {
+            name: tf.keras.layers.Embedding(size, 8, name=f"user_{name}_embedding")
+            for name, size in (user_feature_sizes.items() if config.use_user_features else [])}
+        self.history_encoder = (None if config.history_encoder == "none" else
+                                HistoryEncoder(config.history_encoder, dim, config.history_length))
+        self.query_head = self._head(dim)
+        self.candidate_head = self._head(dim)
+        self.task = tfrs.tasks.Retrieval(temperature=config.temperature,
+                                         remove_accidental_hits=config.remove_accidental_hits,
+                                         num_hard_negatives=config.num_hard_negatives)
+
+    @staticmethod
+    def _head(dim: int) -> tf.keras.Sequential:
+        return tf.keras.Sequential([tf.keras.layers.Dense(2 * dim, "relu"),
+                                    tf.keras.layers.Dense(dim, dtype="float32")])
+
+    def _finish(self, x: tf.Tensor) -> tf.Tensor:
+        x = tf.cast(x, tf.float32)
+        return tf.math.l2_normalize(x, axis=-1) if self.config.l2_normalize else x
+
+    def query(self, features: dict[str, tf.Tensor]) -> tf.Tensor:
+        """{"user": [b], "history": [b, L], "user_NAME": [b]} -> [b, d] float32."""
+        parts = []
+        if self.user_embedding is not None:
+            parts.append(self.user_embedding(features["user"]))
+        for name, embedding in self.user_feature_embeddings.items():
+            parts.append(embedding(features[f"user_{name}"]))
+        if self.history_encoder is not None:
+            history = features["history"]
+            if self.config.history_encoder == "gru":
+                history = right_align(history)
+            parts.append(self.history_encoder(self.item_embedding(history), history))
+        return self._finish(self.query_head(tf.concat(parts, axis=-1)))
+
+    def candidate(self, items: tf.Tensor) -> tf.Tensor:
+        """[b] int64 catalogue codes -> [b, d] float32."""
+        parts = [self.item_embedding(tf.gather(self.item_index, items))]
+        if self.config.use_item_features:
+            parts.append(self.year_embedding(year_bucket(tf.gather(self.item_year, items))))
+            if self.item_genres.shape[1]:
+                parts.append(self.genre_projection(tf.gather(self.item_genres, items)))
+        return self._finish(self.candidate_head(tf.concat(parts, axis=-1)))
+
+    def compute_loss(self, features: dict[str, tf.Tensor], training: bool = False) -> tf.Tensor:
+        items = features["item"]
+        probability = (tf.gather(self.item_probability, items)
+                       if self.config.logq_correction else None)
+        return self.task(self.query(features), self.candidate(items),
+                         candidate_sampling_probability=probability,
+                         candidate_ids=items if self.config.remove_accidental_hits else None,
+                         compute_metrics=False, compute_batch_metrics=False)
