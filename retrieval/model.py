@@ -2,6 +2,8 @@
 candidate tower over the item and its features, trained with TFRS's in-batch softmax."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import tensorflow as tf
 import tensorflow_recommenders as tfrs
@@ -30,6 +32,17 @@ def right_align(history: tf.Tensor) -> tf.Tensor:
     pads = tf.reduce_sum(tf.cast(history == 0, tf.int32), axis=1, keepdims=True)   # [batch, 1]
     positions = (tf.range(length)[None, :] + pads) % length                       # [batch, L]
     return tf.gather(history, positions, batch_dims=1)
+
+
+@contextlib.contextmanager
+def float32_policy():
+    """Builds the layers created inside it in float32 whatever the global Keras policy."""
+    previous = tf.keras.mixed_precision.global_policy()
+    tf.keras.mixed_precision.set_global_policy("float32")
+    try:
+        yield
+    finally:
+        tf.keras.mixed_precision.set_global_policy(previous)
 
 
 class HistoryEncoder(tf.keras.layers.Layer):
@@ -88,9 +101,10 @@ class TwoTower(tfrs.Model):
                                 HistoryEncoder(config.history_encoder, dim, config.history_length))
         self.query_head = self._head(dim)
         self.candidate_head = self._head(dim)
-        self.task = tfrs.tasks.Retrieval(temperature=config.temperature,
-                                         remove_accidental_hits=config.remove_accidental_hits,
-                                         num_hard_negatives=config.num_hard_negatives)
+        with float32_policy():     # the loss sees float32 towers even under mixed precision
+            self.task = tfrs.tasks.Retrieval(temperature=config.temperature,
+                                             remove_accidental_hits=config.remove_accidental_hits,
+                                             num_hard_negatives=config.num_hard_negatives)
 
     @staticmethod
     def _head(dim: int) -> tf.keras.Sequential:

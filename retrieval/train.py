@@ -1,6 +1,7 @@
 """Training and full-catalogue evaluation of the two-tower model."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -13,7 +14,7 @@ from features.evaluation import KS, EvalSet, eval_set, evaluate
 from features.pipeline import batches, steps_per_epoch
 from retrieval.config import RetrievalConfig
 from retrieval.data import RetrievalData, prepare
-from retrieval.model import TwoTower
+from retrieval.model import TwoTower, float32_policy
 
 
 def make_strategy(name: str) -> tf.distribute.Strategy:
@@ -25,6 +26,17 @@ def make_strategy(name: str) -> tf.distribute.Strategy:
     if name == "default":
         return tf.distribute.get_strategy()
     raise ValueError(f"unknown strategy {name!r}; use default, mirrored or multi_worker")
+
+
+@contextlib.contextmanager
+def mixed_precision(enabled: bool):
+    """Layers built inside compute in float16 (weights stay float32) when enabled."""
+    if not enabled:
+        yield
+        return
+    with float32_policy():
+        tf.keras.mixed_precision.set_global_policy("mixed_float16")
+        yield
 
 
 def build_model(config: RetrievalConfig, data: RetrievalData) -> TwoTower:
@@ -100,11 +112,9 @@ def fit(interactions: Interactions, split: Split, config: RetrievalConfig,
     """
     config.validate(num_items=interactions.num_items)
     tf.keras.utils.set_random_seed(config.seed)
-    if config.mixed_precision:
-        tf.keras.mixed_precision.set_global_policy("mixed_float16")
     data = prepare(interactions, split, config.history_length)
     strategy = make_strategy(config.strategy)
-    with strategy.scope():
+    with strategy.scope(), mixed_precision(config.mixed_precision):
         model = build_model(config, data)
     train = data.examples["train"]
     steps = steps_per_epoch(len(train["user"]), config.batch_size, drop_remainder=True)

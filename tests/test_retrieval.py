@@ -60,6 +60,23 @@ def test_every_history_encoder_trains(encoder):
     assert query_embeddings(model, data.examples["test"]).shape == (len(data.examples["test"]["user"]), 16)
 
 
+def test_mixed_precision_and_jit_compile_run_on_cpu():
+    log = generate(PRESETS["tiny"], seed=2)
+    model, data, summary = fit(log, split(log), preset("tiny", epochs=1, mixed_precision=True,
+                                                       jit_compile=True), verbose=0)
+    assert np.isfinite(summary["history"]["loss"]).all()
+    assert tf.keras.mixed_precision.global_policy().name == "float32"
+    assert query_embeddings(model, data.examples["test"]).dtype == np.float32
+
+
+def test_random_protocol_reports_factorized_top_k():
+    log = generate(PRESETS["tiny"], seed=2)
+    model, data, _ = fit(log, split(log, "random"), preset("tiny", epochs=1), verbose=0)
+    metrics = evaluate_model(model, data, "test")
+    assert metrics["factorized_top_100_accuracy"] == metrics["recall@100"]
+    assert 0 < metrics["factorized_top_10_accuracy"] <= metrics["factorized_top_100_accuracy"]
+
+
 def test_brute_force_and_exact_scann_match_argsort(trained):
     _, _, model, data, _ = trained
     candidates = candidate_embeddings(model, data.num_items)
@@ -146,8 +163,15 @@ def test_brute_force_export_serves_the_keras_top_k(trained, tmp_path):
     ops = graph_op_types(meta)
     assert not [op for op in ops if op.startswith("Scann")]
     assert all(op_def_registry.get(op) is not None for op in ops)
+    given = run("with_history", user_id=users, history=_history_strings(data, 5))
+    assert np.array_equal(given["item_ids"], served["item_ids"])
     embedded = run("embed_items", item_ids=log.item_ids[:3])["embedding"]
     np.testing.assert_allclose(embedded, candidate_embeddings(model, data.num_items)[:3], atol=1e-5)
+
+
+def _history_strings(data, users: int) -> np.ndarray:
+    """[users, L] item id strings of the first users' latest histories, '' for padding."""
+    return data.items.decode(data.latest[:users]).astype(object)
 
 
 def test_scann_export_loads_and_answers(trained, tmp_path):
