@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from retrieval.data import RetrievalData
+from features.inputs import ModelInputs
 from retrieval.index import ScannParams, build_index
 from retrieval.model import TwoTower
 from retrieval.train import candidate_embeddings
@@ -25,7 +25,7 @@ from serving.layout import write_version
 class RetrievalModule(tf.Module):
     """The servable: lookups, the query tower and a top-k index."""
 
-    def __init__(self, model: TwoTower, data: RetrievalData, k: int,
+    def __init__(self, model: TwoTower, data: ModelInputs, k: int,
                  scann: ScannParams | None = None):
         super().__init__()
         interactions = data.interactions
@@ -97,7 +97,7 @@ def _lookup_table(ids: np.ndarray) -> tf.lookup.StaticHashTable:
         default_value=-1)
 
 
-def export(model: TwoTower, data: RetrievalData, base_path: str, k: int | None = None,
+def export(model: TwoTower, data: ModelInputs, base_path: str, k: int | None = None,
            scann: ScannParams | None = None, version: int | None = None) -> str:
     """Writes a new version of the retrieval SavedModel under `base_path`; returns its folder.
 

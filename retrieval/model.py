@@ -8,16 +8,8 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
+from features.layers import ItemFeatures
 from retrieval.config import RetrievalConfig
-
-YEAR_BUCKETS = 32          # 0 unknown, then five-year buckets from 1900
-
-
-def year_bucket(year: tf.Tensor) -> tf.Tensor:
-    """[...] int32 year -> [...] int32 bucket in [0, YEAR_BUCKETS)."""
-    bucket = tf.clip_by_value((year - 1900) // 5 + 1, 1, YEAR_BUCKETS - 1)
-    return tf.where(year > 0, bucket, 0)
-
 
 def right_align(history: tf.Tensor) -> tf.Tensor:
     """Moves the padding (0) of left-padded rows to the right, so a masked GRU can use cuDNN.
@@ -86,13 +78,9 @@ class TwoTower(tfrs.Model):
         super().__init__()
         self.config = config
         dim = config.embedding_dim
-        self.item_index = tf.constant(item_index, tf.int64)                  # [num_items]
-        self.item_genres = tf.constant(item_genres, tf.float32)              # [num_items, g]
-        self.item_year = tf.constant(item_year, tf.int32)                    # [num_items]
         self.item_probability = tf.constant(np.maximum(item_probability, 1e-9), tf.float32)
-        self.item_embedding = tf.keras.layers.Embedding(item_vocab_size, dim)
-        self.year_embedding = tf.keras.layers.Embedding(YEAR_BUCKETS, 8)
-        self.genre_projection = tf.keras.layers.Dense(16)
+        self.item_features = ItemFeatures(item_index, item_vocab_size, item_genres, item_year,
+                                          dim, use_features=config.use_item_features)
         self.user_embedding = tf.keras.layers.Embedding(num_users, dim) if config.use_user_id else None
         self.user_feature_embeddings = {
             name: tf.keras.layers.Embedding(size, 8, name=f"user_{name}_embedding")
@@ -126,17 +114,13 @@ class TwoTower(tfrs.Model):
             history = features["history"]
             if self.config.history_encoder == "gru":
                 history = right_align(history)
-            parts.append(self.history_encoder(self.item_embedding(history), history))
+            embeddings = self.item_features.id_embedding(history)            # [b, L, d]
+            parts.append(self.history_encoder(embeddings, history))
         return self._finish(self.query_head(tf.concat(parts, axis=-1)))
 
     def candidate(self, items: tf.Tensor) -> tf.Tensor:
         """[b] int64 catalogue codes -> [b, d] float32."""
-        parts = [self.item_embedding(tf.gather(self.item_index, items))]
-        if self.config.use_item_features:
-            parts.append(self.year_embedding(year_bucket(tf.gather(self.item_year, items))))
-            if self.item_genres.shape[1]:
-                parts.append(self.genre_projection(tf.gather(self.item_genres, items)))
-        return self._finish(self.candidate_head(tf.concat(parts, axis=-1)))
+        return self._finish(self.candidate_head(self.item_features(items)))
 
     def compute_loss(self, features: dict[str, tf.Tensor], training: bool = False) -> tf.Tensor:
         items = features["item"]

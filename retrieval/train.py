@@ -13,7 +13,7 @@ from features import Interactions, Split
 from features.evaluation import KS, EvalSet, eval_set, evaluate
 from features.pipeline import batches, steps_per_epoch
 from retrieval.config import RetrievalConfig
-from retrieval.data import RetrievalData, prepare
+from features.inputs import ModelInputs, prepare
 from retrieval.model import TwoTower, float32_policy
 
 
@@ -39,7 +39,7 @@ def mixed_precision(enabled: bool):
         yield
 
 
-def build_model(config: RetrievalConfig, data: RetrievalData) -> TwoTower:
+def build_model(config: RetrievalConfig, data: ModelInputs) -> TwoTower:
     model = TwoTower(config, num_users=data.users.size, item_index=data.item_index,
                      item_vocab_size=data.items.size, item_genres=data.item_genres,
                      item_year=data.item_year,
@@ -70,7 +70,7 @@ def query_embeddings(model: TwoTower, examples: dict[str, np.ndarray],
     return np.concatenate([model.query(b).numpy() for b in batches(examples, batch_size)])
 
 
-def evaluate_model(model: TwoTower, data: RetrievalData, part: str = "test", ks=KS,
+def evaluate_model(model: TwoTower, data: ModelInputs, part: str = "test", ks=KS,
                    evalset: EvalSet | None = None) -> dict[str, float]:
     """Recall@K and NDCG@K over the full catalogue, excluding each user's earlier items
     (temporal protocol); for the random split, TFRS's factorized top-K accuracy instead."""
@@ -87,7 +87,7 @@ def evaluate_model(model: TwoTower, data: RetrievalData, part: str = "test", ks=
 class ValidationRecall(tf.keras.callbacks.Callback):
     """Logs `val_recall@10` (full catalogue) after every epoch, for early stopping."""
 
-    def __init__(self, data: RetrievalData):
+    def __init__(self, data: ModelInputs):
         super().__init__()
         self.data = data
         self.evalset = eval_set(data.interactions, data.split, "validation")

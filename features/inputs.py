@@ -1,4 +1,4 @@
-"""The arrays the two-tower model trains and is evaluated on, built once from the log.
+"""The arrays both stages train and are evaluated on, built once from the log.
 
 Items are addressed by catalogue code (`Interactions.item`, 0..num_items-1) everywhere; the model
 maps a code to its vocabulary index (items seen in training; others share the OOV row) and its
@@ -10,13 +10,15 @@ import dataclasses
 
 import numpy as np
 
-from features import Interactions, Split, Vocabulary, build_history
-from features.history import latest_history
+from features.history import build_history, latest_history
+from features.interactions import Interactions
+from features.splits import Split
+from features.vocab import Vocabulary
 from features.vocab import PAD
 
 
 @dataclasses.dataclass
-class RetrievalData:
+class ModelInputs:
     """Vocabularies, feature tables and per-split example arrays.
 
     Attributes:
@@ -47,7 +49,7 @@ class RetrievalData:
         return self.interactions.num_items
 
 
-def prepare(interactions: Interactions, split: Split, history_length: int) -> RetrievalData:
+def prepare(interactions: Interactions, split: Split, history_length: int) -> ModelInputs:
     """Builds vocabularies from the training rows and the example arrays of every part."""
     users = Vocabulary.from_codes(interactions.user_ids, interactions.user[split.train], "users")
     items = Vocabulary.from_codes(interactions.item_ids, interactions.item[split.train], "items")
@@ -74,7 +76,7 @@ def prepare(interactions: Interactions, split: Split, history_length: int) -> Re
     if genres is None:
         genres = np.zeros((interactions.num_items, 0), dtype=np.float32)
     year = interactions.item_features.get("year", np.zeros(interactions.num_items, dtype=np.int32))
-    return RetrievalData(
+    return ModelInputs(
         interactions=interactions, split=split, users=users, items=items, item_index=item_index,
         item_genres=np.asarray(genres, dtype=np.float32), item_year=np.asarray(year, np.int32),
         user_feature_vocabs=feature_vocabs, user_feature_index=feature_index, examples=examples,
