@@ -1,12 +1,36 @@
 """Keras building blocks over the features both stages share."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+
+
+@contextlib.contextmanager
+def float32_policy():
+    """Builds the layers created inside it in float32 whatever the global Keras policy."""
+    previous = tf.keras.mixed_precision.global_policy()
+    tf.keras.mixed_precision.set_global_policy("float32")
+    try:
+        yield
+    finally:
+        tf.keras.mixed_precision.set_global_policy(previous)
+
+
+@contextlib.contextmanager
+def mixed_precision(enabled: bool):
+    """Layers built inside compute in float16 (weights stay float32) when enabled."""
+    if not enabled:
+        yield
+        return
+    with float32_policy():
+        tf.keras.mixed_precision.set_global_policy("mixed_float16")
+        yield
+
 
 YEAR_BUCKETS = 32          # 0 unknown, then five-year buckets from 1900
 
@@ -43,3 +67,40 @@ class ItemFeatures(tf.keras.layers.Layer):
                 parts.append(tf.cast(self.genre_projection(tf.gather(self.item_genres, codes)),
                                      parts[0].dtype))
         return tf.concat(parts, axis=-1)
+
+
+def id_lookup(ids: np.ndarray) -> tf.lookup.StaticHashTable:
+    """A table from string id to its int64 position in `ids` ([d] str), -1 when absent."""
+    return tf.lookup.StaticHashTable(
+        tf.lookup.KeyValueTensorInitializer(tf.constant(ids), tf.range(len(ids), dtype=tf.int64)),
+        default_value=-1)
+
+
+class UserInputs(tf.Module):
+    """String user ids -> the model inputs of those users, their latest history baked in.
+
+    Call: user_id [b] string (and optionally history [b, L] vocabulary indexes to use instead
+    of the baked-in one) -> ({"user": [b], "history": [b, L], "user_NAME": [b]}, known [b] bool).
+    Unknown users get the out-of-vocabulary index and an empty history.
+    """
+
+    def __init__(self, inputs):
+        super().__init__()
+        interactions = inputs.interactions
+        self.user_codes = id_lookup(interactions.user_ids)
+        self.user_index = tf.constant(inputs.users.remap(interactions.user_ids))       # [U]
+        self.latest = tf.constant(inputs.latest)                                       # [U, L]
+        self.features = {name: tf.constant(index) for name, index in inputs.user_feature_index.items()}
+
+    def __call__(self, user_id: tf.Tensor, history: tf.Tensor | None = None):
+        codes = self.user_codes.lookup(user_id)                                        # [b]
+        known = codes >= 0
+        codes = tf.maximum(codes, 0)
+        oov = tf.constant(1, tf.int64)
+        if history is None:
+            history = tf.gather(self.latest, codes) * tf.cast(known, tf.int64)[:, None]
+        features = {"user": tf.where(known, tf.gather(self.user_index, codes), oov),
+                    "history": history}
+        for name, table in self.features.items():
+            features[f"user_{name}"] = tf.where(known, tf.gather(table, codes), oov)
+        return features, known

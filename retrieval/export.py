@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from features.inputs import ModelInputs
+from features.layers import UserInputs, id_lookup
 from retrieval.index import ScannParams, build_index
 from retrieval.model import TwoTower
 from retrieval.train import candidate_embeddings
@@ -31,30 +32,14 @@ class RetrievalModule(tf.Module):
         interactions = data.interactions
         self.model = model
         self.k = k
-        self.user_codes = _lookup_table(interactions.user_ids)            # user id -> code
-        self.item_codes = _lookup_table(interactions.item_ids)            # item id -> code
+        self.users = UserInputs(data)
+        self.item_codes = id_lookup(interactions.item_ids)            # item id -> code
         self.item_ids = tf.constant(interactions.item_ids)                 # [num_items]
-        self.user_index = tf.constant(data.users.remap(interactions.user_ids))          # [U]
-        self.latest = tf.constant(data.latest)                                          # [U, L]
-        self.user_features = {name: tf.constant(index)
-                              for name, index in data.user_feature_index.items()}
         self.item_index = tf.constant(data.item_index)                                  # [I]
         popular = np.argsort(-data.item_probability, kind="stable")[:k]
         self.popular_codes = tf.constant(popular, tf.int64)                             # [k]
         self.popular_scores = tf.constant(np.sort(data.item_probability)[::-1][:k])
         self.index = build_index(candidate_embeddings(model, interactions.num_items), k, scann)
-
-    def _features(self, user_id: tf.Tensor, history_index: tf.Tensor | None = None):
-        """Query-tower inputs of string user ids; unknown users get code 0 and known=False."""
-        codes = self.user_codes.lookup(user_id)                                         # [b]
-        known = codes >= 0
-        codes = tf.maximum(codes, 0)
-        features = {"user": tf.where(known, tf.gather(self.user_index, codes), 1),     # 1: OOV
-                    "history": (tf.gather(self.latest, codes) * tf.cast(known, tf.int64)[:, None]
-                                if history_index is None else history_index)}
-        for name, table in self.user_features.items():
-            features[f"user_{name}"] = tf.where(known, tf.gather(table, codes), 1)
-        return features, known
 
     def _top_k(self, features, known):
         scores, codes = self.index(self.model.query(features))                          # [b, k]
@@ -67,7 +52,7 @@ class RetrievalModule(tf.Module):
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="user_id")])
     def serve(self, user_id):
-        return self._top_k(*self._features(user_id))
+        return self._top_k(*self.users(user_id))
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="user_id"),
                                   tf.TensorSpec([None, None], tf.string, name="history")])
@@ -75,26 +60,19 @@ class RetrievalModule(tf.Module):
         codes = self.item_codes.lookup(history)                                          # [b, L]
         index = tf.where(codes >= 0, tf.gather(self.item_index, tf.maximum(codes, 0)),
                          tf.where(history == "", tf.constant(0, tf.int64), 1))
-        features, _ = self._features(user_id, index)
+        features, _ = self.users(user_id, index)
         known = tf.ones_like(user_id, tf.bool)       # history given: the towers can answer
         return self._top_k(features, known)
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="user_id")])
     def embed_user(self, user_id):
-        features, _ = self._features(user_id)
+        features, _ = self.users(user_id)
         return {"embedding": self.model.query(features)}
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="item_ids")])
     def embed_items(self, item_ids):
         codes = self.item_codes.lookup(item_ids)
         return {"embedding": self.model.candidate(tf.maximum(codes, 0))}
-
-
-def _lookup_table(ids: np.ndarray) -> tf.lookup.StaticHashTable:
-    """String id -> int64 position, -1 when absent."""
-    return tf.lookup.StaticHashTable(
-        tf.lookup.KeyValueTensorInitializer(tf.constant(ids), tf.range(len(ids), dtype=tf.int64)),
-        default_value=-1)
 
 
 def export(model: TwoTower, data: ModelInputs, base_path: str, k: int | None = None,

@@ -2,13 +2,11 @@
 candidate tower over the item and its features, trained with TFRS's in-batch softmax."""
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
-from features.layers import ItemFeatures
+from features.layers import ItemFeatures, float32_policy
 from retrieval.config import RetrievalConfig
 
 def right_align(history: tf.Tensor) -> tf.Tensor:
@@ -24,17 +22,6 @@ def right_align(history: tf.Tensor) -> tf.Tensor:
     pads = tf.reduce_sum(tf.cast(history == 0, tf.int32), axis=1, keepdims=True)   # [batch, 1]
     positions = (tf.range(length)[None, :] + pads) % length                       # [batch, L]
     return tf.gather(history, positions, batch_dims=1)
-
-
-@contextlib.contextmanager
-def float32_policy():
-    """Builds the layers created inside it in float32 whatever the global Keras policy."""
-    previous = tf.keras.mixed_precision.global_policy()
-    tf.keras.mixed_precision.set_global_policy("float32")
-    try:
-        yield
-    finally:
-        tf.keras.mixed_precision.set_global_policy(previous)
 
 
 class HistoryEncoder(tf.keras.layers.Layer):

@@ -1,7 +1,6 @@
 """Training and full-catalogue evaluation of the two-tower model."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
@@ -14,7 +13,8 @@ from features.evaluation import KS, EvalSet, eval_set, evaluate
 from features.pipeline import batches, steps_per_epoch
 from retrieval.config import RetrievalConfig
 from features.inputs import ModelInputs, prepare
-from retrieval.model import TwoTower, float32_policy
+from features.layers import mixed_precision
+from retrieval.model import TwoTower
 
 
 def make_strategy(name: str) -> tf.distribute.Strategy:
@@ -26,17 +26,6 @@ def make_strategy(name: str) -> tf.distribute.Strategy:
     if name == "default":
         return tf.distribute.get_strategy()
     raise ValueError(f"unknown strategy {name!r}; use default, mirrored or multi_worker")
-
-
-@contextlib.contextmanager
-def mixed_precision(enabled: bool):
-    """Layers built inside compute in float16 (weights stay float32) when enabled."""
-    if not enabled:
-        yield
-        return
-    with float32_policy():
-        tf.keras.mixed_precision.set_global_policy("mixed_float16")
-        yield
 
 
 def build_model(config: RetrievalConfig, data: ModelInputs) -> TwoTower:
@@ -82,6 +71,26 @@ def evaluate_model(model: TwoTower, data: ModelInputs, part: str = "test", ks=KS
     if data.split.kind == "random":
         metrics = {f"factorized_top_{k}_accuracy": metrics[f"recall@{k}"] for k in ks} | metrics
     return metrics
+
+
+def top_candidates(model: TwoTower, data: ModelInputs, part: str, k: int,
+                   exclude_seen: bool = True, batch_size: int = 2048) -> np.ndarray:
+    """[m, k] catalogue codes of the best k items for every row of `part`, best first; for
+    `validation` and `test` with `exclude_seen`, the user's earlier items are skipped."""
+    candidates = candidate_embeddings(model, data.num_items)
+    queries = query_embeddings(model, data.examples[part])
+    seen = (eval_set(data.interactions, data.split, part).seen
+            if exclude_seen and part != "train" else None)
+    result = []
+    for start in range(0, len(queries), batch_size):
+        scores = queries[start:start + batch_size] @ candidates.T                 # [b, I]
+        if seen is not None:
+            rows, cols = seen[start:start + batch_size].nonzero()
+            scores[rows, cols] = -np.inf
+        best = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+        order = np.argsort(-np.take_along_axis(scores, best, 1), axis=1, kind="stable")
+        result.append(np.take_along_axis(best, order, 1))
+    return np.concatenate(result) if result else np.zeros((0, k), np.int64)
 
 
 class ValidationRecall(tf.keras.callbacks.Callback):

@@ -186,3 +186,24 @@ def test_scann_export_loads_and_answers(trained, tmp_path):
     users = log.user_ids[:4]
     assert np.array_equal(run("serving_default", user_id=users)["item_ids"],
                           brute_run("serving_default", user_id=users)["item_ids"])
+
+
+def test_train_retrieval_script_writes_report_and_exports(tmp_path):
+    import json
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, os.path.join(root, "scripts", "train_retrieval.py"),
+                           "--data", "synthetic:tiny", "--preset", "tiny", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.load(open(tmp_path / "retrieval_report.json"))
+    assert report["test"]["recall@10"] > report["baselines"]["popularity"]["recall@10"]
+    assert report["train"]["loss"]["logq_correction"] is True
+    assert os.path.isdir(report["exports"]["retrieval"])
+    assert (tmp_path / "retrieval_config.json").exists() and (tmp_path / "tensorboard").is_dir()
+    bad = subprocess.run([sys.executable, os.path.join(root, "scripts", "train_retrieval.py"),
+                          "--data", "synthetic:tiny", "--preset", "tiny", "--out", str(tmp_path),
+                          "--history-encoder", "gru", "--epochs", "0"],
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "epochs must be positive" in bad.stderr

@@ -1,0 +1,69 @@
+"""Configuration of the ranking stage, with named presets derived by `dataclasses.replace`."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+MODELS = ("dcn", "bst")
+TASKS = ("listwise", "binary", "regression")
+
+
+@dataclasses.dataclass(frozen=True)
+class RankingConfig:
+    """Everything that decides a ranking run."""
+
+    model: str = "dcn"                    # dcn | bst
+    task: str = "listwise"                # listwise | binary | regression
+    rating_weight: float = 0.1            # multitask rating head (0 disables; needs ratings)
+    ranking_weight: float = 1.0
+    embedding_dim: int = 32
+    history_length: int = 20
+    cross_layers: int = 2
+    cross_structure: str = "stacked"      # stacked | parallel
+    projection_dim: int | None = None     # low-rank cross layers
+    deep_layers: tuple[int, ...] = (256, 128)
+    bst_heads: int = 8
+    bst_layers: tuple[int, ...] = (1024, 512, 256)
+    num_negatives: int = 9                # per positive, in a list of 1 + num_negatives
+    hard_negative_share: float = 0.5      # of the negatives, drawn from retrieval's candidates
+    learning_rate: float = 1e-3
+    batch_size: int = 256
+    epochs: int = 5
+    early_stopping_patience: int = 2
+    mixed_precision: bool = False
+    jit_compile: bool = False
+    seed: int = 0
+
+    def validate(self, has_ratings: bool = True) -> None:
+        """Raises ValueError naming the first setting that cannot work."""
+        if self.model not in MODELS:
+            raise ValueError(f"model {self.model!r}: choose one of {MODELS}")
+        if self.task not in TASKS:
+            raise ValueError(f"task {self.task!r}: choose one of {TASKS}")
+        if self.cross_structure not in ("stacked", "parallel"):
+            raise ValueError(f"cross_structure {self.cross_structure!r}: stacked or parallel")
+        if self.task == "regression" and not has_ratings:
+            raise ValueError("task 'regression' needs ratings, and this log has none")
+        if self.model == "bst" and self.history_length <= 0:
+            raise ValueError("model 'bst' needs history_length > 0")
+        if self.num_negatives <= 0 and self.task != "regression":
+            raise ValueError(f"num_negatives must be positive for task {self.task!r}")
+        if not 0 <= self.hard_negative_share <= 1:
+            raise ValueError(f"hard_negative_share must be in [0, 1], got {self.hard_negative_share}")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+
+PRESETS = {
+    "default": RankingConfig(),
+    "tiny": RankingConfig(embedding_dim=8, history_length=5, deep_layers=(32,), bst_heads=2,
+                          bst_layers=(32,), num_negatives=4, batch_size=64, epochs=2,
+                          early_stopping_patience=0, learning_rate=5e-3),
+}
+
+
+def preset(name: str, **overrides) -> RankingConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown ranking preset {name!r}; known: {sorted(PRESETS)}")
+    return dataclasses.replace(PRESETS[name], **overrides)

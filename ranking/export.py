@@ -1,0 +1,40 @@
+"""SavedModel export of the ranking stage in TF Serving's `BASE/VERSION/` layout.
+
+Signature `serving_default`: user_id [b] string, item_ids [b, n] string -> scores [b, n]
+float32. Every user's latest history is baked in; unknown users score through the
+out-of-vocabulary rows and unknown items score below every known item, without failing. Stock TF ops only.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from features.inputs import ModelInputs
+from features.layers import UserInputs, id_lookup
+from ranking.model import RankingModel
+from serving.layout import write_version
+
+
+class RankingModule(tf.Module):
+    def __init__(self, model: RankingModel, data: ModelInputs):
+        super().__init__()
+        self.model = model
+        self.users = UserInputs(data)
+        self.item_codes = id_lookup(data.interactions.item_ids)
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="user_id"),
+                                  tf.TensorSpec([None, None], tf.string, name="item_ids")])
+    def serve(self, user_id, item_ids):
+        features, _ = self.users(user_id)
+        items = self.item_codes.lookup(item_ids)                                         # [b, n]
+        # Unknown items are scored as code 0, then placed below every known item.
+        features["items"] = tf.maximum(items, 0)
+        scores = self.model(features)
+        return {"scores": tf.where(items >= 0, scores, tf.reduce_min(scores) - 1.0)}
+
+
+def export(model: RankingModel, data: ModelInputs, base_path: str,
+           version: int | None = None) -> str:
+    """Writes a new version of the ranking SavedModel under `base_path`; returns its folder."""
+    module = RankingModule(model, data)
+    return write_version(base_path, lambda path: tf.saved_model.save(
+        module, path, signatures={"serving_default": module.serve}), version=version)

@@ -1,0 +1,135 @@
+"""Deep ranking models scoring (user, candidate list) pairs: DCN-v2 and a BST-style
+behaviour-sequence transformer, with an optional rating head (multitask)."""
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_recommenders as tfrs
+
+from features.layers import ItemFeatures
+from ranking.config import RankingConfig
+
+
+def mlp(units: tuple[int, ...]) -> tf.keras.Sequential:
+    return tf.keras.Sequential([tf.keras.layers.Dense(u, "relu") for u in units])
+
+
+class RankingModel(tfrs.Model):
+    """Scores every item of a candidate list for a user.
+
+    Inputs: {"user": [b], "user_NAME": [b], "history": [b, L] vocabulary indexes (0 pads),
+    "items": [b, n] catalogue codes, and for training "rating": [b] of the item in slot 0}.
+    Output of `call`: scores [b, n] float32 (logits).
+    """
+
+    def __init__(self, config: RankingConfig, *, num_users: int, item_index: np.ndarray,
+                 item_vocab_size: int, item_genres: np.ndarray, item_year: np.ndarray,
+                 user_feature_sizes: dict[str, int], has_ratings: bool):
+        super().__init__()
+        self.config = config
+        dim = config.embedding_dim
+        self.item_features = ItemFeatures(item_index, item_vocab_size, item_genres, item_year, dim)
+        self.user_embedding = tf.keras.layers.Embedding(num_users, dim)
+        self.user_feature_embeddings = {
+            name: tf.keras.layers.Embedding(size, 8, name=f"user_{name}_embedding")
+            for name, size in user_feature_sizes.items()}
+        if config.model == "dcn":
+            self.cross = [tfrs.layers.dcn.Cross(projection_dim=config.projection_dim,
+                                                kernel_initializer="glorot_uniform")
+                          for _ in range(config.cross_layers)]
+            self.deep = mlp(config.deep_layers)
+        else:
+            self.positions = tf.keras.layers.Embedding(config.history_length + 1, dim)
+            self.attention = tf.keras.layers.MultiHeadAttention(
+                num_heads=config.bst_heads, key_dim=max(1, dim // config.bst_heads))
+            self.feed_forward = tf.keras.Sequential([tf.keras.layers.Dense(2 * dim, "relu"),
+                                                     tf.keras.layers.Dense(dim)])
+            self.norm1 = tf.keras.layers.LayerNormalization()
+            self.norm2 = tf.keras.layers.LayerNormalization()
+            self.deep = mlp(config.bst_layers)
+        self.score_head = tf.keras.layers.Dense(1, dtype="float32")
+        self.use_rating = has_ratings and (config.rating_weight > 0 or config.task == "regression")
+        self.rating_head = (tf.keras.Sequential([tf.keras.layers.Dense(64, "relu"),
+                                                 tf.keras.layers.Dense(1, dtype="float32")])
+                            if self.use_rating else None)
+        if config.task == "listwise":
+            self.ranking_task = tfrs.tasks.Ranking(
+                loss=tf.keras.losses.CategoricalCrossentropy(from_logits=True))
+        elif config.task == "binary":
+            self.ranking_task = tfrs.tasks.Ranking(
+                loss=tf.keras.losses.BinaryCrossentropy(from_logits=True),
+                metrics=[tf.keras.metrics.AUC(from_logits=True, name="auc")])
+        else:
+            self.ranking_task = None
+        self.rating_task = (tfrs.tasks.Ranking(
+            loss=tf.keras.losses.MeanSquaredError(),
+            metrics=[tf.keras.metrics.RootMeanSquaredError(name="rmse")])
+            if self.use_rating else None)
+
+    def _user(self, features) -> tf.Tensor:
+        """[b, fu]: user id, user features and the mean of the history's item embeddings."""
+        history = features["history"]
+        embeddings = self.item_features.id_embedding(history)                    # [b, L, d]
+        weights = tf.cast(history > 0, embeddings.dtype)[..., None]              # [b, L, 1]
+        pooled = tf.reduce_sum(embeddings * weights, 1) / tf.maximum(tf.reduce_sum(weights, 1), 1.0)
+        parts = [self.user_embedding(features["user"]), pooled]
+        parts += [embedding(features[f"user_{name}"])
+                  for name, embedding in self.user_feature_embeddings.items()]
+        return tf.concat(parts, axis=-1)
+
+    def _sequence(self, history: tf.Tensor, items: tf.Tensor) -> tf.Tensor:
+        """BST block: [b, L] history and [b, n] targets -> [b * n, (L + 1) * d]."""
+        n = tf.shape(items)[1]
+        length = self.config.history_length
+        past = tf.repeat(self.item_features.id_embedding(history), n, axis=0)     # [b*n, L, d]
+        target_codes = tf.gather(self.item_features.item_index, tf.reshape(items, [-1]))
+        target = self.item_features.id_embedding(target_codes)[:, None, :]        # [b*n, 1, d]
+        x = tf.concat([past, target], axis=1)                                     # [b*n, L+1, d]
+        x = x + tf.cast(self.positions(tf.range(length + 1)), x.dtype)
+        mask = tf.concat([tf.repeat(history > 0, n, axis=0),
+                          tf.ones_like(target_codes[:, None], tf.bool)], axis=1)  # [b*n, L+1]
+        x = self.norm1(x + self.attention(x, x, attention_mask=mask[:, None, :]))
+        x = self.norm2(x + self.feed_forward(x))
+        return tf.reshape(x, [-1, (length + 1) * x.shape[-1]])
+
+    def representation(self, features) -> tf.Tensor:
+        """[b, n, h] representation of every (user, candidate) pair."""
+        items = features["items"]                                                 # [b, n]
+        b, n = tf.shape(items)[0], tf.shape(items)[1]
+        user = self._user(features)                                               # [b, fu]
+        item = self.item_features(items)                                          # [b, n, fi]
+        pairs = tf.concat([tf.repeat(user, n, axis=0),
+                           tf.reshape(item, [b * n, item.shape[-1]])], axis=-1)  # [b*n, F]
+        if self.config.model == "dcn":
+            if self.config.cross_structure == "stacked":
+                x = pairs
+                for cross in self.cross:
+                    x = cross(pairs, x)
+            else:
+                x = tf.concat([cross(pairs) for cross in self.cross], axis=-1)
+        else:
+            x = tf.concat([pairs, self._sequence(features["history"], items)], axis=-1)
+        hidden = self.deep(x)                                                     # [b*n, h]
+        return tf.reshape(hidden, [b, n, hidden.shape[-1]])
+
+    def call(self, features) -> tf.Tensor:
+        return tf.squeeze(self.score_head(self.representation(features)), -1)    # [b, n]
+
+    def predict_rating(self, features) -> tf.Tensor:
+        """[b] predicted rating of the item in slot 0."""
+        return tf.squeeze(self.rating_head(self.representation(features)[:, 0]), -1)
+
+    def compute_loss(self, features, training: bool = False) -> tf.Tensor:
+        hidden = self.representation(features)                                    # [b, n, h]
+        loss = tf.constant(0.0)
+        if self.ranking_task is not None:
+            scores = tf.squeeze(self.score_head(hidden), -1)                      # [b, n]
+            labels = tf.one_hot(tf.zeros_like(scores[:, 0], tf.int32), tf.shape(scores)[1])
+            if self.config.task == "binary":
+                labels, scores = tf.reshape(labels, [-1, 1]), tf.reshape(scores, [-1, 1])
+            loss += self.config.ranking_weight * self.ranking_task(labels=labels, predictions=scores)
+        if self.rating_task is not None:
+            rating = tf.squeeze(self.rating_head(hidden[:, 0]), -1)
+            weight = 1.0 if self.config.task == "regression" else self.config.rating_weight
+            loss += weight * self.rating_task(labels=features["rating"], predictions=rating)
+        return loss

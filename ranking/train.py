@@ -1,0 +1,165 @@
+"""Candidate lists, training, and evaluation of the ranking stage (alone and over retrieval)."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from features.evaluation import rank_metrics
+from features.inputs import ModelInputs
+from features.layers import mixed_precision
+from features.pipeline import batches, steps_per_epoch
+from ranking.config import RankingConfig
+from ranking.model import RankingModel
+
+
+def candidate_lists(data: ModelInputs, part: str, num_negatives: int, hard_share: float,
+                    hard: np.ndarray | None = None, seed: int = 0) -> np.ndarray:
+    """[m, 1 + num_negatives] catalogue codes: the positive in slot 0, then negatives.
+
+    Args:
+        data: model inputs. part: train, validation or test.
+        hard: [m, H] retrieval candidates per row (hard negatives), or None for random only.
+        hard_share: share of the negatives taken from `hard` (never the positive).
+    """
+    rng = np.random.default_rng(seed)
+    positives = data.examples[part]["item"]                                   # [m]
+    m = len(positives)
+    num_hard = 0 if hard is None else min(int(round(hard_share * num_negatives)), hard.shape[1])
+    negatives = []
+    if num_hard:
+        keys = rng.random(hard.shape)
+        keys[hard == positives[:, None]] = np.inf                             # the positive last
+        picked = np.take_along_axis(hard, np.argsort(keys, axis=1)[:, :num_hard], axis=1)
+        negatives.append(picked)
+    trained = np.flatnonzero(data.item_probability > 0)
+    random = trained[rng.integers(0, len(trained), (m, num_negatives - num_hard))]
+    random = np.where(random == positives[:, None], trained[(np.searchsorted(trained, random) + 1)
+                                                           % len(trained)], random)
+    negatives.append(random)
+    return np.concatenate([positives[:, None]] + negatives, axis=1).astype(np.int64)
+
+
+def _examples(data: ModelInputs, part: str, items: np.ndarray) -> dict[str, np.ndarray]:
+    examples = {k: v for k, v in data.examples[part].items() if k != "item"}
+    examples["items"] = items
+    rating = data.interactions.rating
+    rows = getattr(data.split, part)
+    examples["rating"] = (np.zeros(len(rows), np.float32) if rating is None else rating[rows])
+    return examples
+
+
+def build_model(config: RankingConfig, data: ModelInputs) -> RankingModel:
+    model = RankingModel(config, num_users=data.users.size, item_index=data.item_index,
+                         item_vocab_size=data.items.size, item_genres=data.item_genres,
+                         item_year=data.item_year,
+                         user_feature_sizes={n: v.size for n, v in data.user_feature_vocabs.items()},
+                         has_ratings=data.interactions.rating is not None)
+    model.compile(optimizer=tf.keras.optimizers.Adam(config.learning_rate),
+                  jit_compile=config.jit_compile)
+    return model
+
+
+def fit(data: ModelInputs, config: RankingConfig, hard: dict[str, np.ndarray] | None = None,
+        run_dir: str | None = None, verbose: int = 1):
+    """Trains a ranking model on lists of one positive and its negatives.
+
+    Args:
+        data: model inputs (`features.inputs.prepare`) with the same history length.
+        config: checked before anything trains.
+        hard: part -> [m, H] retrieval candidates per row, the source of hard negatives.
+
+    Returns:
+        (model, summary) with per-epoch logs, seconds and examples per second.
+    """
+    config.validate(has_ratings=data.interactions.rating is not None)
+    if data.latest.shape[1] != max(config.history_length, 1):
+        raise ValueError(f"history_length {config.history_length} does not match the inputs "
+                         f"({data.latest.shape[1]})")
+    tf.keras.utils.set_random_seed(config.seed)
+    hard = hard or {}
+    negatives = 0 if config.task == "regression" else config.num_negatives
+    lists = {part: candidate_lists(data, part, negatives, config.hard_negative_share,
+                                   hard.get(part), seed=config.seed + i)
+             for i, part in enumerate(("train", "validation"))}
+    with mixed_precision(config.mixed_precision):
+        model = build_model(config, data)
+    train = _examples(data, "train", lists["train"])
+    steps = steps_per_epoch(len(lists["train"]), config.batch_size)
+    dataset = batches(train, config.batch_size, shuffle=True, seed=config.seed, epochs=None)
+    callbacks, validation = [], None
+    if len(data.split.validation):
+        validation = batches(_examples(data, "validation", lists["validation"]), 4096)
+        if config.early_stopping_patience:
+            callbacks.append(tf.keras.callbacks.EarlyStopping(
+                "val_total_loss", patience=config.early_stopping_patience,
+                restore_best_weights=True))
+    if run_dir:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "ranking_config.json"), "w") as f:
+            f.write(config.to_json())
+        callbacks += [tf.keras.callbacks.TensorBoard(os.path.join(run_dir, "tensorboard", "ranking")),
+                      tf.keras.callbacks.BackupAndRestore(os.path.join(run_dir, "checkpoints", "ranking"))]
+    start = time.perf_counter()
+    history = model.fit(dataset, epochs=config.epochs, steps_per_epoch=steps,
+                        validation_data=validation, callbacks=callbacks, verbose=verbose)
+    seconds = time.perf_counter() - start
+    epochs = len(history.history["loss"])
+    summary = {"seconds": seconds, "epochs": epochs,
+               "examples_per_second": epochs * len(lists["train"]) / max(seconds, 1e-9),
+               "history": {k: [float(v) for v in vs] for k, vs in history.history.items()}}
+    if run_dir:
+        with open(os.path.join(run_dir, "ranking_train.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+    return model, summary
+
+
+def score_lists(model: RankingModel, data: ModelInputs, part: str, items: np.ndarray,
+                batch_size: int = 1024) -> np.ndarray:
+    """[m, n] scores of candidate lists [m, n] for the rows of `part`."""
+    examples = _examples(data, part, items)
+    return np.concatenate([model(b).numpy() for b in batches(examples, batch_size)])
+
+
+def evaluate(model: RankingModel, data: ModelInputs, part: str = "test",
+             hard: np.ndarray | None = None) -> dict[str, float | None]:
+    """RMSE of the rating head (None without ratings) and AUC: the share of (positive,
+    negative) pairs of each list that the model orders correctly, ties counting half."""
+    config = model.config
+    result = {"rmse": None, "auc": None}
+    if len(getattr(data.split, part)) == 0:
+        return result
+    lists = candidate_lists(data, part, max(config.num_negatives, 1), config.hard_negative_share,
+                            hard, seed=config.seed + 7)
+    if config.task != "regression":
+        scores = score_lists(model, data, part, lists)
+        positive, negative = scores[:, :1], scores[:, 1:]
+        result["auc"] = float(((positive > negative) + 0.5 * (positive == negative)).mean())
+    if model.use_rating:
+        examples = _examples(data, part, lists[:, :1])
+        predicted = np.concatenate([model.predict_rating(b).numpy()
+                                    for b in batches(examples, 4096)])
+        result["rmse"] = float(np.sqrt(np.mean((predicted - examples["rating"]) ** 2)))
+    return result
+
+
+def rerank(model: RankingModel, data: ModelInputs, part: str, candidates: np.ndarray,
+           top_n: int = 10) -> np.ndarray:
+    """[m, top_n] the best `top_n` of each row's retrieval candidates [m, K] by ranking score."""
+    scores = score_lists(model, data, part, candidates)
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :top_n]
+    return np.take_along_axis(candidates, order, axis=1)
+
+
+def two_stage_metrics(model: RankingModel, data: ModelInputs, part: str,
+                      candidates: np.ndarray, ks=(10,)) -> dict[str, float]:
+    """Recall@K and NDCG@K of the re-ranked candidate lists; a target missing from the
+    candidates is a miss."""
+    ranked = rerank(model, data, part, candidates, top_n=candidates.shape[1])
+    targets = data.examples[part]["item"]
+    found = ranked == targets[:, None]
+    ranks = np.where(found.any(1), found.argmax(1), candidates.shape[1] + max(ks))
+    return rank_metrics(ranks, ks)

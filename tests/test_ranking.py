@@ -1,0 +1,93 @@
+"""The ranking stage: candidate lists, both models, the tasks, two-stage metrics, export."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from features import generate, split
+from features.inputs import prepare
+from features.synthetic import PRESETS
+from ranking.config import preset
+from ranking.train import candidate_lists, evaluate, fit, rerank, score_lists, two_stage_metrics
+from test_retrieval import graph_op_types, load_like_tf_serving
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    log = generate(PRESETS["tiny"], seed=0)
+    return prepare(log, split(log, "temporal"), history_length=5)
+
+
+def test_candidate_lists_put_the_positive_first_and_never_repeat_it(inputs):
+    rng = np.random.default_rng(0)
+    hard = rng.integers(0, inputs.num_items, (len(inputs.examples["train"]["item"]), 20))
+    lists = candidate_lists(inputs, "train", 6, 0.5, hard, seed=1)
+    positives = inputs.examples["train"]["item"]
+    assert lists.shape == (len(positives), 7) and np.array_equal(lists[:, 0], positives)
+    assert not (lists[:, 1:] == positives[:, None]).any()
+    assert all(set(row[1:4]) <= set(h) for row, h in zip(lists[:50], hard[:50]))   # 3 hard ones
+
+
+@pytest.mark.parametrize("overrides", [
+    {"model": "dcn"}, {"model": "dcn", "cross_structure": "parallel", "projection_dim": 4},
+    {"model": "bst"}, {"model": "dcn", "task": "binary", "rating_weight": 0.0},
+    {"model": "dcn", "task": "regression"}, {"model": "dcn", "mixed_precision": True, "jit_compile": True},
+])
+def test_models_and_tasks_train(inputs, overrides):
+    model, summary = fit(inputs, preset("tiny", epochs=1, **overrides), verbose=0)
+    assert np.isfinite(summary["history"]["loss"]).all()
+    metrics = evaluate(model, inputs, "test")
+    if overrides.get("task") == "regression":
+        assert metrics["auc"] is None and 0 < metrics["rmse"] < 3
+    else:
+        assert 0 <= metrics["auc"] <= 1
+    assert tf.keras.mixed_precision.global_policy().name == "float32"
+
+
+def test_ranking_learns_and_reranks(inputs):
+    model, summary = fit(inputs, preset("tiny", epochs=4), verbose=0)
+    metrics = evaluate(model, inputs, "test")
+    assert metrics["auc"] > 0.7 and metrics["rmse"] < 1.5
+    rng = np.random.default_rng(0)
+    targets = inputs.examples["test"]["item"]
+    candidates = np.stack([np.concatenate([[t], rng.choice(np.delete(np.arange(inputs.num_items), t),
+                                                           19, replace=False)]) for t in targets])
+    ranked = rerank(model, inputs, "test", candidates, top_n=5)
+    scores = score_lists(model, inputs, "test", candidates)
+    expected = np.take_along_axis(candidates, np.argsort(-scores, 1, kind="stable")[:, :5], 1)
+    assert np.array_equal(ranked, expected)
+    two_stage = two_stage_metrics(model, inputs, "test", candidates, ks=(10,))
+    assert two_stage["recall@10"] > 0.5          # random order would give 0.5
+    missing = candidates.copy()
+    missing[:, 0] = missing[:, 1]
+    assert two_stage_metrics(model, inputs, "test", missing)["recall@10"] == 0.0
+
+
+def test_settings_that_cannot_work(inputs):
+    with pytest.raises(ValueError, match="model 'gbdt'"):
+        fit(inputs, preset("tiny", model="gbdt"), verbose=0)
+    with pytest.raises(ValueError, match="does not match"):
+        fit(inputs, preset("tiny", history_length=7), verbose=0)
+
+
+def test_export_serves_the_keras_scores(inputs, tmp_path):
+    from ranking.export import export
+    from tensorflow.python.framework import op_def_registry
+    model, _ = fit(inputs, preset("tiny", epochs=1), verbose=0)
+    log = inputs.interactions
+    path = export(model, inputs, str(tmp_path / "ranking"))
+    run, meta = load_like_tf_serving(path)
+    users = log.user_ids[:3]
+    items = np.stack([log.item_ids[:4], log.item_ids[4:8], log.item_ids[8:12]])
+    served = run("serving_default", user_id=users, item_ids=items)["scores"]
+    features = {"user": inputs.users.remap(log.user_ids)[:3], "history": inputs.latest[:3],
+                "items": np.arange(12).reshape(3, 4)}
+    for name, index in inputs.user_feature_index.items():
+        features[f"user_{name}"] = index[:3]
+    expected = model({k: tf.constant(v) for k, v in features.items()}).numpy()
+    np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-5)
+    unknown = run("serving_default", user_id=np.array(["nobody"]),
+                  item_ids=np.array([[log.item_ids[0], "no-such-item"]]))["scores"]
+    assert unknown.shape == (1, 2) and unknown[0, 1] < unknown[0, 0]
+    ops = graph_op_types(meta)
+    assert all(op_def_registry.get(op) is not None for op in ops)
+    assert not [op for op in ops if op.startswith("Scann")]
