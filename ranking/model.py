@@ -67,12 +67,13 @@ class RankingModel(tfrs.Model):
             if self.use_rating else None)
 
     def _user(self, features) -> tf.Tensor:
-        """[b, fu]: user id, user features and the mean of the history's item embeddings."""
+        """[b, fu]: user id, user features, the mean of the history's item embeddings and the
+        latest item's embedding (sessions: the next item depends most on the last one)."""
         history = features["history"]
         embeddings = self.item_features.id_embedding(history)                    # [b, L, d]
         weights = tf.cast(history > 0, embeddings.dtype)[..., None]              # [b, L, 1]
         pooled = tf.reduce_sum(embeddings * weights, 1) / tf.maximum(tf.reduce_sum(weights, 1), 1.0)
-        parts = [self.user_embedding(features["user"]), pooled]
+        parts = [self.user_embedding(features["user"]), pooled, embeddings[:, -1]]
         parts += [embedding(features[f"user_{name}"])
                   for name, embedding in self.user_feature_embeddings.items()]
         return tf.concat(parts, axis=-1)
