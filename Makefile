@@ -16,7 +16,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
-	$(PY) scripts/describe_data.py --data synthetic
+	$(PY) scripts/pipeline.py --data synthetic --out runs/demo
 
 bench: $(STAMP)
 	$(PY) scripts/benchmark.py

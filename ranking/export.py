@@ -6,12 +6,15 @@ out-of-vocabulary rows and unknown items score below every known item, without f
 """
 from __future__ import annotations
 
+import os
+
+import numpy as np
 import tensorflow as tf
 
 from features.inputs import ModelInputs
 from features.layers import UserInputs, id_lookup
 from ranking.model import RankingModel
-from serving.layout import write_version
+from serving.layout import write_version, write_warmup_requests
 
 
 class RankingModule(tf.Module):
@@ -33,8 +36,17 @@ class RankingModule(tf.Module):
 
 
 def export(model: RankingModel, data: ModelInputs, base_path: str,
-           version: int | None = None) -> str:
-    """Writes a new version of the ranking SavedModel under `base_path`; returns its folder."""
+           version: int | None = None, warmup: dict[str, np.ndarray] | None = None) -> str:
+    """Writes a new version of the ranking SavedModel under `base_path`; returns its folder.
+
+    With `warmup` ({"user_id": [w], "item_ids": [w, n]} strings) the version carries TF
+    Serving warmup requests.
+    """
     module = RankingModule(model, data)
-    return write_version(base_path, lambda path: tf.saved_model.save(
-        module, path, signatures={"serving_default": module.serve}), version=version)
+
+    def write(path: str) -> None:
+        tf.saved_model.save(module, path, signatures={"serving_default": module.serve})
+        if warmup is not None:
+            write_warmup_requests(path, os.path.basename(os.path.normpath(base_path)),
+                                  {k: np.asarray(v, dtype=object) for k, v in warmup.items()})
+    return write_version(base_path, write, version=version)

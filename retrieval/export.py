@@ -12,6 +12,8 @@ Signatures (batch is dimension 0):
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import tensorflow as tf
 
@@ -20,7 +22,7 @@ from features.layers import UserInputs, id_lookup
 from retrieval.index import ScannParams, build_index
 from retrieval.model import TwoTower
 from retrieval.train import candidate_embeddings
-from serving.layout import write_version
+from serving.layout import write_version, write_warmup_requests
 
 
 class RetrievalModule(tf.Module):
@@ -76,14 +78,21 @@ class RetrievalModule(tf.Module):
 
 
 def export(model: TwoTower, data: ModelInputs, base_path: str, k: int | None = None,
-           scann: ScannParams | None = None, version: int | None = None) -> str:
+           scann: ScannParams | None = None, version: int | None = None,
+           warmup_users: np.ndarray | None = None) -> str:
     """Writes a new version of the retrieval SavedModel under `base_path`; returns its folder.
 
-    With `scann` the index is ScaNN and the model needs ScaNN's ops to serve.
+    With `scann` the index is ScaNN and the model needs ScaNN's ops to serve. With
+    `warmup_users` ([w] str) the version carries TF Serving warmup requests for them.
     """
     module = RetrievalModule(model, data, k or model.config.k, scann)
     signatures = {"serving_default": module.serve, "with_history": module.with_history,
                   "embed_user": module.embed_user, "embed_items": module.embed_items}
     options = tf.saved_model.SaveOptions(namespace_whitelist=["Scann"] if scann else None)
-    return write_version(base_path, lambda path: tf.saved_model.save(
-        module, path, signatures=signatures, options=options), version=version)
+
+    def write(path: str) -> None:
+        tf.saved_model.save(module, path, signatures=signatures, options=options)
+        if warmup_users is not None:
+            write_warmup_requests(path, os.path.basename(os.path.normpath(base_path)),
+                                  {"user_id": np.asarray(warmup_users, dtype=object)})
+    return write_version(base_path, write, version=version)

@@ -29,6 +29,8 @@ def build_index(candidates: np.ndarray, k: int, scann: ScannParams | None = None
 
     Returns:
         A `tfrs.layers.factorized_top_k` layer: queries [b, d] -> (scores [b, k], codes [b, k]).
+        ScaNN searches leaves holding about 2k items and reorders at least k candidates, so it
+        has k answers to give.
     """
     if k > len(candidates):
         raise ValueError(f"k={k} is larger than the catalogue ({len(candidates)} items)")
@@ -36,10 +38,12 @@ def build_index(candidates: np.ndarray, k: int, scann: ScannParams | None = None
     if scann is None:
         layer = tfrs.layers.factorized_top_k.BruteForce(k=k)
     else:
+        # The searched leaves must hold k items for ScaNN to return k: about 2k to be safe.
+        enough_leaves = -(-2 * k * scann.num_leaves // len(candidates))
         layer = tfrs.layers.factorized_top_k.ScaNN(
             k=k, distance_measure="dot_product", num_leaves=scann.num_leaves,
-            num_leaves_to_search=scann.num_leaves_to_search,
-            num_reordering_candidates=scann.num_reordering_candidates,
+            num_leaves_to_search=min(scann.num_leaves, max(scann.num_leaves_to_search, enough_leaves)),
+            num_reordering_candidates=max(scann.num_reordering_candidates, k),
             dimensions_per_block=scann.dimensions_per_block, training_iterations=10)
     layer.index(tf.constant(candidates, tf.float32), codes)
     return layer
