@@ -177,7 +177,7 @@ def serve_and_check(args, inputs, retrieval_model, smoke) -> dict:
     server = ModelServer(manager, grpc_port=0, rest_port=0).start()
     try:
         rest = Client(url=f"http://127.0.0.1:{server.rest_port}")
-        grpc = Client(grpc=f"127.0.0.1:{server.grpc_port}")
+        grpc = Client(grpc_target=f"127.0.0.1:{server.grpc_port}")
         served = rest.predict("retrieval", {"user_id": smoke})["item_ids"]
         codes = inputs.interactions.user_ids
         rows = np.searchsorted(codes[np.argsort(codes)], smoke)
