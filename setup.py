@@ -13,6 +13,9 @@ STACK = [
     "pyarrow",
     "matplotlib",
     "tqdm",
+    "grpcio",
+    "requests",
+    "uvicorn",
 ]
 
 setup(

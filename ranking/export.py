@@ -23,11 +23,17 @@ class RankingModule(tf.Module):
         self.model = model
         self.users = UserInputs(data)
         self.item_codes = id_lookup(data.interactions.item_ids)
+        retrieval = getattr(model, "retrieval", None)
+        self.retrieval_latest = None if retrieval is None else tf.constant(retrieval.latest)  # [U, e]
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="user_id"),
                                   tf.TensorSpec([None, None], tf.string, name="item_ids")])
     def serve(self, user_id, item_ids):
-        features, _ = self.users(user_id)
+        features, known = self.users(user_id)
+        if self.retrieval_latest is not None:
+            codes = tf.maximum(self.users.user_codes.lookup(user_id), 0)
+            features["retrieval_query"] = (tf.gather(self.retrieval_latest, codes)
+                                           * tf.cast(known, tf.float32)[:, None])
         items = self.item_codes.lookup(item_ids)                                         # [b, n]
         # Unknown items are scored as code 0, then placed below every known item.
         features["items"] = tf.maximum(items, 0)

@@ -18,16 +18,26 @@ class RankingModel(tfrs.Model):
     """Scores every item of a candidate list for a user.
 
     Inputs: {"user": [b], "user_NAME": [b], "history": [b, L] vocabulary indexes (0 pads),
-    "items": [b, n] catalogue codes, and for training "rating": [b] of the item in slot 0}.
+    "items": [b, n] catalogue codes, optionally "retrieval_query": [b, e] the retrieval
+    stage's query embedding, and for training "rating": [b] of the item in slot 0}.
     Output of `call`: scores [b, n] float32 (logits).
+
+    With `retrieval_items` ([num_items, e], the retrieval stage's item embeddings) the
+    retrieval score of every pair is a feature and, through a learnt weight, part of the logit:
+    the ranker starts from retrieval's order and learns what to change.
     """
 
     def __init__(self, config: RankingConfig, *, num_users: int, item_index: np.ndarray,
                  item_vocab_size: int, item_genres: np.ndarray, item_year: np.ndarray,
-                 user_feature_sizes: dict[str, int], has_ratings: bool):
+                 user_feature_sizes: dict[str, int], has_ratings: bool,
+                 retrieval_items: np.ndarray | None = None):
         super().__init__()
         self.config = config
         dim = config.embedding_dim
+        self.retrieval_items = (None if retrieval_items is None
+                                else tf.constant(retrieval_items, tf.float32))    # [I, e]
+        self.retrieval_weight = self.add_weight(name="retrieval_weight", shape=(),
+                                                initializer="zeros")
         self.item_features = ItemFeatures(item_index, item_vocab_size, item_genres, item_year, dim)
         self.user_embedding = tf.keras.layers.Embedding(num_users, dim)
         self.user_feature_embeddings = {
@@ -93,14 +103,24 @@ class RankingModel(tfrs.Model):
         x = self.norm2(x + self.feed_forward(x))
         return tf.reshape(x, [-1, (length + 1) * x.shape[-1]])
 
+    def retrieval_scores(self, features) -> tf.Tensor | None:
+        """[b, n] retrieval dot products of the pairs, or None without the retrieval signal."""
+        if self.retrieval_items is None:
+            return None
+        items = tf.gather(self.retrieval_items, features["items"])                # [b, n, e]
+        return tf.einsum("be,bne->bn", features["retrieval_query"], items)
+
     def representation(self, features) -> tf.Tensor:
         """[b, n, h] representation of every (user, candidate) pair."""
         items = features["items"]                                                 # [b, n]
         b, n = tf.shape(items)[0], tf.shape(items)[1]
         user = self._user(features)                                               # [b, fu]
         item = self.item_features(items)                                          # [b, n, fi]
-        pairs = tf.concat([tf.repeat(user, n, axis=0),
-                           tf.reshape(item, [b * n, item.shape[-1]])], axis=-1)  # [b*n, F]
+        parts = [tf.repeat(user, n, axis=0), tf.reshape(item, [b * n, item.shape[-1]])]
+        retrieval = self.retrieval_scores(features)
+        if retrieval is not None:
+            parts.append(tf.cast(tf.reshape(retrieval, [b * n, 1]), user.dtype))
+        pairs = tf.concat(parts, axis=-1)                                         # [b*n, F]
         if self.config.model == "dcn":
             if self.config.cross_structure == "stacked":
                 x = pairs
@@ -113,8 +133,14 @@ class RankingModel(tfrs.Model):
         hidden = self.deep(x)                                                     # [b*n, h]
         return tf.reshape(hidden, [b, n, hidden.shape[-1]])
 
+    def _logits(self, features, hidden: tf.Tensor) -> tf.Tensor:
+        """[b, n] scores from the pair representations [b, n, h]."""
+        logits = tf.squeeze(self.score_head(hidden), -1)
+        retrieval = self.retrieval_scores(features)
+        return logits if retrieval is None else logits + self.retrieval_weight * retrieval
+
     def call(self, features) -> tf.Tensor:
-        return tf.squeeze(self.score_head(self.representation(features)), -1)    # [b, n]
+        return self._logits(features, self.representation(features))            # [b, n]
 
     def predict_rating(self, features) -> tf.Tensor:
         """[b] predicted rating of the item in slot 0."""
@@ -124,7 +150,7 @@ class RankingModel(tfrs.Model):
         hidden = self.representation(features)                                    # [b, n, h]
         loss = tf.constant(0.0)
         if self.ranking_task is not None:
-            scores = tf.squeeze(self.score_head(hidden), -1)                      # [b, n]
+            scores = self._logits(features, hidden)                               # [b, n]
             labels = tf.one_hot(tf.zeros_like(scores[:, 0], tf.int32), tf.shape(scores)[1])
             if self.config.task == "binary":
                 labels, scores = tf.reshape(labels, [-1, 1]), tf.reshape(scores, [-1, 1])

@@ -1,6 +1,7 @@
 """Candidate lists, training, and evaluation of the ranking stage (alone and over retrieval)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -43,34 +44,56 @@ def candidate_lists(data: ModelInputs, part: str, num_negatives: int, hard_share
     return np.concatenate([positives[:, None]] + negatives, axis=1).astype(np.int64)
 
 
-def _examples(data: ModelInputs, part: str, items: np.ndarray) -> dict[str, np.ndarray]:
+@dataclasses.dataclass(frozen=True)
+class RetrievalSignal:
+    """The retrieval stage's embeddings, handed over as arrays (ranking never imports it).
+
+    Attributes:
+        queries: part -> [m, e] query embedding of every row of that part.
+        latest: [num_users, e] every user's query embedding from their latest history.
+        items: [num_items, e] item embeddings.
+    """
+
+    queries: dict[str, np.ndarray]
+    latest: np.ndarray
+    items: np.ndarray
+
+
+def _examples(data: ModelInputs, part: str, items: np.ndarray,
+              retrieval: RetrievalSignal | None = None) -> dict[str, np.ndarray]:
     examples = {k: v for k, v in data.examples[part].items() if k != "item"}
     examples["items"] = items
+    if retrieval is not None:
+        examples["retrieval_query"] = retrieval.queries[part]
     rating = data.interactions.rating
     rows = getattr(data.split, part)
     examples["rating"] = (np.zeros(len(rows), np.float32) if rating is None else rating[rows])
     return examples
 
 
-def build_model(config: RankingConfig, data: ModelInputs) -> RankingModel:
+def build_model(config: RankingConfig, data: ModelInputs,
+                retrieval: RetrievalSignal | None = None) -> RankingModel:
     model = RankingModel(config, num_users=data.users.size, item_index=data.item_index,
                          item_vocab_size=data.items.size, item_genres=data.item_genres,
                          item_year=data.item_year,
                          user_feature_sizes={n: v.size for n, v in data.user_feature_vocabs.items()},
-                         has_ratings=data.interactions.rating is not None)
+                         has_ratings=data.interactions.rating is not None,
+                         retrieval_items=None if retrieval is None else retrieval.items)
+    model.retrieval = retrieval
     model.compile(optimizer=tf.keras.optimizers.Adam(config.learning_rate),
                   jit_compile=config.jit_compile)
     return model
 
 
 def fit(data: ModelInputs, config: RankingConfig, hard: dict[str, np.ndarray] | None = None,
-        run_dir: str | None = None, verbose: int = 1):
+        run_dir: str | None = None, verbose: int = 1, retrieval: RetrievalSignal | None = None):
     """Trains a ranking model on lists of one positive and its negatives.
 
     Args:
         data: model inputs (`features.inputs.prepare`) with the same history length.
         config: checked before anything trains.
         hard: part -> [m, H] retrieval candidates per row, the source of hard negatives.
+        retrieval: the retrieval stage's embeddings, to use its scores as a feature.
 
     Returns:
         (model, summary) with per-epoch logs, seconds and examples per second.
@@ -86,13 +109,13 @@ def fit(data: ModelInputs, config: RankingConfig, hard: dict[str, np.ndarray] | 
                                    hard.get(part), seed=config.seed + i)
              for i, part in enumerate(("train", "validation"))}
     with mixed_precision(config.mixed_precision):
-        model = build_model(config, data)
-    train = _examples(data, "train", lists["train"])
+        model = build_model(config, data, retrieval)
+    train = _examples(data, "train", lists["train"], retrieval)
     steps = steps_per_epoch(len(lists["train"]), config.batch_size)
     dataset = batches(train, config.batch_size, shuffle=True, seed=config.seed, epochs=None)
     callbacks, validation = [], None
     if len(data.split.validation):
-        validation = batches(_examples(data, "validation", lists["validation"]), 4096)
+        validation = batches(_examples(data, "validation", lists["validation"], retrieval), 4096)
         if config.early_stopping_patience:
             callbacks.append(tf.keras.callbacks.EarlyStopping(
                 "val_total_loss", patience=config.early_stopping_patience,
@@ -120,7 +143,7 @@ def fit(data: ModelInputs, config: RankingConfig, hard: dict[str, np.ndarray] | 
 def score_lists(model: RankingModel, data: ModelInputs, part: str, items: np.ndarray,
                 batch_size: int = 1024) -> np.ndarray:
     """[m, n] scores of candidate lists [m, n] for the rows of `part`."""
-    examples = _examples(data, part, items)
+    examples = _examples(data, part, items, model.retrieval)
     return np.concatenate([model(b).numpy() for b in batches(examples, batch_size)])
 
 
@@ -139,7 +162,7 @@ def evaluate(model: RankingModel, data: ModelInputs, part: str = "test",
         positive, negative = scores[:, :1], scores[:, 1:]
         result["auc"] = float(((positive > negative) + 0.5 * (positive == negative)).mean())
     if model.use_rating:
-        examples = _examples(data, part, lists[:, :1])
+        examples = _examples(data, part, lists[:, :1], model.retrieval)
         predicted = np.concatenate([model.predict_rating(b).numpy()
                                     for b in batches(examples, 4096)])
         result["rmse"] = float(np.sqrt(np.mean((predicted - examples["rating"]) ** 2)))

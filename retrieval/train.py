@@ -59,6 +59,23 @@ def query_embeddings(model: TwoTower, examples: dict[str, np.ndarray],
     return np.concatenate([model.query(b).numpy() for b in batches(examples, batch_size)])
 
 
+def latest_queries(model: TwoTower, data: ModelInputs) -> np.ndarray:
+    """[num_users, d] every user's query embedding from their latest history (what the
+    export serves for a user id)."""
+    features = {"user": data.users.remap(data.interactions.user_ids), "history": data.latest}
+    features.update({f"user_{name}": index for name, index in data.user_feature_index.items()})
+    return query_embeddings(model, features)
+
+
+def embeddings_for_ranking(model: TwoTower, data: ModelInputs) -> dict:
+    """The arrays the ranking stage takes as its retrieval signal: `queries` (part -> [m, d]),
+    `latest` ([num_users, d]) and `items` ([num_items, d])."""
+    return {"queries": {part: query_embeddings(model, examples)
+                        for part, examples in data.examples.items()},
+            "latest": latest_queries(model, data),
+            "items": candidate_embeddings(model, data.num_items)}
+
+
 def evaluate_model(model: TwoTower, data: ModelInputs, part: str = "test", ks=KS,
                    evalset: EvalSet | None = None) -> dict[str, float]:
     """Recall@K and NDCG@K over the full catalogue, excluding each user's earlier items

@@ -25,12 +25,14 @@ from features.evaluation import KS, baselines, eval_set
 from features.sources import parse_columns
 from ranking import config as ranking_config
 from ranking.export import export as export_ranking
-from ranking.train import evaluate as evaluate_ranking, fit as fit_ranking, two_stage_metrics
+from ranking.train import (RetrievalSignal, evaluate as evaluate_ranking, fit as fit_ranking,
+                           two_stage_metrics)
 from retrieval import config as retrieval_config
 from retrieval.export import export as export_retrieval
 from retrieval.index import ScannParams, exact_top_k, tune_scann
-from retrieval.train import (candidate_embeddings, evaluate_model, fit as fit_retrieval,
-                             query_embeddings, top_candidates)
+from retrieval.train import (candidate_embeddings, embeddings_for_ranking, evaluate_model,
+                             fit as fit_retrieval, latest_queries, query_embeddings,
+                             top_candidates)
 from serving.client import Client
 from serving.compose import compose_recommender
 from serving.layout import write_models_config, write_version
@@ -133,7 +135,9 @@ def run(args, log, parts, first, second) -> dict:
         hard = {part: top_candidates(retrieval_model, inputs, part, min(50, inputs.num_items),
                                      exclude_seen=False) for part in ("train", "validation")}
         test_candidates = top_candidates(retrieval_model, inputs, "test", first.k, exclude_seen=exclude)
-        ranking_model, ranking_summary = fit_ranking(inputs, second, hard=hard, run_dir=args.out)
+        signal = RetrievalSignal(**embeddings_for_ranking(retrieval_model, inputs))
+        ranking_model, ranking_summary = fit_ranking(inputs, second, hard=hard, run_dir=args.out,
+                                                     retrieval=signal)
         report["ranking"] = {"test": evaluate_ranking(ranking_model, inputs, "test", hard=test_candidates),
                              "train": {k: ranking_summary[k] for k in ("seconds", "examples_per_second")}}
         report["two_stage"] = {"test": two_stage_metrics(ranking_model, inputs, "test",
@@ -179,14 +183,9 @@ def serve_and_check(args, inputs, retrieval_model, smoke) -> dict:
         rest = Client(url=f"http://127.0.0.1:{server.rest_port}")
         grpc = Client(grpc_target=f"127.0.0.1:{server.grpc_port}")
         served = rest.predict("retrieval", {"user_id": smoke})["item_ids"]
-        codes = inputs.interactions.user_ids
-        rows = np.searchsorted(codes[np.argsort(codes)], smoke)
-        users = np.argsort(codes)[rows]
-        features = {"user": inputs.users.remap(codes)[users], "history": inputs.latest[users]}
-        for name, index in inputs.user_feature_index.items():
-            features[f"user_{name}"] = index[users]
-        import tensorflow as tf
-        queries = retrieval_model.query({k: tf.constant(v) for k, v in features.items()}).numpy()
+        order = np.argsort(inputs.interactions.user_ids)
+        users = order[np.searchsorted(inputs.interactions.user_ids[order], smoke)]
+        queries = latest_queries(retrieval_model, inputs)[users]
         expected = inputs.interactions.item_ids[exact_top_k(
             candidate_embeddings(retrieval_model, inputs.num_items), queries, served.shape[1])]
         retrieval_matches = bool(np.array_equal(_strings(served), expected))

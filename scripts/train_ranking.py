@@ -18,9 +18,10 @@ from features import DataError, load, split
 from features.sources import parse_columns
 from ranking import config as ranking_config
 from ranking.export import export
-from ranking.train import evaluate, fit, two_stage_metrics
+from ranking.train import RetrievalSignal, evaluate, fit, two_stage_metrics
 from retrieval import config as retrieval_config
-from retrieval.train import evaluate_model, fit as fit_retrieval, top_candidates
+from retrieval.train import (embeddings_for_ranking, evaluate_model, fit as fit_retrieval,
+                             top_candidates)
 
 
 def main(argv=None) -> int:
@@ -53,7 +54,8 @@ def main(argv=None) -> int:
     hard = {part: top_candidates(retrieval_model, inputs, part, 50, exclude_seen=False)
             for part in ("train", "validation")}
     test_candidates = top_candidates(retrieval_model, inputs, "test", args.top_k)
-    model, summary = fit(inputs, second, hard=hard, run_dir=args.out)
+    signal = RetrievalSignal(**embeddings_for_ranking(retrieval_model, inputs))
+    model, summary = fit(inputs, second, hard=hard, run_dir=args.out, retrieval=signal)
     report = {"ranking": {"test": evaluate(model, inputs, "test", hard=test_candidates),
                           "train": {k: v for k, v in summary.items() if k != "history"}},
               "retrieval": {"test": evaluate_model(retrieval_model, inputs, "test", ks=(10,))},

@@ -48,3 +48,62 @@ def write_version(base_path: str, write: Callable[[str], None], version: int | N
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return final
+
+
+def write_models_config(path: str, base_paths: dict[str, str]) -> str:
+    """Writes a TF Serving `ModelServerConfig` text proto, one `config` per model.
+
+    Args:
+        path: the file to write, e.g. `export/models.config`.
+        base_paths: model name -> its base path (made absolute, as TF Serving needs).
+
+    Returns:
+        `path`.
+    """
+    from google.protobuf import text_format
+    from tensorflow_serving.config import model_server_config_pb2
+
+    config = model_server_config_pb2.ModelServerConfig()
+    for name, base_path in base_paths.items():
+        config.model_config_list.config.add(
+            name=name, base_path=os.path.abspath(base_path), model_platform="tensorflow")
+    with open(path, "w") as f:
+        f.write(text_format.MessageToString(config))
+    return path
+
+
+MAX_WARMUP_RECORDS = 1000
+WARMUP_FILE = os.path.join("assets.extra", "tf_serving_warmup_requests")
+
+
+def write_warmup_requests(saved_model_dir: str, model_name: str, inputs: dict,
+                          signature_name: str = "serving_default") -> str:
+    """Writes `assets.extra/tf_serving_warmup_requests`: one `PredictionLog` per row of `inputs`.
+
+    Args:
+        saved_model_dir: a SavedModel folder (a version folder, or its staging folder).
+        model_name: the name the model is served under.
+        inputs: signature input name -> array [batch, ...]; each row becomes one request of
+            batch 1, at most 1000 rows (TF Serving's limit).
+        signature_name: the signature the requests call.
+
+    Returns:
+        The path of the warmup file.
+    """
+    import tensorflow as tf
+    from tensorflow_serving.apis import predict_pb2, prediction_log_pb2
+
+    path = os.path.join(saved_model_dir, WARMUP_FILE)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    rows = min(len(next(iter(inputs.values()))), MAX_WARMUP_RECORDS)
+    with tf.io.TFRecordWriter(path) as writer:
+        for row in range(rows):
+            request = predict_pb2.PredictRequest()
+            request.model_spec.name = model_name
+            request.model_spec.signature_name = signature_name
+            for name, values in inputs.items():
+                request.inputs[name].CopyFrom(tf.make_tensor_proto(values[row:row + 1]))
+            log = prediction_log_pb2.PredictionLog(
+                predict_log=prediction_log_pb2.PredictLog(request=request))
+            writer.write(log.SerializeToString())
+    return path

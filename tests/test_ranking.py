@@ -7,7 +7,7 @@ from features import generate, split
 from features.inputs import prepare
 from features.synthetic import PRESETS
 from ranking.config import preset
-from ranking.train import candidate_lists, evaluate, fit, rerank, score_lists, two_stage_metrics
+from ranking.train import RetrievalSignal, candidate_lists, evaluate, fit, rerank, score_lists, two_stage_metrics
 from test_retrieval import graph_op_types, load_like_tf_serving
 
 
@@ -69,10 +69,31 @@ def test_settings_that_cannot_work(inputs):
         fit(inputs, preset("tiny", history_length=7), verbose=0)
 
 
-def test_export_serves_the_keras_scores(inputs, tmp_path):
+@pytest.fixture(scope="module")
+def signal(inputs):
+    from retrieval.config import preset as retrieval_preset
+    from retrieval.train import embeddings_for_ranking, fit as fit_retrieval
+    model, data, _ = fit_retrieval(inputs.interactions, inputs.split,
+                                   retrieval_preset("tiny", epochs=2), verbose=0)
+    return RetrievalSignal(**embeddings_for_ranking(model, data))
+
+
+def test_retrieval_signal_feeds_the_ranker(inputs, signal):
+    model, _ = fit(inputs, preset("tiny", epochs=2), retrieval=signal, verbose=0)
+    items = candidate_lists(inputs, "test", 4, 0.0, seed=3)
+    features = {"items": tf.constant(items[:2]),
+                "retrieval_query": tf.constant(signal.queries["test"][:2])}
+    expected = np.einsum("be,bne->bn", signal.queries["test"][:2], signal.items[items[:2]])
+    np.testing.assert_allclose(model.retrieval_scores(features).numpy(), expected, rtol=1e-5)
+    assert evaluate(model, inputs, "test")["auc"] > 0.7
+
+
+@pytest.mark.parametrize("with_signal", [False, True], ids=["alone", "retrieval-signal"])
+def test_export_serves_the_keras_scores(inputs, signal, tmp_path, with_signal):
     from ranking.export import export
     from tensorflow.python.framework import op_def_registry
-    model, _ = fit(inputs, preset("tiny", epochs=1), verbose=0)
+    retrieval = signal if with_signal else None
+    model, _ = fit(inputs, preset("tiny", epochs=1), retrieval=retrieval, verbose=0)
     log = inputs.interactions
     path = export(model, inputs, str(tmp_path / "ranking"))
     run, meta = load_like_tf_serving(path)
@@ -83,6 +104,8 @@ def test_export_serves_the_keras_scores(inputs, tmp_path):
                 "items": np.arange(12).reshape(3, 4)}
     for name, index in inputs.user_feature_index.items():
         features[f"user_{name}"] = index[:3]
+    if with_signal:
+        features["retrieval_query"] = signal.latest[:3]
     expected = model({k: tf.constant(v) for k, v in features.items()}).numpy()
     np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-5)
     unknown = run("serving_default", user_id=np.array(["nobody"]),

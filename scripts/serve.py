@@ -1,0 +1,94 @@
+"""Serves SavedModels over TF Serving's gRPC and REST APIs, with TF Serving's flags.
+
+    python scripts/serve.py --model_config_file=RUN/export/models.config
+    python scripts/serve.py --model_name=retrieval --model_base_path=RUN/export/retrieval
+        [--port=8500] [--rest_api_port=8501] [--host=127.0.0.1]
+        [--file_system_poll_wait_seconds=1] [--model_config_file_poll_wait_seconds=0]
+        [--rest_api_timeout_in_ms=30000]
+        [--max_request_bytes=67108864]
+        [--enable_batching [--max_batch_size=32] [--batch_timeout_micros=1000]]
+"""
+import argparse
+import logging
+import sys
+
+import _common  # noqa: F401
+
+from serving.batching import Batcher
+from serving.errors import ServingError
+from serving.manager import ModelConfig, ModelManager, parse_config
+from serving.server import ModelServer
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, default=8500, help="gRPC port (0: a free one)")
+    parser.add_argument("--rest_api_port", type=int, default=8501,
+                        help="REST port; 0 turns REST off, as in TF Serving")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+    parser.add_argument("--model_config_file", default="",
+                        help="a text ModelServerConfig (model_config_list)")
+    parser.add_argument("--model_name", default="default")
+    parser.add_argument("--model_base_path", default="", help="folder of integer versions")
+    parser.add_argument("--file_system_poll_wait_seconds", type=float, default=1.0,
+                        help="seconds between polls for new versions; 0 polls once")
+    parser.add_argument("--model_config_file_poll_wait_seconds", type=float, default=0,
+                        help="seconds between checks of --model_config_file; 0 never")
+    parser.add_argument("--rest_api_timeout_in_ms", type=int, default=30000)
+    parser.add_argument("--max_request_bytes", type=int, default=64 << 20,
+                        help="larger REST bodies and gRPC messages are refused")
+    parser.add_argument("--enable_batching", type=_bool, nargs="?", const=True, default=False,
+                        help="merge concurrent predict requests into one session run")
+    parser.add_argument("--max_batch_size", type=int, default=32,
+                        help="with --enable_batching: rows that close a batch")
+    parser.add_argument("--batch_timeout_micros", type=int, default=1000,
+                        help="with --enable_batching: how long a batch waits to fill")
+    args = parser.parse_args(argv)
+    if bool(args.model_config_file) == bool(args.model_base_path):
+        parser.error("give --model_config_file, or --model_name with --model_base_path")
+    return args
+
+
+def _bool(text: str) -> bool:
+    """TF Serving's boolean flag values: --flag, --flag=true, --flag=false."""
+    if text.lower() not in ("true", "false", "1", "0"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() in ("true", "1")
+
+
+def model_configs(args) -> list[ModelConfig]:
+    if not args.model_base_path:
+        with open(args.model_config_file) as f:
+            return parse_config(f.read())
+    return [ModelConfig(args.model_name, args.model_base_path)]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        configs = model_configs(args)
+    except (OSError, ServingError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    server = ModelServer(ModelManager(configs, args.file_system_poll_wait_seconds),
+                         host=args.host, grpc_port=args.port,
+                         rest_port=args.rest_api_port or None,
+                         rest_timeout_seconds=args.rest_api_timeout_in_ms / 1000,
+                         max_request_bytes=args.max_request_bytes,
+                         batcher=Batcher(args.max_batch_size, args.batch_timeout_micros)
+                         if args.enable_batching else None)
+    server.start()
+    if args.model_config_file and args.model_config_file_poll_wait_seconds > 0:
+        server.manager.watch_config_file(args.model_config_file,
+                                         args.model_config_file_poll_wait_seconds)
+    for config in configs:
+        print(f"model {config.name}: {config.base_path}")
+    rest = f", REST on http://{args.host}:{server.rest_port}" if server.rest_port else ""
+    print(f"serving gRPC on {args.host}:{server.grpc_port}{rest}; Ctrl-C stops", flush=True)
+    server.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

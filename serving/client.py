@@ -1,0 +1,236 @@
+"""A client of TF Serving's public REST and gRPC APIs (real TF Serving or the embedded server).
+
+    client = Client(url="http://127.0.0.1:8501")   # or Client(grpc_target="127.0.0.1:8500")
+    outputs = client.predict("retrieval", {"user_id": np.array([b"42"])})
+    outputs["item_ids"]                                  # [1, k] bytes
+
+Both transports take and return dicts of NumPy arrays (strings as bytes), raise `ServingError`
+with the TF error code, and retry UNAVAILABLE (HTTP 503, refused connections) with exponential
+backoff.
+"""
+from __future__ import annotations
+
+import base64
+import time
+import urllib.parse
+
+import grpc
+import numpy as np
+import requests
+import tensorflow as tf
+from google.protobuf import json_format
+from tensorflow_serving.apis import (get_model_metadata_pb2, get_model_status_pb2,
+                                     model_service_pb2_grpc, predict_pb2,
+                                     prediction_service_pb2_grpc)
+
+from serving.errors import CODE_OF_HTTP_STATUS, ServingError
+
+DEFAULT_SIGNATURE = "serving_default"
+INT32_MAX = 2**31 - 1
+
+
+class Client:
+    """Calls a model server over REST (`url`) or gRPC (`grpc_target`); give one of them.
+
+    Args:
+        url: the REST base URL, e.g. "http://127.0.0.1:8501".
+        grpc_target: the gRPC "HOST:PORT", e.g. "127.0.0.1:8500".
+        timeout: seconds per attempt.
+        retries: extra attempts after an UNAVAILABLE answer.
+        backoff: seconds before the first retry, doubled for every further one.
+    """
+
+    def __init__(self, url: str | None = None, grpc_target: str | None = None,
+                 timeout: float = 10.0, retries: int = 3, backoff: float = 0.1):
+        if (url is None) == (grpc_target is None):
+            raise ValueError("give exactly one of url (REST) or grpc_target (HOST:PORT)")
+        self.transport = (RestTransport(url, timeout) if url
+                          else GrpcTransport(grpc_target, timeout))
+        self.retries = retries
+        self.backoff = backoff
+
+    def predict(self, model: str, inputs: dict[str, np.ndarray],
+                signature_name: str = DEFAULT_SIGNATURE,
+                version: int | None = None) -> dict[str, np.ndarray]:
+        """Runs a signature; inputs and outputs are name -> array [batch, ...]."""
+        inputs = {name: np.asarray(value) for name, value in inputs.items()}
+        return self._retry(self.transport.predict, model, inputs, signature_name, version)
+
+    def status(self, model: str, version: int | None = None
+               ) -> get_model_status_pb2.GetModelStatusResponse:
+        """The state of every version of `model` (or of one version)."""
+        return self._retry(self.transport.status, model, version)
+
+    def metadata(self, model: str, version: int | None = None
+                 ) -> get_model_metadata_pb2.SignatureDefMap:
+        """The signatures of the latest (or a given) version of `model`."""
+        return self._retry(self.transport.metadata, model, version)
+
+    def close(self) -> None:
+        self.transport.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _retry(self, call, *args):
+        for attempt in range(self.retries + 1):
+            try:
+                return call(*args)
+            except ServingError as error:
+                if error.code != "UNAVAILABLE" or attempt == self.retries:
+                    raise
+            time.sleep(self.backoff * 2**attempt)
+
+
+class GrpcTransport:
+    """`PredictionService` and `ModelService` stubs on one channel."""
+
+    def __init__(self, target: str, timeout: float):
+        self.timeout = timeout
+        self.channel = grpc.insecure_channel(target, options=[
+            ("grpc.max_receive_message_length", INT32_MAX),
+            ("grpc.max_send_message_length", INT32_MAX)])
+        self.prediction = prediction_service_pb2_grpc.PredictionServiceStub(self.channel)
+        self.models = model_service_pb2_grpc.ModelServiceStub(self.channel)
+
+    def predict(self, model: str, inputs: dict[str, np.ndarray], signature_name: str,
+                version: int | None) -> dict[str, np.ndarray]:
+        request = predict_pb2.PredictRequest()
+        _fill_spec(request.model_spec, model, version, signature_name)
+        for name, value in inputs.items():
+            request.inputs[name].CopyFrom(tf.make_tensor_proto(value))
+        response = self._call(self.prediction.Predict, request)
+        return {name: tf.make_ndarray(proto) for name, proto in response.outputs.items()}
+
+    def status(self, model: str, version: int | None):
+        request = get_model_status_pb2.GetModelStatusRequest()
+        _fill_spec(request.model_spec, model, version)
+        return self._call(self.models.GetModelStatus, request)
+
+    def metadata(self, model: str, version: int | None):
+        request = get_model_metadata_pb2.GetModelMetadataRequest(metadata_field=["signature_def"])
+        _fill_spec(request.model_spec, model, version)
+        response = self._call(self.prediction.GetModelMetadata, request)
+        signatures = get_model_metadata_pb2.SignatureDefMap()
+        response.metadata["signature_def"].Unpack(signatures)
+        return signatures
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def _call(self, method, request):
+        try:
+            return method(request, timeout=self.timeout)
+        except grpc.RpcError as error:
+            raise ServingError(error.code().name, error.details() or "") from error
+
+
+class RestTransport:
+    """The `/v1/models` REST API; predict sends the columnar form (`inputs`).
+
+    A predict response does not name a single output nor carry dtypes, so the transport reads
+    the signature from the metadata once per (model, version, signature).
+    """
+
+    def __init__(self, url: str, timeout: float):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.session = requests.Session()
+        self._signatures: dict[tuple, object] = {}
+
+    def predict(self, model: str, inputs: dict[str, np.ndarray], signature_name: str,
+                version: int | None) -> dict[str, np.ndarray]:
+        signature = self._signature(model, version, signature_name)
+        body = {"signature_name": signature_name,
+                "inputs": {name: _json_of_array(value) for name, value in inputs.items()}}
+        outputs = self._request("POST", _model_path(model, version) + ":predict", body)["outputs"]
+        if len(signature.outputs) == 1:
+            outputs = {next(iter(signature.outputs)): outputs}
+        return {name: _array_of_json(value, tf.as_dtype(signature.outputs[name].dtype))
+                for name, value in outputs.items()}
+
+    def status(self, model: str, version: int | None):
+        answer = self._request("GET", _model_path(model, version))
+        return json_format.ParseDict(answer, get_model_status_pb2.GetModelStatusResponse(),
+                                     ignore_unknown_fields=True)
+
+    def metadata(self, model: str, version: int | None):
+        answer = self._request("GET", _model_path(model, version) + "/metadata")
+        return json_format.ParseDict(answer["metadata"]["signature_def"],
+                                     get_model_metadata_pb2.SignatureDefMap(),
+                                     ignore_unknown_fields=True)
+
+    def close(self) -> None:
+        self.session.close()
+
+    def _signature(self, model: str, version: int | None, name: str):
+        key = (model, version, name)
+        if key not in self._signatures:
+            signatures = self.metadata(model, version).signature_def
+            if name not in signatures:
+                raise ServingError("FAILED_PRECONDITION",
+                                   f'Serving signature key "{name}" not found.')
+            self._signatures[key] = signatures[name]
+        return self._signatures[key]
+
+    def _request(self, method: str, path: str, body: dict | None = None) -> dict:
+        try:
+            response = self.session.request(method, self.url + path, json=body,
+                                            timeout=self.timeout)
+        except requests.Timeout as error:
+            raise ServingError("DEADLINE_EXCEEDED", f"{method} {path}: {error}") from error
+        except requests.ConnectionError as error:
+            raise ServingError("UNAVAILABLE", f"{method} {path}: {error}") from error
+        try:
+            answer = response.json()
+        except ValueError:
+            answer = {"error": response.text}
+        if response.status_code != 200:
+            raise ServingError(CODE_OF_HTTP_STATUS.get(response.status_code, "UNKNOWN"),
+                               answer.get("error", response.text) if isinstance(answer, dict)
+                               else response.text, http_status=response.status_code)
+        return answer
+
+
+def _fill_spec(spec, model: str, version: int | None, signature_name: str = "") -> None:
+    spec.name = model
+    spec.signature_name = signature_name
+    if version is not None:
+        spec.version.value = version
+
+
+def _model_path(model: str, version: int | None) -> str:
+    path = "/v1/models/" + urllib.parse.quote(model, safe="")
+    return path if version is None else f"{path}/versions/{version}"
+
+
+def _json_of_array(value: np.ndarray):
+    """Nested lists; strings as text when they are UTF-8, else `{"b64": ...}`."""
+    if value.dtype.kind not in "OSU":
+        return value.tolist()
+    flat = np.empty(value.size, object)
+    flat[:] = [_json_of_string(item) for item in value.reshape(-1)]
+    return flat.reshape(value.shape).tolist()
+
+
+def _json_of_string(item):
+    if isinstance(item, str):
+        return item
+    try:
+        return item.decode("utf-8")
+    except UnicodeDecodeError:
+        return {"b64": base64.b64encode(item).decode("ascii")}
+
+
+def _array_of_json(value, dtype: tf.DType) -> np.ndarray:
+    """An output of the JSON response as an array of the signature's dtype."""
+    if dtype != tf.string:
+        return np.asarray(value, dtype=dtype.as_numpy_dtype)
+    strings = np.asarray(value, dtype=object)
+    flat = np.empty(strings.size, object)
+    flat[:] = [base64.b64decode(s["b64"]) if isinstance(s, dict) else s.encode("utf-8")
+               for s in strings.reshape(-1)]
+    return flat.reshape(strings.shape)

@@ -1,0 +1,57 @@
+"""The `recommender` SavedModel: retrieval and ranking composed, one request for both stages.
+
+Built from the two SavedModels alone (no training code), with stock ops only, so TF Serving
+serves it:
+    serving_default: user_id [b] string -> item_ids [b, n] string, scores [b, n] float32
+It returns what `serving.recommender.Recommender` returns when no seen items are given.
+"""
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from serving.layout import write_warmup_requests
+
+
+class ComposedRecommender(tf.Module):
+    """Calls the retrieval signature, ranks its candidates, keeps the top n."""
+
+    def __init__(self, retrieval_dir: str, ranking_dir: str, top_n: int):
+        super().__init__()
+        self.retrieval = tf.saved_model.load(retrieval_dir)
+        self.ranking = tf.saved_model.load(ranking_dir)
+        self.top_n = top_n
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="user_id")])
+    def serve(self, user_id: tf.Tensor) -> dict[str, tf.Tensor]:
+        candidates = self.retrieval.signatures["serving_default"](
+            user_id=user_id)["item_ids"]                                              # [b, k]
+        scores = self.ranking.signatures["serving_default"](
+            user_id=user_id, item_ids=candidates)["scores"]                          # [b, k]
+        n = tf.minimum(self.top_n, tf.shape(scores)[1])
+        best, order = tf.math.top_k(scores, k=n)                                     # [b, n]
+        return {"item_ids": tf.gather(candidates, order, batch_dims=1), "scores": best}
+
+
+def compose_recommender(retrieval_dir: str, ranking_dir: str, out_dir: str, top_n: int,
+                        warmup_user_ids: list[str] | None = None,
+                        model_name: str = "recommender") -> str:
+    """Saves the composed SavedModel to `out_dir` (e.g. inside `layout.write_version`).
+
+    Args:
+        retrieval_dir: a retrieval SavedModel version folder.
+        ranking_dir: a ranking SavedModel version folder.
+        out_dir: the folder to write.
+        top_n: items per user.
+        warmup_user_ids: when given, a warmup request per user is written with the model.
+        model_name: the served name recorded in the warmup requests.
+
+    Returns:
+        `out_dir`.
+    """
+    module = ComposedRecommender(retrieval_dir, ranking_dir, top_n)
+    tf.saved_model.save(module, out_dir, signatures={"serving_default": module.serve})
+    if warmup_user_ids:
+        write_warmup_requests(out_dir, model_name,
+                              {"user_id": np.array(warmup_user_ids, dtype=object)})
+    return out_dir

@@ -1,0 +1,238 @@
+"""TF Serving's JSON tensor format (`util/json_tensor.cc`): request bodies in, responses out.
+
+Requests come in the row form (`instances`) or the columnar form (`inputs`); dtypes come from the
+signature. Responses are `{"predictions": ...}` for a row request and `{"outputs": ...}` for a
+columnar one, shaped as TF Serving shapes them.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.protobuf import meta_graph_pb2
+
+from serving.errors import ServingError
+
+
+def parse_json(body: bytes):
+    """The JSON value of a request body; INVALID_ARGUMENT when it does not parse."""
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as error:   # UnicodeDecodeError is a ValueError
+        raise ServingError("INVALID_ARGUMENT", f"JSON Parse error: {error}") from error
+
+
+def parse_predict(body, signature: meta_graph_pb2.SignatureDef
+                  ) -> tuple[dict[str, np.ndarray], bool]:
+    """The inputs of a predict body.
+
+    Args:
+        body: the parsed JSON body (`instances` or `inputs`, optional `signature_name`).
+        signature: the signature the request runs; it gives every input's dtype.
+
+    Returns:
+        (input name -> array [batch, ...], whether the request used the row form).
+    """
+    if not isinstance(body, dict):
+        raise ServingError("INVALID_ARGUMENT", "Request body must be a JSON object with "
+                           "'instances' or 'inputs'")
+    if ("instances" in body) == ("inputs" in body):
+        raise ServingError("INVALID_ARGUMENT", "Missing 'inputs' or 'instances' key"
+                           if "inputs" not in body else "Not formatted correctly expecting only "
+                           "one of 'inputs' or 'instances' keys exists")
+    if "instances" in body:
+        return _parse_instances(body["instances"], signature), True
+    return _parse_inputs(body["inputs"], signature), False
+
+
+def signature_name(body) -> str:
+    """The body's `signature_name` ("" when absent, meaning `serving_default`)."""
+    name = body.get("signature_name", "") if isinstance(body, dict) else ""
+    if not isinstance(name, str):
+        raise ServingError("INVALID_ARGUMENT", "'signature_name' must be a string")
+    return name
+
+
+def format_predict(outputs: dict[str, np.ndarray], row_form: bool) -> dict:
+    """The response body of a predict: `predictions` (row form) or `outputs` (columnar)."""
+    if not row_form:
+        if len(outputs) == 1:
+            return {"outputs": to_json(*next(iter(outputs.items())))}
+        return {"outputs": {name: to_json(name, value) for name, value in outputs.items()}}
+    batch = _batch_size(outputs)
+    if len(outputs) == 1:
+        return {"predictions": to_json(*next(iter(outputs.items())))}
+    columns = {name: to_json(name, value) for name, value in outputs.items()}
+    return {"predictions": [{name: column[row] for name, column in columns.items()}
+                            for row in range(batch)]}
+
+
+def to_json(name: str, value: np.ndarray):
+    """An output array as nested lists; strings raw, or `{"b64": ...}` if `name` ends `_bytes`."""
+    value = np.asarray(value)
+    if value.dtype.kind not in "OSU":
+        return value.tolist()
+    encode = _b64 if name.endswith("_bytes") else _text
+    flat = np.empty(value.size, object)
+    flat[:] = [encode(item) for item in value.reshape(-1)]
+    return flat.reshape(value.shape).tolist()
+
+
+def _parse_instances(instances, signature) -> dict[str, np.ndarray]:
+    if not isinstance(instances, list):
+        raise ServingError("INVALID_ARGUMENT", "Expecting 'instances' to be an list/array")
+    if not instances:
+        raise ServingError("INVALID_ARGUMENT", "No values in 'instances' list")
+    if all(_is_named(row) for row in instances):
+        for row in instances:
+            _check_names(row, signature, "instance")
+        return {name: _to_array([row[name] for row in instances], spec, name)
+                for name, spec in signature.inputs.items()}
+    if len(signature.inputs) != 1:
+        raise ServingError("INVALID_ARGUMENT", "Expecting object with named inputs in every "
+                           f"instance: the signature has {len(signature.inputs)} inputs "
+                           f"{sorted(signature.inputs)}")
+    name, spec = next(iter(signature.inputs.items()))
+    return {name: _to_array(instances, spec, name)}
+
+
+def _parse_inputs(inputs, signature) -> dict[str, np.ndarray]:
+    if _is_named(inputs):
+        _check_names(inputs, signature, "'inputs' object")
+        return {name: _to_array(inputs[name], spec, name)
+                for name, spec in signature.inputs.items()}
+    if len(signature.inputs) != 1:
+        raise ServingError("INVALID_ARGUMENT", "Expecting 'inputs' to be an object of named "
+                           f"inputs: the signature has {len(signature.inputs)} inputs "
+                           f"{sorted(signature.inputs)}")
+    name, spec = next(iter(signature.inputs.items()))
+    return {name: _to_array(inputs, spec, name)}
+
+
+def _is_named(value) -> bool:
+    return isinstance(value, dict) and not _is_b64(value)
+
+
+def _is_b64(value) -> bool:
+    return isinstance(value, dict) and list(value) == ["b64"]
+
+
+def _check_names(named: dict, signature, where: str) -> None:
+    missing = sorted(set(signature.inputs) - set(named))
+    extra = sorted(set(named) - set(signature.inputs))
+    if missing:
+        raise ServingError("INVALID_ARGUMENT", f"Missing named input: {missing[0]} in {where}; "
+                           f"the signature's inputs are {sorted(signature.inputs)}")
+    if extra:
+        raise ServingError("INVALID_ARGUMENT", f"Unknown named input: {extra[0]} in {where}; "
+                           f"the signature's inputs are {sorted(signature.inputs)}")
+
+
+def _to_array(value, spec: meta_graph_pb2.TensorInfo, name: str) -> np.ndarray:
+    """A JSON value (nested lists) as an array of the signature input's dtype."""
+    dtype = tf.as_dtype(spec.dtype)
+    shape = _shape_of(value)
+    leaves: list = []
+    _flatten(value, shape, 0, leaves, name)
+    convert = _leaf_converter(dtype)
+    converted = [convert(leaf, name) for leaf in leaves]
+    try:
+        array = np.array(converted, dtype=object if dtype == tf.string else dtype.as_numpy_dtype)
+    except (OverflowError, ValueError) as error:
+        raise ServingError("INVALID_ARGUMENT", f'Input "{name}": {error} for {dtype.name}'
+                           ) from error
+    return array.reshape(shape)
+
+
+def _shape_of(value) -> list[int]:
+    """The shape given by the first element at every depth."""
+    shape = []
+    while isinstance(value, list):
+        shape.append(len(value))
+        if not value:
+            break
+        value = value[0]
+    return shape
+
+
+def _flatten(value, shape: list[int], depth: int, leaves: list, name: str) -> None:
+    """Appends the leaves of `value` to `leaves`, refusing ragged lists."""
+    if isinstance(value, list):
+        if depth >= len(shape) or len(value) != shape[depth]:
+            raise ServingError("INVALID_ARGUMENT", f'Input "{name}": Encountered list at '
+                               f"unexpected size: {len(value)} at depth {depth}, expected shape "
+                               f"{shape}")
+        for item in value:
+            _flatten(item, shape, depth + 1, leaves, name)
+    elif depth != len(shape):
+        raise ServingError("INVALID_ARGUMENT", f'Input "{name}": Encountered a scalar at depth '
+                           f"{depth}, expected shape {shape}")
+    else:
+        leaves.append(value)
+
+
+def _leaf_converter(dtype: tf.DType):
+    if dtype == tf.string:
+        return _string_leaf
+    if dtype == tf.bool:
+        return _typed_leaf(lambda v: isinstance(v, bool), "Bool", dtype)
+    if dtype.is_floating:
+        return _typed_leaf(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+                           "Number", dtype)
+    if dtype.is_integer:
+        return _typed_leaf(lambda v: isinstance(v, int) and not isinstance(v, bool),
+                           "Integer", dtype)
+    raise ServingError("UNIMPLEMENTED", f"JSON inputs of dtype {dtype.name} are not supported")
+
+
+def _typed_leaf(accepts, kind: str, dtype: tf.DType):
+    def convert(leaf, name: str):
+        if not accepts(leaf):
+            raise ServingError("INVALID_ARGUMENT", f'Input "{name}": JSON Value: '
+                               f"{json.dumps(leaf)} Type: {_json_type(leaf)} is not of expected "
+                               f"type: {dtype.name} (a JSON {kind})")
+        return leaf
+    return convert
+
+
+def _string_leaf(leaf, name: str) -> bytes:
+    if isinstance(leaf, str):
+        return leaf.encode("utf-8")
+    if _is_b64(leaf) and isinstance(leaf["b64"], str):
+        try:
+            return base64.b64decode(leaf["b64"], validate=True)
+        except binascii.Error as error:
+            raise ServingError("INVALID_ARGUMENT", f'Input "{name}": Unable to base64 decode '
+                               f"{leaf['b64']!r}: {error}") from error
+    raise ServingError("INVALID_ARGUMENT", f'Input "{name}": JSON Value: {json.dumps(leaf)} '
+                       f"Type: {_json_type(leaf)} is not of expected type: string (a JSON "
+                       'string or {"b64": "..."})')
+
+
+def _json_type(value) -> str:
+    return {bool: "Bool", int: "Integer", float: "Number", str: "String", dict: "Object",
+            list: "Array", type(None): "Null"}.get(type(value), type(value).__name__)
+
+
+def _batch_size(outputs: dict[str, np.ndarray]) -> int:
+    """Dimension 0 shared by every output, which the row form needs."""
+    batch = None
+    for name, value in outputs.items():
+        size = np.shape(value)[0] if np.ndim(value) else None
+        if size is None or (batch is not None and size != batch):
+            raise ServingError("INVALID_ARGUMENT", f"Tensor name: {name} has inconsistent "
+                               f"batch size: {size} expecting: {batch}")
+        batch = size
+    return batch
+
+
+def _text(item) -> str:
+    return item.decode("utf-8", errors="replace") if isinstance(item, bytes) else str(item)
+
+
+def _b64(item) -> dict:
+    data = item if isinstance(item, bytes) else str(item).encode("utf-8")
+    return {"b64": base64.b64encode(data).decode("ascii")}

@@ -1,0 +1,86 @@
+"""The two-stage recommender over a `Client`: retrieval top-K, ranking, the user's top-N.
+
+Signatures used (batch is dimension 0):
+    retrieval serving_default: user_id [b] string -> item_ids [b, k] string, scores [b, k] float32
+    ranking serving_default: user_id [b] string, item_ids [b, k] string -> scores [b, k] float32
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from serving.client import Client
+
+PAD_ID = b""
+
+
+def top_n(item_ids: np.ndarray, scores: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The n best of every row, ties to the earlier column (as `tf.math.top_k`).
+
+    Args:
+        item_ids: [b, k] candidates.
+        scores: [b, k] their scores; -inf marks a removed candidate.
+        n: how many to keep.
+
+    Returns:
+        (item_ids [b, min(n, k)], scores [b, min(n, k)]); a slot left without a candidate holds
+        `PAD_ID` and -inf.
+    """
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :n]              # [b, n]
+    ids = np.take_along_axis(item_ids, order, axis=1)
+    best = np.take_along_axis(scores, order, axis=1)
+    return np.where(np.isneginf(best), PAD_ID, ids), best
+
+
+class Recommender:
+    """Retrieval, then ranking of the retrieved candidates, then top-N, over one client.
+
+    Args:
+        client: any transport; real TF Serving works too.
+        retrieval_model: the served name of the retrieval model.
+        ranking_model: the served name of the ranking model.
+    """
+
+    def __init__(self, client: Client, retrieval_model: str = "retrieval",
+                 ranking_model: str = "ranking"):
+        self.client = client
+        self.retrieval_model = retrieval_model
+        self.ranking_model = ranking_model
+
+    def recommend(self, user_ids: Sequence[str] | np.ndarray, n: int = 10,
+                  seen: Sequence[Sequence[str]] | None = None) -> dict[str, np.ndarray]:
+        """The top-n items of every user.
+
+        Args:
+            user_ids: [b] user ids.
+            n: how many items per user.
+            seen: per user, item ids to leave out (e.g. what they rated already), or None.
+
+        Returns:
+            {"item_ids": [b, n] bytes, "scores": [b, n] float32} from the ranking model, best
+            first; a user with fewer than n unseen candidates gets `PAD_ID` and -inf slots.
+        """
+        if np.ndim(user_ids) != 1:
+            raise ValueError(f"user_ids must be a flat list of ids, got shape "
+                             f"{np.shape(user_ids)}")
+        users = np.array([_bytes(u) for u in user_ids], dtype=object)         # [b]
+        if seen is not None and len(seen) != len(users):
+            raise ValueError(f"seen has {len(seen)} rows for {len(users)} users")
+        candidates = self.client.predict(self.retrieval_model, {"user_id": users})["item_ids"]
+        scores = self.client.predict(self.ranking_model,
+                                     {"user_id": users, "item_ids": candidates})["scores"]
+        if seen is not None:
+            scores = np.where(_seen_mask(candidates, seen), -np.inf, scores).astype(np.float32)
+        return dict(zip(("item_ids", "scores"), top_n(candidates, scores, n)))
+
+
+def _seen_mask(candidates: np.ndarray, seen: Sequence[Sequence[str]]) -> np.ndarray:
+    """[b, k] True where the candidate is among the user's seen items."""
+    return np.array([[item in row_seen for item in row]
+                     for row, row_seen in zip(candidates, ({_bytes(i) for i in s} for s in seen))],
+                    dtype=bool).reshape(candidates.shape)
+
+
+def _bytes(value) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode("utf-8")

@@ -1,0 +1,848 @@
+"""Tests of `serving`: layout, TF-Serving-style loading, the model server, clients, recommender.
+
+The conformance tests run against the embedded server, and also against a real TF Serving when
+these environment variables are set:
+    TFSERVING_REST       e.g. http://127.0.0.1:8501
+    TFSERVING_GRPC       e.g. 127.0.0.1:8500
+    TFSERVING_MODEL_DIR  a folder the tests write their toy models into, which the server reads
+    TFSERVING_SERVER_MODEL_DIR  the same folder as the server sees it (default: the same path;
+                         e.g. /models for `docker run -v $TFSERVING_MODEL_DIR:/models`)
+The tests then load their models into that server with `HandleReloadConfigRequest`.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+import requests
+
+import serving  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow loads)
+import tensorflow as tf
+from google.protobuf import text_format
+from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2,
+                                     get_model_status_pb2, model_management_pb2,
+                                     model_service_pb2_grpc, predict_pb2,
+                                     prediction_service_pb2_grpc)
+from tensorflow_serving.config import model_server_config_pb2
+
+from serving.client import Client
+from serving.compose import compose_recommender
+from serving.errors import ServingError, truncate
+from serving.layout import (list_versions, next_version, write_models_config, write_version,
+                            write_warmup_requests)
+from serving.manager import ModelConfig, ModelManager, parse_config
+from serving.model import LoadedModel
+from serving.recommender import PAD_ID, Recommender
+from serving.server import ModelServer
+
+USERS = np.array([f"u{i}" for i in range(6)], dtype=object)
+ITEMS = np.array([f"i{i}" for i in range(12)], dtype=object)
+MAX_REQUEST_BYTES = 1 << 20
+MODELS = ("retrieval", "ranking", "scale")
+
+
+# ------------------------------------------------------------------ toy SavedModels
+
+
+def _table(keys: np.ndarray) -> tf.lookup.StaticHashTable:
+    """String id -> int64 position; unknown ids map to 0."""
+    return tf.lookup.StaticHashTable(tf.lookup.KeyValueTensorInitializer(
+        tf.constant(keys, tf.string), tf.range(len(keys), dtype=tf.int64)), default_value=0)
+
+
+class ToyRetrieval(tf.Module):
+    """user_id [b] string -> item_ids [b, k] string, scores [b, k] float32."""
+
+    def __init__(self, k: int = 6, seed: int = 0):
+        super().__init__()
+        rng = np.random.default_rng(seed)
+        self.users = _table(USERS)
+        self.user_embeddings = tf.Variable(rng.normal(size=(len(USERS), 4)).astype(np.float32))
+        self.item_embeddings = tf.Variable(rng.normal(size=(len(ITEMS), 4)).astype(np.float32))
+        self.item_ids = tf.constant(ITEMS, tf.string)
+        self.k = k
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="user_id")])
+    def serve(self, user_id):
+        query = tf.gather(self.user_embeddings, self.users.lookup(user_id))        # [b, 4]
+        scores = tf.matmul(query, self.item_embeddings, transpose_b=True)           # [b, I]
+        best, index = tf.math.top_k(scores, self.k)                                 # [b, k]
+        return {"item_ids": tf.gather(self.item_ids, index), "scores": best}
+
+
+class ToyRanking(tf.Module):
+    """user_id [b] string, item_ids [b, n] string -> scores [b, n] float32."""
+
+    def __init__(self, seed: int = 1):
+        super().__init__()
+        rng = np.random.default_rng(seed)
+        self.users, self.items = _table(USERS), _table(ITEMS)
+        self.user_embeddings = tf.Variable(rng.normal(size=(len(USERS), 4)).astype(np.float32))
+        self.item_embeddings = tf.Variable(rng.normal(size=(len(ITEMS), 4)).astype(np.float32))
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="user_id"),
+                                  tf.TensorSpec([None, None], tf.string, name="item_ids")])
+    def serve(self, user_id, item_ids):
+        users = tf.gather(self.user_embeddings, self.users.lookup(user_id))          # [b, 4]
+        items = tf.gather(self.item_embeddings, self.items.lookup(item_ids))         # [b, n, 4]
+        return {"scores": tf.reduce_sum(users[:, None, :] * items, axis=-1)}         # [b, n]
+
+
+class Scale(tf.Module):
+    """x [b] float32 -> y [b] float32 = x * factor; the factor tells versions apart."""
+
+    def __init__(self, factor: float):
+        super().__init__()
+        self.factor = tf.constant(factor, tf.float32)
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32, name="x")])
+    def serve(self, x):
+        return {"y": x * self.factor}
+
+
+def save(module: tf.Module, base_path: str, version: int | None = None) -> str:
+    return write_version(base_path, lambda path: tf.saved_model.save(
+        module, path, signatures={"serving_default": module.serve}), version)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    """retrieval/1, ranking/1, scale/1 and models.config, in TFSERVING_MODEL_DIR when set."""
+    root = os.environ.get("TFSERVING_MODEL_DIR") or str(tmp_path_factory.mktemp("models"))
+    for name, module in {"retrieval": ToyRetrieval(), "ranking": ToyRanking(),
+                         "scale": Scale(3.0)}.items():
+        if not list_versions(os.path.join(root, name)):
+            save(module, os.path.join(root, name))
+    write_models_config(os.path.join(root, "models.config"),
+                        {name: os.path.join(root, name) for name in MODELS})
+    return root
+
+
+@pytest.fixture(scope="module")
+def local(model_dir):
+    """In-process sessions of the toy models: what every server must answer."""
+    models = {name: LoadedModel(os.path.join(model_dir, name, "1")) for name in MODELS}
+    yield models
+    for model in models.values():
+        model.close()
+
+
+@pytest.fixture(scope="module")
+def embedded(model_dir):
+    with open(os.path.join(model_dir, "models.config")) as f:
+        manager = ModelManager(parse_config(f.read()), poll_seconds=0.2)
+    with ModelServer(manager, grpc_port=0, rest_port=0,
+                     max_request_bytes=MAX_REQUEST_BYTES) as server:
+        yield f"http://127.0.0.1:{server.rest_port}", f"127.0.0.1:{server.grpc_port}"
+
+
+def _real_tf_serving(model_dir: str):
+    rest, target = os.environ.get("TFSERVING_REST"), os.environ.get("TFSERVING_GRPC")
+    if not (rest and target and os.environ.get("TFSERVING_MODEL_DIR")):
+        pytest.skip("set TFSERVING_REST, TFSERVING_GRPC and TFSERVING_MODEL_DIR to test a "
+                    "real TF Serving")
+    server_dir = os.environ.get("TFSERVING_SERVER_MODEL_DIR", model_dir)
+    config = model_server_config_pb2.ModelServerConfig()
+    for name in MODELS:
+        config.model_config_list.config.add(name=name, base_path=f"{server_dir}/{name}",
+                                            model_platform="tensorflow")
+    with grpc.insecure_channel(target) as channel:
+        model_service_pb2_grpc.ModelServiceStub(channel).HandleReloadConfigRequest(
+            model_management_pb2.ReloadConfigRequest(config=config), timeout=60)
+    client = Client(url=rest)
+    deadline = time.time() + 60
+    while not all(_available(client, name) for name in MODELS):
+        assert time.time() < deadline, "the real TF Serving did not load the toy models"
+        time.sleep(0.5)
+    return rest.rstrip("/"), target
+
+
+def _available(client: Client, name: str) -> bool:
+    try:
+        states = client.status(name).model_version_status
+    except ServingError:
+        return False
+    return any(s.state == get_model_status_pb2.ModelVersionStatus.AVAILABLE for s in states)
+
+
+@pytest.fixture(scope="module", params=["embedded", "tf_serving"])
+def server(request, model_dir):
+    """(kind, REST base URL, gRPC target) of each server under test."""
+    if request.param == "embedded":
+        rest, target = request.getfixturevalue("embedded")
+    else:
+        rest, target = _real_tf_serving(model_dir)
+    return request.param, rest, target
+
+
+@pytest.fixture(scope="module")
+def stubs(server):
+    channel = grpc.insecure_channel(server[2])
+    yield (prediction_service_pb2_grpc.PredictionServiceStub(channel),
+           model_service_pb2_grpc.ModelServiceStub(channel))
+    channel.close()
+
+
+def _assert_answers(rest: str) -> None:
+    """The server still serves normally."""
+    answer = requests.post(f"{rest}/v1/models/scale:predict", json={"inputs": [1.0]}, timeout=10)
+    assert answer.status_code == 200 and answer.json() == {"outputs": [3.0]}
+
+
+# ------------------------------------------------------------------ layout
+
+
+def test_versions_are_integer_folders_written_atomically(tmp_path):
+    base = str(tmp_path / "m")
+    assert list_versions(base) == [] and next_version(base) == 1
+    for name in ("1", "10", "tmp", ".tmp-3-x", "2a"):
+        os.makedirs(os.path.join(base, name))
+    assert list_versions(base) == [1, 10] and next_version(base) == 11
+
+    def fail(path):
+        open(os.path.join(path, "saved_model.pb"), "w").close()
+        raise RuntimeError("export failed")
+    with pytest.raises(RuntimeError):
+        write_version(base, fail)
+    assert sorted(os.listdir(base)) == sorted(["1", "10", "tmp", ".tmp-3-x", "2a"])
+    assert write_version(base, lambda path: None) == os.path.join(base, "11")
+    with pytest.raises(FileExistsError):
+        write_version(base, lambda path: None, version=11)
+
+
+def test_models_config_is_a_model_server_config(tmp_path):
+    path = write_models_config(str(tmp_path / "models.config"),
+                               {"a": str(tmp_path / "a"), "b": "rel/b"})
+    proto = text_format.Parse(open(path).read(), model_server_config_pb2.ModelServerConfig())
+    configs = proto.model_config_list.config
+    assert [(c.name, c.model_platform) for c in configs] == [("a", "tensorflow"),
+                                                              ("b", "tensorflow")]
+    assert configs[1].base_path == os.path.abspath("rel/b")
+    assert parse_config(open(path).read())[0] == ModelConfig("a", str(tmp_path / "a"))
+
+
+def test_version_policies():
+    text = """model_config_list {
+      config { name: "a" base_path: "/a" model_version_policy { latest { num_versions: 2 } } }
+      config { name: "b" base_path: "/b" model_version_policy { all {} } }
+      config { name: "c" base_path: "/c" model_version_policy { specific { versions: 1
+               versions: 3 } } version_labels { key: "stable" value: 1 } }
+      config { name: "d" base_path: "/d" } }"""
+    a, b, c, d = parse_config(text)
+    on_disk = [1, 2, 3, 4]
+    assert (a.wanted(on_disk), b.wanted(on_disk), c.wanted(on_disk), d.wanted(on_disk)) == (
+        {3, 4}, {1, 2, 3, 4}, {1, 3}, {4})
+    assert c.labels == {"stable": 1}
+    with pytest.raises(ServingError, match="Invalid model config"):
+        parse_config("model_config_list { nonsense: 1 }")
+
+
+# ------------------------------------------------------------------ loading like TF Serving
+
+
+def test_loads_in_a_session_and_runs_by_tensor_names(local):
+    model = local["retrieval"]
+    assert isinstance(model.session, tf.compat.v1.Session)
+    assert set(model.signature_defs) == {"serving_default", "__saved_model_init_op"}
+    outputs = model.run({"user_id": np.array(["u1", "nobody"])})
+    toy = ToyRetrieval()                    # the same seed as the saved one
+    eager = toy.serve(tf.constant(["u1", "nobody"]))
+    assert np.array_equal(outputs["item_ids"], eager["item_ids"].numpy())
+    np.testing.assert_allclose(outputs["scores"], eager["scores"].numpy(), rtol=1e-6)
+    assert list(model.run({"user_id": np.array([b"u1"])}, output_filter=["scores"])) == ["scores"]
+
+
+@pytest.mark.parametrize("inputs, signature, code, message", [
+    ({"user_id": np.array([1.0])}, "", "INVALID_ARGUMENT", "expects dtype string"),
+    ({}, "", "INVALID_ARGUMENT", "Missing but required: {user_id}"),
+    ({"user_id": np.array(["u"]), "x": np.array(["u"])}, "", "INVALID_ARGUMENT",
+     "Sent extra: {x}"),
+    ({"user_id": np.array([["u"]])}, "", "INVALID_ARGUMENT", r"expects shape \[-1\]"),
+    ({"user_id": np.array(["u"])}, "nope", "FAILED_PRECONDITION",
+     'Serving signature key "nope" not found.'),
+])
+def test_inputs_are_checked_against_the_signature(local, inputs, signature, code, message):
+    with pytest.raises(ServingError, match=message) as error:
+        local["retrieval"].run(inputs, signature)
+    assert error.value.code == code
+
+
+def test_scann_models_load_because_the_server_imports_scann(tmp_path):
+    import tensorflow_recommenders as tfrs
+
+    items = np.random.default_rng(0).normal(size=(200, 8)).astype(np.float32)
+    index = tfrs.layers.factorized_top_k.ScaNN(k=5, num_leaves=4, num_leaves_to_search=4,
+                                               dimensions_per_block=2, training_iterations=2)
+    index.index(tf.constant(items))
+    module = tf.Module()
+    module.index = index
+    module.serve = tf.function(lambda query: dict(zip(("scores", "index"), index(query))),
+                               input_signature=[tf.TensorSpec([None, 8], tf.float32)])
+    path = str(tmp_path / "scann")
+    tf.saved_model.save(module, path, signatures={"serving_default": module.serve},
+                        options=tf.saved_model.SaveOptions(namespace_whitelist=["Scann"]))
+    model = LoadedModel(path)
+    ops = {node.op for function in model.graph.as_graph_def().library.function
+           for node in function.node_def}
+    assert any(op.startswith("Scann>") for op in ops)
+    (query,) = model.signature_defs["serving_default"].inputs
+    assert model.run({query: items[:3]})["index"].shape == (3, 5)
+    model.close()
+
+
+def test_warmup_runs_at_load_and_a_failing_one_fails_the_load(tmp_path):
+    good = save(Scale(2.0), str(tmp_path / "good"))
+    write_warmup_requests(good, "good", {"x": np.arange(3, dtype=np.float32)})
+    LoadedModel(good).close()
+    bad = save(Scale(2.0), str(tmp_path / "bad"))
+    write_warmup_requests(bad, "bad", {"z": np.arange(3, dtype=np.float32)})
+    with pytest.raises(ServingError, match="Sent extra: {z}"):
+        LoadedModel(bad)
+
+
+# ------------------------------------------------------------------ REST conformance
+
+
+def test_rest_status(server):
+    _, rest, _ = server
+    answer = requests.get(f"{rest}/v1/models/retrieval", timeout=10)
+    assert answer.status_code == 200
+    assert answer.headers["content-type"].startswith("application/json")
+    assert answer.json() == {"model_version_status": [{
+        "version": "1", "state": "AVAILABLE",
+        "status": {"error_code": "OK", "error_message": ""}}]}
+    assert requests.get(f"{rest}/v1/models/retrieval/versions/1", timeout=10).json() == \
+        answer.json()
+
+
+def test_rest_metadata(server):
+    _, rest, _ = server
+    answer = requests.get(f"{rest}/v1/models/ranking/metadata", timeout=10).json()
+    assert answer["model_spec"] == {"name": "ranking", "signature_name": "", "version": "1"}
+    signatures = answer["metadata"]["signature_def"]["signature_def"]
+    assert {"serving_default", "__saved_model_init_op"} <= set(signatures)
+    inputs = signatures["serving_default"]["inputs"]
+    assert inputs["item_ids"]["dtype"] == "DT_STRING"
+    assert [d["size"] for d in inputs["item_ids"]["tensor_shape"]["dim"]] == ["-1", "-1"]
+    assert signatures["serving_default"]["method_name"] == "tensorflow/serving/predict"
+
+
+def _predict(rest: str, model: str, body) -> requests.Response:
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return requests.post(f"{rest}/v1/models/{model}:predict", data=data, timeout=10)
+
+
+def test_rest_predict_row_and_columnar_forms(server, local):
+    _, rest, _ = server
+    users = ["u0", "u3"]
+    expected = local["retrieval"].run({"user_id": np.array(users)})
+    ids = [[i.decode() for i in row] for row in expected["item_ids"]]
+    rows = _predict(rest, "retrieval", {"instances": users}).json()["predictions"]
+    assert [row["item_ids"] for row in rows] == ids
+    np.testing.assert_allclose([row["scores"] for row in rows], expected["scores"], rtol=1e-6)
+    b64 = [{"b64": base64.b64encode(u.encode()).decode()} for u in users]
+    columns = _predict(rest, "retrieval", {"signature_name": "serving_default",
+                                           "inputs": {"user_id": b64}}).json()["outputs"]
+    assert columns["item_ids"] == ids
+    assert _predict(rest, "scale", {"instances": [1.0, 2]}).json() == {"predictions": [3.0, 6.0]}
+    assert _predict(rest, "scale", {"inputs": {"x": [1.5]}}).json() == {"outputs": [4.5]}
+
+
+def test_rest_predict_named_instances(server, local):
+    _, rest, _ = server
+    rows = [{"user_id": "u1", "item_ids": ["i1", "i2", "i3"]},
+            {"user_id": "u2", "item_ids": ["i4", "i5", "i6"]}]
+    expected = local["ranking"].run({"user_id": np.array(["u1", "u2"]), "item_ids": np.array(
+        [r["item_ids"] for r in rows])})["scores"]
+    answer = _predict(rest, "ranking", {"instances": rows}).json()["predictions"]
+    np.testing.assert_allclose(answer, expected, rtol=1e-6)
+
+
+def test_json_responses_are_shaped_as_tf_serving_shapes_them():
+    from serving.json_tensor import format_predict
+    outputs = {"ids": np.array([[b"a"], [b"b"]], object), "raw_bytes": np.array([b"\xff", b"x"]),
+               "score": np.array([0.5, 1.0], np.float32)}
+    assert format_predict(outputs, row_form=True)["predictions"] == [
+        {"ids": ["a"], "raw_bytes": {"b64": "/w=="}, "score": 0.5},
+        {"ids": ["b"], "raw_bytes": {"b64": "eA=="}, "score": 1.0}]
+    assert format_predict({"score": outputs["score"]}, row_form=False) == {"outputs": [0.5, 1.0]}
+    with pytest.raises(ServingError, match="inconsistent batch size"):
+        format_predict({"a": np.zeros(2), "b": np.zeros(3)}, row_form=True)
+    assert format_predict({"a": np.zeros(2), "b": np.zeros(3)}, row_form=False)["outputs"] == {
+        "a": [0.0, 0.0], "b": [0.0, 0.0, 0.0]}
+
+
+# (model, body, HTTP status, message fragment) of each error class.
+REST_ERRORS = {
+    "malformed JSON": ("retrieval", b'{"instances": [', 400, None),
+    "not an object": ("retrieval", b"[1, 2]", 400, None),
+    "neither instances nor inputs": ("retrieval", {"signature_name": ""}, 400,
+                                     "Missing 'inputs' or 'instances' key"),
+    "wrong dtype": ("retrieval", {"inputs": {"user_id": [1, 2]}}, 400, None),
+    "integer for a bool": ("scale", {"inputs": [True]}, 400, None),
+    "ragged": ("ranking", {"inputs": {"user_id": ["u1", "u2"],
+                                      "item_ids": [["i1", "i2"], ["i3"]]}}, 400, None),
+    "missing input": ("ranking", {"inputs": {"user_id": ["u1"]}}, 400, None),
+    "missing named input in a row": ("ranking", {"instances": [{"user_id": "u1"}]}, 400, None),
+    "extra input": ("ranking", {"instances": [{"user_id": "u1", "item_ids": ["i1"],
+                                               "more": 1}]}, 400, None),
+    "unknown signature": ("retrieval", {"signature_name": "nope", "instances": ["u1"]}, 400,
+                          'Serving signature key "nope" not found.'),
+    "invalid UTF-8": ("retrieval", b'{"instances": ["\xff"]}', 400, None),
+    "deeply nested": ("scale", b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400,
+                      None),
+    "empty instances": ("scale", {"instances": []}, 400, None),
+    "bad base64": ("retrieval", {"instances": [{"b64": "%%%"}]}, 400, None),
+    "number too large": ("scale", {"instances": [10**400]}, 400, None),
+    "unknown model": ("nope", {"instances": ["u1"]}, 404,
+                      "Servable not found for request: Latest(nope)"),
+    "unknown version": ("retrieval/versions/99", {"instances": ["u1"]}, 404,
+                        "Servable not found for request: Specific(retrieval, 99)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REST_ERRORS))
+def test_rest_errors_answer_with_tf_serving_codes(server, case):
+    kind, rest, _ = server
+    model, body, status, message = REST_ERRORS[case]
+    answer = _predict(rest, model, body)
+    assert answer.status_code == status, answer.text
+    assert answer.headers["content-type"].startswith("application/json")
+    error = answer.json()["error"]
+    assert message is None or message in error
+    if kind == "embedded" and case == "wrong dtype":
+        assert 'Input "user_id"' in error and "string" in error
+    _assert_answers(rest)
+
+
+def test_rest_status_errors(server):
+    _, rest, _ = server
+    unknown = requests.get(f"{rest}/v1/models/nope", timeout=10)
+    assert unknown.status_code == 404
+    assert "Could not find any versions of model nope" in unknown.json()["error"]
+    assert requests.get(f"{rest}/v1/models/scale/versions/7", timeout=10).status_code == 404
+    _assert_answers(rest)
+
+
+def test_rest_paths_are_case_insensitive_and_malformed_paths_refused(server):
+    kind, rest, _ = server
+    answer = requests.post(f"{rest}/V1/MODELS/scale:PREDICT", json={"inputs": [1.0]}, timeout=10)
+    assert answer.json() == {"outputs": [3.0]}
+    if kind == "embedded":
+        bad = requests.get(f"{rest}/v1/models/scale:predict", timeout=10)
+        assert bad.status_code == 400 and "Malformed request: GET" in bad.json()["error"]
+        missing = requests.get(f"{rest}/v1/models", timeout=10)
+        assert missing.json() == {"error": "Missing model name in request."}
+    _assert_answers(rest)
+
+
+def test_rest_timeout_answers_deadline_exceeded(model_dir):
+    manager = ModelManager([ModelConfig("scale", os.path.join(model_dir, "scale"))],
+                           poll_seconds=0)
+    with ModelServer(manager, grpc_port=None, rest_port=0, rest_timeout_seconds=1e-9) as server:
+        answer = _predict(f"http://127.0.0.1:{server.rest_port}", "scale", {"inputs": [1.0]})
+    assert answer.status_code == 504 and "--rest_api_timeout_in_ms" in answer.json()["error"]
+
+
+def test_rest_oversized_body_is_refused(server):
+    kind, rest, _ = server
+    if kind != "embedded":
+        pytest.skip("the request size limit is the embedded server's flag")
+    body = json.dumps({"inputs": [1.0] * (MAX_REQUEST_BYTES // 4)})
+    answer = _predict(rest, "scale", body)
+    assert answer.status_code == 413 and "--max_request_bytes" in answer.json()["error"]
+
+    def chunks():                         # no Content-Length: the streamed read is capped
+        for _ in range(MAX_REQUEST_BYTES // 1024 + 2):
+            yield b" " * 1024
+    streamed = requests.post(f"{rest}/v1/models/scale:predict", data=chunks(), timeout=10)
+    assert streamed.status_code == 413
+    _assert_answers(rest)
+
+
+# ------------------------------------------------------------------ gRPC conformance
+
+
+def _spec(message, name: str, version: int | None = None, signature: str = ""):
+    message.model_spec.name = name
+    message.model_spec.signature_name = signature
+    if version is not None:
+        message.model_spec.version.value = version
+    return message
+
+
+def _predict_request(name: str, inputs: dict, version: int | None = None, signature: str = "",
+                     output_filter=()) -> predict_pb2.PredictRequest:
+    request = _spec(predict_pb2.PredictRequest(output_filter=list(output_filter)), name,
+                    version, signature)
+    for key, value in inputs.items():
+        request.inputs[key].CopyFrom(tf.make_tensor_proto(value))
+    return request
+
+
+def test_grpc_status_and_metadata(stubs):
+    prediction, models = stubs
+    status = models.GetModelStatus(_spec(get_model_status_pb2.GetModelStatusRequest(),
+                                         "retrieval"), timeout=10)
+    (version,) = status.model_version_status
+    assert version.version == 1 and version.state == version.AVAILABLE
+    assert version.status.error_code == 0
+    metadata = prediction.GetModelMetadata(_spec(get_model_metadata_pb2.GetModelMetadataRequest(
+        metadata_field=["signature_def"]), "ranking"), timeout=10)
+    assert metadata.model_spec.name == "ranking" and metadata.model_spec.version.value == 1
+    signatures = get_model_metadata_pb2.SignatureDefMap()
+    assert metadata.metadata["signature_def"].Unpack(signatures)
+    assert set(signatures.signature_def["serving_default"].inputs) == {"user_id", "item_ids"}
+
+
+def test_grpc_predict_and_output_filter(stubs, local):
+    prediction, _ = stubs
+    users = np.array([b"u2", b"u5"], dtype=object)
+    response = prediction.Predict(_predict_request("retrieval", {"user_id": users}), timeout=10)
+    assert response.model_spec.version.value == 1
+    expected = local["retrieval"].run({"user_id": users})
+    assert np.array_equal(tf.make_ndarray(response.outputs["item_ids"]), expected["item_ids"])
+    filtered = prediction.Predict(_predict_request("retrieval", {"user_id": users},
+                                                   output_filter=["scores"]), timeout=10)
+    assert list(filtered.outputs) == ["scores"]
+
+
+GRPC_ERRORS = {
+    "wrong dtype": (_predict_request, ("retrieval", {"user_id": np.array([1.0], np.float32)}),
+                    grpc.StatusCode.INVALID_ARGUMENT, None),
+    "missing input": (_predict_request, ("ranking", {"user_id": np.array([b"u1"])}),
+                      grpc.StatusCode.INVALID_ARGUMENT, None),
+    "extra input": (_predict_request, ("scale", {"x": np.array([1.0], np.float32),
+                                                 "z": np.array([1.0], np.float32)}),
+                    grpc.StatusCode.INVALID_ARGUMENT, None),
+    "unknown output in the filter": (
+        lambda *a: _predict_request(*a, output_filter=["nope"]),
+        ("scale", {"x": np.array([1.0], np.float32)}), grpc.StatusCode.INVALID_ARGUMENT, None),
+    "repeated output in the filter": (
+        lambda *a: _predict_request(*a, output_filter=["y", "y"]),
+        ("scale", {"x": np.array([1.0], np.float32)}), grpc.StatusCode.INVALID_ARGUMENT, None),
+    "unknown signature": (lambda *a: _predict_request(*a, signature="nope"),
+                          ("scale", {"x": np.array([1.0], np.float32)}),
+                          grpc.StatusCode.FAILED_PRECONDITION,
+                          'Serving signature key "nope" not found.'),
+    "unknown model": (_predict_request, ("nope", {"x": np.array([1.0], np.float32)}),
+                      grpc.StatusCode.NOT_FOUND, "Servable not found for request: Latest(nope)"),
+    "unknown version": (_predict_request, ("scale", {"x": np.array([1.0], np.float32)}, 9),
+                        grpc.StatusCode.NOT_FOUND,
+                        "Servable not found for request: Specific(scale, 9)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GRPC_ERRORS))
+def test_grpc_errors_have_tf_codes(server, stubs, case):
+    prediction, _ = stubs
+    build, args, code, message = GRPC_ERRORS[case]
+    with pytest.raises(grpc.RpcError) as error:
+        prediction.Predict(build(*args), timeout=10)
+    assert error.value.code() == code, error.value.details()
+    assert message is None or message in error.value.details()
+    _assert_answers(server[1])
+
+
+def test_grpc_long_messages_are_truncated(server, stubs):
+    prediction, _ = stubs
+    request = _predict_request("scale", {"x": np.array([1.0], np.float32),
+                                         "z" * 2000: np.array([1.0], np.float32)})
+    with pytest.raises(grpc.RpcError) as error:
+        prediction.Predict(request, timeout=10)
+    assert len(error.value.details()) == 1024 + len("...TRUNCATED")
+    assert error.value.details().endswith("...TRUNCATED")
+    assert truncate("short") == "short"
+
+
+def test_grpc_unimplemented_and_oversized(server, stubs):
+    kind, rest, _ = server
+    if kind != "embedded":
+        pytest.skip("the embedded server's own limits")
+    prediction, _ = stubs
+    with pytest.raises(grpc.RpcError) as error:
+        prediction.Classify(_spec(classification_pb2.ClassificationRequest(), "scale"),
+                            timeout=10)
+    assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    big = np.zeros(MAX_REQUEST_BYTES // 4 + 10, np.float32)
+    with pytest.raises(grpc.RpcError) as error:
+        prediction.Predict(_predict_request("scale", {"x": big}), timeout=10)
+    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    _assert_answers(rest)
+
+
+# ------------------------------------------------------------------ client and recommender
+
+
+@pytest.fixture(scope="module", params=["rest", "grpc"])
+def client(request, server):
+    _, rest, target = server
+    with (Client(url=rest) if request.param == "rest" else Client(grpc_target=target)) as client:
+        yield client
+
+
+def test_client_predict_status_metadata(client, local):
+    users = np.array([b"u1", b"u4"], dtype=object)
+    outputs = client.predict("retrieval", {"user_id": users})
+    expected = local["retrieval"].run({"user_id": users})
+    assert np.array_equal(outputs["item_ids"], expected["item_ids"])
+    assert outputs["scores"].dtype == np.float32
+    np.testing.assert_allclose(outputs["scores"], expected["scores"], rtol=1e-6)
+    assert client.predict("scale", {"x": np.array([2.0], np.float32)}, version=1)["y"] == [6.0]
+    assert client.status("scale").model_version_status[0].version == 1
+    assert "serving_default" in client.metadata("scale", version=1).signature_def
+    with pytest.raises(ServingError) as error:
+        client.predict("nope", {"x": np.array([1.0], np.float32)})
+    assert error.value.code == "NOT_FOUND"
+
+
+def test_client_retries_unavailable_then_fails(unused_port):
+    for client in (Client(url=f"http://127.0.0.1:{unused_port}", retries=2, backoff=0.01),
+                   Client(grpc_target=f"127.0.0.1:{unused_port}", retries=2, backoff=0.01,
+                          timeout=2)):
+        with client, pytest.raises(ServingError) as error:
+            client.status("scale")
+        assert error.value.code == "UNAVAILABLE"
+
+
+@pytest.fixture
+def unused_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_recommender_drops_seen_items(client, local):
+    recommender = Recommender(client)
+    candidates = local["retrieval"].run({"user_id": np.array(["u1"])})["item_ids"][0]
+    seen = [list(candidates[:2]) + [b"not-a-candidate"]]
+    result = recommender.recommend(["u1"], n=3, seen=seen)
+    assert result["item_ids"].shape == (1, 3)
+    assert not set(result["item_ids"][0]) & set(seen[0])
+    everything = recommender.recommend(["u1"], n=3, seen=[list(candidates)])
+    assert list(everything["item_ids"][0]) == [PAD_ID] * 3
+
+
+def test_composed_recommender_equals_recommender(client, model_dir, tmp_path):
+    base = str(tmp_path / "recommender")
+    path = write_version(base, lambda out: compose_recommender(
+        os.path.join(model_dir, "retrieval", "1"), os.path.join(model_dir, "ranking", "1"), out,
+        top_n=4, warmup_user_ids=["u0"]))
+    composed = LoadedModel(path)           # in a session, as TF Serving loads it
+    users = np.array(list(USERS) + ["stranger"], dtype=object)
+    served = composed.run({"user_id": users})
+    expected = Recommender(client).recommend(users, n=4)
+    assert np.array_equal(served["item_ids"], expected["item_ids"])
+    np.testing.assert_allclose(served["scores"], expected["scores"], rtol=1e-6)
+    composed.close()
+
+
+# ------------------------------------------------------------------ hot swap
+
+
+@pytest.fixture
+def swap_server(tmp_path):
+    base = str(tmp_path / "scale")
+    save(Scale(1.0), base)
+    manager = ModelManager([ModelConfig("scale", base)], poll_seconds=0.05)
+    with ModelServer(manager, grpc_port=0, rest_port=0) as server:
+        yield base, server
+
+
+def _hammer(client: Client, stop: threading.Event, factors: list, failures: list) -> None:
+    """Predicts in a loop, recording the factor each answer shows and every failure."""
+    while not stop.is_set():
+        try:
+            factors.append(float(client.predict("scale", {"x": np.ones(1, np.float32)})["y"][0]))
+        except Exception as error:  # every failure counts
+            failures.append(repr(error))
+
+
+def _wait_for(condition, seconds: float = 30.0) -> None:
+    deadline = time.time() + seconds
+    while not condition():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_hot_swap_drops_no_request_and_a_corrupt_version_keeps_the_last_good(swap_server):
+    base, server = swap_server
+    clients = [Client(url=f"http://127.0.0.1:{server.rest_port}", retries=0),
+               Client(grpc_target=f"127.0.0.1:{server.grpc_port}", retries=0)]
+    stop, failures = threading.Event(), []
+    factors = [[] for _ in clients]
+    threads = [threading.Thread(target=_hammer, args=(c, stop, f, failures))
+               for c, f in zip(clients, factors)]
+    for thread in threads:
+        thread.start()
+    try:
+        _wait_for(lambda: all(factors))
+        save(Scale(2.0), base)
+        _wait_for(lambda: all(f[-1] == 2.0 for f in factors))
+        status = {s.version: s for s in server.manager.status("scale").model_version_status}
+        assert status[2].state == status[2].AVAILABLE
+        _wait_for(lambda: server.manager.status("scale", 1).model_version_status[0].state
+                  == get_model_status_pb2.ModelVersionStatus.END)
+
+        write_version(base, lambda path: open(os.path.join(path, "saved_model.pb"), "w").write(
+            "not a SavedModel"))
+        _wait_for(lambda: 3 in {s.version for s in
+                                server.manager.status("scale").model_version_status})
+        count = sum(map(len, factors))
+        _wait_for(lambda: sum(map(len, factors)) > count + 20)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert failures == []
+    assert all(f[-1] == 2.0 and set(f) <= {1.0, 2.0} for f in factors)
+    broken = clients[0].status("scale", version=3).model_version_status[0]
+    assert broken.state == broken.END and broken.status.error_code != 0
+    assert "3" in broken.status.error_message
+    for client in clients:
+        client.close()
+
+
+# ------------------------------------------------------------------ batching
+
+
+class CountingModel:
+    """A model that counts its session runs."""
+
+    def __init__(self, model: LoadedModel):
+        self.model, self.runs = model, []
+
+    def check_inputs(self, inputs, signature_name=""):
+        return self.model.check_inputs(inputs, signature_name)
+
+    def run(self, inputs, signature_name="", output_filter=()):
+        self.runs.append(len(next(iter(inputs.values()))))
+        return self.model.run(inputs, signature_name, output_filter)
+
+
+def test_batcher_merges_concurrent_requests_and_a_bad_one_fails_alone(local):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from serving.batching import Batcher
+    model = CountingModel(local["scale"])
+    batcher = Batcher(max_batch_size=64, batch_timeout_micros=200_000)
+    requests_ = [{"x": np.full(i % 3 + 1, i, np.float32)} for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda inputs: batcher(model, inputs), requests_))
+    for inputs, answer in zip(requests_, answers):
+        np.testing.assert_array_equal(answer["y"], inputs["x"] * 3)
+    assert len(model.runs) < len(requests_) and sum(model.runs) == sum(
+        len(r["x"]) for r in requests_)
+    with pytest.raises(ServingError, match="expects dtype float"):
+        batcher(model, {"x": np.array([1], np.int64)})
+
+
+def test_server_with_batching_answers_concurrent_clients(model_dir):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from serving.batching import Batcher
+    manager = ModelManager([ModelConfig("scale", os.path.join(model_dir, "scale"))],
+                           poll_seconds=0)
+    with ModelServer(manager, grpc_port=0, rest_port=0,
+                     batcher=Batcher(batch_timeout_micros=20_000)) as server:
+        with Client(url=f"http://127.0.0.1:{server.rest_port}") as client:
+            with ThreadPoolExecutor(6) as pool:
+                answers = list(pool.map(lambda i: client.predict(
+                    "scale", {"x": np.array([i], np.float32)})["y"][0], range(12)))
+    assert answers == [3.0 * i for i in range(12)]
+
+
+# ------------------------------------------------------------------ scripts
+
+
+def _script(name: str):
+    import importlib.util
+    import sys
+    scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "scripts")
+    sys.path.insert(0, scripts)
+    spec = importlib.util.spec_from_file_location(f"script_{name}",
+                                                  os.path.join(scripts, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_serve_flags_follow_tf_serving(model_dir):
+    serve = _script("serve")
+    args = serve.parse_args([f"--model_config_file={model_dir}/models.config",
+                             "--enable_batching", "--rest_api_port=0"])
+    assert (args.port, args.rest_api_port, args.host, args.enable_batching) == (
+        8500, 0, "127.0.0.1", True)
+    assert [c.name for c in serve.model_configs(args)] == list(MODELS)
+    single = serve.parse_args(["--model_name=m", "--model_base_path=/m",
+                               "--enable_batching=false"])
+    assert serve.model_configs(single) == [ModelConfig("m", "/m")] and not single.enable_batching
+    with pytest.raises(SystemExit):
+        serve.parse_args([])
+
+
+def test_recommend_prints_titles(embedded, tmp_path, capsys):
+    recommend = _script("recommend")
+    movies = tmp_path / "movies.csv"
+    movies.write_text("item_id,title\n" + "".join(f"{i},Film {i}\n" for i in ITEMS))
+    assert recommend.main(["--user", "u2", "--url", embedded[0], "--n", "3",
+                           "--movies", str(movies), "--seen", "i0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "recommendations for user u2:" and len(lines) == 4
+    assert all("Film i" in line for line in lines[1:])
+    assert recommend.main(["--user", "u2", "--grpc", embedded[1], "--movies",
+                           str(tmp_path / "missing.csv")]) == 1
+
+
+def test_reload_config_replaces_the_models_and_labels_resolve(swap_server):
+    base, server = swap_server
+    config = model_server_config_pb2.ModelServerConfig()
+    entry = config.model_config_list.config.add(name="other", base_path=base,
+                                                model_platform="tensorflow")
+    entry.version_labels["stable"] = 1
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        response = model_service_pb2_grpc.ModelServiceStub(channel).HandleReloadConfigRequest(
+            model_management_pb2.ReloadConfigRequest(config=config), timeout=30)
+    assert response.status.error_code == 0
+    rest = f"http://127.0.0.1:{server.rest_port}"
+    assert requests.get(f"{rest}/v1/models/scale", timeout=10).status_code == 404
+    labelled = requests.post(f"{rest}/v1/models/other/labels/stable:predict",
+                             json={"instances": [2.0]}, timeout=10)
+    assert labelled.json() == {"predictions": [2.0]}
+    unknown = requests.get(f"{rest}/v1/models/other/labels/beta", timeout=10)
+    assert unknown.status_code == 400 and "beta" in unknown.json()["error"]
+
+
+def test_latency_measure_counts_requests_and_errors(embedded):
+    from serving.latency import measure
+    with Client(grpc_target=embedded[1]) as client:
+        result = measure(lambda: client.predict("scale", {"x": np.ones(1, np.float32)}),
+                         clients=2, seconds=0.3)
+    assert result["requests"] > 0 and result["errors"] == 0
+    assert 0 < result["p50_ms"] <= result["p99_ms"] and result["rps"] > 0
+    calls = iter(range(10**6))
+    failing = measure(lambda: 1 / (next(calls) % 2), clients=1, seconds=0.05, warmup=0)
+    assert failing["errors"] > 0 and failing["requests"] > 0
+
+
+def test_config_file_changes_are_picked_up(swap_server, tmp_path):
+    base, server = swap_server
+    path = write_models_config(str(tmp_path / "models.config"), {"scale": base})
+    server.manager.watch_config_file(path, poll_seconds=0.05)
+    write_models_config(path, {"scale": base, "again": base})
+    os.utime(path, (time.time() + 5, time.time() + 5))
+    with Client(url=f"http://127.0.0.1:{server.rest_port}") as client:
+        _wait_for(lambda: _available(client, "again"))
+        with open(path, "w") as f:
+            f.write("not a config")
+        os.utime(path, (time.time() + 10, time.time() + 10))
+        time.sleep(0.3)                   # a broken config is logged; the models stay
+        assert _available(client, "again")
