@@ -9,7 +9,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from features.evaluation import rank_metrics
+from features.evaluation import interaction_matrix, rank_metrics
 from features.inputs import ModelInputs
 from features.layers import mixed_precision
 from features.pipeline import batches, steps_per_epoch
@@ -24,7 +24,8 @@ def candidate_lists(data: ModelInputs, part: str, num_negatives: int, hard_share
     Args:
         data: model inputs. part: train, validation or test.
         hard: [m, H] retrieval candidates per row (hard negatives), or None for random only.
-        hard_share: share of the negatives taken from `hard` (never the positive).
+        hard_share: share of the negatives taken from `hard`: never the positive nor any other
+            item of the user's training rows (a later item of the same session is no negative).
     """
     rng = np.random.default_rng(seed)
     positives = data.examples[part]["item"]                                   # [m]
@@ -32,7 +33,10 @@ def candidate_lists(data: ModelInputs, part: str, num_negatives: int, hard_share
     num_hard = 0 if hard is None else min(int(round(hard_share * num_negatives)), hard.shape[1])
     negatives = []
     if num_hard:
+        users = data.interactions.user[getattr(data.split, part)]
+        own = interaction_matrix(data.interactions, data.split.train)          # [U, I]
         keys = rng.random(hard.shape)
+        keys[np.asarray(own[users[:, None], hard].todense()) > 0] = 2.0       # the user's items late
         keys[hard == positives[:, None]] = np.inf                             # the positive last
         picked = np.take_along_axis(hard, np.argsort(keys, axis=1)[:, :num_hard], axis=1)
         negatives.append(picked)
