@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: test demo bench serve clean
+RUN ?= runs/demo
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,10 +17,13 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
-	$(PY) scripts/pipeline.py --data synthetic --out runs/demo
+	$(PY) scripts/pipeline.py --data synthetic --out $(RUN)
 
 bench: $(STAMP)
 	$(PY) scripts/benchmark.py
+
+serve: $(STAMP)
+	$(PY) scripts/serve.py --port=8500 --rest_api_port=8501 --model_config_file=$(RUN)/export/models.config
 
 clean:
 	rm -rf $(VENV) build *.egg-info
