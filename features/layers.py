@@ -104,3 +104,15 @@ class UserInputs(tf.Module):
         for name, table in self.features.items():
             features[f"user_{name}"] = tf.where(known, tf.gather(table, codes), oov)
         return features, known
+
+
+def run_callbacks(run_dir: str | None, stage: str, config_json: str) -> list:
+    """Writes RUN/STAGE_config.json and returns the callbacks every stage's training uses in a
+    run folder: TensorBoard logs and resumable checkpoints (`BackupAndRestore`)."""
+    if not run_dir:
+        return []
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, f"{stage}_config.json"), "w") as f:
+        f.write(config_json)
+    return [tf.keras.callbacks.TensorBoard(os.path.join(run_dir, "tensorboard", stage)),
+            tf.keras.callbacks.BackupAndRestore(os.path.join(run_dir, "checkpoints", stage))]

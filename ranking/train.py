@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from features.evaluation import interaction_matrix, rank_metrics
 from features.inputs import ModelInputs
-from features.layers import mixed_precision
+from features.layers import mixed_precision, run_callbacks
 from features.pipeline import batches, steps_per_epoch
 from ranking.config import RankingConfig
 from ranking.model import RankingModel
@@ -124,12 +124,7 @@ def fit(data: ModelInputs, config: RankingConfig, hard: dict[str, np.ndarray] | 
             callbacks.append(tf.keras.callbacks.EarlyStopping(
                 "val_total_loss", patience=config.early_stopping_patience,
                 restore_best_weights=True))
-    if run_dir:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "ranking_config.json"), "w") as f:
-            f.write(config.to_json())
-        callbacks += [tf.keras.callbacks.TensorBoard(os.path.join(run_dir, "tensorboard", "ranking")),
-                      tf.keras.callbacks.BackupAndRestore(os.path.join(run_dir, "checkpoints", "ranking"))]
+    callbacks += run_callbacks(run_dir, "ranking", config.to_json())
     start = time.perf_counter()
     history = model.fit(dataset, epochs=config.epochs, steps_per_epoch=steps,
                         validation_data=validation, callbacks=callbacks, verbose=verbose)

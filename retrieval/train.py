@@ -13,7 +13,7 @@ from features.evaluation import KS, EvalSet, eval_set, evaluate
 from features.pipeline import batches, steps_per_epoch
 from retrieval.config import RetrievalConfig
 from features.inputs import ModelInputs, prepare
-from features.layers import mixed_precision
+from features.layers import mixed_precision, run_callbacks
 from retrieval.model import TwoTower
 
 
@@ -157,12 +157,7 @@ def fit(interactions: Interactions, split: Split, config: RetrievalConfig,
             callbacks.append(tf.keras.callbacks.EarlyStopping(
                 "val_recall@10", mode="max", patience=config.early_stopping_patience,
                 restore_best_weights=True))
-    if run_dir:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "retrieval_config.json"), "w") as f:
-            f.write(config.to_json())
-        callbacks += [tf.keras.callbacks.TensorBoard(os.path.join(run_dir, "tensorboard", "retrieval")),
-                      tf.keras.callbacks.BackupAndRestore(os.path.join(run_dir, "checkpoints", "retrieval"))]
+    callbacks += run_callbacks(run_dir, "retrieval", config.to_json())
     start = time.perf_counter()
     history = model.fit(dataset, epochs=config.epochs, steps_per_epoch=steps, callbacks=callbacks,
                         verbose=verbose)
