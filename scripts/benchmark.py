@@ -7,6 +7,7 @@ carries `ratio` (ours over the reference).
 """
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -110,7 +111,69 @@ def bench_index(num_items: int = 1_000_000, dim: int = 64, num_queries: int = 20
             "ratio": round(brute_ms / scann_ms, 1)}
 
 
-PARTS = {"input": bench_input, "train_retrieval": bench_train_retrieval, "index": bench_index}
+def bench_serving(num_items: int = 1_000_000, seconds: float = 3.0) -> dict:
+    """p50/p99 latency and requests/s of retrieval (1M items, brute force and ScaNN) and the
+    composed recommender, over REST and gRPC with 1 and 8 clients, and in-process (the same
+    SavedModel in a TF-Serving-style session) as the floor."""
+    import tempfile
+    from features import split
+    from features.synthetic import SyntheticConfig
+    from ranking.config import preset as ranking_preset
+    from ranking.export import export as export_ranking
+    from ranking.train import fit as fit_ranking
+    from retrieval.config import preset as retrieval_preset
+    from retrieval.export import export as export_retrieval
+    from retrieval.index import ScannParams
+    from retrieval.train import fit as fit_retrieval
+    from serving.client import Client
+    from serving.compose import compose_recommender
+    from serving.latency import measure
+    from serving.layout import write_version
+    from serving.manager import ModelConfig, ModelManager
+    from serving.model import LoadedModel
+    from serving.server import ModelServer
+
+    log = generate(SyntheticConfig(num_users=2_000, num_items=num_items, num_interactions=60_000), seed=0)
+    parts = split(log, "temporal")
+    first = retrieval_preset("tiny", epochs=1, k=100)
+    retrieval_model, inputs, _ = fit_retrieval(log, parts, first, verbose=0)
+    ranking_model, _ = fit_ranking(inputs, ranking_preset("tiny", epochs=1,
+                                                          history_length=first.history_length), verbose=0)
+    root = tempfile.mkdtemp(prefix="bench-serving-")
+    paths = {"retrieval": export_retrieval(retrieval_model, inputs, f"{root}/retrieval"),
+             "retrieval_scann": export_retrieval(
+                 retrieval_model, inputs, f"{root}/retrieval_scann",
+                 scann=ScannParams(num_leaves=2000, num_leaves_to_search=200,
+                                   num_reordering_candidates=1000)),
+             "ranking": export_ranking(ranking_model, inputs, f"{root}/ranking")}
+    paths["recommender"] = write_version(f"{root}/recommender", lambda path: compose_recommender(
+        paths["retrieval"], paths["ranking"], path, 10))
+    served = ("retrieval", "retrieval_scann", "recommender")
+    manager = ModelManager([ModelConfig(name, os.path.dirname(paths[name])) for name in served],
+                           poll_seconds=0)
+    server = ModelServer(manager, grpc_port=0, rest_port=0).start()
+    users = inputs.interactions.user_ids[:1]
+    results = {"items": num_items}
+    try:
+        for name in served:
+            local = LoadedModel(paths[name])
+            figures = {"in_process": measure(lambda: local.run({"user_id": users}), 1, seconds)}
+            for transport, client in (("rest", lambda: Client(url=f"http://127.0.0.1:{server.rest_port}", timeout=120)),
+                                      ("grpc", lambda: Client(grpc_target=f"127.0.0.1:{server.grpc_port}", timeout=120))):
+                for clients in (1, 8):
+                    shared = client()
+                    figures[f"{transport}_{clients}"] = measure(
+                        lambda: shared.predict(name, {"user_id": users}), clients, seconds)
+                    shared.close()
+            results[name] = {key: {k: round(v, 3) if isinstance(v, float) else v
+                                   for k, v in row.items()} for key, row in figures.items()}
+    finally:
+        server.stop()
+    return results
+
+
+PARTS = {"input": bench_input, "train_retrieval": bench_train_retrieval, "index": bench_index,
+         "serving": bench_serving}
 
 
 def main(argv=None) -> int:
