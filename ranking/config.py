@@ -25,7 +25,7 @@ class RankingConfig:
     bst_heads: int = 8
     bst_layers: tuple[int, ...] = (1024, 512, 256)
     num_negatives: int = 9                # per positive, in a list of 1 + num_negatives
-    hard_negative_share: float = 0.5      # of the negatives, drawn from retrieval's candidates
+    hard_negative_share: float = 1.0      # of the negatives, drawn from retrieval's candidates
     learning_rate: float = 1e-3
     batch_size: int = 256
     epochs: int = 5

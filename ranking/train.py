@@ -26,6 +26,9 @@ def candidate_lists(data: ModelInputs, part: str, num_negatives: int, hard_share
         hard: [m, H] retrieval candidates per row (hard negatives), or None for random only.
         hard_share: share of the negatives taken from `hard`: never the positive nor any other
             item of the user's training rows (a later item of the same session is no negative).
+            Only rows whose positive is among `hard` get hard negatives, as at serving time
+            (the ranker sees retrieved lists that hold the target); elsewhere, hard negatives
+            all outscore the positive in retrieval and the ranker would learn to invert it.
     """
     rng = np.random.default_rng(seed)
     positives = data.examples[part]["item"]                                   # [m]
@@ -39,13 +42,19 @@ def candidate_lists(data: ModelInputs, part: str, num_negatives: int, hard_share
         keys[np.asarray(own[users[:, None], hard].todense()) > 0] = 2.0       # the user's items late
         keys[hard == positives[:, None]] = np.inf                             # the positive last
         picked = np.take_along_axis(hard, np.argsort(keys, axis=1)[:, :num_hard], axis=1)
-        negatives.append(picked)
-    trained = np.flatnonzero(data.item_probability > 0)
-    random = trained[rng.integers(0, len(trained), (m, num_negatives - num_hard))]
-    random = np.where(random == positives[:, None], trained[(np.searchsorted(trained, random) + 1)
-                                                           % len(trained)], random)
-    negatives.append(random)
+        retrieved = (hard == positives[:, None]).any(1, keepdims=True)          # [m, 1]
+        negatives.append(np.where(retrieved, picked, _random_items(data, rng, positives, num_hard)))
+    negatives.append(_random_items(data, rng, positives, num_negatives - num_hard))
     return np.concatenate([positives[:, None]] + negatives, axis=1).astype(np.int64)
+
+
+def _random_items(data: ModelInputs, rng: np.random.Generator, positives: np.ndarray,
+                  count: int) -> np.ndarray:
+    """[m, count] items drawn uniformly from those seen in training, never the row's positive."""
+    trained = np.flatnonzero(data.item_probability > 0)
+    random = trained[rng.integers(0, len(trained), (len(positives), count))]
+    return np.where(random == positives[:, None],
+                    trained[(np.searchsorted(trained, random) + 1) % len(trained)], random)
 
 
 @dataclasses.dataclass(frozen=True)
