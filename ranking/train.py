@@ -72,8 +72,9 @@ class RetrievalSignal:
     items: np.ndarray
 
 
-def _examples(data: ModelInputs, part: str, items: np.ndarray,
-              retrieval: RetrievalSignal | None = None) -> dict[str, np.ndarray]:
+def list_examples(data: ModelInputs, part: str, items: np.ndarray,
+                  retrieval: RetrievalSignal | None = None) -> dict[str, np.ndarray]:
+    """The model's inputs for candidate lists `items` [m, n] of the rows of `part`."""
     examples = {k: v for k, v in data.examples[part].items() if k != "item"}
     examples["items"] = items
     if retrieval is not None:
@@ -123,12 +124,13 @@ def fit(data: ModelInputs, config: RankingConfig, hard: dict[str, np.ndarray] | 
              for i, part in enumerate(("train", "validation"))}
     with mixed_precision(config.mixed_precision):
         model = build_model(config, data, retrieval)
-    train = _examples(data, "train", lists["train"], retrieval)
+    train = list_examples(data, "train", lists["train"], retrieval)
     steps = steps_per_epoch(len(lists["train"]), config.batch_size)
     dataset = batches(train, config.batch_size, shuffle=True, seed=config.seed, epochs=None)
     callbacks, validation = [], None
     if len(data.split.validation):
-        validation = batches(_examples(data, "validation", lists["validation"], retrieval), 4096)
+        validation = batches(list_examples(data, "validation", lists["validation"], retrieval),
+                             4096)
         if config.early_stopping_patience:
             callbacks.append(tf.keras.callbacks.EarlyStopping(
                 "val_total_loss", patience=config.early_stopping_patience,
@@ -151,7 +153,7 @@ def fit(data: ModelInputs, config: RankingConfig, hard: dict[str, np.ndarray] | 
 def score_lists(model: RankingModel, data: ModelInputs, part: str, items: np.ndarray,
                 batch_size: int = 1024) -> np.ndarray:
     """[m, n] scores of candidate lists [m, n] for the rows of `part`."""
-    examples = _examples(data, part, items, model.retrieval)
+    examples = list_examples(data, part, items, model.retrieval)
     return np.concatenate([model(b).numpy() for b in batches(examples, batch_size)])
 
 
@@ -170,7 +172,7 @@ def evaluate(model: RankingModel, data: ModelInputs, part: str = "test",
         positive, negative = scores[:, :1], scores[:, 1:]
         result["auc"] = float(((positive > negative) + 0.5 * (positive == negative)).mean())
     if model.use_rating:
-        examples = _examples(data, part, lists[:, :1], model.retrieval)
+        examples = list_examples(data, part, lists[:, :1], model.retrieval)
         predicted = np.concatenate([model.predict_rating(b).numpy()
                                     for b in batches(examples, 4096)])
         result["rmse"] = float(np.sqrt(np.mean((predicted - examples["rating"]) ** 2)))
