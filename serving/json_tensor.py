@@ -91,12 +91,8 @@ def _parse_instances(instances, signature) -> dict[str, np.ndarray]:
             _check_names(row, signature, "instance")
         return {name: _to_array([row[name] for row in instances], spec, name)
                 for name, spec in signature.inputs.items()}
-    if len(signature.inputs) != 1:
-        raise ServingError("INVALID_ARGUMENT", "Expecting object with named inputs in every "
-                           f"instance: the signature has {len(signature.inputs)} inputs "
-                           f"{sorted(signature.inputs)}")
-    name, spec = next(iter(signature.inputs.items()))
-    return {name: _to_array(instances, spec, name)}
+    return _single_input(instances, signature,
+                         "Expecting object with named inputs in every instance")
 
 
 def _parse_inputs(inputs, signature) -> dict[str, np.ndarray]:
@@ -104,12 +100,16 @@ def _parse_inputs(inputs, signature) -> dict[str, np.ndarray]:
         _check_names(inputs, signature, "'inputs' object")
         return {name: _to_array(inputs[name], spec, name)
                 for name, spec in signature.inputs.items()}
+    return _single_input(inputs, signature, "Expecting 'inputs' to be an object of named inputs")
+
+
+def _single_input(values, signature, expectation: str) -> dict[str, np.ndarray]:
+    """Unnamed values feed the signature's only input; with several inputs, `expectation`."""
     if len(signature.inputs) != 1:
-        raise ServingError("INVALID_ARGUMENT", "Expecting 'inputs' to be an object of named "
-                           f"inputs: the signature has {len(signature.inputs)} inputs "
-                           f"{sorted(signature.inputs)}")
+        raise ServingError("INVALID_ARGUMENT", f"{expectation}: the signature has "
+                           f"{len(signature.inputs)} inputs {sorted(signature.inputs)}")
     name, spec = next(iter(signature.inputs.items()))
-    return {name: _to_array(inputs, spec, name)}
+    return {name: _to_array(values, spec, name)}
 
 
 def _is_named(value) -> bool:
