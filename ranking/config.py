@@ -22,6 +22,7 @@ class RankingConfig:
     cross_structure: str = "stacked"      # stacked | parallel
     projection_dim: int | None = None     # low-rank cross layers
     deep_layers: tuple[int, ...] = (256, 128)
+    use_transitions: bool = True          # how often the candidate followed the latest item
     bst_heads: int = 8
     bst_layers: tuple[int, ...] = (1024, 512, 256)
     num_negatives: int = 9                # per positive, in a list of 1 + num_negatives

@@ -9,12 +9,22 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import scipy.sparse as sp
 import tensorflow as tf
 
 from features.inputs import ModelInputs
 from features.layers import UserInputs, id_lookup
 from ranking.model import RankingModel
 from serving.layout import write_version, write_warmup_requests
+
+
+def transition_table(transitions: sp.csr_matrix) -> tf.lookup.StaticHashTable:
+    """(previous * V + next vocabulary index) int64 -> float32 transition count, 0 when absent."""
+    coo = transitions.tocoo()
+    keys = coo.row.astype(np.int64) * transitions.shape[1] + coo.col
+    return tf.lookup.StaticHashTable(
+        tf.lookup.KeyValueTensorInitializer(tf.constant(keys, tf.int64),
+                                            tf.constant(coo.data, tf.float32)), default_value=0.0)
 
 
 class RankingModule(tf.Module):
@@ -25,6 +35,9 @@ class RankingModule(tf.Module):
         self.item_codes = id_lookup(data.interactions.item_ids)
         retrieval = getattr(model, "retrieval", None)
         self.retrieval_latest = None if retrieval is None else tf.constant(retrieval.latest)  # [U, e]
+        self.item_index = tf.constant(data.item_index, tf.int64)                         # [I]
+        self.vocab_size = data.items.size
+        self.transitions = None if model.transitions is None else transition_table(model.transitions)
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="user_id"),
                                   tf.TensorSpec([None, None], tf.string, name="item_ids")])
@@ -37,6 +50,10 @@ class RankingModule(tf.Module):
         items = self.item_codes.lookup(item_ids)                                         # [b, n]
         # Unknown items are scored as code 0, then placed below every known item.
         features["items"] = tf.maximum(items, 0)
+        if self.transitions is not None:
+            last = features["history"][:, -1:]                                          # [b, 1]
+            keys = last * self.vocab_size + tf.gather(self.item_index, features["items"])
+            features["transitions"] = tf.math.log1p(self.transitions.lookup(keys))      # [b, n]
         scores = self.model(features)
         return {"scores": tf.where(items >= 0, scores, tf.reduce_min(scores) - 1.0)}
 

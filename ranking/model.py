@@ -8,6 +8,7 @@ import tensorflow_recommenders as tfrs
 
 from features.layers import ItemFeatures
 from ranking.config import RankingConfig
+from ranking.sequence import SequenceTransformer
 
 
 def mlp(units: tuple[int, ...]) -> tf.keras.Sequential:
@@ -19,12 +20,15 @@ class RankingModel(tfrs.Model):
 
     Inputs: {"user": [b], "user_NAME": [b], "history": [b, L] vocabulary indexes (0 pads),
     "items": [b, n] catalogue codes, optionally "retrieval_query": [b, e] the retrieval
-    stage's query embedding, and for training "rating": [b] of the item in slot 0}.
+    stage's query embedding, with `config.use_transitions` "transitions": [b, n] log(1 + how
+    often the candidate followed the latest history item), and for training "rating": [b] of
+    the item in slot 0}.
     Output of `call`: scores [b, n] float32 (logits).
 
     With `retrieval_items` ([num_items, e], the retrieval stage's item embeddings) the
     retrieval score of every pair is a feature and, through a learnt weight, part of the logit:
-    the ranker starts from retrieval's order and learns what to change.
+    the ranker starts from retrieval's order and learns what to change. The transition feature
+    enters the same two ways; it carries what a dot product cannot: which items follow which.
     """
 
     def __init__(self, config: RankingConfig, *, num_users: int, item_index: np.ndarray,
@@ -38,6 +42,8 @@ class RankingModel(tfrs.Model):
                                 else tf.constant(retrieval_items, tf.float32))    # [I, e]
         self.retrieval_weight = self.add_weight(name="retrieval_weight", shape=(),
                                                 initializer="zeros")
+        self.transition_weight = self.add_weight(name="transition_weight", shape=(),
+                                                 initializer="zeros")
         self.item_features = ItemFeatures(item_index, item_vocab_size, item_genres, item_year, dim)
         self.user_embedding = tf.keras.layers.Embedding(num_users, dim)
         self.user_feature_embeddings = {
@@ -50,12 +56,8 @@ class RankingModel(tfrs.Model):
             self.deep = mlp(config.deep_layers)
         else:
             self.positions = tf.keras.layers.Embedding(config.history_length + 1, dim)
-            self.attention = tf.keras.layers.MultiHeadAttention(
-                num_heads=config.bst_heads, key_dim=max(1, dim // config.bst_heads))
-            self.feed_forward = tf.keras.Sequential([tf.keras.layers.Dense(2 * dim, "relu"),
-                                                     tf.keras.layers.Dense(dim)])
-            self.norm1 = tf.keras.layers.LayerNormalization()
-            self.norm2 = tf.keras.layers.LayerNormalization()
+            self.transformer = SequenceTransformer(config.bst_heads,
+                                                   max(1, dim // config.bst_heads))
             self.deep = mlp(config.bst_layers)
         self.score_head = tf.keras.layers.Dense(1, dtype="float32")
         self.use_rating = has_ratings and (config.rating_weight > 0 or config.task == "regression")
@@ -90,17 +92,12 @@ class RankingModel(tfrs.Model):
 
     def _sequence(self, history: tf.Tensor, items: tf.Tensor) -> tf.Tensor:
         """BST block: [b, L] history and [b, n] targets -> [b * n, (L + 1) * d]."""
-        n = tf.shape(items)[1]
         length = self.config.history_length
-        past = tf.repeat(self.item_features.id_embedding(history), n, axis=0)     # [b*n, L, d]
-        target_codes = tf.gather(self.item_features.item_index, tf.reshape(items, [-1]))
-        target = self.item_features.id_embedding(target_codes)[:, None, :]        # [b*n, 1, d]
-        x = tf.concat([past, target], axis=1)                                     # [b*n, L+1, d]
-        x = x + tf.cast(self.positions(tf.range(length + 1)), x.dtype)
-        mask = tf.concat([tf.repeat(history > 0, n, axis=0),
-                          tf.ones_like(target_codes[:, None], tf.bool)], axis=1)  # [b*n, L+1]
-        x = self.norm1(x + self.attention(x, x, attention_mask=mask[:, None, :]))
-        x = self.norm2(x + self.feed_forward(x))
+        positions = self.positions(tf.range(length + 1))                          # [L+1, d]
+        past = self.item_features.id_embedding(history)                           # [b, L, d]
+        target = self.item_features.id_embedding(tf.gather(self.item_features.item_index, items))
+        x = self.transformer(past + tf.cast(positions[:length], past.dtype), history > 0,
+                             target + tf.cast(positions[length], target.dtype))  # [b, n, L+1, d]
         return tf.reshape(x, [-1, (length + 1) * x.shape[-1]])
 
     def retrieval_scores(self, features) -> tf.Tensor | None:
@@ -108,7 +105,7 @@ class RankingModel(tfrs.Model):
         if self.retrieval_items is None:
             return None
         items = tf.gather(self.retrieval_items, features["items"])                # [b, n, e]
-        return tf.einsum("be,bne->bn", features["retrieval_query"], items)
+        return tf.einsum("be,bne->bn", tf.cast(features["retrieval_query"], tf.float32), items)
 
     def representation(self, features) -> tf.Tensor:
         """[b, n, h] representation of every (user, candidate) pair."""
@@ -120,6 +117,8 @@ class RankingModel(tfrs.Model):
         retrieval = self.retrieval_scores(features)
         if retrieval is not None:
             parts.append(tf.cast(tf.reshape(retrieval, [b * n, 1]), user.dtype))
+        if self.config.use_transitions:
+            parts.append(tf.cast(tf.reshape(features["transitions"], [b * n, 1]), user.dtype))
         pairs = tf.concat(parts, axis=-1)                                         # [b*n, F]
         if self.config.model == "dcn":
             if self.config.cross_structure == "stacked":
@@ -137,7 +136,12 @@ class RankingModel(tfrs.Model):
         """[b, n] scores from the pair representations [b, n, h]."""
         logits = tf.squeeze(self.score_head(hidden), -1)
         retrieval = self.retrieval_scores(features)
-        return logits if retrieval is None else logits + self.retrieval_weight * retrieval
+        if retrieval is not None:
+            logits += tf.cast(self.retrieval_weight, tf.float32) * retrieval
+        if self.config.use_transitions:
+            logits += (tf.cast(self.transition_weight, tf.float32)
+                       * tf.cast(features["transitions"], tf.float32))
+        return logits
 
     def call(self, features) -> tf.Tensor:
         return self._logits(features, self.representation(features))            # [b, n]

@@ -7,12 +7,14 @@ import os
 import time
 
 import numpy as np
+import scipy.sparse as sp
 import tensorflow as tf
 
-from features.evaluation import interaction_matrix, rank_metrics
+from features.evaluation import interaction_matrix, rank_metrics, transition_counts
 from features.inputs import ModelInputs
 from features.layers import mixed_precision, run_callbacks
 from features.pipeline import batches, steps_per_epoch
+from features.vocab import PAD
 from ranking.config import RankingConfig
 from ranking.model import RankingModel
 
@@ -32,7 +34,6 @@ def candidate_lists(data: ModelInputs, part: str, num_negatives: int, hard_share
     """
     rng = np.random.default_rng(seed)
     positives = data.examples[part]["item"]                                   # [m]
-    m = len(positives)
     num_hard = 0 if hard is None else min(int(round(hard_share * num_negatives)), hard.shape[1])
     negatives = []
     if num_hard:
@@ -72,13 +73,52 @@ class RetrievalSignal:
     items: np.ndarray
 
 
-def list_examples(data: ModelInputs, part: str, items: np.ndarray,
-                  retrieval: RetrievalSignal | None = None) -> dict[str, np.ndarray]:
-    """The model's inputs for candidate lists `items` [m, n] of the rows of `part`."""
+def transition_matrix(data: ModelInputs) -> sp.csr_matrix:
+    """[V, V] CSR over item vocabulary indexes: how often item j directly followed item i in a
+    user's time-ordered training rows."""
+    counts = transition_counts(data.interactions, data.split.train).tocoo()      # catalogue codes
+    size = data.items.size
+    return sp.csr_matrix((counts.data, (data.item_index[counts.row], data.item_index[counts.col])),
+                         shape=(size, size))
+
+
+def transition_features(transitions: sp.csr_matrix, data: ModelInputs, part: str,
+                        items: np.ndarray) -> np.ndarray:
+    """[m, n] float32 log(1 + how often each candidate followed the row's latest history item
+    in training). Training rows leave their own transition out, so that the feature means on
+    them what it means on held-out rows and at serving time."""
+    last = data.examples[part]["history"][:, -1]                               # [m] vocab index
+    candidates = data.item_index[items]                                        # [m, n]
+    counts = np.asarray(transitions[last[:, None], candidates].todense(), np.float32)
+    if part == "train":
+        own = (items == data.examples[part]["item"][:, None]) & counted_from(data, last)[:, None]
+        counts -= own
+    return np.log1p(counts)
+
+
+def counted_from(data: ModelInputs, last: np.ndarray) -> np.ndarray:
+    """[m] bool per training row: whether `transition_matrix` counted the row's own
+    transition from `last` (its latest history item): the user's previous training row
+    exists and holds that item. Always so under the temporal split; under the random split
+    the previous row in time may be a test row."""
+    log, rows = data.interactions, data.split.train
+    order = log.take(rows).time_order()                                        # time order of train
+    users, items = log.user[rows][order], data.item_index[log.item[rows][order]]
+    previous = np.full(len(rows), PAD)
+    previous[order[1:]] = np.where(users[1:] == users[:-1], items[:-1], PAD)
+    return (previous != PAD) & (previous == last)
+
+
+def list_examples(model: RankingModel, data: ModelInputs, part: str,
+                  items: np.ndarray) -> dict[str, np.ndarray]:
+    """The inputs of `model` for candidate lists `items` [m, n] of the rows of `part`, with
+    the signals it was built with (retrieval embeddings, item transitions)."""
     examples = {k: v for k, v in data.examples[part].items() if k != "item"}
     examples["items"] = items
-    if retrieval is not None:
-        examples["retrieval_query"] = retrieval.queries[part]
+    if model.retrieval is not None:
+        examples["retrieval_query"] = model.retrieval.queries[part]
+    if model.transitions is not None:
+        examples["transitions"] = transition_features(model.transitions, data, part, items)
     rating = data.interactions.rating
     rows = getattr(data.split, part)
     examples["rating"] = (np.zeros(len(rows), np.float32) if rating is None else rating[rows])
@@ -94,6 +134,7 @@ def build_model(config: RankingConfig, data: ModelInputs,
                          has_ratings=data.interactions.rating is not None,
                          retrieval_items=None if retrieval is None else retrieval.items)
     model.retrieval = retrieval
+    model.transitions = transition_matrix(data) if config.use_transitions else None
     model.compile(optimizer=tf.keras.optimizers.Adam(config.learning_rate),
                   jit_compile=config.jit_compile)
     return model
@@ -124,13 +165,12 @@ def fit(data: ModelInputs, config: RankingConfig, hard: dict[str, np.ndarray] | 
              for i, part in enumerate(("train", "validation"))}
     with mixed_precision(config.mixed_precision):
         model = build_model(config, data, retrieval)
-    train = list_examples(data, "train", lists["train"], retrieval)
+    train = list_examples(model, data, "train", lists["train"])
     steps = steps_per_epoch(len(lists["train"]), config.batch_size)
     dataset = batches(train, config.batch_size, shuffle=True, seed=config.seed, epochs=None)
     callbacks, validation = [], None
     if len(data.split.validation):
-        validation = batches(list_examples(data, "validation", lists["validation"], retrieval),
-                             4096)
+        validation = batches(list_examples(model, data, "validation", lists["validation"]), 4096)
         if config.early_stopping_patience:
             callbacks.append(tf.keras.callbacks.EarlyStopping(
                 "val_total_loss", patience=config.early_stopping_patience,
@@ -153,7 +193,7 @@ def fit(data: ModelInputs, config: RankingConfig, hard: dict[str, np.ndarray] | 
 def score_lists(model: RankingModel, data: ModelInputs, part: str, items: np.ndarray,
                 batch_size: int = 1024) -> np.ndarray:
     """[m, n] scores of candidate lists [m, n] for the rows of `part`."""
-    examples = list_examples(data, part, items, model.retrieval)
+    examples = list_examples(model, data, part, items)
     return np.concatenate([model(b).numpy() for b in batches(examples, batch_size)])
 
 
@@ -172,7 +212,7 @@ def evaluate(model: RankingModel, data: ModelInputs, part: str = "test",
         positive, negative = scores[:, :1], scores[:, 1:]
         result["auc"] = float(((positive > negative) + 0.5 * (positive == negative)).mean())
     if model.use_rating:
-        examples = list_examples(data, part, lists[:, :1], model.retrieval)
+        examples = list_examples(model, data, part, lists[:, :1])
         predicted = np.concatenate([model.predict_rating(b).numpy()
                                     for b in batches(examples, 4096)])
         result["rmse"] = float(np.sqrt(np.mean((predicted - examples["rating"]) ** 2)))

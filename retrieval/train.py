@@ -93,11 +93,12 @@ def evaluate_model(model: TwoTower, data: ModelInputs, part: str = "test", ks=KS
 def top_candidates(model: TwoTower, data: ModelInputs, part: str, k: int,
                    exclude_seen: bool = True, batch_size: int = 2048) -> np.ndarray:
     """[m, k] catalogue codes of the best k items for every row of `part`, best first; for
-    `validation` and `test` with `exclude_seen`, the user's earlier items are skipped."""
+    `validation` and `test` of the temporal split with `exclude_seen`, the user's earlier
+    items are skipped (the random protocol, as in `evaluate_model`, excludes nothing)."""
     candidates = candidate_embeddings(model, data.num_items)
     queries = query_embeddings(model, data.examples[part])
     seen = (eval_set(data.interactions, data.split, part).seen
-            if exclude_seen and part != "train" else None)
+            if exclude_seen and part != "train" and data.split.kind == "temporal" else None)
     result = []
     for start in range(0, len(queries), batch_size):
         scores = queries[start:start + batch_size] @ candidates.T                 # [b, I]

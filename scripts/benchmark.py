@@ -96,12 +96,16 @@ def bench_train_ranking(epochs: int = 1) -> dict:
     inputs = prepare(log, split(log, "temporal"), config.history_length)
     _, ours = fit(inputs, config, verbose=0)
     lists = candidate_lists(inputs, "train", config.num_negatives, 0.0, seed=config.seed)
-    train = list_examples(inputs, "train", lists)
     reference = build_model(config, inputs)
+    train = list_examples(reference, inputs, "train", lists)
     tutorial = (tf.data.Dataset.from_tensor_slices(train).map(lambda x: dict(x))
                 .shuffle(100_000, seed=42).batch(config.batch_size))
-    start = time.perf_counter()
-    reference.fit(tutorial, epochs=epochs, verbose=0)
+    validation_lists = candidate_lists(inputs, "validation", config.num_negatives, 0.0,
+                                       seed=config.seed + 1)
+    validation = tf.data.Dataset.from_tensor_slices(
+        list_examples(reference, inputs, "validation", validation_lists)).batch(4096)
+    start = time.perf_counter()   # both sides validate after every epoch, as `fit` does
+    reference.fit(tutorial, epochs=epochs, validation_data=validation, verbose=0)
     reference_rate = epochs * len(lists) / (time.perf_counter() - start)
     return {"examples": len(lists), "list_size": lists.shape[1], "batch_size": config.batch_size,
             "tutorial_examples_per_second": round(reference_rate),

@@ -74,3 +74,15 @@ def test_plots_and_human_report_exist(run):
     text = (out / "report.md").read_text()
     assert "tensorflow_model_server" in text and "| popularity |" in text
     assert (out / "config.json").exists() and (out / "tensorboard").is_dir()
+
+
+def test_train_ranking_script_on_the_random_protocol(tmp_path):
+    """The TFRS tutorials' protocol: random 80/20 split, rating regression, RMSE reported."""
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train_ranking.py"),
+                           "--data", "synthetic:tiny", "--preset", "tiny", "--split", "random",
+                           "--task", "regression", "--top-k", "20", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    report = json.load(open(tmp_path / "ranking_report.json"))
+    assert 0 < report["ranking"]["test"]["rmse"] < 1.5 and report["ranking"]["test"]["auc"] is None
+    assert os.path.isdir(report["exports"]["ranking"])

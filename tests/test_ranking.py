@@ -7,7 +7,9 @@ from features import generate, split
 from features.inputs import prepare
 from features.synthetic import PRESETS
 from ranking.config import preset
-from ranking.train import RetrievalSignal, candidate_lists, evaluate, fit, rerank, score_lists, two_stage_metrics
+from ranking.sequence import SequenceTransformer
+from ranking.train import (RetrievalSignal, candidate_lists, evaluate, fit, rerank, score_lists,
+                           transition_features, transition_matrix, two_stage_metrics)
 from test_retrieval import graph_op_types, load_like_tf_serving
 
 
@@ -30,6 +32,57 @@ def test_candidate_lists_put_the_positive_first_and_never_repeat_it(inputs):
     from_hard = np.array([set(row[1:4]) <= set(h) for row, h in zip(lists, hard)])
     assert from_hard[retrieved].all()                  # 3 hard negatives where it was found
     assert from_hard[~retrieved].mean() < 0.05         # random ones where it was not
+
+
+def test_sequence_transformer_equals_the_literal_layer_on_repeated_sequences():
+    """Shared-history BST attention == Keras MultiHeadAttention over [history; target] for
+    every candidate, including an empty history."""
+    b, n, length, d, heads = 3, 4, 5, 16, 8
+    rng = np.random.default_rng(0)
+    history = tf.constant(rng.normal(size=(b, length, d)), tf.float32)
+    target = tf.constant(rng.normal(size=(b, n, d)), tf.float32)
+    mask = tf.constant([[True] * 5, [False, False, True, True, True], [False] * 5])
+    layer = SequenceTransformer(heads, d // heads)
+    ours = layer(history, mask, target)                                         # [b, n, L+1, d]
+    attention = tf.keras.layers.MultiHeadAttention(heads, d // heads)
+    x = tf.concat([tf.repeat(history, n, axis=0), tf.reshape(target, [b * n, 1, d])], 1)
+    full_mask = tf.concat([tf.repeat(mask, n, axis=0), tf.ones([b * n, 1], tf.bool)], 1)
+    attention(x, x)
+    attention.set_weights([w.numpy() for w in (
+        layer.kernels["query"], layer.biases["query"], layer.kernels["key"], layer.biases["key"],
+        layer.kernels["value"], layer.biases["value"], layer.output_kernel, layer.output_bias)])
+    literal = tf.reshape(x + attention(x, x, attention_mask=full_mask[:, None, :]),
+                         [b, n, length + 1, d])                                 # the layer's norms are 4-D
+    literal = layer.norm1(literal)
+    literal = layer.norm2(literal + layer.feed_forward(literal))
+    np.testing.assert_allclose(ours, literal, atol=1e-5)
+
+
+def test_transition_features_count_followers_and_leave_training_rows_out(inputs):
+    """Against a plain loop over every user's time-ordered training rows."""
+    log, parts = inputs.interactions, inputs.split
+    counts = {}
+    order = log.take(parts.train).time_order()
+    users, items = log.user[parts.train][order], log.item[parts.train][order]
+    for i in range(1, len(order)):
+        if users[i] == users[i - 1]:
+            key = (inputs.item_index[items[i - 1]], inputs.item_index[items[i]])
+            counts[key] = counts.get(key, 0) + 1
+    transitions = transition_matrix(inputs)
+    rng = np.random.default_rng(0)
+    for part in ("train", "validation"):
+        examples = inputs.examples[part]
+        lists = np.concatenate([examples["item"][:, None],
+                                rng.integers(0, inputs.num_items, (len(examples["item"]), 3))], 1)
+        features = transition_features(transitions, inputs, part, lists)
+        last = examples["history"][:, -1]
+        expected = np.array([[counts.get((l, inputs.item_index[c]), 0) for c in row]
+                             for l, row in zip(last, lists)], np.float32)
+        if part == "train":   # the row's own transition is left out
+            expected -= (lists == examples["item"][:, None]) & (last[:, None] > 1)
+            assert expected.min() >= 0                         # it was counted, once at least
+        np.testing.assert_allclose(features, np.log1p(expected), rtol=1e-6)
+        assert (features[:, 0] > 0).mean() > 0.1
 
 
 @pytest.mark.parametrize("overrides", [
@@ -103,10 +156,17 @@ def test_export_serves_the_keras_scores(inputs, signal, tmp_path, with_signal):
     path = export(model, inputs, str(tmp_path / "ranking"))
     run, meta = load_like_tf_serving(path)
     users = log.user_ids[:3]
-    items = np.stack([log.item_ids[:4], log.item_ids[4:8], log.item_ids[8:12]])
-    served = run("serving_default", user_id=users, item_ids=items)["scores"]
+    last = inputs.latest[:3, -1]                                               # vocab indexes
+    code_of = np.zeros(inputs.items.size, np.int64)
+    code_of[inputs.item_index] = np.arange(inputs.num_items)
+    # Each user's candidates: the 2 items that most often followed their latest item, 2 others.
+    followers = np.argsort(-model.transitions[last].toarray(), axis=1, kind="stable")[:, :2]
+    codes = np.concatenate([code_of[followers], np.arange(6).reshape(3, 2)], axis=1)  # [3, 4]
+    transitions = np.log1p(model.transitions[last[:, None], inputs.item_index[codes]].toarray())
+    assert (transitions[:, :2] > 0).all()
+    served = run("serving_default", user_id=users, item_ids=log.item_ids[codes])["scores"]
     features = {"user": inputs.users.remap(log.user_ids)[:3], "history": inputs.latest[:3],
-                "items": np.arange(12).reshape(3, 4)}
+                "items": codes, "transitions": transitions.astype(np.float32)}
     for name, index in inputs.user_feature_index.items():
         features[f"user_{name}"] = index[:3]
     if with_signal:
