@@ -33,7 +33,7 @@ class RankingModule(tf.Module):
         self.model = model
         self.users = UserInputs(data)
         self.item_codes = id_lookup(data.interactions.item_ids)
-        retrieval = getattr(model, "retrieval", None)
+        retrieval = model.retrieval
         self.retrieval_latest = None if retrieval is None else tf.constant(retrieval.latest)  # [U, e]
         self.item_index = tf.constant(data.item_index, tf.int64)                         # [I]
         self.vocab_size = data.items.size

@@ -3,6 +3,7 @@ behaviour-sequence transformer, with an optional rating head (multitask)."""
 from __future__ import annotations
 
 import numpy as np
+import scipy.sparse as sp
 import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
@@ -25,6 +26,8 @@ class RankingModel(tfrs.Model):
     the item in slot 0}.
     Output of `call`: scores [b, n] float32 (logits).
 
+    `transitions` ([V, V] CSR over item vocabulary indexes) are the training counts the
+    "transitions" inputs come from; the export bakes them in.
     With `retrieval_items` ([num_items, e], the retrieval stage's item embeddings) the
     retrieval score of every pair is a feature and, through a learnt weight, part of the logit:
     the ranker starts from retrieval's order and learns what to change. The transition feature
@@ -34,16 +37,23 @@ class RankingModel(tfrs.Model):
     def __init__(self, config: RankingConfig, *, num_users: int, item_index: np.ndarray,
                  item_vocab_size: int, item_genres: np.ndarray, item_year: np.ndarray,
                  user_feature_sizes: dict[str, int], has_ratings: bool,
-                 retrieval_items: np.ndarray | None = None):
+                 retrieval_items: np.ndarray | None = None,
+                 transitions: sp.csr_matrix | None = None):
         super().__init__()
+        if config.use_transitions and transitions is None:
+            raise ValueError("use_transitions needs the transition counts "
+                             "(ranking.train.transition_matrix)")
         self.config = config
+        self.transitions = transitions if config.use_transitions else None   # [V, V] CSR
+        self.retrieval = None          # the RetrievalSignal, set by ranking.train.build_model
         dim = config.embedding_dim
         self.retrieval_items = (None if retrieval_items is None
                                 else tf.constant(retrieval_items, tf.float32))    # [I, e]
         self.retrieval_weight = self.add_weight(name="retrieval_weight", shape=(),
                                                 initializer="zeros")
-        self.transition_weight = self.add_weight(name="transition_weight", shape=(),
-                                                 initializer="zeros")
+        if config.use_transitions:
+            self.transition_weight = self.add_weight(name="transition_weight", shape=(),
+                                                     initializer="zeros")
         self.item_features = ItemFeatures(item_index, item_vocab_size, item_genres, item_year, dim)
         self.user_embedding = tf.keras.layers.Embedding(num_users, dim)
         self.user_feature_embeddings = {
@@ -57,7 +67,7 @@ class RankingModel(tfrs.Model):
         else:
             self.positions = tf.keras.layers.Embedding(config.history_length + 1, dim)
             self.transformer = SequenceTransformer(config.bst_heads,
-                                                   max(1, dim // config.bst_heads))
+                                                   max(1, dim // config.bst_heads), dim)
             self.deep = mlp(config.bst_layers)
         self.score_head = tf.keras.layers.Dense(1, dtype="float32")
         self.use_rating = has_ratings and (config.rating_weight > 0 or config.task == "regression")

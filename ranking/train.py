@@ -86,7 +86,9 @@ def transition_features(transitions: sp.csr_matrix, data: ModelInputs, part: str
                         items: np.ndarray) -> np.ndarray:
     """[m, n] float32 log(1 + how often each candidate followed the row's latest history item
     in training). Training rows leave their own transition out, so that the feature means on
-    them what it means on held-out rows and at serving time."""
+    them what it means on held-out rows and at serving time. (A training row's counts still
+    include the user's later transitions, which held-out rows cannot see; one count among
+    all users' is a small difference, and removing it would need per-user matrices.)"""
     last = data.examples[part]["history"][:, -1]                               # [m] vocab index
     candidates = data.item_index[items]                                        # [m, n]
     counts = np.asarray(transitions[last[:, None], candidates].todense(), np.float32)
@@ -99,8 +101,8 @@ def transition_features(transitions: sp.csr_matrix, data: ModelInputs, part: str
 def counted_from(data: ModelInputs, last: np.ndarray) -> np.ndarray:
     """[m] bool per training row: whether `transition_matrix` counted the row's own
     transition from `last` (its latest history item): the user's previous training row
-    exists and holds that item. Always so under the temporal split; under the random split
-    the previous row in time may be a test row."""
+    exists and holds that item. Under the temporal split that holds for all but each user's
+    first row; under the random split the previous row in time may be a test row."""
     log, rows = data.interactions, data.split.train
     order = log.take(rows).time_order()                                        # time order of train
     users, items = log.user[rows][order], data.item_index[log.item[rows][order]]
@@ -132,9 +134,9 @@ def build_model(config: RankingConfig, data: ModelInputs,
                          item_year=data.item_year,
                          user_feature_sizes={n: v.size for n, v in data.user_feature_vocabs.items()},
                          has_ratings=data.interactions.rating is not None,
-                         retrieval_items=None if retrieval is None else retrieval.items)
+                         retrieval_items=None if retrieval is None else retrieval.items,
+                         transitions=transition_matrix(data) if config.use_transitions else None)
     model.retrieval = retrieval
-    model.transitions = transition_matrix(data) if config.use_transitions else None
     model.compile(optimizer=tf.keras.optimizers.Adam(config.learning_rate),
                   jit_compile=config.jit_compile)
     return model

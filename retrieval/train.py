@@ -94,7 +94,7 @@ def top_candidates(model: TwoTower, data: ModelInputs, part: str, k: int,
                    exclude_seen: bool = True, batch_size: int = 2048) -> np.ndarray:
     """[m, k] catalogue codes of the best k items for every row of `part`, best first; for
     `validation` and `test` of the temporal split with `exclude_seen`, the user's earlier
-    items are skipped (the random protocol, as in `evaluate_model`, excludes nothing)."""
+    items are skipped; other splits, as in `evaluate_model`, exclude nothing."""
     candidates = candidate_embeddings(model, data.num_items)
     queries = query_embeddings(model, data.examples[part])
     seen = (eval_set(data.interactions, data.split, part).seen
