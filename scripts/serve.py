@@ -37,6 +37,10 @@ def parse_args(argv):
     parser.add_argument("--rest_api_timeout_in_ms", type=int, default=30000)
     parser.add_argument("--max_request_bytes", type=int, default=64 << 20,
                         help="larger REST bodies and gRPC messages are refused")
+    parser.add_argument("--max_num_load_retries", type=int, default=5,
+                        help="attempts after a failed model load before giving it up")
+    parser.add_argument("--load_retry_interval_micros", type=int, default=60_000_000,
+                        help="wait between those attempts")
     parser.add_argument("--enable_batching", type=_bool, nargs="?", const=True, default=False,
                         help="merge concurrent predict requests into one session run")
     parser.add_argument("--max_batch_size", type=int, default=32,
@@ -71,7 +75,10 @@ def main(argv=None) -> int:
     except (OSError, ServingError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    server = ModelServer(ModelManager(configs, args.file_system_poll_wait_seconds),
+    manager = ModelManager(configs, args.file_system_poll_wait_seconds,
+                           max_load_retries=args.max_num_load_retries,
+                           load_retry_seconds=args.load_retry_interval_micros / 1e6)
+    server = ModelServer(manager,
                          host=args.host, grpc_port=args.port,
                          rest_port=args.rest_api_port or None,
                          rest_timeout_seconds=args.rest_api_timeout_in_ms / 1000,

@@ -3,8 +3,10 @@
 Every `poll` lists each model's base path, loads the versions its policy wants that are not
 loaded yet, and only then retires the ones it no longer wants, so there is always a version
 serving. A request holds a lease on its version; a retired version is closed when its last
-lease ends, so a swap never fails a request in flight. A version that fails to load is reported
-in the status (state END with the error) and never retried; the previous one keeps serving.
+lease ends, so a swap never fails a request in flight. A version that fails to load is retried
+`max_load_retries` times (TF Serving's `--max_num_load_retries`; it stays LOADING meanwhile),
+then reported in the status (state END with the error) and left alone; the previous one keeps
+serving.
 """
 from __future__ import annotations
 
@@ -94,12 +96,16 @@ class ModelManager:
         configs: the models to serve.
         poll_seconds: seconds between polls of the base paths; 0 or less polls once, at start.
         load: builds a servable from a version folder (the default loads it like TF Serving).
+        max_load_retries: attempts after a failed load before the version is given up (END).
+        load_retry_seconds: the wait between those attempts.
     """
 
     def __init__(self, configs: list[ModelConfig], poll_seconds: float = 1.0,
-                 load: Callable[[str], LoadedModel] = LoadedModel):
+                 load: Callable[[str], LoadedModel] = LoadedModel, max_load_retries: int = 0,
+                 load_retry_seconds: float = 60.0):
         self.poll_seconds = poll_seconds
         self._load = load
+        self.max_load_retries, self.load_retry_seconds = max_load_retries, load_retry_seconds
         self._lock = threading.Lock()
         self._configs = {c.name: c for c in configs}
         self._versions: dict[str, dict[int, _Version]] = {c.name: {} for c in configs}
@@ -240,15 +246,19 @@ class ModelManager:
     def _load_version(self, config: ModelConfig, number: int) -> None:
         """Loads a version and records the outcome; a failure is kept in its status."""
         path = os.path.join(config.base_path, str(number))
-        try:
-            model = self._load(path)
-        except Exception as error:
-            log.error("loading %s version %d from %s failed: %s", config.name, number, path,
-                      error)
-            failed = from_tf_error(error)
-            self._record(config.name, number, _Version(
-                "END", ServingError(failed.code, f"{path}: {failed.message}")))
-            return
+        for attempt in range(self.max_load_retries + 1):
+            try:
+                model = self._load(path)
+                break
+            except Exception as error:
+                log.error("loading %s version %d from %s failed (attempt %d of %d): %s",
+                          config.name, number, path, attempt + 1, self.max_load_retries + 1,
+                          error)
+                failed = from_tf_error(error)
+            if attempt == self.max_load_retries or self._stop.wait(self.load_retry_seconds):
+                self._record(config.name, number, _Version(
+                    "END", ServingError(failed.code, f"{path}: {failed.message}")))
+                return
         log.info("serving %s version %d from %s", config.name, number, path)
         if not self._record(config.name, number, _Version("AVAILABLE", model=model)):
             model.close()

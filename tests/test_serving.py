@@ -710,6 +710,41 @@ def test_hot_swap_drops_no_request_and_a_corrupt_version_keeps_the_last_good(swa
         client.close()
 
 
+@pytest.mark.parametrize("failures, retries, state", [(2, 2, "AVAILABLE"), (2, 1, "END")])
+def test_a_failed_load_is_retried_before_the_version_is_given_up(tmp_path, failures, retries,
+                                                                 state):
+    """A version folder still being copied fails its first loads, as with TF Serving's
+    --max_num_load_retries; the version stays LOADING until it loads or runs out of retries."""
+    base = str(tmp_path / "scale")
+    save(Scale(3.0), base)
+    attempts, states_while_retrying = [], []
+
+    def flaky_load(path: str) -> LoadedModel:
+        attempts.append(time.monotonic())
+        if len(attempts) > 1:
+            states_while_retrying.append(manager.status("scale", 1).model_version_status[0].state)
+        if len(attempts) <= failures:
+            raise OSError(f"{path}: saved_model.pb is still being written")
+        return LoadedModel(path)
+
+    manager = ModelManager([ModelConfig("scale", base)], poll_seconds=0, load=flaky_load,
+                           max_load_retries=retries, load_retry_seconds=0.05)
+    manager.start()
+    try:
+        status = manager.status("scale", 1).model_version_status[0]
+        assert len(attempts) == min(failures, retries) + 1
+        assert all(b - a >= 0.05 for a, b in zip(attempts, attempts[1:]))
+        assert states_while_retrying == [get_model_status_pb2.ModelVersionStatus.LOADING] * retries
+        assert get_model_status_pb2.ModelVersionStatus.State.Name(status.state) == state
+        if state == "END":
+            assert "still being written" in status.status.error_message
+        else:
+            with manager.lease("scale") as (version, model):
+                assert version == 1
+    finally:
+        manager.stop()
+
+
 # ------------------------------------------------------------------ batching
 
 
