@@ -157,15 +157,24 @@ def ease_scorer(interactions: Interactions, train: np.ndarray, evalset: EvalSet,
     return score
 
 
-def transition_counts(interactions: Interactions, rows: np.ndarray) -> sp.csr_matrix:
-    """[num_items, num_items] CSR: how often item j directly followed item i in a user's
-    time-ordered training sequence."""
+def previous_items(interactions: Interactions, rows: np.ndarray) -> np.ndarray:
+    """[len(rows)] int64: for each of `rows`, the item of the same user's previous row among
+    `rows` in time order, or -1 for a user's first."""
     part = interactions.take(rows)
     order = part.time_order()
     users, items = part.user[order], part.item[order]
-    same = users[1:] == users[:-1]
-    return sp.csr_matrix((np.ones(int(same.sum()), dtype=np.float32),
-                          (items[:-1][same], items[1:][same])),
+    previous = np.full(len(rows), -1, dtype=np.int64)
+    previous[order[1:]] = np.where(users[1:] == users[:-1], items[:-1], -1)
+    return previous
+
+
+def transition_counts(interactions: Interactions, rows: np.ndarray) -> sp.csr_matrix:
+    """[num_items, num_items] CSR: how often item j directly followed item i in a user's
+    time-ordered sequence of `rows` (the training rows)."""
+    previous = previous_items(interactions, rows)
+    followed = previous >= 0
+    return sp.csr_matrix((np.ones(int(followed.sum()), dtype=np.float32),
+                          (previous[followed], interactions.item[rows][followed])),
                          shape=(interactions.num_items, interactions.num_items))
 
 

@@ -10,11 +10,11 @@ import numpy as np
 import scipy.sparse as sp
 import tensorflow as tf
 
-from features.evaluation import interaction_matrix, rank_metrics, transition_counts
+from features.evaluation import (interaction_matrix, previous_items, rank_metrics,
+                                 transition_counts)
 from features.inputs import ModelInputs
 from features.layers import mixed_precision, run_callbacks
 from features.pipeline import batches, steps_per_epoch
-from features.vocab import PAD
 from ranking.config import RankingConfig
 from ranking.model import RankingModel
 
@@ -103,12 +103,8 @@ def counted_from(data: ModelInputs, last: np.ndarray) -> np.ndarray:
     transition from `last` (its latest history item): the user's previous training row
     exists and holds that item. Under the temporal split that holds for all but each user's
     first row; under the random split the previous row in time may be a test row."""
-    log, rows = data.interactions, data.split.train
-    order = log.take(rows).time_order()                                        # time order of train
-    users, items = log.user[rows][order], data.item_index[log.item[rows][order]]
-    previous = np.full(len(rows), PAD)
-    previous[order[1:]] = np.where(users[1:] == users[:-1], items[:-1], PAD)
-    return (previous != PAD) & (previous == last)
+    previous = previous_items(data.interactions, data.split.train)             # codes, -1: none
+    return (previous >= 0) & (data.item_index[np.maximum(previous, 0)] == last)
 
 
 def list_examples(model: RankingModel, data: ModelInputs, part: str,
