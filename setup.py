@@ -1,4 +1,9 @@
-"""Installs the two-stage recommender: features, retrieval, ranking and serving."""
+"""Installs the two-stage recommender under one import namespace, `tworec`.
+
+The packages keep their top-level folders (the project's layout); `package_dir` maps
+`tworec.NAME` to the folder NAME, so no generic top-level module (`features`, `serving`) is
+installed.
+"""
 from setuptools import setup
 
 STACK = [
@@ -18,12 +23,16 @@ STACK = [
     "uvicorn",
 ]
 
+# Each is a folder at the top of the repository, installed as tworec.NAME.
+PACKAGES = ["features", "retrieval", "ranking", "serving"]
+
 setup(
     name="tworec",
     version="0.1.0",
     description="From an interaction log to a served two-stage TFRS recommender.",
     python_requires=">=3.10,<3.13",
-    packages=["features", "retrieval", "ranking", "serving"],
+    packages=["tworec"] + [f"tworec.{name}" for name in PACKAGES],
+    package_dir={"tworec": "tworec", **{f"tworec.{name}": name for name in PACKAGES}},
     install_requires=STACK,
     extras_require={
         "test": ["pytest>=7", "pytest-timeout"],

@@ -17,8 +17,8 @@ from typing import Callable
 import numpy as np
 import scipy.sparse as sp
 
-from features.interactions import DataError, Interactions
-from features.splits import Split
+from tworec.features.interactions import DataError, Interactions
+from tworec.features.splits import Split
 
 KS = (10, 20, 50, 100)
 EASE_MAX_ITEMS = 20_000

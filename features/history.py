@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from features.interactions import Interactions
+from tworec.features.interactions import Interactions
 
 
 def _time_sorted(interactions: Interactions, item_index: np.ndarray | None):

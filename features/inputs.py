@@ -10,11 +10,11 @@ import dataclasses
 
 import numpy as np
 
-from features.history import build_history, latest_history
-from features.interactions import Interactions
-from features.splits import Split
-from features.vocab import Vocabulary
-from features.vocab import PAD
+from tworec.features.history import build_history, latest_history
+from tworec.features.interactions import Interactions
+from tworec.features.splits import Split
+from tworec.features.vocab import Vocabulary
+from tworec.features.vocab import PAD
 
 
 @dataclasses.dataclass

@@ -2,12 +2,8 @@
 from __future__ import annotations
 
 import contextlib
-import os
-
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
-
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import tensorflow as tf
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from features.interactions import DataError, Interactions, drop_duplicate_rows, encode_ids
+from tworec.features.interactions import DataError, Interactions, drop_duplicate_rows, encode_ids
 
 ML100K_GENRES = ("unknown", "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime",
                  "Documentary", "Drama", "Fantasy", "Film-Noir", "Horror", "Musical", "Mystery",
@@ -45,7 +45,7 @@ def load(source: str, columns: dict[str, str] | None = None, data_dir: str | Non
         seed: seed of the synthetic generator.
     """
     if source == "synthetic" or source.startswith("synthetic:"):
-        from features.synthetic import PRESETS, generate
+        from tworec.features.synthetic import PRESETS, generate
         preset = source.partition(":")[2] or "default"
         if preset not in PRESETS:
             raise DataError(f"unknown synthetic preset {preset!r}; known: {sorted(PRESETS)}")

@@ -12,7 +12,7 @@ import dataclasses
 
 import numpy as np
 
-from features.interactions import DataError, Interactions
+from tworec.features.interactions import DataError, Interactions
 
 SPLITS = ("temporal", "random", "cutoff")
 

@@ -18,7 +18,7 @@ import dataclasses
 
 import numpy as np
 
-from features.interactions import Interactions
+from tworec.features.interactions import Interactions
 
 DAY = 86_400
 

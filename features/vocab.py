@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-from features.interactions import DataError
+from tworec.features.interactions import DataError
 
 PAD, OOV, FIRST = 0, 1, 2
 

@@ -12,10 +12,10 @@ import numpy as np
 import scipy.sparse as sp
 import tensorflow as tf
 
-from features.inputs import ModelInputs
-from features.layers import UserInputs, id_lookup
-from ranking.model import RankingModel
-from serving.layout import write_version, write_warmup_requests
+from tworec.features.inputs import ModelInputs
+from tworec.features.layers import UserInputs, id_lookup
+from tworec.ranking.model import RankingModel
+from tworec.serving.layout import write_version, write_warmup_requests
 
 
 def transition_table(transitions: sp.csr_matrix) -> tf.lookup.StaticHashTable:

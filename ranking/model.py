@@ -7,9 +7,9 @@ import scipy.sparse as sp
 import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
-from features.layers import ItemFeatures
-from ranking.config import RankingConfig
-from ranking.sequence import SequenceTransformer
+from tworec.features.layers import ItemFeatures
+from tworec.ranking.config import RankingConfig
+from tworec.ranking.sequence import SequenceTransformer
 
 
 def mlp(units: tuple[int, ...]) -> tf.keras.Sequential:

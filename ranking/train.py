@@ -10,13 +10,13 @@ import numpy as np
 import scipy.sparse as sp
 import tensorflow as tf
 
-from features.evaluation import (interaction_matrix, previous_items, rank_metrics,
+from tworec.features.evaluation import (interaction_matrix, previous_items, rank_metrics,
                                  transition_counts)
-from features.inputs import ModelInputs
-from features.layers import mixed_precision, run_callbacks
-from features.pipeline import batches, steps_per_epoch
-from ranking.config import RankingConfig
-from ranking.model import RankingModel
+from tworec.features.inputs import ModelInputs
+from tworec.features.layers import mixed_precision, run_callbacks
+from tworec.features.batches import batches, steps_per_epoch
+from tworec.ranking.config import RankingConfig
+from tworec.ranking.model import RankingModel
 
 
 def candidate_lists(data: ModelInputs, part: str, num_negatives: int, hard_share: float,

@@ -17,12 +17,12 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from features.inputs import ModelInputs
-from features.layers import UserInputs, id_lookup
-from retrieval.index import ScannParams, build_index
-from retrieval.model import TwoTower
-from retrieval.train import candidate_embeddings
-from serving.layout import write_version, write_warmup_requests
+from tworec.features.inputs import ModelInputs
+from tworec.features.layers import UserInputs, id_lookup
+from tworec.retrieval.index import ScannParams, build_index
+from tworec.retrieval.model import TwoTower
+from tworec.retrieval.train import candidate_embeddings
+from tworec.serving.layout import write_version, write_warmup_requests
 
 
 class RetrievalModule(tf.Module):

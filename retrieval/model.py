@@ -6,8 +6,8 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
-from features.layers import ItemFeatures, float32_policy
-from retrieval.config import RetrievalConfig
+from tworec.features.layers import ItemFeatures, float32_policy
+from tworec.retrieval.config import RetrievalConfig
 
 def right_align(history: tf.Tensor) -> tf.Tensor:
     """Moves the padding (0) of left-padded rows to the right, so a masked GRU can use cuDNN.

@@ -8,13 +8,13 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from features import Interactions, Split
-from features.evaluation import KS, EvalSet, eval_set, evaluate
-from features.pipeline import batches, steps_per_epoch
-from retrieval.config import RetrievalConfig
-from features.inputs import ModelInputs, prepare
-from features.layers import mixed_precision, run_callbacks
-from retrieval.model import TwoTower
+from tworec.features import Interactions, Split
+from tworec.features.evaluation import KS, EvalSet, eval_set, evaluate
+from tworec.features.batches import batches, steps_per_epoch
+from tworec.retrieval.config import RetrievalConfig
+from tworec.features.inputs import ModelInputs, prepare
+from tworec.features.layers import mixed_precision, run_callbacks
+from tworec.retrieval.model import TwoTower
 
 
 def make_strategy(name: str) -> tf.distribute.Strategy:

@@ -11,13 +11,12 @@ import os
 import sys
 import time
 
-import _common  # noqa: F401
 
 import numpy as np
 import tensorflow as tf
 
-from features.pipeline import batches
-from features.synthetic import PRESETS, generate
+from tworec.features.batches import batches
+from tworec.features.synthetic import PRESETS, generate
 
 
 def examples_per_second(dataset: tf.data.Dataset, min_seconds: float = 3.0) -> float:
@@ -56,9 +55,9 @@ def bench_train_retrieval(epochs: int = 1) -> dict:
     """Our two-tower training against the TFRS-tutorial way of training the same towers:
     per-example pipeline and `FactorizedTopK` metrics computed at every training step."""
     import tensorflow_recommenders as tfrs
-    from features import split
-    from retrieval.config import preset
-    from retrieval.train import build_model, fit
+    from tworec.features import split
+    from tworec.retrieval.config import preset
+    from tworec.retrieval.train import build_model, fit
     log = generate(PRESETS["default"], seed=0)
     parts = split(log, "temporal")
     config = preset("default", epochs=epochs, early_stopping_patience=0, batch_size=1024)
@@ -88,10 +87,10 @@ def bench_train_ranking(epochs: int = 2) -> dict:
     """Our ranking training (batch-first lists) against the same model fed by a per-example
     pipeline (`from_tensor_slices`, `map`, `shuffle`, `batch`), on the same lists; two epochs,
     so that one-off tracing weighs less than the per-epoch work."""
-    from features import split
-    from features.inputs import prepare
-    from ranking.config import preset
-    from ranking.train import build_model, candidate_lists, fit, list_examples
+    from tworec.features import split
+    from tworec.features.inputs import prepare
+    from tworec.ranking.config import preset
+    from tworec.ranking.train import build_model, candidate_lists, fit, list_examples
     log = generate(PRESETS["default"], seed=0)
     config = preset("default", epochs=epochs, early_stopping_patience=0)
     inputs = prepare(log, split(log, "temporal"), config.history_length)
@@ -117,7 +116,7 @@ def bench_train_ranking(epochs: int = 2) -> dict:
 def bench_index(num_items: int = 1_000_000, dim: int = 64, num_queries: int = 200) -> dict:
     """ScaNN against brute force on a clustered 1M x 64 catalogue: single-query latency
     through the TF path and recall@10 against exact search."""
-    from retrieval.index import (ScannParams, build_index, exact_top_k, recall_against,
+    from tworec.retrieval.index import (ScannParams, build_index, exact_top_k, recall_against,
                                  single_query_latency_ms)
     rng = np.random.default_rng(0)
     centres = rng.normal(size=(1000, dim)).astype(np.float32)
@@ -146,22 +145,22 @@ def bench_serving(num_items: int = 1_000_000, seconds: float = 3.0) -> dict:
     composed recommender, over REST and gRPC with 1 and 8 clients, and in-process (the same
     SavedModel in a TF-Serving-style session) as the floor."""
     import tempfile
-    from features import split
-    from features.synthetic import SyntheticConfig
-    from ranking.config import preset as ranking_preset
-    from ranking.export import export as export_ranking
-    from ranking.train import fit as fit_ranking
-    from retrieval.config import preset as retrieval_preset
-    from retrieval.export import export as export_retrieval
-    from retrieval.index import ScannParams
-    from retrieval.train import fit as fit_retrieval
-    from serving.client import Client
-    from serving.compose import compose_recommender
-    from serving.latency import measure
-    from serving.layout import write_version
-    from serving.manager import ModelConfig, ModelManager
-    from serving.model import LoadedModel
-    from serving.server import ModelServer
+    from tworec.features import split
+    from tworec.features.synthetic import SyntheticConfig
+    from tworec.ranking.config import preset as ranking_preset
+    from tworec.ranking.export import export as export_ranking
+    from tworec.ranking.train import fit as fit_ranking
+    from tworec.retrieval.config import preset as retrieval_preset
+    from tworec.retrieval.export import export as export_retrieval
+    from tworec.retrieval.index import ScannParams
+    from tworec.retrieval.train import fit as fit_retrieval
+    from tworec.serving.client import Client
+    from tworec.serving.compose import compose_recommender
+    from tworec.serving.latency import measure
+    from tworec.serving.layout import write_version
+    from tworec.serving.manager import ModelConfig, ModelManager
+    from tworec.serving.model import LoadedModel
+    from tworec.serving.server import ModelServer
 
     log = generate(SyntheticConfig(num_users=2_000, num_items=num_items, num_interactions=60_000), seed=0)
     parts = split(log, "temporal")

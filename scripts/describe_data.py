@@ -6,10 +6,9 @@ import argparse
 import json
 import sys
 
-import _common  # noqa: F401
 
-from features import DataError, load, split
-from features.sources import parse_columns
+from tworec.features import DataError, load, split
+from tworec.features.sources import parse_columns
 
 
 def main(argv=None) -> int:

@@ -16,29 +16,28 @@ import os
 import sys
 import time
 
-import _common  # noqa: F401
 
 import numpy as np
 
-from features import DataError, load, split
-from features.evaluation import KS, baselines, eval_set
-from features.sources import parse_columns
-from ranking import config as ranking_config
-from ranking.export import export as export_ranking
-from ranking.train import (RetrievalSignal, evaluate as evaluate_ranking, fit as fit_ranking,
+from tworec.features import DataError, load, split
+from tworec.features.evaluation import KS, baselines, eval_set
+from tworec.features.sources import parse_columns
+from tworec.ranking import config as ranking_config
+from tworec.ranking.export import export as export_ranking
+from tworec.ranking.train import (RetrievalSignal, evaluate as evaluate_ranking, fit as fit_ranking,
                            two_stage_metrics)
-from retrieval import config as retrieval_config
-from retrieval.export import export as export_retrieval
-from retrieval.index import ScannParams, exact_top_k, tune_scann
-from retrieval.train import (candidate_embeddings, embeddings_for_ranking, evaluate_model,
+from tworec.retrieval import config as retrieval_config
+from tworec.retrieval.export import export as export_retrieval
+from tworec.retrieval.index import ScannParams, exact_top_k, tune_scann
+from tworec.retrieval.train import (candidate_embeddings, embeddings_for_ranking, evaluate_model,
                              fit as fit_retrieval, latest_queries, query_embeddings,
                              top_candidates)
-from serving.client import Client
-from serving.compose import compose_recommender
-from serving.layout import write_models_config, write_version
-from serving.manager import ModelManager, parse_config
-from serving.recommender import Recommender
-from serving.server import ModelServer
+from tworec.serving.client import Client
+from tworec.serving.compose import compose_recommender
+from tworec.serving.layout import write_models_config, write_version
+from tworec.serving.manager import ModelManager, parse_config
+from tworec.serving.recommender import Recommender
+from tworec.serving.server import ModelServer
 
 SMOKE_USERS = 8
 

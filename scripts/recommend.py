@@ -9,11 +9,10 @@ import argparse
 import csv
 import sys
 
-import _common  # noqa: F401
 
-from serving.client import Client
-from serving.errors import ServingError
-from serving.recommender import PAD_ID, Recommender
+from tworec.serving.client import Client
+from tworec.serving.errors import ServingError
+from tworec.serving.recommender import PAD_ID, Recommender
 
 
 def parse_args(argv):

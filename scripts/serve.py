@@ -12,12 +12,11 @@ import argparse
 import logging
 import sys
 
-import _common  # noqa: F401
 
-from serving.batching import Batcher
-from serving.errors import ServingError
-from serving.manager import ModelConfig, ModelManager, parse_config
-from serving.server import ModelServer
+from tworec.serving.batching import Batcher
+from tworec.serving.errors import ServingError
+from tworec.serving.manager import ModelConfig, ModelManager, parse_config
+from tworec.serving.server import ModelServer
 
 
 def parse_args(argv):

@@ -12,15 +12,14 @@ import json
 import os
 import sys
 
-import _common  # noqa: F401
 
-from features import DataError, load, split
-from features.sources import parse_columns
-from ranking import config as ranking_config
-from ranking.export import export
-from ranking.train import RetrievalSignal, evaluate, fit, two_stage_metrics
-from retrieval import config as retrieval_config
-from retrieval.train import (embeddings_for_ranking, evaluate_model, fit as fit_retrieval,
+from tworec.features import DataError, load, split
+from tworec.features.sources import parse_columns
+from tworec.ranking import config as ranking_config
+from tworec.ranking.export import export
+from tworec.ranking.train import RetrievalSignal, evaluate, fit, two_stage_metrics
+from tworec.retrieval import config as retrieval_config
+from tworec.retrieval.train import (embeddings_for_ranking, evaluate_model, fit as fit_retrieval,
                              top_candidates)
 
 

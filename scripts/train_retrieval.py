@@ -10,15 +10,14 @@ import json
 import os
 import sys
 
-import _common  # noqa: F401
 
 
-from features import DataError, load, split
-from features.evaluation import baselines, eval_set
-from features.sources import parse_columns
-from retrieval.config import PRESETS, preset
-from retrieval.index import ScannParams, tune_scann
-from retrieval.train import candidate_embeddings, evaluate_model, fit, query_embeddings
+from tworec.features import DataError, load, split
+from tworec.features.evaluation import baselines, eval_set
+from tworec.features.sources import parse_columns
+from tworec.retrieval.config import PRESETS, preset
+from tworec.retrieval.index import ScannParams, tune_scann
+from tworec.retrieval.train import candidate_embeddings, evaluate_model, fit, query_embeddings
 
 
 def parse_args(argv):
@@ -67,7 +66,7 @@ def main(argv=None) -> int:
     if len(candidates) >= 10 and len(queries):
         report["index"] = tune_scann(candidates, queries, k=10)
     if not args.no_export:
-        from retrieval.export import export
+        from tworec.retrieval.export import export
         export_dir = os.path.join(args.out, "export")
         report["exports"] = {"retrieval": export(model, data, os.path.join(export_dir, "retrieval"))}
         params = (report.get("index") or {}).get("params")

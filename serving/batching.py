@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
-from serving.errors import ServingError, from_tf_error
-from serving.model import DEFAULT_SIGNATURE, LoadedModel
+from tworec.serving.errors import ServingError, from_tf_error
+from tworec.serving.model import DEFAULT_SIGNATURE, LoadedModel
 
 
 def run_directly(model: LoadedModel, inputs: dict[str, np.ndarray], signature_name: str = "",

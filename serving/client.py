@@ -23,7 +23,7 @@ from tensorflow_serving.apis import (get_model_metadata_pb2, get_model_status_pb
                                      model_service_pb2_grpc, predict_pb2,
                                      prediction_service_pb2_grpc)
 
-from serving.errors import CODE_OF_HTTP_STATUS, ServingError
+from tworec.serving.errors import CODE_OF_HTTP_STATUS, ServingError
 
 DEFAULT_SIGNATURE = "serving_default"
 INT32_MAX = 2**31 - 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from serving.layout import write_warmup_requests
+from tworec.serving.layout import write_warmup_requests
 
 
 class ComposedRecommender(tf.Module):

@@ -13,10 +13,10 @@ from tensorflow_serving.apis import (get_model_metadata_pb2, model_management_pb
                                      model_service_pb2_grpc, predict_pb2,
                                      prediction_service_pb2_grpc)
 
-from serving.batching import run_directly
-from serving.errors import ServingError, truncate
-from serving.manager import ModelManager, configs_of_proto
-from serving.model import DEFAULT_SIGNATURE
+from tworec.serving.batching import run_directly
+from tworec.serving.errors import ServingError, truncate
+from tworec.serving.manager import ModelManager, configs_of_proto
+from tworec.serving.model import DEFAULT_SIGNATURE
 
 log = logging.getLogger(__name__)
 

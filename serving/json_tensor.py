@@ -14,7 +14,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.protobuf import meta_graph_pb2
 
-from serving.errors import ServingError
+from tworec.serving.errors import ServingError
 
 
 def parse_json(body: bytes):

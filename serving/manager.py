@@ -22,9 +22,9 @@ from tensorflow.core.protobuf import error_codes_pb2
 from tensorflow_serving.apis import get_model_status_pb2
 from tensorflow_serving.config import model_server_config_pb2
 
-from serving.errors import ServingError, from_tf_error
-from serving.layout import list_versions
-from serving.model import LoadedModel
+from tworec.serving.errors import ServingError, from_tf_error
+from tworec.serving.layout import list_versions
+from tworec.serving.model import LoadedModel
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import tensorflow as tf
 from tensorflow.core.protobuf import meta_graph_pb2
 from tensorflow_serving.apis import get_model_metadata_pb2, prediction_log_pb2
 
-from serving.errors import ServingError, from_tf_error
-from serving.layout import MAX_WARMUP_RECORDS, WARMUP_FILE
+from tworec.serving.errors import ServingError, from_tf_error
+from tworec.serving.layout import MAX_WARMUP_RECORDS, WARMUP_FILE
 
 DEFAULT_SIGNATURE = "serving_default"
 

@@ -10,7 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
-from serving.client import Client
+from tworec.serving.client import Client
 
 PAD_ID = b""
 

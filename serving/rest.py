@@ -17,10 +17,10 @@ import urllib.parse
 
 from google.protobuf import json_format
 
-from serving.batching import run_directly
-from serving.errors import ServingError
-from serving.json_tensor import format_predict, parse_json, parse_predict, signature_name
-from serving.manager import ModelManager
+from tworec.serving.batching import run_directly
+from tworec.serving.errors import ServingError
+from tworec.serving.json_tensor import format_predict, parse_json, parse_predict, signature_name
+from tworec.serving.manager import ModelManager
 
 log = logging.getLogger(__name__)
 

@@ -9,10 +9,10 @@ from concurrent import futures
 import grpc
 import uvicorn
 
-from serving.batching import Batcher, run_directly
-from serving.grpc_service import add_services
-from serving.manager import ModelManager
-from serving.rest import RestApp
+from tworec.serving.batching import Batcher, run_directly
+from tworec.serving.grpc_service import add_services
+from tworec.serving.manager import ModelManager
+from tworec.serving.rest import RestApp
 
 INT32_MAX = 2**31 - 1
 

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from features import Interactions, split
-from features.evaluation import (baselines, eval_set, evaluate, rank_metrics, target_ranks,
+from tworec.features import Interactions, split
+from tworec.features.evaluation import (baselines, eval_set, evaluate, rank_metrics, target_ranks,
                                  transition_counts)
 
 

@@ -7,10 +7,10 @@ import zipfile
 import numpy as np
 import pytest
 
-from features import DataError, Vocabulary, build_history, load, split
-from features.history import latest_history
-from features.pipeline import batches, steps_per_epoch
-from features.synthetic import PRESETS, SyntheticConfig, generate
+from tworec.features import DataError, Vocabulary, build_history, load, split
+from tworec.features.history import latest_history
+from tworec.features.batches import batches, steps_per_epoch
+from tworec.features.synthetic import PRESETS, SyntheticConfig, generate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ML_LATEST_SMALL = os.path.join(ROOT, "..", "shared", "data", "ml-latest-small")
@@ -185,7 +185,7 @@ def test_temporal_split(log):
 
 
 def test_temporal_split_ties_and_short_users():
-    from features.interactions import Interactions
+    from tworec.features.interactions import Interactions
     log = Interactions(user_ids=np.array(["a", "b"]), item_ids=np.array(["x", "y", "z"]),
                        user=np.array([0, 0, 0, 1, 1]), item=np.array([0, 1, 2, 0, 1]),
                        timestamp=np.array([5, 5, 5, 1, 2]))
@@ -275,7 +275,7 @@ def test_batches_reject_bad_input():
 
 @pytest.mark.parametrize("package", ["features", "retrieval", "ranking", "serving"])
 def test_keras_2_whichever_package_comes_first(package):
-    code = (f"import {package}, tensorflow as tf, tensorflow_recommenders as tfrs, tf_keras;"
+    code = (f"import tworec.{package}, tensorflow as tf, tensorflow_recommenders as tfrs, tf_keras;"
             "assert tf.keras.__name__.startswith('tf_keras'), tf.keras.__name__;"
             "print(tf.keras.layers.Dense.__module__)")
     env = {k: v for k, v in os.environ.items() if k != "TF_USE_LEGACY_KERAS"}

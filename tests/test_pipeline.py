@@ -50,8 +50,8 @@ def test_every_export_loads_and_answers(run):
     out, report = run
     assert report["serving"]["matches_in_process"] is True
     import tensorflow as tf
-    import serving  # noqa: F401  (registers ScaNN's ops for retrieval_scann)
-    from serving.model import register_custom_ops
+    import tworec.serving  # noqa: F401  (registers ScaNN's ops for retrieval_scann)
+    from tworec.serving.model import register_custom_ops
     register_custom_ops()
     for name, path in report["exports"].items():
         assert os.path.basename(path) == "1", path

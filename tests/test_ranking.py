@@ -3,12 +3,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from features import generate, split
-from features.inputs import prepare
-from features.synthetic import PRESETS
-from ranking.config import preset
-from ranking.sequence import SequenceTransformer
-from ranking.train import (RetrievalSignal, candidate_lists, evaluate, fit, rerank, score_lists,
+from tworec.features import generate, split
+from tworec.features.inputs import prepare
+from tworec.features.synthetic import PRESETS
+from tworec.ranking.config import preset
+from tworec.ranking.sequence import SequenceTransformer
+from tworec.ranking.train import (RetrievalSignal, candidate_lists, evaluate, fit, rerank, score_lists,
                            transition_features, transition_matrix, two_stage_metrics)
 from test_retrieval import graph_op_types, load_like_tf_serving
 
@@ -136,8 +136,8 @@ def test_settings_that_cannot_work(inputs):
 
 @pytest.fixture(scope="module")
 def signal(inputs):
-    from retrieval.config import preset as retrieval_preset
-    from retrieval.train import embeddings_for_ranking, fit as fit_retrieval
+    from tworec.retrieval.config import preset as retrieval_preset
+    from tworec.retrieval.train import embeddings_for_ranking, fit as fit_retrieval
     model, data, _ = fit_retrieval(inputs.interactions, inputs.split,
                                    retrieval_preset("tiny", epochs=2), verbose=0)
     return RetrievalSignal(**embeddings_for_ranking(model, data))
@@ -156,7 +156,7 @@ def test_retrieval_signal_feeds_the_ranker(inputs, signal):
 @pytest.mark.parametrize("model_name, with_signal", [("dcn", False), ("dcn", True), ("bst", True)],
                          ids=["dcn-alone", "dcn-retrieval-signal", "bst-retrieval-signal"])
 def test_export_serves_the_keras_scores(inputs, signal, tmp_path, model_name, with_signal):
-    from ranking.export import export
+    from tworec.ranking.export import export
     from tensorflow.python.framework import op_def_registry
     retrieval = signal if with_signal else None
     model, _ = fit(inputs, preset("tiny", epochs=1, model=model_name), retrieval=retrieval,

@@ -3,13 +3,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import ranking.train
-import retrieval.train
-from features import generate, split
-from features.inputs import prepare
-from features.synthetic import PRESETS
-from ranking.config import preset as ranking_preset
-from retrieval.config import preset as retrieval_preset
+from tworec.ranking import train as ranking_train
+from tworec.retrieval import train as retrieval_train
+from tworec.features import generate, split
+from tworec.features.inputs import prepare
+from tworec.features.synthetic import PRESETS
+from tworec.ranking.config import preset as ranking_preset
+from tworec.retrieval.config import preset as retrieval_preset
 
 
 class Interrupt(tf.keras.callbacks.Callback):
@@ -31,17 +31,17 @@ def log():
 
 def train_retrieval(log, run_dir):
     config = retrieval_preset("tiny", epochs=4, early_stopping_patience=0)
-    return retrieval.train.fit(log, split(log, "temporal"), config, run_dir=run_dir, verbose=0)[2]
+    return retrieval_train.fit(log, split(log, "temporal"), config, run_dir=run_dir, verbose=0)[2]
 
 
 def train_ranking(log, run_dir):
     config = ranking_preset("tiny", epochs=4, early_stopping_patience=0)
     inputs = prepare(log, split(log, "temporal"), config.history_length)
-    return ranking.train.fit(inputs, config, run_dir=run_dir, verbose=0)[1]
+    return ranking_train.fit(inputs, config, run_dir=run_dir, verbose=0)[1]
 
 
-@pytest.mark.parametrize("stage, train", [(retrieval.train, train_retrieval),
-                                          (ranking.train, train_ranking)])
+@pytest.mark.parametrize("stage, train", [(retrieval_train, train_retrieval),
+                                          (ranking_train, train_ranking)])
 def test_an_interrupted_run_resumes_after_its_last_finished_epoch(log, tmp_path, monkeypatch,
                                                                   stage, train):
     callbacks = stage.run_callbacks

@@ -6,13 +6,13 @@ import pytest
 import scipy.sparse as sp
 import tensorflow as tf
 
-from features import generate, split
-from features.evaluation import baselines, eval_set
-from features.synthetic import PRESETS
-from retrieval.config import preset
-from retrieval.index import ScannParams, build_index, exact_top_k, search, tune_scann
-from retrieval.model import right_align
-from retrieval.train import candidate_embeddings, evaluate_model, fit, query_embeddings
+from tworec.features import generate, split
+from tworec.features.evaluation import baselines, eval_set
+from tworec.features.synthetic import PRESETS
+from tworec.retrieval.config import preset
+from tworec.retrieval.index import ScannParams, build_index, exact_top_k, search, tune_scann
+from tworec.retrieval.model import right_align
+from tworec.retrieval.train import candidate_embeddings, evaluate_model, fit, query_embeddings
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,7 @@ def graph_op_types(meta) -> set:
 
 
 def test_brute_force_export_serves_the_keras_top_k(trained, tmp_path):
-    from retrieval.export import export
+    from tworec.retrieval.export import export
     from tensorflow.python.framework import op_def_registry
     log, _, model, data, _ = trained
     path = export(model, data, str(tmp_path / "retrieval"), k=10)
@@ -175,7 +175,7 @@ def _history_strings(data, users: int) -> np.ndarray:
 
 
 def test_scann_export_loads_and_answers(trained, tmp_path):
-    from retrieval.export import export
+    from tworec.retrieval.export import export
     log, _, model, data, _ = trained
     params = ScannParams(4, 4, data.num_items)
     path = export(model, data, str(tmp_path / "retrieval_scann"), k=10, scann=params)

@@ -14,9 +14,9 @@ MIRRORED = """
 import json, features, tensorflow as tf
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-from features.synthetic import PRESETS
-from retrieval.config import preset
-from retrieval.train import evaluate_model, fit
+from tworec.features.synthetic import PRESETS
+from tworec.retrieval.config import preset
+from tworec.retrieval.train import evaluate_model, fit
 log = features.generate(PRESETS["tiny"], seed=0)
 parts = features.split(log)
 results = {}
@@ -31,9 +31,9 @@ print("RESULT", json.dumps(results))
 # The strategy must exist before any other TensorFlow op, so each worker trains only this run.
 WORKER = """
 import json, sys, features
-from features.synthetic import PRESETS
-from retrieval.config import preset
-from retrieval.train import evaluate_model, fit
+from tworec.features.synthetic import PRESETS
+from tworec.retrieval.config import preset
+from tworec.retrieval.train import evaluate_model, fit
 log = features.generate(PRESETS["tiny"], seed=0)
 parts = features.split(log)
 model, data, summary = fit(log, parts, preset("tiny", epochs=4, strategy="multi_worker"),

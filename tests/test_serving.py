@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import requests
 
-import serving  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow loads)
+import tworec.serving  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow loads)
 import tensorflow as tf
 from google.protobuf import text_format
 from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2,
@@ -31,15 +31,15 @@ from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2,
                                      prediction_service_pb2_grpc)
 from tensorflow_serving.config import model_server_config_pb2
 
-from serving.client import Client
-from serving.compose import compose_recommender
-from serving.errors import ServingError, truncate
-from serving.layout import (list_versions, next_version, write_models_config, write_version,
+from tworec.serving.client import Client
+from tworec.serving.compose import compose_recommender
+from tworec.serving.errors import ServingError, truncate
+from tworec.serving.layout import (list_versions, next_version, write_models_config, write_version,
                             write_warmup_requests)
-from serving.manager import ModelConfig, ModelManager, parse_config
-from serving.model import LoadedModel
-from serving.recommender import PAD_ID, Recommender
-from serving.server import ModelServer
+from tworec.serving.manager import ModelConfig, ModelManager, parse_config
+from tworec.serving.model import LoadedModel
+from tworec.serving.recommender import PAD_ID, Recommender
+from tworec.serving.server import ModelServer
 
 USERS = np.array([f"u{i}" for i in range(6)], dtype=object)
 ITEMS = np.array([f"i{i}" for i in range(12)], dtype=object)
@@ -365,7 +365,7 @@ def test_rest_predict_named_instances(server, local):
 
 
 def test_json_responses_are_shaped_as_tf_serving_shapes_them():
-    from serving.json_tensor import format_predict
+    from tworec.serving.json_tensor import format_predict
     outputs = {"ids": np.array([[b"a"], [b"b"]], object), "raw_bytes": np.array([b"\xff", b"x"]),
                "score": np.array([0.5, 1.0], np.float32)}
     assert format_predict(outputs, row_form=True)["predictions"] == [
@@ -765,7 +765,7 @@ class CountingModel:
 def test_batcher_merges_concurrent_requests_and_a_bad_one_fails_alone(local):
     from concurrent.futures import ThreadPoolExecutor
 
-    from serving.batching import Batcher
+    from tworec.serving.batching import Batcher
     model = CountingModel(local["scale"])
     batcher = Batcher(max_batch_size=64, batch_timeout_micros=200_000)
     requests_ = [{"x": np.full(i % 3 + 1, i, np.float32)} for i in range(8)]
@@ -782,7 +782,7 @@ def test_batcher_merges_concurrent_requests_and_a_bad_one_fails_alone(local):
 def test_server_with_batching_answers_concurrent_clients(model_dir):
     from concurrent.futures import ThreadPoolExecutor
 
-    from serving.batching import Batcher
+    from tworec.serving.batching import Batcher
     manager = ModelManager([ModelConfig("scale", os.path.join(model_dir, "scale"))],
                            poll_seconds=0)
     with ModelServer(manager, grpc_port=0, rest_port=0,
@@ -857,7 +857,7 @@ def test_reload_config_replaces_the_models_and_labels_resolve(swap_server):
 
 
 def test_latency_measure_counts_requests_and_errors(embedded):
-    from serving.latency import measure
+    from tworec.serving.latency import measure
     with Client(grpc_target=embedded[1]) as client:
         result = measure(lambda: client.predict("scale", {"x": np.ones(1, np.float32)}),
                          clients=2, seconds=0.3)

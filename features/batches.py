@@ -7,14 +7,10 @@ pace. Here each epoch shuffles an index vector once, cuts it into batches of ind
 """
 from __future__ import annotations
 
-import os
+import numpy as np
+import tensorflow as tf
 
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
-
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-from features.interactions import DataError  # noqa: E402
+from tworec.features.interactions import DataError
 
 
 def batches(features: dict[str, np.ndarray], batch_size: int, *, shuffle: bool = False,
