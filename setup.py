@@ -24,7 +24,7 @@ STACK = [
 ]
 
 # Each is a folder at the top of the repository, installed as tworec.NAME.
-PACKAGES = ["features", "retrieval", "ranking", "serving"]
+PACKAGES = ["features", "evaluation", "retrieval", "ranking", "serving", "pipeline"]
 
 setup(
     name="tworec",

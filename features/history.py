@@ -1,7 +1,9 @@
-"""Per-interaction history: the user's previous L items, built once with vectorised NumPy."""
+"""Users' time-ordered sequences: each interaction's previous L items, every user's latest
+items, and item-to-next-item transition counts, built once with vectorised NumPy."""
 from __future__ import annotations
 
 import numpy as np
+import scipy.sparse as sp
 
 from tworec.features.interactions import Interactions
 
@@ -58,3 +60,24 @@ def latest_history(interactions: Interactions, length: int, item_index: np.ndarr
         valid = counts >= back
         latest[valid, length - back] = items[ends[valid] - back]
     return latest
+
+
+def previous_items(interactions: Interactions, rows: np.ndarray) -> np.ndarray:
+    """[len(rows)] int64: for each of `rows`, the item of the same user's previous row among
+    `rows` in time order, or -1 for a user's first."""
+    part = interactions.take(rows)
+    order = part.time_order()
+    users, items = part.user[order], part.item[order]
+    previous = np.full(len(rows), -1, dtype=np.int64)
+    previous[order[1:]] = np.where(users[1:] == users[:-1], items[:-1], -1)
+    return previous
+
+
+def transition_counts(interactions: Interactions, rows: np.ndarray) -> sp.csr_matrix:
+    """[num_items, num_items] CSR: how often item j directly followed item i in a user's
+    time-ordered sequence of `rows` (the training rows)."""
+    previous = previous_items(interactions, rows)
+    followed = previous >= 0
+    return sp.csr_matrix((np.ones(int(followed.sum()), dtype=np.float32),
+                          (previous[followed], interactions.item[rows][followed])),
+                         shape=(interactions.num_items, interactions.num_items))

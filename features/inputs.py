@@ -1,4 +1,5 @@
-"""The arrays both stages train and are evaluated on, built once from the log.
+"""The data config both stages read, and the arrays both stages train and are evaluated on,
+built once from the log.
 
 Items are addressed by catalogue code (`Interactions.item`, 0..num_items-1) everywhere; the model
 maps a code to its vocabulary index (items seen in training; others share the OOV row) and its
@@ -11,10 +12,30 @@ import dataclasses
 import numpy as np
 
 from tworec.features.history import build_history, latest_history
-from tworec.features.interactions import Interactions
+from tworec.features.interactions import DataError, Interactions
 from tworec.features.splits import Split
-from tworec.features.vocab import Vocabulary
-from tworec.features.vocab import PAD
+from tworec.features.vocab import PAD, Vocabulary
+
+PROTOCOLS = ("temporal", "random")        # the splits a run evaluates with
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """How the log becomes model inputs: the evaluation protocol and each row's history length
+    (the same for both stages)."""
+
+    split: str = "temporal"               # one of PROTOCOLS, see features.splits
+    history_length: int = 20              # previous items per row, 0 for none
+
+    def validate(self) -> None:
+        """Raises DataError naming the first setting that cannot work."""
+        if self.split not in PROTOCOLS:
+            raise DataError(f"split {self.split!r}: choose one of {list(PROTOCOLS)}")
+        if self.history_length < 0:
+            raise DataError(f"history_length must be >= 0, got {self.history_length}")
+
+
+DATA_PRESETS = {"default": DataConfig(), "tiny": DataConfig(history_length=5)}
 
 
 @dataclasses.dataclass
@@ -47,6 +68,11 @@ class ModelInputs:
     @property
     def num_items(self) -> int:
         return self.interactions.num_items
+
+    @property
+    def history_length(self) -> int:
+        """L, the history slots of every row (at least 1: an empty history is one pad)."""
+        return self.latest.shape[1]
 
 
 def prepare(interactions: Interactions, split: Split, history_length: int) -> ModelInputs:

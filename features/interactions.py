@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import scipy.sparse as sp
 
 
 class DataError(ValueError):
@@ -87,6 +88,15 @@ class Interactions:
                 "interactions": len(self), "has_ratings": self.rating is not None,
                 "item_features": sorted(self.item_features), "user_features": sorted(self.user_features),
                 "dropped": dict(self.dropped)}
+
+
+def interaction_matrix(interactions: Interactions, rows: np.ndarray) -> sp.csr_matrix:
+    """[num_users, num_items] 0/1 CSR of the interactions at `rows`."""
+    matrix = sp.csr_matrix((np.ones(len(rows), dtype=np.float32),
+                            (interactions.user[rows], interactions.item[rows])),
+                           shape=(interactions.num_users, interactions.num_items))
+    matrix.data[:] = 1.0
+    return matrix
 
 
 def encode_ids(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,32 +1,9 @@
-"""Keras building blocks over the features both stages share."""
+"""Keras and TF building blocks over the model inputs both stages share: item features, the
+string-id lookups and the per-user inputs an export bakes in."""
 from __future__ import annotations
 
-import contextlib
 import numpy as np
 import tensorflow as tf
-
-
-@contextlib.contextmanager
-def float32_policy():
-    """Builds the layers created inside it in float32 whatever the global Keras policy."""
-    previous = tf.keras.mixed_precision.global_policy()
-    tf.keras.mixed_precision.set_global_policy("float32")
-    try:
-        yield
-    finally:
-        tf.keras.mixed_precision.set_global_policy(previous)
-
-
-@contextlib.contextmanager
-def mixed_precision(enabled: bool):
-    """Layers built inside compute in float16 (weights stay float32) when enabled."""
-    if not enabled:
-        yield
-        return
-    with float32_policy():
-        tf.keras.mixed_precision.set_global_policy("mixed_float16")
-        yield
-
 
 YEAR_BUCKETS = 32          # 0 unknown, then five-year buckets from 1900
 
@@ -100,15 +77,3 @@ class UserInputs(tf.Module):
         for name, table in self.features.items():
             features[f"user_{name}"] = tf.where(known, tf.gather(table, codes), oov)
         return features, known
-
-
-def run_callbacks(run_dir: str | None, stage: str, config_json: str) -> list:
-    """Writes RUN/STAGE_config.json and returns the callbacks every stage's training uses in a
-    run folder: TensorBoard logs and resumable checkpoints (`BackupAndRestore`)."""
-    if not run_dir:
-        return []
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, f"{stage}_config.json"), "w") as f:
-        f.write(config_json)
-    return [tf.keras.callbacks.TensorBoard(os.path.join(run_dir, "tensorboard", stage)),
-            tf.keras.callbacks.BackupAndRestore(os.path.join(run_dir, "checkpoints", stage))]

@@ -17,7 +17,6 @@ class RankingConfig:
     rating_weight: float = 0.1            # multitask rating head (0 disables; needs ratings)
     ranking_weight: float = 1.0
     embedding_dim: int = 32
-    history_length: int = 20
     cross_layers: int = 2
     cross_structure: str = "stacked"      # stacked | parallel
     projection_dim: int | None = None     # low-rank cross layers
@@ -35,8 +34,9 @@ class RankingConfig:
     jit_compile: bool = False
     seed: int = 0
 
-    def validate(self, has_ratings: bool = True) -> None:
-        """Raises ValueError naming the first setting that cannot work."""
+    def validate(self, has_ratings: bool = True, history_length: int | None = None) -> None:
+        """Raises ValueError naming the first setting that cannot work (with the data config's
+        `history_length` when given)."""
         if self.model not in MODELS:
             raise ValueError(f"model {self.model!r}: choose one of {MODELS}")
         if self.task not in TASKS:
@@ -45,8 +45,8 @@ class RankingConfig:
             raise ValueError(f"cross_structure {self.cross_structure!r}: stacked or parallel")
         if self.task == "regression" and not has_ratings:
             raise ValueError("task 'regression' needs ratings, and this log has none")
-        if self.model == "bst" and self.history_length <= 0:
-            raise ValueError("model 'bst' needs history_length > 0")
+        if self.model == "bst" and history_length is not None and history_length <= 0:
+            raise ValueError(f"model 'bst' needs history_length > 0, got {history_length}")
         if self.num_negatives <= 0 and self.task != "regression":
             raise ValueError(f"num_negatives must be positive for task {self.task!r}")
         if not 0 <= self.hard_negative_share <= 1:
@@ -58,7 +58,7 @@ class RankingConfig:
 
 PRESETS = {
     "default": RankingConfig(),
-    "tiny": RankingConfig(embedding_dim=8, history_length=5, deep_layers=(32,), bst_heads=2,
+    "tiny": RankingConfig(embedding_dim=8, deep_layers=(32,), bst_heads=2,
                           bst_layers=(32,), num_negatives=4, batch_size=64, epochs=2,
                           early_stopping_patience=0, learning_rate=5e-3),
 }

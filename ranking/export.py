@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from tworec.features.inputs import ModelInputs
 from tworec.features.layers import UserInputs, id_lookup
+from tworec.ranking.features import RankingSignals
 from tworec.ranking.model import RankingModel
 from tworec.serving.layout import write_version, write_warmup_requests
 
@@ -28,28 +29,33 @@ def transition_table(transitions: sp.csr_matrix) -> tf.lookup.StaticHashTable:
 
 
 class RankingModule(tf.Module):
-    def __init__(self, model: RankingModel, data: ModelInputs):
+    """The servable: lookups, the signals baked in as tables, and the ranker."""
+
+    def __init__(self, model: RankingModel, data: ModelInputs, signals: RankingSignals):
         super().__init__()
         self.model = model
         self.users = UserInputs(data)
         self.item_codes = id_lookup(data.interactions.item_ids)
-        retrieval = model.retrieval
-        self.retrieval_latest = None if retrieval is None else tf.constant(retrieval.latest)  # [U, e]
+        self.retrieval_latest, self.retrieval_items = (
+            (tf.constant(signals.retrieval_latest), tf.constant(signals.retrieval_items))  # [U, e], [I, e]
+            if signals.has_retrieval else (None, None))
         self.item_index = tf.constant(data.item_index, tf.int64)                         # [I]
         self.vocab_size = data.items.size
-        self.transitions = None if model.transitions is None else transition_table(model.transitions)
+        self.transitions = (None if signals.transitions is None
+                            else transition_table(signals.transitions))
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="user_id"),
                                   tf.TensorSpec([None, None], tf.string, name="item_ids")])
     def serve(self, user_id, item_ids):
         features, known = self.users(user_id)
-        if self.retrieval_latest is not None:
-            codes = tf.maximum(self.users.user_codes.lookup(user_id), 0)
-            features["retrieval_query"] = (tf.gather(self.retrieval_latest, codes)
-                                           * tf.cast(known, tf.float32)[:, None])
         items = self.item_codes.lookup(item_ids)                                         # [b, n]
         # Unknown items are scored as code 0, then placed below every known item.
         features["items"] = tf.maximum(items, 0)
+        if self.retrieval_latest is not None:
+            codes = tf.maximum(self.users.user_codes.lookup(user_id), 0)
+            query = tf.gather(self.retrieval_latest, codes) * tf.cast(known, tf.float32)[:, None]
+            features["retrieval_scores"] = tf.einsum(                                    # [b, n]
+                "be,bne->bn", query, tf.gather(self.retrieval_items, features["items"]))
         if self.transitions is not None:
             last = features["history"][:, -1:]                                          # [b, 1]
             keys = last * self.vocab_size + tf.gather(self.item_index, features["items"])
@@ -58,14 +64,14 @@ class RankingModule(tf.Module):
         return {"scores": tf.where(items >= 0, scores, tf.reduce_min(scores) - 1.0)}
 
 
-def export(model: RankingModel, data: ModelInputs, base_path: str,
+def export(model: RankingModel, data: ModelInputs, signals: RankingSignals, base_path: str,
            version: int | None = None, warmup: dict[str, np.ndarray] | None = None) -> str:
     """Writes a new version of the ranking SavedModel under `base_path`; returns its folder.
 
     With `warmup` ({"user_id": [w], "item_ids": [w, n]} strings) the version carries TF
     Serving warmup requests.
     """
-    module = RankingModule(model, data)
+    module = RankingModule(model, data, signals)
 
     def write(path: str) -> None:
         tf.saved_model.save(module, path, signatures={"serving_default": module.serve})

@@ -3,7 +3,6 @@ behaviour-sequence transformer, with an optional rating head (multitask)."""
 from __future__ import annotations
 
 import numpy as np
-import scipy.sparse as sp
 import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
@@ -20,35 +19,28 @@ class RankingModel(tfrs.Model):
     """Scores every item of a candidate list for a user.
 
     Inputs: {"user": [b], "user_NAME": [b], "history": [b, L] vocabulary indexes (0 pads),
-    "items": [b, n] catalogue codes, optionally "retrieval_query": [b, e] the retrieval
-    stage's query embedding, with `config.use_transitions` "transitions": [b, n] log(1 + how
-    often the candidate followed the latest history item), and for training "rating": [b] of
-    the item in slot 0}.
+    "items": [b, n] catalogue codes, with `use_retrieval` "retrieval_scores": [b, n] the
+    retrieval stage's dot product of each pair, with `config.use_transitions` "transitions":
+    [b, n] log(1 + how often the candidate followed the latest history item), and for training
+    "rating": [b] of the item in slot 0}. `ranking.features.list_examples` builds them, and the
+    export computes them in the graph from the same signals.
     Output of `call`: scores [b, n] float32 (logits).
 
-    `transitions` ([V, V] CSR over item vocabulary indexes) are the training counts the
-    "transitions" inputs come from; the export bakes them in.
-    With `retrieval_items` ([num_items, e], the retrieval stage's item embeddings) the
-    retrieval score of every pair is a feature and, through a learnt weight, part of the logit:
-    the ranker starts from retrieval's order and learns what to change. The transition feature
-    enters the same two ways; it carries what a dot product cannot: which items follow which.
+    The retrieval score and the transition feature each enter twice: as a pair feature, and
+    through a learnt scalar weight in the logit, so the ranker starts from retrieval's order and
+    learns what to change. Transitions carry what a dot product cannot: which items follow which.
+    The model holds weights only; every signal arrives as an input.
     """
 
     def __init__(self, config: RankingConfig, *, num_users: int, item_index: np.ndarray,
                  item_vocab_size: int, item_genres: np.ndarray, item_year: np.ndarray,
-                 user_feature_sizes: dict[str, int], has_ratings: bool,
-                 retrieval_items: np.ndarray | None = None,
-                 transitions: sp.csr_matrix | None = None):
+                 history_length: int, user_feature_sizes: dict[str, int], has_ratings: bool,
+                 use_retrieval: bool = False):
         super().__init__()
-        if config.use_transitions and transitions is None:
-            raise ValueError("use_transitions needs the transition counts "
-                             "(ranking.train.transition_matrix)")
         self.config = config
-        self.transitions = transitions if config.use_transitions else None   # [V, V] CSR
-        self.retrieval = None          # the RetrievalSignal, set by ranking.train.build_model
+        self.history_length = history_length
+        self.use_retrieval = use_retrieval
         dim = config.embedding_dim
-        self.retrieval_items = (None if retrieval_items is None
-                                else tf.constant(retrieval_items, tf.float32))    # [I, e]
         self.retrieval_weight = self.add_weight(name="retrieval_weight", shape=(),
                                                 initializer="zeros")
         if config.use_transitions:
@@ -65,7 +57,7 @@ class RankingModel(tfrs.Model):
                           for _ in range(config.cross_layers)]
             self.deep = mlp(config.deep_layers)
         else:
-            self.positions = tf.keras.layers.Embedding(config.history_length + 1, dim)
+            self.positions = tf.keras.layers.Embedding(history_length + 1, dim)
             self.transformer = SequenceTransformer(config.bst_heads,
                                                    max(1, dim // config.bst_heads), dim)
             self.deep = mlp(config.bst_layers)
@@ -102,20 +94,13 @@ class RankingModel(tfrs.Model):
 
     def _sequence(self, history: tf.Tensor, items: tf.Tensor) -> tf.Tensor:
         """BST block: [b, L] history and [b, n] targets -> [b * n, (L + 1) * d]."""
-        length = self.config.history_length
+        length = self.history_length
         positions = self.positions(tf.range(length + 1))                          # [L+1, d]
         past = self.item_features.id_embedding(history)                           # [b, L, d]
         target = self.item_features.id_embedding(tf.gather(self.item_features.item_index, items))
         x = self.transformer(past + tf.cast(positions[:length], past.dtype), history > 0,
                              target + tf.cast(positions[length], target.dtype))  # [b, n, L+1, d]
         return tf.reshape(x, [-1, (length + 1) * x.shape[-1]])
-
-    def retrieval_scores(self, features) -> tf.Tensor | None:
-        """[b, n] retrieval dot products of the pairs, or None without the retrieval signal."""
-        if self.retrieval_items is None:
-            return None
-        items = tf.gather(self.retrieval_items, features["items"])                # [b, n, e]
-        return tf.einsum("be,bne->bn", tf.cast(features["retrieval_query"], tf.float32), items)
 
     def representation(self, features) -> tf.Tensor:
         """[b, n, h] representation of every (user, candidate) pair."""
@@ -124,11 +109,8 @@ class RankingModel(tfrs.Model):
         user = self._user(features)                                               # [b, fu]
         item = self.item_features(items)                                          # [b, n, fi]
         parts = [tf.repeat(user, n, axis=0), tf.reshape(item, [b * n, item.shape[-1]])]
-        retrieval = self.retrieval_scores(features)
-        if retrieval is not None:
-            parts.append(tf.cast(tf.reshape(retrieval, [b * n, 1]), user.dtype))
-        if self.config.use_transitions:
-            parts.append(tf.cast(tf.reshape(features["transitions"], [b * n, 1]), user.dtype))
+        for name in self._signal_names():
+            parts.append(tf.cast(tf.reshape(features[name], [b * n, 1]), user.dtype))
         pairs = tf.concat(parts, axis=-1)                                         # [b*n, F]
         if self.config.model == "dcn":
             if self.config.cross_structure == "stacked":
@@ -145,13 +127,17 @@ class RankingModel(tfrs.Model):
     def _logits(self, features, hidden: tf.Tensor) -> tf.Tensor:
         """[b, n] scores from the pair representations [b, n, h]."""
         logits = tf.squeeze(self.score_head(hidden), -1)
-        retrieval = self.retrieval_scores(features)
-        if retrieval is not None:
-            logits += tf.cast(self.retrieval_weight, tf.float32) * retrieval
+        weights = {"retrieval_scores": self.retrieval_weight}
         if self.config.use_transitions:
-            logits += (tf.cast(self.transition_weight, tf.float32)
-                       * tf.cast(features["transitions"], tf.float32))
+            weights["transitions"] = self.transition_weight
+        for name in self._signal_names():
+            logits += tf.cast(weights[name], tf.float32) * tf.cast(features[name], tf.float32)
         return logits
+
+    def _signal_names(self) -> list[str]:
+        """The [b, n] signal inputs this model reads, in the order they join the pair features."""
+        return (["retrieval_scores"] if self.use_retrieval else []) + \
+            (["transitions"] if self.config.use_transitions else [])
 
     def call(self, features) -> tf.Tensor:
         return self._logits(features, self.representation(features))            # [b, n]

@@ -13,7 +13,6 @@ class RetrievalConfig:
     """Everything that decides a retrieval run."""
 
     embedding_dim: int = 64
-    history_length: int = 20
     history_encoder: str = "gru"          # none | mean | gru | transformer
     use_user_id: bool = True
     use_user_features: bool = True
@@ -31,25 +30,23 @@ class RetrievalConfig:
     mixed_precision: bool = False
     jit_compile: bool = False
     strategy: str = "default"             # default | mirrored | multi_worker (reads TF_CONFIG)
-    k: int = 100                          # candidates the export returns
     seed: int = 0
 
-    def validate(self, num_items: int | None = None) -> None:
-        """Raises ValueError naming the first setting that cannot work."""
+    def validate(self, history_length: int | None = None) -> None:
+        """Raises ValueError naming the first setting that cannot work (with the data config's
+        `history_length` when given)."""
         if self.history_encoder not in ENCODERS:
             raise ValueError(f"history_encoder {self.history_encoder!r}: choose one of {ENCODERS}")
-        if self.history_encoder != "none" and self.history_length <= 0:
+        if self.history_encoder != "none" and history_length is not None and history_length <= 0:
             raise ValueError(f"history_encoder {self.history_encoder!r} needs history_length > 0, "
-                             f"got {self.history_length}")
+                             f"got {history_length}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy {self.strategy!r}: choose one of {STRATEGIES}")
-        for name in ("embedding_dim", "batch_size", "epochs", "k"):
+        for name in ("embedding_dim", "batch_size", "epochs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be positive, got {self.temperature}")
-        if num_items is not None and self.k > num_items:
-            raise ValueError(f"k={self.k} is larger than the catalogue ({num_items} items)")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -57,8 +54,8 @@ class RetrievalConfig:
 
 PRESETS = {
     "default": RetrievalConfig(),
-    "tiny": RetrievalConfig(embedding_dim=16, history_length=5, batch_size=128, epochs=3,
-                            early_stopping_patience=0, k=20, learning_rate=1e-2),
+    "tiny": RetrievalConfig(embedding_dim=16, batch_size=128, epochs=3, early_stopping_patience=0,
+                            learning_rate=1e-2),
 }
 
 

@@ -77,15 +77,16 @@ class RetrievalModule(tf.Module):
         return {"embedding": self.model.candidate(tf.maximum(codes, 0))}
 
 
-def export(model: TwoTower, data: ModelInputs, base_path: str, k: int | None = None,
+def export(model: TwoTower, data: ModelInputs, base_path: str, k: int,
            scann: ScannParams | None = None, version: int | None = None,
            warmup_users: np.ndarray | None = None) -> str:
-    """Writes a new version of the retrieval SavedModel under `base_path`; returns its folder.
+    """Writes a new version of the retrieval SavedModel, answering the top `k` items, under
+    `base_path`; returns its folder.
 
     With `scann` the index is ScaNN and the model needs ScaNN's ops to serve. With
     `warmup_users` ([w] str) the version carries TF Serving warmup requests for them.
     """
-    module = RetrievalModule(model, data, k or model.config.k, scann)
+    module = RetrievalModule(model, data, k, scann)
     signatures = {"serving_default": module.serve, "with_history": module.with_history,
                   "embed_user": module.embed_user, "embed_items": module.embed_items}
     options = tf.saved_model.SaveOptions(namespace_whitelist=["Scann"] if scann else None)

@@ -1,5 +1,5 @@
 """Candidate indexes over item embeddings: exact brute force and ScaNN, both through
-`tfrs.layers.factorized_top_k`, with seen-item exclusion and recall-targeted ScaNN tuning."""
+`tfrs.layers.factorized_top_k`, and recall-targeted ScaNN tuning."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,7 +7,6 @@ import itertools
 import time
 
 import numpy as np
-import scipy.sparse as sp
 import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
@@ -19,9 +18,14 @@ class ScannParams:
     num_reordering_candidates: int
     dimensions_per_block: int = 2
 
-    def exact_for(self, num_items: int) -> bool:
-        return (self.num_leaves_to_search >= self.num_leaves
-                and self.num_reordering_candidates >= num_items)
+    def with_enough_answers(self, num_items: int, k: int) -> "ScannParams":
+        """The setting `build_index` really builds for top-k over `num_items`: the searched leaves
+        hold about 2k items and at least k candidates are reordered, so ScaNN has k answers."""
+        enough_leaves = -(-2 * k * self.num_leaves // num_items)
+        return dataclasses.replace(
+            self, num_leaves_to_search=min(self.num_leaves,
+                                           max(self.num_leaves_to_search, enough_leaves)),
+            num_reordering_candidates=max(self.num_reordering_candidates, k))
 
 
 def build_index(candidates: np.ndarray, k: int, scann: ScannParams | None = None):
@@ -29,8 +33,7 @@ def build_index(candidates: np.ndarray, k: int, scann: ScannParams | None = None
 
     Returns:
         A `tfrs.layers.factorized_top_k` layer: queries [b, d] -> (scores [b, k], codes [b, k]).
-        ScaNN searches leaves holding about 2k items and reorders at least k candidates, so it
-        has k answers to give.
+        ScaNN is built with `scann.with_enough_answers`, so it has k answers to give.
     """
     if k > len(candidates):
         raise ValueError(f"k={k} is larger than the catalogue ({len(candidates)} items)")
@@ -38,35 +41,14 @@ def build_index(candidates: np.ndarray, k: int, scann: ScannParams | None = None
     if scann is None:
         layer = tfrs.layers.factorized_top_k.BruteForce(k=k)
     else:
-        # The searched leaves must hold k items for ScaNN to return k: about 2k to be safe.
-        enough_leaves = -(-2 * k * scann.num_leaves // len(candidates))
+        scann = scann.with_enough_answers(len(candidates), k)
         layer = tfrs.layers.factorized_top_k.ScaNN(
             k=k, distance_measure="dot_product", num_leaves=scann.num_leaves,
-            num_leaves_to_search=min(scann.num_leaves, max(scann.num_leaves_to_search, enough_leaves)),
-            num_reordering_candidates=max(scann.num_reordering_candidates, k),
+            num_leaves_to_search=scann.num_leaves_to_search,
+            num_reordering_candidates=scann.num_reordering_candidates,
             dimensions_per_block=scann.dimensions_per_block, training_iterations=10)
     layer.index(tf.constant(candidates, tf.float32), codes)
     return layer
-
-
-def search(index, queries: np.ndarray, k: int, exclude: sp.csr_matrix | None = None):
-    """Top-k codes of each query, skipping excluded items.
-
-    Args:
-        index: a layer from `build_index` built with at least k + (most excluded in a row).
-        queries: [b, d] float32.
-        exclude: [b, num_items] CSR of items to skip per query, or None.
-
-    Returns:
-        (scores [b, k] float32, codes [b, k] int64).
-    """
-    scores, codes = (t.numpy() for t in index(tf.constant(queries, tf.float32)))
-    if exclude is not None and exclude.nnz:
-        excluded = np.asarray(exclude[np.arange(len(codes))[:, None], codes].todense()) > 0
-        scores = np.where(excluded, -np.inf, scores)
-        order = np.argsort(-scores, axis=1, kind="stable")                 # keeps ties in order
-        scores, codes = (np.take_along_axis(a, order, 1) for a in (scores, codes))
-    return scores[:, :k], codes[:, :k]
 
 
 def exact_top_k(candidates: np.ndarray, queries: np.ndarray, k: int) -> np.ndarray:
@@ -105,11 +87,15 @@ def tune_scann(candidates: np.ndarray, queries: np.ndarray, k: int = 10,
     num_items = len(candidates)
     exact = exact_top_k(candidates, queries, k)
     root = max(1, int(np.sqrt(num_items)))
-    table = []
+    table, measured = [], set()
     leaves_options = sorted({max(1, root // 2), root, min(num_items, 2 * root)})
     for leaves, share, reorder in itertools.product(leaves_options, (0.05, 0.1, 0.25),
                                                     (4 * k, 10 * k, 50 * k)):
-        params = ScannParams(leaves, max(1, int(round(share * leaves))), min(reorder, num_items))
+        params = ScannParams(leaves, max(1, int(round(share * leaves))), min(reorder, num_items)
+                             ).with_enough_answers(num_items, k)
+        if params in measured:
+            continue                                  # raised onto a setting already measured
+        measured.add(params)
         index = build_index(candidates, k, params)
         _, found = index(tf.constant(queries))
         table.append({**dataclasses.asdict(params),

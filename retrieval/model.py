@@ -6,8 +6,10 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
-from tworec.features.layers import ItemFeatures, float32_policy
+from tworec.features.layers import ItemFeatures
+from tworec.features.training import float32_policy
 from tworec.retrieval.config import RetrievalConfig
+
 
 def right_align(history: tf.Tensor) -> tf.Tensor:
     """Moves the padding (0) of left-padded rows to the right, so a masked GRU can use cuDNN.
@@ -61,7 +63,8 @@ class TwoTower(tfrs.Model):
 
     def __init__(self, config: RetrievalConfig, *, num_users: int, item_index: np.ndarray,
                  item_vocab_size: int, item_genres: np.ndarray, item_year: np.ndarray,
-                 user_feature_sizes: dict[str, int], item_probability: np.ndarray):
+                 history_length: int, user_feature_sizes: dict[str, int],
+                 item_probability: np.ndarray):
         super().__init__()
         self.config = config
         dim = config.embedding_dim
@@ -73,7 +76,7 @@ class TwoTower(tfrs.Model):
             name: tf.keras.layers.Embedding(size, 8, name=f"user_{name}_embedding")
             for name, size in (user_feature_sizes.items() if config.use_user_features else [])}
         self.history_encoder = (None if config.history_encoder == "none" else
-                                HistoryEncoder(config.history_encoder, dim, config.history_length))
+                                HistoryEncoder(config.history_encoder, dim, history_length))
         self.query_head = self._head(dim)
         self.candidate_head = self._head(dim)
         with float32_policy():     # the loss sees float32 towers even under mixed precision

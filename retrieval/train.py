@@ -1,47 +1,26 @@
 """Training and full-catalogue evaluation of the two-tower model."""
 from __future__ import annotations
 
-import json
-import os
-import time
-
 import numpy as np
 import tensorflow as tf
 
-from tworec.features import Interactions, Split
-from tworec.features.evaluation import KS, EvalSet, eval_set, evaluate
+from tworec.evaluation import KS, EvalSet, eval_set, evaluate
 from tworec.features.batches import batches, steps_per_epoch
+from tworec.features.inputs import ModelInputs
+from tworec.features.training import make_optimizer, make_strategy, mixed_precision, train
 from tworec.retrieval.config import RetrievalConfig
-from tworec.features.inputs import ModelInputs, prepare
-from tworec.features.layers import mixed_precision, run_callbacks
 from tworec.retrieval.model import TwoTower
-
-
-def make_strategy(name: str) -> tf.distribute.Strategy:
-    """`default`, `mirrored` (all local devices) or `multi_worker` (reads TF_CONFIG)."""
-    if name == "mirrored":
-        return tf.distribute.MirroredStrategy()
-    if name == "multi_worker":
-        return tf.distribute.MultiWorkerMirroredStrategy()
-    if name == "default":
-        return tf.distribute.get_strategy()
-    raise ValueError(f"unknown strategy {name!r}; use default, mirrored or multi_worker")
 
 
 def build_model(config: RetrievalConfig, data: ModelInputs) -> TwoTower:
     model = TwoTower(config, num_users=data.users.size, item_index=data.item_index,
                      item_vocab_size=data.items.size, item_genres=data.item_genres,
-                     item_year=data.item_year,
+                     item_year=data.item_year, history_length=data.history_length,
                      user_feature_sizes={n: v.size for n, v in data.user_feature_vocabs.items()},
                      item_probability=data.item_probability)
-    optimizers = {"adam": tf.keras.optimizers.Adam, "adagrad": tf.keras.optimizers.Adagrad,
-                  "sgd": tf.keras.optimizers.SGD}
-    if config.optimizer not in optimizers:
-        raise ValueError(f"unknown optimizer {config.optimizer!r}; use one of {sorted(optimizers)}")
-    optimizer = optimizers[config.optimizer](learning_rate=config.learning_rate)
-    if config.mixed_precision:
-        optimizer = tf.keras.mixed_precision.LossScaleOptimizer(optimizer)
-    model.compile(optimizer=optimizer, jit_compile=config.jit_compile)
+    model.compile(optimizer=make_optimizer(config.optimizer, config.learning_rate,
+                                           config.mixed_precision),
+                  jit_compile=config.jit_compile)
     return model
 
 
@@ -78,16 +57,14 @@ def embeddings_for_ranking(model: TwoTower, data: ModelInputs) -> dict:
 
 def evaluate_model(model: TwoTower, data: ModelInputs, part: str = "test", ks=KS,
                    evalset: EvalSet | None = None) -> dict[str, float]:
-    """Recall@K and NDCG@K over the full catalogue, excluding each user's earlier items
-    (temporal protocol); for the random split, TFRS's factorized top-K accuracy instead."""
+    """Recall@K (the hit rate of the held-out item) and NDCG@K over the full catalogue; under
+    the temporal split each user's earlier items are excluded, under the random split (several
+    held-out rows per user) nothing is."""
     candidates = candidate_embeddings(model, data.num_items)
     queries = query_embeddings(model, data.examples[part])
     evalset = evalset or eval_set(data.interactions, data.split, part,
                                   exclude_seen=data.split.kind == "temporal")
-    metrics = evaluate(lambda rows: queries[rows] @ candidates.T, evalset, ks)   # [b, d] x [d, I]
-    if data.split.kind == "random":
-        metrics = {f"factorized_top_{k}_accuracy": metrics[f"recall@{k}"] for k in ks} | metrics
-    return metrics
+    return evaluate(lambda rows: queries[rows] @ candidates.T, evalset, ks)   # [b, d] x [d, I]
 
 
 def top_candidates(model: TwoTower, data: ModelInputs, part: str, k: int,
@@ -125,52 +102,40 @@ class ValidationRecall(tf.keras.callbacks.Callback):
         logs["val_ndcg@10"] = metrics["ndcg@10"]
 
 
-def fit(interactions: Interactions, split: Split, config: RetrievalConfig,
-        run_dir: str | None = None, verbose: int = 1):
+def fit(data: ModelInputs, config: RetrievalConfig, run_dir: str | None = None,
+        verbose: int = 1) -> tuple[TwoTower, dict]:
     """Trains a two-tower model.
 
     Args:
-        interactions: the log. split: its parts; validation drives early stopping.
-        config: the run's configuration, checked before anything trains.
+        data: the model inputs (`features.inputs.prepare`); validation drives early stopping.
+        config: the stage's configuration, checked before anything trains.
         run_dir: where the config, TensorBoard logs and resumable checkpoints go.
 
     Returns:
-        (model, data, summary) with summary holding per-epoch logs, seconds and examples/s.
+        (model, summary) with summary holding per-epoch logs, seconds and examples/s.
     """
-    config.validate(num_items=interactions.num_items)
+    config.validate(history_length=data.history_length)
     tf.keras.utils.set_random_seed(config.seed)
-    data = prepare(interactions, split, config.history_length)
-    strategy = make_strategy(config.strategy)
-    with strategy.scope(), mixed_precision(config.mixed_precision):
+    with make_strategy(config.strategy).scope(), mixed_precision(config.mixed_precision):
         model = build_model(config, data)
-    train = data.examples["train"]
-    steps = steps_per_epoch(len(train["user"]), config.batch_size, drop_remainder=True)
+    train_rows = data.examples["train"]
+    steps = steps_per_epoch(len(train_rows["user"]), config.batch_size, drop_remainder=True)
     if steps == 0:
         raise ValueError(f"batch_size {config.batch_size} is larger than the training split "
-                         f"({len(train['user'])} rows)")
-    dataset = batches(train, config.batch_size, shuffle=True, seed=config.seed, epochs=None,
+                         f"({len(train_rows['user'])} rows)")
+    dataset = batches(train_rows, config.batch_size, shuffle=True, seed=config.seed, epochs=None,
                       drop_remainder=True)
     callbacks = []
-    has_validation = len(data.split.validation) > 0
-    if has_validation:
+    if len(data.split.validation):
         callbacks.append(ValidationRecall(data))
         if config.early_stopping_patience:
             callbacks.append(tf.keras.callbacks.EarlyStopping(
                 "val_recall@10", mode="max", patience=config.early_stopping_patience,
                 restore_best_weights=True))
-    callbacks += run_callbacks(run_dir, "retrieval", config.to_json())
-    start = time.perf_counter()
-    history = model.fit(dataset, epochs=config.epochs, steps_per_epoch=steps, callbacks=callbacks,
-                        verbose=verbose)
-    seconds = time.perf_counter() - start
-    epochs = len(history.history.get("loss", []))
-    summary = {"seconds": seconds, "epochs": epochs,
-               "examples_per_second": epochs * steps * config.batch_size / max(seconds, 1e-9),
-               "history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
-               "loss": {"logq_correction": config.logq_correction,
-                        "remove_accidental_hits": config.remove_accidental_hits,
-                        "num_hard_negatives": config.num_hard_negatives}}
-    if run_dir:
-        with open(os.path.join(run_dir, "retrieval_train.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-    return model, data, summary
+    summary = train(model, dataset, stage="retrieval", config=config, steps_per_epoch=steps,
+                    examples_per_epoch=steps * config.batch_size, callbacks=callbacks,
+                    run_dir=run_dir, verbose=verbose)
+    summary["loss"] = {"logq_correction": config.logq_correction,
+                       "remove_accidental_hits": config.remove_accidental_hits,
+                       "num_hard_negatives": config.num_hard_negatives}
+    return model, summary

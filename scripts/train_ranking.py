@@ -1,69 +1,43 @@
 """Trains the ranking model on retrieval's candidates, evaluates it alone and as the second
-stage over retrieval's top-K, and exports `ranking`.
+stage over retrieval's top-K, and exports `ranking` and the composed `recommender`.
 
+    python scripts/train_ranking.py --retrieval-run RUN [--model dcn|bst]
+        [--task listwise|binary|regression] [--epochs N]
     python scripts/train_ranking.py --data SOURCE --out RUN [--split temporal|random]
-        [--preset tiny|default] [--model dcn|bst] [--task listwise|binary|regression] [--top-k 100]
+        [--preset tiny|default] [--top-k 100] ...
 
-Retrieval is trained first in the same process (same preset) to supply hard negatives and the
-candidates to re-rank.
+With --retrieval-run, the retrieval model trained in RUN (by train_retrieval.py or the
+pipeline) is reloaded, with RUN's own data source and configs, and ranking is trained into RUN;
+otherwise retrieval is trained first, into the same new run folder.
 """
 import argparse
-import json
-import os
 import sys
 
-
-from tworec.features import DataError, load, split
-from tworec.features.sources import parse_columns
-from tworec.ranking import config as ranking_config
-from tworec.ranking.export import export
-from tworec.ranking.train import RetrievalSignal, evaluate, fit, two_stage_metrics
-from tworec.retrieval import config as retrieval_config
-from tworec.retrieval.train import (embeddings_for_ranking, evaluate_model, fit as fit_retrieval,
-                             top_candidates)
+from tworec.pipeline import cli
+from tworec.ranking.config import MODELS, TASKS
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", default="synthetic")
-    parser.add_argument("--columns", default="")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--split", default="temporal", choices=["temporal", "random"])
-    parser.add_argument("--preset", default="default", choices=sorted(ranking_config.PRESETS))
-    parser.add_argument("--model", choices=ranking_config.MODELS)
-    parser.add_argument("--task", choices=ranking_config.TASKS)
-    parser.add_argument("--epochs", type=int)
+    cli.add_run_arguments(parser, out_required=False)
+    parser.add_argument("--retrieval-run", metavar="RUN",
+                        help="a run folder with a trained retrieval model to reuse")
+    parser.add_argument("--model", choices=MODELS)
+    parser.add_argument("--task", choices=TASKS)
     parser.add_argument("--top-k", type=int, default=100, help="retrieval candidates to re-rank")
     args = parser.parse_args(argv)
-    overrides = {k: v for k, v in (("model", args.model), ("task", args.task),
-                                   ("epochs", args.epochs)) if v is not None}
-    try:
-        log = load(args.data, columns=parse_columns(args.columns))
-        parts = split(log, args.split)
-        first = retrieval_config.preset(args.preset)
-        second = ranking_config.preset(args.preset, history_length=first.history_length, **overrides)
-        first.validate(num_items=log.num_items)
-        second.validate(has_ratings=log.rating is not None)
-        if args.top_k > log.num_items:
-            raise ValueError(f"--top-k {args.top_k} is larger than the catalogue ({log.num_items})")
-    except (DataError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    retrieval_model, inputs, _ = fit_retrieval(log, parts, first, run_dir=args.out)
-    hard = {part: top_candidates(retrieval_model, inputs, part, 50, exclude_seen=False)
-            for part in ("train", "validation")}
-    test_candidates = top_candidates(retrieval_model, inputs, "test", args.top_k)
-    signal = RetrievalSignal(**embeddings_for_ranking(retrieval_model, inputs))
-    model, summary = fit(inputs, second, hard=hard, run_dir=args.out, retrieval=signal)
-    report = {"ranking": {"test": evaluate(model, inputs, "test", hard=test_candidates),
-                          "train": {k: v for k, v in summary.items() if k != "history"}},
-              "retrieval": {"test": evaluate_model(retrieval_model, inputs, "test", ks=(10,))},
-              "two_stage": {"test": two_stage_metrics(model, inputs, "test", test_candidates)},
-              "exports": {"ranking": export(model, inputs, os.path.join(args.out, "export", "ranking"))}}
-    with open(os.path.join(args.out, "ranking_report.json"), "w") as f:
-        json.dump(report, f, indent=2)
-    print(json.dumps(report))
-    return 0
+    if args.retrieval_run and (args.data or (args.out and args.out != args.retrieval_run)):
+        parser.error("--retrieval-run reuses RUN's data and trains into RUN; "
+                     "leave out --data and --out")
+    if not (args.retrieval_run or args.out):
+        parser.error("give --retrieval-run RUN, or --out RUN to train retrieval first")
+    args.out = args.retrieval_run or args.out
+    ranking = {name: value for name, value in (("model", args.model), ("task", args.task))
+               if value is not None}
+    from tworec.pipeline.run import RANKING_ONLY
+    steps = RANKING_ONLY if args.retrieval_run else ("train retrieval",) + RANKING_ONLY
+    return cli.run(args, steps, continue_run=bool(args.retrieval_run), ranking=ranking,
+                   run={"candidates": args.top_k})
 
 
 if __name__ == "__main__":

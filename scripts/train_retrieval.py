@@ -3,80 +3,32 @@ and exports `retrieval` (brute force) and `retrieval_scann` SavedModels.
 
     python scripts/train_retrieval.py --data SOURCE --out RUN [--split temporal|random]
         [--preset tiny|default] [--epochs N] [--strategy default|mirrored|multi_worker]
+
+The run folder can then be given to `train_ranking.py --retrieval-run RUN`.
 """
 import argparse
-import dataclasses
-import json
-import os
 import sys
 
-
-
-from tworec.features import DataError, load, split
-from tworec.features.evaluation import baselines, eval_set
-from tworec.features.sources import parse_columns
-from tworec.retrieval.config import PRESETS, preset
-from tworec.retrieval.index import ScannParams, tune_scann
-from tworec.retrieval.train import candidate_embeddings, evaluate_model, fit, query_embeddings
-
-
-def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", default="synthetic")
-    parser.add_argument("--columns", default="")
-    parser.add_argument("--out", required=True, help="run folder")
-    parser.add_argument("--split", default="temporal", choices=["temporal", "random"])
-    parser.add_argument("--preset", default="default", choices=sorted(PRESETS))
-    parser.add_argument("--epochs", type=int)
-    parser.add_argument("--batch-size", type=int)
-    parser.add_argument("--history-encoder", choices=["none", "mean", "gru", "transformer"])
-    parser.add_argument("--strategy", choices=["default", "mirrored", "multi_worker"])
-    parser.add_argument("--mixed-precision", action="store_true")
-    parser.add_argument("--jit-compile", action="store_true")
-    parser.add_argument("--no-export", action="store_true")
-    return parser.parse_args(argv)
+from tworec.pipeline import cli
+from tworec.retrieval.config import ENCODERS, STRATEGIES
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    overrides = {name: value for name, value in (
-        ("epochs", args.epochs), ("batch_size", args.batch_size),
-        ("history_encoder", args.history_encoder), ("strategy", args.strategy)) if value is not None}
-    if args.mixed_precision:
-        overrides["mixed_precision"] = True
-    if args.jit_compile:
-        overrides["jit_compile"] = True
-    try:
-        config = preset(args.preset, **overrides)
-        log = load(args.data, columns=parse_columns(args.columns))
-        parts = split(log, args.split)
-        config.validate(num_items=log.num_items)
-    except (DataError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    os.makedirs(args.out, exist_ok=True)
-    model, data, summary = fit(log, parts, config, run_dir=args.out)
-    test = eval_set(log, parts, "test", exclude_seen=args.split == "temporal")
-    report = {"config": dataclasses.asdict(config), "data": log.summary(),
-              "test": evaluate_model(model, data, "test", evalset=test),
-              "baselines": baselines(log, parts, test) if args.split == "temporal" else None,
-              "train": {k: v for k, v in summary.items() if k != "history"}}
-    candidates = candidate_embeddings(model, data.num_items)
-    queries = query_embeddings(model, data.examples["test"])[:200]
-    if len(candidates) >= 10 and len(queries):
-        report["index"] = tune_scann(candidates, queries, k=10)
-    if not args.no_export:
-        from tworec.retrieval.export import export
-        export_dir = os.path.join(args.out, "export")
-        report["exports"] = {"retrieval": export(model, data, os.path.join(export_dir, "retrieval"))}
-        params = (report.get("index") or {}).get("params")
-        if params:
-            report["exports"]["retrieval_scann"] = export(
-                model, data, os.path.join(export_dir, "retrieval_scann"), scann=ScannParams(**params))
-    with open(os.path.join(args.out, "retrieval_report.json"), "w") as f:
-        json.dump(report, f, indent=2, default=float)
-    print(json.dumps({"test": report["test"], "baselines": report["baselines"]}, default=float))
-    return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cli.add_run_arguments(parser)
+    parser.add_argument("--top-k", type=int, default=100, help="items the exports return")
+    parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--history-encoder", choices=ENCODERS)
+    parser.add_argument("--strategy", choices=STRATEGIES)
+    parser.add_argument("--mixed-precision", action="store_true", default=None)
+    parser.add_argument("--jit-compile", action="store_true", default=None)
+    args = parser.parse_args(argv)
+    retrieval = {name: value for name, value in (
+        ("batch_size", args.batch_size), ("history_encoder", args.history_encoder),
+        ("strategy", args.strategy), ("mixed_precision", args.mixed_precision),
+        ("jit_compile", args.jit_compile)) if value is not None}
+    from tworec.pipeline.run import RETRIEVAL_ONLY
+    return cli.run(args, RETRIEVAL_ONLY, retrieval=retrieval, run={"candidates": args.top_k})
 
 
 if __name__ == "__main__":

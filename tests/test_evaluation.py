@@ -4,8 +4,8 @@ import pytest
 import scipy.sparse as sp
 
 from tworec.features import Interactions, split
-from tworec.features.evaluation import (baselines, eval_set, evaluate, rank_metrics, target_ranks,
-                                 transition_counts)
+from tworec.evaluation import baselines, eval_set, evaluate, rank_metrics, target_ranks
+from tworec.features.history import transition_counts
 
 
 def test_rank_metrics_by_hand():

@@ -1,6 +1,7 @@
 """End to end: the whole pipeline on the tiny synthetic preset."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -76,13 +77,90 @@ def test_plots_and_human_report_exist(run):
     assert (out / "config.json").exists() and (out / "tensorboard").is_dir()
 
 
+def script(name: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", name), *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def retrieval_run(tmp_path_factory):
+    """A run folder of train_retrieval.py: retrieval, baselines, index and retrieval exports."""
+    out = tmp_path_factory.mktemp("retrieval_run")
+    done = script("train_retrieval.py", "--data", "synthetic:tiny", "--preset", "tiny",
+                  "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def test_train_retrieval_script_writes_its_part_of_the_run(retrieval_run):
+    report = json.load(open(retrieval_run / "report.json"))
+    assert report["retrieval"]["test"]["recall@10"] > report["baselines"]["popularity"]["recall@10"]
+    assert report["retrieval"]["loss"]["logq_correction"] is True
+    assert set(report["exports"]) == {"retrieval", "retrieval_scann"}
+    assert "ranking" not in report and "two_stage" not in report
+    assert (retrieval_run / "vocab" / "items.json").exists()
+    assert (retrieval_run / "retrieval" / "weights.index").exists()
+    assert "| popularity |" in (retrieval_run / "report.md").read_text()
+
+
+def test_train_ranking_reuses_a_retrieval_run_and_matches_the_pipeline(run, retrieval_run,
+                                                                       tmp_path):
+    """Ranking alone on a trained retrieval run: retrieval is reloaded, not retrained (its files
+    are untouched), and with the same seeds the two-stage figures equal the pipeline's."""
+    folder = tmp_path / "run"
+    shutil.copytree(retrieval_run, folder)
+    weights = (folder / "retrieval" / "weights.index").read_bytes()
+    summary = (folder / "retrieval_train.json").read_text()
+    done = script("train_ranking.py", "--retrieval-run", str(folder))
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.load(open(folder / "report.json"))
+    assert "load retrieval" in report["timings"] and "train retrieval" not in done.stdout
+    assert (folder / "retrieval" / "weights.index").read_bytes() == weights
+    assert (folder / "retrieval_train.json").read_text() == summary
+    _, pipeline = run
+    assert report["two_stage"]["test"] == pipeline["two_stage"]["test"]
+    assert report["ranking"]["test"] == pipeline["ranking"]["test"]
+    assert set(report["exports"]) == {"retrieval", "retrieval_scann", "ranking", "recommender"}
+    config = open(folder / "export" / "models.config").read()
+    assert all(f'name: "{name}"' in config for name in report["exports"])
+
+
+@pytest.mark.parametrize("name, args, message", [
+    ("train_retrieval.py", ["--data", "synthetic:tiny", "--epochs", "0", "--out", "OUT"],
+     "epochs must be positive"),
+    ("train_ranking.py", ["--retrieval-run", "OUT"], "not a run folder"),
+    ("pipeline.py", ["--data", "OUT/none.csv", "--out", "OUT"], "no such file"),
+])
+def test_script_mistakes_fail_before_training_with_one_line(tmp_path, name, args, message):
+    done = script(name, *(arg.replace("OUT", str(tmp_path)) for arg in args), timeout=60)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
 def test_train_ranking_script_on_the_random_protocol(tmp_path):
     """The TFRS tutorials' protocol: random 80/20 split, rating regression, RMSE reported."""
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train_ranking.py"),
-                           "--data", "synthetic:tiny", "--preset", "tiny", "--split", "random",
-                           "--task", "regression", "--top-k", "20", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600)
+    done = script("train_ranking.py", "--data", "synthetic:tiny", "--preset", "tiny", "--split",
+                  "random", "--task", "regression", "--top-k", "20", "--out", str(tmp_path))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    report = json.load(open(tmp_path / "ranking_report.json"))
+    report = json.load(open(tmp_path / "report.json"))
     assert 0 < report["ranking"]["test"]["rmse"] < 1.5 and report["ranking"]["test"]["auc"] is None
     assert os.path.isdir(report["exports"]["ranking"])
+
+
+def test_run_configs_resolve_validate_and_round_trip(tmp_path):
+    from tworec.pipeline import config
+    configs = config.resolve("tiny", epochs=3, ranking={"model": "bst"})
+    assert configs.retrieval.epochs == configs.ranking.epochs == 3
+    assert configs.data.history_length == 5 and configs.ranking.model == "bst"
+    config.write(str(tmp_path / "config.json"), configs, {"data": "synthetic"})
+    assert config.read(str(tmp_path / "config.json")) == ({"data": "synthetic"}, configs)
+    run, notices = configs.run.for_catalogue(30)
+    assert (run.candidates, run.hard_negative_pool, run.top_n) == (30, 30, 10)
+    assert notices == ["candidates 100 lowered to the catalogue size, 30",
+                       "hard_negative_pool 50 lowered to the catalogue size, 30"]
+    for bad, message in (({"data": {"history_length": 0}, "ranking": {"model": "bst"}},
+                          "needs history_length > 0"),
+                         ({"run": {"top_n": 0}}, "top_n must be positive"),
+                         ({"run": {"top_m": 1}}, "unexpected keyword argument 'top_m'")):
+        with pytest.raises(ValueError, match=message):
+            config.resolve("tiny", **bad).validate()

@@ -7,16 +7,24 @@ from tworec.features import generate, split
 from tworec.features.inputs import prepare
 from tworec.features.synthetic import PRESETS
 from tworec.ranking.config import preset
+from tworec.ranking.features import (list_examples, retrieval_scores, signals,
+                                     transition_features, transition_matrix)
 from tworec.ranking.sequence import SequenceTransformer
-from tworec.ranking.train import (RetrievalSignal, candidate_lists, evaluate, fit, rerank, score_lists,
-                           transition_features, transition_matrix, two_stage_metrics)
-from test_retrieval import graph_op_types, load_like_tf_serving
+from tworec.ranking.train import (candidate_lists, evaluate, fit, rerank, score_lists,
+                                  two_stage_metrics)
+from test_retrieval import graph_op_types, load_like_tf_serving, train as train_retrieval
 
 
 @pytest.fixture(scope="module")
 def inputs():
     log = generate(PRESETS["tiny"], seed=0)
     return prepare(log, split(log, "temporal"), history_length=5)
+
+
+@pytest.fixture(scope="module")
+def transitions_only(inputs):
+    """The signals of a ranker without retrieval: the transition counts."""
+    return signals(inputs, use_transitions=True)
 
 
 def test_candidate_lists_put_the_positive_first_and_never_repeat_it(inputs):
@@ -97,10 +105,10 @@ def test_transition_features_count_followers_and_leave_training_rows_out(kind):
     {"model": "dcn", "task": "regression"}, {"model": "dcn", "mixed_precision": True, "jit_compile": True},
     {"model": "bst", "mixed_precision": True},
 ])
-def test_models_and_tasks_train(inputs, overrides):
-    model, summary = fit(inputs, preset("tiny", epochs=1, **overrides), verbose=0)
+def test_models_and_tasks_train(inputs, transitions_only, overrides):
+    model, summary = fit(inputs, preset("tiny", epochs=1, **overrides), transitions_only, verbose=0)
     assert np.isfinite(summary["history"]["loss"]).all()
-    metrics = evaluate(model, inputs, "test")
+    metrics = evaluate(model, inputs, transitions_only, "test")
     if overrides.get("task") == "regression":
         assert metrics["auc"] is None and 0 < metrics["rmse"] < 3
     else:
@@ -108,70 +116,79 @@ def test_models_and_tasks_train(inputs, overrides):
     assert tf.keras.mixed_precision.global_policy().name == "float32"
 
 
-def test_ranking_learns_and_reranks(inputs):
-    model, summary = fit(inputs, preset("tiny", epochs=4), verbose=0)
-    metrics = evaluate(model, inputs, "test")
+def test_ranking_learns_and_reranks(inputs, transitions_only):
+    model, summary = fit(inputs, preset("tiny", epochs=4), transitions_only, verbose=0)
+    metrics = evaluate(model, inputs, transitions_only, "test")
     assert metrics["auc"] > 0.7 and metrics["rmse"] < 1.5
     rng = np.random.default_rng(0)
     targets = inputs.examples["test"]["item"]
     candidates = np.stack([np.concatenate([[t], rng.choice(np.delete(np.arange(inputs.num_items), t),
                                                            19, replace=False)]) for t in targets])
-    ranked = rerank(model, inputs, "test", candidates, top_n=5)
-    scores = score_lists(model, inputs, "test", candidates)
+    ranked = rerank(model, inputs, transitions_only, "test", candidates, top_n=5)
+    scores = score_lists(model, inputs, transitions_only, "test", candidates)
     expected = np.take_along_axis(candidates, np.argsort(-scores, 1, kind="stable")[:, :5], 1)
     assert np.array_equal(ranked, expected)
-    two_stage = two_stage_metrics(model, inputs, "test", candidates, ks=(10,))
+    two_stage = two_stage_metrics(model, inputs, transitions_only, "test", candidates, ks=(10,))
     assert two_stage["recall@10"] > 0.5          # random order would give 0.5
     missing = candidates.copy()
     missing[:, 0] = missing[:, 1]
-    assert two_stage_metrics(model, inputs, "test", missing)["recall@10"] == 0.0
+    assert two_stage_metrics(model, inputs, transitions_only, "test", missing)["recall@10"] == 0.0
 
 
-def test_settings_that_cannot_work(inputs):
+def test_settings_that_cannot_work(inputs, transitions_only):
     with pytest.raises(ValueError, match="model 'gbdt'"):
-        fit(inputs, preset("tiny", model="gbdt"), verbose=0)
-    with pytest.raises(ValueError, match="does not match"):
-        fit(inputs, preset("tiny", history_length=7), verbose=0)
+        fit(inputs, preset("tiny", model="gbdt"), transitions_only, verbose=0)
+    with pytest.raises(ValueError, match="needs history_length > 0"):
+        preset("tiny", model="bst").validate(history_length=0)
+    with pytest.raises(ValueError, match="signals lack transition counts"):
+        fit(inputs, preset("tiny"), signals(inputs, use_transitions=False), verbose=0)
 
 
 @pytest.fixture(scope="module")
 def signal(inputs):
     from tworec.retrieval.config import preset as retrieval_preset
-    from tworec.retrieval.train import embeddings_for_ranking, fit as fit_retrieval
-    model, data, _ = fit_retrieval(inputs.interactions, inputs.split,
-                                   retrieval_preset("tiny", epochs=2), verbose=0)
-    return RetrievalSignal(**embeddings_for_ranking(model, data))
+    from tworec.retrieval.train import embeddings_for_ranking
+    model, _, _ = train_retrieval(inputs.interactions, inputs.split,
+                                  retrieval_preset("tiny", epochs=2))
+    return signals(inputs, use_transitions=True, retrieval=embeddings_for_ranking(model, inputs))
+
+
+def test_retrieval_scores_are_the_dot_products_of_the_pairs(inputs, signal):
+    items = candidate_lists(inputs, "test", 4, 0.0, seed=3)
+    queries, embeddings = signal.retrieval_queries["test"], signal.retrieval_items
+    expected = np.array([[queries[row] @ embeddings[item] for item in items[row]]
+                         for row in range(len(items))])
+    np.testing.assert_allclose(retrieval_scores(queries, embeddings, items, chunk=7), expected,
+                               rtol=1e-5, atol=1e-6)
+    examples = list_examples(inputs, signal, "test", items)
+    assert set(examples) >= {"items", "retrieval_scores", "transitions", "rating", "history"}
 
 
 def test_retrieval_signal_feeds_the_ranker(inputs, signal):
-    model, _ = fit(inputs, preset("tiny", epochs=2), retrieval=signal, verbose=0)
-    items = candidate_lists(inputs, "test", 4, 0.0, seed=3)
-    features = {"items": tf.constant(items[:2]),
-                "retrieval_query": tf.constant(signal.queries["test"][:2])}
-    expected = np.einsum("be,bne->bn", signal.queries["test"][:2], signal.items[items[:2]])
-    np.testing.assert_allclose(model.retrieval_scores(features).numpy(), expected, rtol=1e-5)
-    assert evaluate(model, inputs, "test")["auc"] > 0.7
+    model, _ = fit(inputs, preset("tiny", epochs=2), signal, verbose=0)
+    assert model.use_retrieval and not {"retrieval", "transitions", "retrieval_items"} & set(vars(model))
+    assert evaluate(model, inputs, signal, "test")["auc"] > 0.7
 
 
 @pytest.mark.parametrize("model_name, with_signal", [("dcn", False), ("dcn", True), ("bst", True)],
                          ids=["dcn-alone", "dcn-retrieval-signal", "bst-retrieval-signal"])
-def test_export_serves_the_keras_scores(inputs, signal, tmp_path, model_name, with_signal):
+def test_export_serves_the_keras_scores(inputs, signal, transitions_only, tmp_path, model_name,
+                                       with_signal):
     from tworec.ranking.export import export
     from tensorflow.python.framework import op_def_registry
-    retrieval = signal if with_signal else None
-    model, _ = fit(inputs, preset("tiny", epochs=1, model=model_name), retrieval=retrieval,
-                   verbose=0)
+    given = signal if with_signal else transitions_only
+    model, _ = fit(inputs, preset("tiny", epochs=1, model=model_name), given, verbose=0)
     log = inputs.interactions
-    path = export(model, inputs, str(tmp_path / "ranking"))
+    path = export(model, inputs, given, str(tmp_path / "ranking"))
     run, meta = load_like_tf_serving(path)
     users = log.user_ids[:3]
     last = inputs.latest[:3, -1]                                               # vocab indexes
     code_of = np.zeros(inputs.items.size, np.int64)
     code_of[inputs.item_index] = np.arange(inputs.num_items)
     # Each user's candidates: the 2 items that most often followed their latest item, 2 others.
-    followers = np.argsort(-model.transitions[last].toarray(), axis=1, kind="stable")[:, :2]
+    followers = np.argsort(-given.transitions[last].toarray(), axis=1, kind="stable")[:, :2]
     codes = np.concatenate([code_of[followers], np.arange(6).reshape(3, 2)], axis=1)  # [3, 4]
-    transitions = np.log1p(model.transitions[last[:, None], inputs.item_index[codes]].toarray())
+    transitions = np.log1p(given.transitions[last[:, None], inputs.item_index[codes]].toarray())
     assert (transitions[:, :2] > 0).all()
     served = run("serving_default", user_id=users, item_ids=log.item_ids[codes])["scores"]
     features = {"user": inputs.users.remap(log.user_ids)[:3], "history": inputs.latest[:3],
@@ -179,7 +196,8 @@ def test_export_serves_the_keras_scores(inputs, signal, tmp_path, model_name, wi
     for name, index in inputs.user_feature_index.items():
         features[f"user_{name}"] = index[:3]
     if with_signal:
-        features["retrieval_query"] = signal.latest[:3]
+        features["retrieval_scores"] = retrieval_scores(signal.retrieval_latest[:3],
+                                                        signal.retrieval_items, codes)
     expected = model({k: tf.constant(v) for k, v in features.items()}).numpy()
     np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-5)
     unknown = run("serving_default", user_id=np.array(["nobody"]),

@@ -3,12 +3,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tworec.ranking import train as ranking_train
-from tworec.retrieval import train as retrieval_train
-from tworec.features import generate, split
+from tworec.features import generate, split, training
 from tworec.features.inputs import prepare
 from tworec.features.synthetic import PRESETS
+from tworec.ranking import train as ranking_train
 from tworec.ranking.config import preset as ranking_preset
+from tworec.ranking.features import signals
+from tworec.retrieval import train as retrieval_train
 from tworec.retrieval.config import preset as retrieval_preset
 
 
@@ -31,21 +32,22 @@ def log():
 
 def train_retrieval(log, run_dir):
     config = retrieval_preset("tiny", epochs=4, early_stopping_patience=0)
-    return retrieval_train.fit(log, split(log, "temporal"), config, run_dir=run_dir, verbose=0)[2]
+    inputs = prepare(log, split(log, "temporal"), history_length=5)
+    return retrieval_train.fit(inputs, config, run_dir=run_dir, verbose=0)[1]
 
 
 def train_ranking(log, run_dir):
     config = ranking_preset("tiny", epochs=4, early_stopping_patience=0)
-    inputs = prepare(log, split(log, "temporal"), config.history_length)
-    return ranking_train.fit(inputs, config, run_dir=run_dir, verbose=0)[1]
+    inputs = prepare(log, split(log, "temporal"), history_length=5)
+    return ranking_train.fit(inputs, config, signals(inputs, config.use_transitions),
+                             run_dir=run_dir, verbose=0)[1]
 
 
-@pytest.mark.parametrize("stage, train", [(retrieval_train, train_retrieval),
-                                          (ranking_train, train_ranking)])
+@pytest.mark.parametrize("train", [train_retrieval, train_ranking])
 def test_an_interrupted_run_resumes_after_its_last_finished_epoch(log, tmp_path, monkeypatch,
-                                                                  stage, train):
-    callbacks = stage.run_callbacks
-    monkeypatch.setattr(stage, "run_callbacks", lambda *args: callbacks(*args) + [Interrupt(1)])
+                                                                  train):
+    callbacks = training.run_callbacks
+    monkeypatch.setattr(training, "run_callbacks", lambda *args: callbacks(*args) + [Interrupt(1)])
     with pytest.raises(RuntimeError, match="interrupted after epoch 1"):
         train(log, str(tmp_path))
     monkeypatch.undo()

@@ -11,17 +11,19 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MIRRORED = """
-import json, features, tensorflow as tf
+import json, tensorflow as tf
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+from tworec.features import generate, split
+from tworec.features.inputs import prepare
 from tworec.features.synthetic import PRESETS
 from tworec.retrieval.config import preset
 from tworec.retrieval.train import evaluate_model, fit
-log = features.generate(PRESETS["tiny"], seed=0)
-parts = features.split(log)
+log = generate(PRESETS["tiny"], seed=0)
+data = prepare(log, split(log), history_length=5)
 results = {}
 for strategy in ("default", "mirrored"):
-    model, data, _ = fit(log, parts, preset("tiny", epochs=4, strategy=strategy), verbose=0)
+    model, _ = fit(data, preset("tiny", epochs=4, strategy=strategy), verbose=0)
     results[strategy] = evaluate_model(model, data, "test", ks=(10, 50))
     results[strategy + "_replicas"] = tf.distribute.MirroredStrategy().num_replicas_in_sync \\
         if strategy == "mirrored" else 1
@@ -30,14 +32,16 @@ print("RESULT", json.dumps(results))
 
 # The strategy must exist before any other TensorFlow op, so each worker trains only this run.
 WORKER = """
-import json, sys, features
+import json, sys
+from tworec.features import generate, split
+from tworec.features.inputs import prepare
 from tworec.features.synthetic import PRESETS
 from tworec.retrieval.config import preset
 from tworec.retrieval.train import evaluate_model, fit
-log = features.generate(PRESETS["tiny"], seed=0)
-parts = features.split(log)
-model, data, summary = fit(log, parts, preset("tiny", epochs=4, strategy="multi_worker"),
-                           run_dir=sys.argv[1], verbose=0)
+log = generate(PRESETS["tiny"], seed=0)
+data = prepare(log, split(log), history_length=5)
+model, summary = fit(data, preset("tiny", epochs=4, strategy="multi_worker"),
+                     run_dir=sys.argv[1], verbose=0)
 print("RESULT", json.dumps({"metrics": evaluate_model(model, data, "test", ks=(10, 50)),
                             "replicas": model.distribute_strategy.num_replicas_in_sync,
                             "epochs": summary["epochs"]}))

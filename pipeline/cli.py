@@ -1,0 +1,60 @@
+"""What the run scripts share: their common arguments, and one call from parsed arguments to a
+finished run with the exit codes a shell expects (0 done, 2 a user error caught before any
+training, 1 a step that failed)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tworec.features.inputs import PROTOCOLS
+from tworec.features.interactions import DataError
+from tworec.pipeline.config import PRESETS
+
+SUMMARY_SECTIONS = ("retrieval", "two_stage", "ranking", "serving")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, out_required: bool = True) -> None:
+    """--data, --columns, --out, --split, --preset and --epochs."""
+    parser.add_argument("--data", default=None,
+                        help="synthetic[:PRESET], tfds:NAME, a GroupLens folder or .zip, or a "
+                             ".csv/.tsv/.parquet log (default: synthetic)")
+    parser.add_argument("--columns", default="",
+                        help="for generic files: ROLE=COLUMN,... with roles user, item, time, "
+                             "rating, user.NAME, item.NAME")
+    parser.add_argument("--out", required=out_required, help="the run folder")
+    parser.add_argument("--split", default="temporal", choices=PROTOCOLS,
+                        help="evaluation protocol (default: temporal)")
+    parser.add_argument("--preset", default="default", choices=PRESETS)
+    parser.add_argument("--epochs", type=int, help="epochs of every stage the command trains")
+
+
+def source_of(args) -> dict:
+    """The data source of parsed arguments, as RUN/config.json records it."""
+    from tworec.features.sources import parse_columns
+    return {"data": args.data or "synthetic", "columns": parse_columns(args.columns)}
+
+
+def run(args, steps: tuple[str, ...], continue_run: bool = False, verbose: int = 1,
+        **overrides) -> int:
+    """Resolves the configs, prepares the run and executes `steps`; prints a one-line JSON
+    summary of the test metrics. `overrides` go to `pipeline.config.resolve`."""
+    from tworec.pipeline.config import resolve
+    from tworec.pipeline.run import StepFailed, execute, prepare_run
+    from tworec.pipeline.store import RunFolderError
+    try:
+        configs = resolve(args.preset, epochs=args.epochs,
+                          **{"data": {"split": args.split}, **overrides})
+        prepared = prepare_run(args.out, source_of(args), configs, verbose=verbose,
+                               continue_run=continue_run)
+    except (DataError, ValueError, RunFolderError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        report = execute(prepared, steps)
+    except StepFailed as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(json.dumps({name: report[name].get("test", report[name]) for name in SUMMARY_SECTIONS
+                      if name in report}, default=float))
+    return 0

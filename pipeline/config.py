@@ -1,0 +1,109 @@
+"""The configs of one run: the data config both stages read, each stage's model config, and the
+run config of the flow that joins them. Resolved from a named preset, validated together
+before anything trains, and written to (and read back from) RUN/config.json."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from tworec.features.inputs import DATA_PRESETS, DataConfig
+from tworec.ranking.config import PRESETS as RANKING_PRESETS, RankingConfig
+from tworec.retrieval.config import PRESETS as RETRIEVAL_PRESETS, RetrievalConfig
+
+PRESETS = sorted(DATA_PRESETS)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """The flow's own numbers, shared by every step that needs them."""
+
+    candidates: int = 100                 # retrieval's top-k: what the ranker re-orders and
+                                          # what the retrieval export returns
+    hard_negative_pool: int = 50          # retrieval's top items per training row, the pool of
+                                          # the ranker's hard negatives
+    top_n: int = 10                       # items the composed recommender returns
+    tuning_queries: int = 200             # query embeddings the ScaNN tuning measures
+    tuning_k: int = 10                    # ScaNN is tuned for recall@tuning_k against exact
+    check_users: int = 8                  # test users the served check queries
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first setting that cannot work."""
+        for field in dataclasses.fields(self):
+            if getattr(self, field.name) <= 0:
+                raise ValueError(f"{field.name} must be positive, got {getattr(self, field.name)}")
+
+    def for_catalogue(self, num_items: int) -> tuple[RunConfig, list[str]]:
+        """The config with every item count clamped to a catalogue of `num_items`, and a notice
+        for each count it lowered."""
+        clamped, notices = {}, []
+        for name in ("candidates", "hard_negative_pool", "tuning_k", "top_n"):
+            value = getattr(self, name)
+            if value > num_items:
+                clamped[name] = num_items
+                notices.append(f"{name} {value} lowered to the catalogue size, {num_items}")
+        return dataclasses.replace(self, **clamped), notices
+
+
+@dataclasses.dataclass(frozen=True)
+class Configs:
+    """Everything that decides a run."""
+
+    data: DataConfig
+    retrieval: RetrievalConfig
+    ranking: RankingConfig
+    run: RunConfig = RunConfig()
+
+    def validate(self, has_ratings: bool | None = None) -> None:
+        """Raises ValueError (or DataError) naming the first setting that cannot work."""
+        self.data.validate()
+        self.retrieval.validate(history_length=self.data.history_length)
+        self.ranking.validate(has_ratings=True if has_ratings is None else has_ratings,
+                              history_length=self.data.history_length)
+        self.run.validate()
+
+    def to_dict(self) -> dict:
+        return {field.name: dataclasses.asdict(getattr(self, field.name))
+                for field in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> Configs:
+        """The inverse of `to_dict` (tuples, which JSON stores as lists, restored)."""
+        types = {"data": DataConfig, "retrieval": RetrievalConfig, "ranking": RankingConfig,
+                 "run": RunConfig}
+        return cls(**{name: kind(**{key: tuple(value) if isinstance(value, list) else value
+                                    for key, value in values[name].items()})
+                      for name, kind in types.items()})
+
+
+def resolve(preset: str = "default", *, epochs: int | None = None, data: dict | None = None,
+            retrieval: dict | None = None, ranking: dict | None = None,
+            run: dict | None = None) -> Configs:
+    """The configs of a named preset with fields replaced; `epochs` sets both stages'.
+
+    Raises:
+        ValueError: an unknown preset or field.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; known: {PRESETS}")
+    both = {} if epochs is None else {"epochs": epochs}
+    try:
+        return Configs(
+            data=dataclasses.replace(DATA_PRESETS[preset], **(data or {})),
+            retrieval=dataclasses.replace(RETRIEVAL_PRESETS[preset], **{**both, **(retrieval or {})}),
+            ranking=dataclasses.replace(RANKING_PRESETS[preset], **{**both, **(ranking or {})}),
+            run=dataclasses.replace(RunConfig(), **(run or {})))
+    except TypeError as error:                   # an unknown field name
+        raise ValueError(f"config: {error}") from None
+
+
+def write(path: str, configs: Configs, source: dict) -> None:
+    """Writes RUN/config.json: the data source (`source`, `columns`) and the resolved configs."""
+    with open(path, "w") as f:
+        json.dump({"source": source, **configs.to_dict()}, f, indent=2)
+
+
+def read(path: str) -> tuple[dict, Configs]:
+    """(source, configs) from a RUN/config.json written by `write`."""
+    with open(path) as f:
+        values = json.load(f)
+    return values["source"], Configs.from_dict(values)
