@@ -40,12 +40,20 @@ def run(args, steps: tuple[str, ...], continue_run: bool = False, verbose: int =
     """Resolves the configs, prepares the run and executes `steps`; prints a one-line JSON
     summary of the test metrics. `overrides` go to `pipeline.config.resolve`."""
     from tworec.pipeline.config import resolve
-    from tworec.pipeline.run import StepFailed, execute, prepare_run
+    from tworec.pipeline.run import StepFailed, execute, prepare_run, read_run
     from tworec.pipeline.store import RunFolderError
     try:
-        configs = resolve(args.preset, epochs=args.epochs,
-                          **{"data": {"split": args.split}, **overrides})
-        prepared = prepare_run(args.out, source_of(args), configs, verbose=verbose,
+        if continue_run:              # the folder's source and configs; epochs: ranking's only
+            source, base = read_run(args.out)
+            ranking = dict(overrides.pop("ranking", {}))
+            if args.epochs is not None:
+                ranking["epochs"] = args.epochs
+            configs = resolve(base=base, ranking=ranking)
+        else:
+            source = source_of(args)
+            configs = resolve(args.preset, epochs=args.epochs,
+                              **{"data": {"split": args.split}, **overrides})
+        prepared = prepare_run(args.out, source, configs, verbose=verbose,
                                continue_run=continue_run)
     except (DataError, ValueError, RunFolderError) as error:
         print(f"error: {error}", file=sys.stderr)

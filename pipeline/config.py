@@ -75,23 +75,26 @@ class Configs:
                       for name, kind in types.items()})
 
 
-def resolve(preset: str = "default", *, epochs: int | None = None, data: dict | None = None,
-            retrieval: dict | None = None, ranking: dict | None = None,
-            run: dict | None = None) -> Configs:
-    """The configs of a named preset with fields replaced; `epochs` sets both stages'.
+def resolve(preset: str = "default", *, base: Configs | None = None, epochs: int | None = None,
+            data: dict | None = None, retrieval: dict | None = None,
+            ranking: dict | None = None, run: dict | None = None) -> Configs:
+    """The configs of a named preset (or of `base`, e.g. a run folder's own) with fields
+    replaced; `epochs` sets both stages'.
 
     Raises:
         ValueError: an unknown preset or field.
     """
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; known: {PRESETS}")
+    if base is None:
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; known: {PRESETS}")
+        base = Configs(DATA_PRESETS[preset], RETRIEVAL_PRESETS[preset], RANKING_PRESETS[preset])
     both = {} if epochs is None else {"epochs": epochs}
     try:
         return Configs(
-            data=dataclasses.replace(DATA_PRESETS[preset], **(data or {})),
-            retrieval=dataclasses.replace(RETRIEVAL_PRESETS[preset], **{**both, **(retrieval or {})}),
-            ranking=dataclasses.replace(RANKING_PRESETS[preset], **{**both, **(ranking or {})}),
-            run=dataclasses.replace(RunConfig(), **(run or {})))
+            data=dataclasses.replace(base.data, **(data or {})),
+            retrieval=dataclasses.replace(base.retrieval, **{**both, **(retrieval or {})}),
+            ranking=dataclasses.replace(base.ranking, **{**both, **(ranking or {})}),
+            run=dataclasses.replace(base.run, **(run or {})))
     except TypeError as error:                   # an unknown field name
         raise ValueError(f"config: {error}") from None
 

@@ -241,23 +241,23 @@ def _strings(values) -> np.ndarray:
 def prepare_run(out: str, source: dict, configs: Configs, verbose: int = 1,
                 continue_run: bool = False) -> Run:
     """Loads the log and checks everything before any training: the configs against the log,
-    and for a continued run the folder's own source and retrieval. Raises DataError, ValueError
-    or `store.RunFolderError` with a one-line message.
+    and for a continued run that only the ranking config changed. Raises DataError,
+    ValueError or `store.RunFolderError` with a one-line message.
 
     Args:
         out: the run folder.
         source: {"data": a `features.load` source, "columns": role -> column name}.
-        configs: the resolved configs (a continued run keeps the folder's own, but for the
-            ranking config).
+        configs: the resolved configs (for a continued run, resolved from `read_run(out)`).
         continue_run: reuse the retrieval model trained in `out`.
     """
     if continue_run:
-        path = os.path.join(out, "config.json")
-        if not os.path.exists(path):
-            raise store.RunFolderError(f"{out}: not a run folder (no config.json); train "
-                                       "retrieval into it first (scripts/train_retrieval.py)")
-        source, saved = run_config.read(path)      # the exports already made follow them
-        configs = dataclasses.replace(saved, ranking=configs.ranking)
+        saved_source, saved = read_run(out)
+        changed = [name for name in ("data", "retrieval", "run")
+                   if getattr(configs, name) != getattr(saved, name)]
+        if changed or source != saved_source:
+            raise store.RunFolderError(
+                f"{out}: a continued run keeps the folder's data source and its data, retrieval "
+                f"and run configs; these differ: {changed or ['source']}")
     log = load(source["data"], columns=source.get("columns") or {})
     configs.validate(has_ratings=log.rating is not None)
     run, notices = configs.run.for_catalogue(log.num_items)
@@ -271,6 +271,15 @@ def prepare_run(out: str, source: dict, configs: Configs, verbose: int = 1,
         result.report.pop(section, None)          # no longer describes the folder's models
     result.report["notices"] = notices
     return result
+
+
+def read_run(out: str) -> tuple[dict, Configs]:
+    """(source, configs) of an existing run folder; RunFolderError when it is none."""
+    path = os.path.join(out, "config.json")
+    if not os.path.exists(path):
+        raise store.RunFolderError(f"{out}: not a run folder (no config.json); train retrieval "
+                                   "into it first (scripts/train_retrieval.py)")
+    return run_config.read(path)
 
 
 def execute(run: Run, steps: tuple[str, ...]) -> dict:

@@ -24,7 +24,8 @@ def main(argv=None) -> int:
                         help="a run folder with a trained retrieval model to reuse")
     parser.add_argument("--model", choices=MODELS)
     parser.add_argument("--task", choices=TASKS)
-    parser.add_argument("--top-k", type=int, default=100, help="retrieval candidates to re-rank")
+    parser.add_argument("--top-k", type=int, default=100,
+                        help="retrieval candidates to re-rank (a retrieval run keeps its own)")
     args = parser.parse_args(argv)
     if args.retrieval_run and (args.data or (args.out and args.out != args.retrieval_run)):
         parser.error("--retrieval-run reuses RUN's data and trains into RUN; "
@@ -35,8 +36,9 @@ def main(argv=None) -> int:
     ranking = {name: value for name, value in (("model", args.model), ("task", args.task))
                if value is not None}
     from tworec.pipeline.run import RANKING_ONLY
-    steps = RANKING_ONLY if args.retrieval_run else ("train retrieval",) + RANKING_ONLY
-    return cli.run(args, steps, continue_run=bool(args.retrieval_run), ranking=ranking,
+    if args.retrieval_run:
+        return cli.run(args, RANKING_ONLY, continue_run=True, ranking=ranking)
+    return cli.run(args, ("train retrieval",) + RANKING_ONLY, ranking=ranking,
                    run={"candidates": args.top_k})
 
 
