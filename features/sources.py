@@ -275,13 +275,7 @@ def _read_ml100k(release: _Release) -> Interactions:
         items = dict(catalogue=table.column("item").to_numpy().astype(str), genre_names=ML100K_GENRES,
                      item_features={"genres": genres, "year": year,
                                     "title": table.column("title").to_numpy(zero_copy_only=False).astype(str)})
-    users = None
-    if release.has("u.user"):
-        table = _read_delimited(release, "u.user", ["user", "age", "gender", "occupation", "zip"],
-                                "|", types={"zip": pa.string()})
-        users = (table.column("user").to_numpy().astype(str),
-                 {c: table.column(c).to_numpy(zero_copy_only=False).astype(str)
-                  for c in ("age", "gender", "occupation")})
+    users = _user_table(release, "u.user", ["user", "age", "gender", "occupation", "zip"], "|")
     return _ratings(release, "u.data", ratings, ("user", "item", "rating", "time"),
                     user_table=users, **(items or {}))
 
@@ -293,15 +287,20 @@ def _read_ml1m(release: _Release) -> Interactions:
         table = _read_delimited(release, "movies.dat", ["item", "title", "genres"], "::",
                                 encoding="latin-1")
         items = _movies_table(table)
-    users = None
-    if release.has("users.dat"):
-        table = _read_delimited(release, "users.dat", ["user", "gender", "age", "occupation", "zip"],
-                                "::", types={"zip": pa.string()})
-        users = (table.column("user").to_numpy().astype(str),
-                 {c: table.column(c).to_numpy(zero_copy_only=False).astype(str)
-                  for c in ("gender", "age", "occupation")})
+    users = _user_table(release, "users.dat", ["user", "gender", "age", "occupation", "zip"], "::")
     return _ratings(release, "ratings.dat", ratings, ("user", "item", "rating", "time"),
                     user_table=users, **(items or {}))
+
+
+def _user_table(release: _Release, name: str, columns: list[str], delimiter: str):
+    """(user ids [u] str, {feature: [u] str}) from a GroupLens user file, or None without one;
+    every column but `user` and `zip` is a feature."""
+    if not release.has(name):
+        return None
+    table = _read_delimited(release, name, columns, delimiter, types={"zip": pa.string()})
+    return (table.column("user").to_numpy().astype(str),
+            {c: table.column(c).to_numpy(zero_copy_only=False).astype(str)
+             for c in columns if c not in ("user", "zip")})
 
 
 def _read_ml_latest(release: _Release) -> Interactions:
