@@ -5,8 +5,13 @@
         [--port=8500] [--rest_api_port=8501] [--host=127.0.0.1]
         [--file_system_poll_wait_seconds=1] [--model_config_file_poll_wait_seconds=0]
         [--rest_api_timeout_in_ms=30000]
-        [--max_request_bytes=67108864]
-        [--enable_batching [--max_batch_size=32] [--batch_timeout_micros=1000]]
+        [--max_request_bytes=67108864] [--max_rows_per_request=N]
+        [--allowed_model_roots=DIR,...] [--shutdown_grace_seconds=10]
+        [--enable_batching [--max_batch_size=32] [--batch_timeout_micros=1000]
+         [--num_batch_threads=N] [--max_enqueued_batches=10]
+         [--enable_large_batch_splitting]]
+
+SIGTERM or Ctrl-C stops accepting requests and lets those in flight finish for the grace period.
 """
 import argparse
 import logging
@@ -15,6 +20,7 @@ import sys
 
 from tworec.serving.batching import Batcher
 from tworec.serving.errors import ServingError
+from tworec.serving.limits import default_max_rows
 from tworec.serving.manager import ModelConfig, ModelManager, parse_config
 from tworec.serving.server import ModelServer
 
@@ -36,6 +42,20 @@ def parse_args(argv):
     parser.add_argument("--rest_api_timeout_in_ms", type=int, default=30000)
     parser.add_argument("--max_request_bytes", type=int, default=64 << 20,
                         help="larger REST bodies and gRPC messages are refused")
+    parser.add_argument("--max_rows_per_request", type=int, default=default_max_rows(),
+                        help="an input with more rows (dimension 0) is refused; the default "
+                        "is a quarter of physical memory at 1 MiB per row")
+    parser.add_argument("--allowed_model_roots", default="",
+                        help="comma-separated folders under which HandleReloadConfigRequest may "
+                        "load models, besides the base paths the server starts with")
+    parser.add_argument("--max_concurrent_requests", type=int, default=256,
+                        help="requests served at a time on each API (REST answers 503 beyond)")
+    parser.add_argument("--http_header_timeout_seconds", type=float, default=10.0,
+                        help="a REST request head must arrive within this long")
+    parser.add_argument("--http_body_timeout_seconds", type=float, default=30.0,
+                        help="a REST request body must arrive within this long (408)")
+    parser.add_argument("--shutdown_grace_seconds", type=float, default=10.0,
+                        help="on SIGTERM or Ctrl-C, how long requests in flight may finish")
     parser.add_argument("--max_num_load_retries", type=int, default=5,
                         help="attempts after a failed model load before giving it up")
     parser.add_argument("--load_retry_interval_micros", type=int, default=60_000_000,
@@ -46,6 +66,14 @@ def parse_args(argv):
                         help="with --enable_batching: rows that close a batch")
     parser.add_argument("--batch_timeout_micros", type=int, default=1000,
                         help="with --enable_batching: how long a batch waits to fill")
+    parser.add_argument("--num_batch_threads", type=int, default=0,
+                        help="with --enable_batching: batches run at a time (0: the cores)")
+    parser.add_argument("--max_enqueued_batches", type=int, default=10,
+                        help="with --enable_batching: full batches that may wait; beyond, "
+                        "requests are refused (UNAVAILABLE)")
+    parser.add_argument("--enable_large_batch_splitting", type=_bool, nargs="?", const=True,
+                        default=False, help="with --enable_batching: split a request larger "
+                        "than --max_batch_size instead of refusing it")
     args = parser.parse_args(argv)
     if bool(args.model_config_file) == bool(args.model_base_path):
         parser.error("give --model_config_file, or --model_name with --model_base_path")
@@ -57,6 +85,15 @@ def _bool(text: str) -> bool:
     if text.lower() not in ("true", "false", "1", "0"):
         raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
     return text.lower() in ("true", "1")
+
+
+def batcher(args) -> Batcher | None:
+    """The batcher the batching flags ask for; None without --enable_batching."""
+    if not args.enable_batching:
+        return None
+    return Batcher(args.max_batch_size, args.batch_timeout_micros,
+                   args.num_batch_threads or None, args.max_enqueued_batches,
+                   args.enable_large_batch_splitting)
 
 
 def model_configs(args) -> list[ModelConfig]:
@@ -76,14 +113,18 @@ def main(argv=None) -> int:
         return 2
     manager = ModelManager(configs, args.file_system_poll_wait_seconds,
                            max_load_retries=args.max_num_load_retries,
-                           load_retry_seconds=args.load_retry_interval_micros / 1e6)
+                           load_retry_seconds=args.load_retry_interval_micros / 1e6,
+                           allowed_roots=[r for r in args.allowed_model_roots.split(",") if r])
     server = ModelServer(manager,
                          host=args.host, grpc_port=args.port,
                          rest_port=args.rest_api_port or None,
                          rest_timeout_seconds=args.rest_api_timeout_in_ms / 1000,
                          max_request_bytes=args.max_request_bytes,
-                         batcher=Batcher(args.max_batch_size, args.batch_timeout_micros)
-                         if args.enable_batching else None)
+                         batcher=batcher(args), max_rows=args.max_rows_per_request,
+                         max_concurrent_requests=args.max_concurrent_requests,
+                         header_timeout_seconds=args.http_header_timeout_seconds,
+                         body_timeout_seconds=args.http_body_timeout_seconds,
+                         grace_seconds=args.shutdown_grace_seconds)
     server.start()
     if args.model_config_file and args.model_config_file_poll_wait_seconds > 0:
         server.manager.watch_config_file(args.model_config_file,
@@ -91,7 +132,8 @@ def main(argv=None) -> int:
     for config in configs:
         print(f"model {config.name}: {config.base_path}")
     rest = f", REST on http://{args.host}:{server.rest_port}" if server.rest_port else ""
-    print(f"serving gRPC on {args.host}:{server.grpc_port}{rest}; Ctrl-C stops", flush=True)
+    print(f"serving gRPC on {args.host}:{server.grpc_port}{rest}; Ctrl-C or SIGTERM stops",
+          flush=True)
     server.wait()
     return 0
 

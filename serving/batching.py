@@ -1,115 +1,273 @@
-"""Server-side batching: concurrent predicts of one model version and signature share a run.
+"""How checked predict requests reach a model's session: one run each, or merged into batches.
 
-The first request of a batch waits up to `batch_timeout_micros` (or until `max_batch_size` rows
-are queued), concatenates every queued request along dimension 0, runs the signature once and
-hands each request its rows. Requests are checked one by one first, so a bad request fails
-alone; if the merged run fails, or an output lacks the batch dimension, each request of the
-batch is run on its own instead.
+Both schedulers take a request and hand back a `concurrent.futures.Future` at once, so the
+request handlers (REST's and gRPC's event loops) never hold a thread while a model runs, status
+and metadata never queue behind predictions, and a request is dropped before it starts when its
+client has gone (its future was cancelled) or its deadline has passed.
+
+`Batcher` follows TF Serving's batching (`--enable_batching`, BasicBatchScheduler): requests of
+one model version, signature and output filter queue together; a batch closes when it holds
+`max_batch_size` rows or its first request has waited `batch_timeout_micros`, and runs on one of
+`num_batch_threads` threads of its own, so a batch fills however few request threads there are.
+Every request is checked alone before it may join a queue (names, dtypes, shapes and one shared
+dimension 0), the merged outputs go back by each request's own row count, and when a merged run
+fails each request is run alone so that it gets its own answer or error. A request larger than
+`max_batch_size` is refused ("Task size ... is larger than maximum input batch size ...")
+unless `enable_large_batch_splitting` splits it.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
 from tworec.serving.errors import ServingError, from_tf_error
-from tworec.serving.model import DEFAULT_SIGNATURE, LoadedModel
+from tworec.serving.model import LoadedModel, batch_size
+from tworec.serving.protocol import DEFAULT_SIGNATURE
+
+log = logging.getLogger(__name__)
 
 
-def run_directly(model: LoadedModel, inputs: dict[str, np.ndarray], signature_name: str = "",
-                 output_filter: tuple[str, ...] | list[str] = ()) -> dict[str, np.ndarray]:
-    """One session run per request (batching off)."""
-    return model.run(inputs, signature_name, output_filter)
+def remaining(deadline: float | None) -> float | None:
+    """Seconds left before a `time.monotonic()` deadline (None: no deadline)."""
+    return None if deadline is None else deadline - time.monotonic()
+
+
+def _run(model: LoadedModel, inputs: dict[str, np.ndarray], signature_name: str,
+         output_filter: tuple[str, ...], deadline: float | None) -> dict[str, np.ndarray]:
+    """One session run, bounded by the deadline; any failure as a client-safe `ServingError`."""
+    try:
+        return model.run(inputs, signature_name, output_filter, remaining(deadline))
+    except Exception as error:
+        raise from_tf_error(error) from error
+
+
+class Direct:
+    """One session run per request (batching off), on `num_threads` threads.
+
+    Args:
+        num_threads: model runs at a time.
+    """
+
+    def __init__(self, num_threads: int = 8):
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="predict")
+
+    def submit(self, model: LoadedModel, inputs: dict[str, np.ndarray], signature_name: str = "",
+               output_filter: tuple[str, ...] | list[str] = (),
+               deadline: float | None = None) -> Future:
+        """Checks the request (raising `ServingError`) and queues its run."""
+        inputs = model.check_inputs(inputs, signature_name)
+        return self._pool.submit(_run, model, inputs, signature_name, tuple(output_filter),
+                                 deadline)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclasses.dataclass
 class _Task:
     inputs: dict[str, np.ndarray]
     rows: int
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    outputs: dict[str, np.ndarray] | None = None
-    error: ServingError | None = None
+    deadline: float | None
+    arrived: float = dataclasses.field(default_factory=time.monotonic)
+    future: Future = dataclasses.field(default_factory=Future)
 
-    def result(self) -> dict[str, np.ndarray]:
-        if self.error is not None:
-            raise self.error
-        return self.outputs
+
+@dataclasses.dataclass
+class _Queue:
+    """The waiting requests of one (model, signature, output filter, input shapes)."""
+    model: LoadedModel
+    signature_name: str
+    output_filter: tuple[str, ...]
+    tasks: list[_Task] = dataclasses.field(default_factory=list)
+    rows: int = 0
 
 
 class Batcher:
-    """A drop-in for `run_directly` that merges concurrent requests.
+    """Merges concurrent requests of one model version and signature (TF Serving's batching).
 
     Args:
-        max_batch_size: a batch closes once it has this many rows.
+        max_batch_size: the most rows in a batch; a batch closes once it has them.
         batch_timeout_micros: how long the first request of a batch waits for others.
+        num_batch_threads: batches running at a time (TF Serving's default: the cores).
+        max_enqueued_batches: queued rows beyond this many full batches are refused
+            (UNAVAILABLE), so a burst cannot queue without bound.
+        enable_large_batch_splitting: split a request larger than `max_batch_size` instead of
+            refusing it.
     """
 
-    def __init__(self, max_batch_size: int = 32, batch_timeout_micros: int = 1000):
+    def __init__(self, max_batch_size: int = 32, batch_timeout_micros: int = 1000,
+                 num_batch_threads: int | None = None, max_enqueued_batches: int = 10,
+                 enable_large_batch_splitting: bool = False):
+        if max_batch_size < 1 or batch_timeout_micros < 0 or max_enqueued_batches < 1:
+            raise ValueError("max_batch_size and max_enqueued_batches must be positive and "
+                             "batch_timeout_micros non-negative")
         self.max_batch_size = max_batch_size
         self.timeout_seconds = batch_timeout_micros / 1e6
+        self.max_enqueued_batches = max_enqueued_batches
+        self.split = enable_large_batch_splitting
         self._cond = threading.Condition()
-        self._queues: dict[tuple, list[_Task]] = {}
+        self._queues: dict[tuple, _Queue] = {}
+        self._closed = False
+        self._threads = [threading.Thread(target=self._loop, name=f"batch-{i}", daemon=True)
+                         for i in range(num_batch_threads or os.cpu_count() or 1)]
+        for thread in self._threads:
+            thread.start()
 
-    def __call__(self, model: LoadedModel, inputs: dict[str, np.ndarray],
-                 signature_name: str = "",
-                 output_filter: tuple[str, ...] | list[str] = ()) -> dict[str, np.ndarray]:
+    def submit(self, model: LoadedModel, inputs: dict[str, np.ndarray], signature_name: str = "",
+               output_filter: tuple[str, ...] | list[str] = (),
+               deadline: float | None = None) -> Future:
+        """Checks the request alone (raising `ServingError`) and queues it for a batch."""
         inputs = model.check_inputs(inputs, signature_name)
-        if any(value.ndim == 0 for value in inputs.values()):
-            return model.run(inputs, signature_name, output_filter)
+        rows = batch_size(inputs)
         key = (id(model), signature_name or DEFAULT_SIGNATURE, tuple(output_filter),
                tuple(sorted((name, value.dtype.str, value.shape[1:])
                             for name, value in inputs.items())))
-        task = _Task(inputs, rows=len(next(iter(inputs.values()))))
-        batch = self._enqueue(key, task)
-        if batch:
-            _run_batch(model, batch, signature_name, output_filter)
-        task.done.wait()
-        return task.result()
-
-    def _enqueue(self, key: tuple, task: _Task) -> list[_Task]:
-        """Queues the task; the first of a batch collects it and gets it back, others get []."""
+        if rows is None:                      # a scalar input: nothing to batch along
+            key, rows = key + (object(),), 1
+        elif rows > self.max_batch_size:
+            if not self.split:
+                raise ServingError("INVALID_ARGUMENT", f"Task size {rows} is larger than "
+                                   f"maximum input batch size {self.max_batch_size}")
+            return _gather([self.submit(model, part, signature_name, output_filter, deadline)
+                            for part in _split(inputs, rows, self.max_batch_size)])
+        task = _Task(inputs, rows, deadline)
         with self._cond:
-            queue = self._queues.setdefault(key, [])
-            queue.append(task)
+            queue = self._queues.get(key) or _Queue(model, signature_name, tuple(output_filter))
+            if queue.rows + rows > self.max_enqueued_batches * self.max_batch_size:
+                raise ServingError("UNAVAILABLE", "The batch scheduling queue to which this "
+                                   "task was submitted is full")
+            self._queues[key] = queue
+            queue.tasks.append(task)
+            queue.rows += rows
+            self._cond.notify()
+        return task.future
+
+    def close(self) -> None:
+        """Stops the batch threads; queued requests are cancelled."""
+        with self._cond:
+            self._closed = True
+            for queue in self._queues.values():
+                for task in queue.tasks:
+                    task.future.cancel()
+            self._queues.clear()
             self._cond.notify_all()
-            if len(queue) > 1:
-                return []
-            deadline = time.monotonic() + self.timeout_seconds
-            while (sum(t.rows for t in queue) < self.max_batch_size
-                   and (left := deadline - time.monotonic()) > 0):
-                self._cond.wait(left)
-            return self._queues.pop(key)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                batch = self._next_batch()
+            if batch is None:
+                return
+            _run_batch(*batch)
+
+    def _next_batch(self) -> tuple[_Queue, list[_Task]] | None:
+        """Waits (lock held) for a queue that is full or timed out; takes one batch off it."""
+        while not self._closed:
+            now = time.monotonic()
+            ready = [(key, queue) for key, queue in self._queues.items()
+                     if queue.rows >= self.max_batch_size
+                     or now - queue.tasks[0].arrived >= self.timeout_seconds]
+            if ready:
+                key, queue = min(ready, key=lambda item: item[1].tasks[0].arrived)
+                return queue, self._take(key, queue)
+            oldest = min((q.tasks[0].arrived for q in self._queues.values()), default=None)
+            self._cond.wait(None if oldest is None else oldest + self.timeout_seconds - now)
+        return None
+
+    def _take(self, key: tuple, queue: _Queue) -> list[_Task]:
+        """The first tasks of the queue that fit in one batch, in arrival order."""
+        taken, rows = [], 0
+        while queue.tasks and rows + queue.tasks[0].rows <= self.max_batch_size:
+            task = queue.tasks.pop(0)
+            taken.append(task)
+            rows += task.rows
+        queue.rows -= rows
+        if not queue.tasks:
+            del self._queues[key]
+        return taken
 
 
-def _run_batch(model: LoadedModel, batch: list[_Task], signature_name: str,
-               output_filter) -> None:
-    """Runs the tasks as one batch, or one by one when the merged run fails or cannot split."""
-    if len(batch) > 1:
+def _split(inputs: dict[str, np.ndarray], rows: int, size: int) -> list[dict[str, np.ndarray]]:
+    """The request cut along dimension 0 into parts of at most `size` rows."""
+    return [{name: value[start:start + size] for name, value in inputs.items()}
+            for start in range(0, rows, size)]
+
+
+def _gather(parts: list[Future]) -> Future:
+    """A future of the parts' outputs concatenated along dimension 0 (the first error wins);
+    cancelling it cancels the parts."""
+    result = Future()
+    result.set_running_or_notify_cancel()
+    left = [len(parts)]
+    lock = threading.Lock()
+
+    def part_done(_) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        errors = [p.exception() for p in parts if not p.cancelled() and p.exception()]
+        if errors or any(p.cancelled() for p in parts):
+            result.set_exception(errors[0] if errors else ServingError(
+                "CANCELLED", "the request was cancelled"))
+            return
+        outputs = [p.result() for p in parts]
+        result.set_result({name: np.concatenate([o[name] for o in outputs])
+                           for name in outputs[0]})
+    for part in parts:
+        part.add_done_callback(part_done)
+    return result
+
+
+def _start(tasks: list[_Task]) -> list[_Task]:
+    """The tasks still wanted: cancelled ones are dropped, expired ones answered."""
+    started = []
+    for task in tasks:
+        if not task.future.set_running_or_notify_cancel():
+            continue
+        left = remaining(task.deadline)
+        if left is not None and left <= 0:
+            task.future.set_exception(ServingError(
+                "DEADLINE_EXCEEDED", "the request's deadline passed while it was queued"))
+        else:
+            started.append(task)
+    return started
+
+
+def _run_batch(queue: _Queue, tasks: list[_Task]) -> None:
+    """Runs the tasks as one merged batch, or one by one when the merge fails or cannot split."""
+    tasks = _start(tasks)
+    if len(tasks) > 1:
         try:
-            return _run_merged(model, batch, signature_name, output_filter)
-        except Exception:  # noqa: BLE001  (each request then gets its own answer)
-            pass
-    for task in batch:
+            return _run_merged(queue, tasks)
+        except Exception as error:  # noqa: BLE001  (each request then gets its own answer)
+            log.info("a merged batch of %d requests failed (%s); running them one by one",
+                     len(tasks), error)
+    for task in tasks:
         try:
-            task.outputs = model.run(task.inputs, signature_name, output_filter)
-        except Exception as error:
-            task.error = from_tf_error(error)
-        finally:
-            task.done.set()
+            task.future.set_result(_run(queue.model, task.inputs, queue.signature_name,
+                                        queue.output_filter, task.deadline))
+        except ServingError as error:
+            task.future.set_exception(error)
 
 
-def _run_merged(model: LoadedModel, batch: list[_Task], signature_name: str,
-                output_filter) -> None:
-    merged = {name: np.concatenate([t.inputs[name] for t in batch])
-              for name in batch[0].inputs}                                    # [sum rows, ...]
-    outputs = model.run(merged, signature_name, output_filter)
-    ends = np.cumsum([t.rows for t in batch])
+def _run_merged(queue: _Queue, tasks: list[_Task]) -> None:
+    merged = {name: np.concatenate([t.inputs[name] for t in tasks])
+              for name in tasks[0].inputs}                                    # [sum rows, ...]
+    deadlines = [t.deadline for t in tasks if t.deadline is not None]
+    outputs = _run(queue.model, merged, queue.signature_name, queue.output_filter,
+                   min(deadlines) if deadlines else None)
+    ends = np.cumsum([t.rows for t in tasks])
     for name, value in outputs.items():
         if np.ndim(value) == 0 or len(value) != ends[-1]:
             raise ServingError("INTERNAL", f"output {name} of shape {np.shape(value)} has no "
                                f"batch dimension of {ends[-1]}")
-    for task, end in zip(batch, ends):
-        task.outputs = {name: value[end - task.rows:end] for name, value in outputs.items()}
-        task.done.set()
+    for task, end in zip(tasks, ends):
+        task.future.set_result({name: value[end - task.rows:end]
+                                for name, value in outputs.items()})

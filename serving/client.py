@@ -24,9 +24,7 @@ from tensorflow_serving.apis import (get_model_metadata_pb2, get_model_status_pb
                                      prediction_service_pb2_grpc)
 
 from tworec.serving.errors import CODE_OF_HTTP_STATUS, ServingError
-
-DEFAULT_SIGNATURE = "serving_default"
-INT32_MAX = 2**31 - 1
+from tworec.serving.protocol import DEFAULT_SIGNATURE, INT32_MAX
 
 
 class Client:

@@ -1,5 +1,14 @@
-"""TF status errors as TF Serving reports them, with its HTTP and gRPC mappings."""
+"""TF status errors as TF Serving reports them, with its HTTP and gRPC mappings.
+
+What a client reads never names a server path or a Python exception class: `from_tf_error`
+keeps a TF error's code and message with paths redacted, and turns any other failure into a
+one-line INTERNAL answer while the server log keeps the details.
+"""
 from __future__ import annotations
+
+import errno
+import logging
+import re
 
 # model_servers/http_server.cc: TF error code -> HTTP status.
 HTTP_STATUS = {
@@ -13,6 +22,10 @@ HTTP_STATUS = {
 CODE_OF_HTTP_STATUS = {status: code for code, status in reversed(HTTP_STATUS.items())}
 
 MAX_GRPC_MESSAGE = 1024
+# An absolute path of two or more components, e.g. /srv/models/m/1/saved_model.pb.
+_PATH = re.compile(r"(?<![\w.:/])/(?:[\w.{}|@+=,-]+/)+[\w.{}|@+=,-]*")
+
+log = logging.getLogger(__name__)
 
 
 class ServingError(Exception):
@@ -43,15 +56,32 @@ def truncate(message: str) -> str:
     return message[:MAX_GRPC_MESSAGE] + "...TRUNCATED"
 
 
-def from_tf_error(error: Exception) -> ServingError:
-    """A `ServingError` of a TensorFlow `OpError` (its code kept), or INTERNAL for others."""
+def redact(message: str) -> str:
+    """`message` with absolute paths replaced by "<path>"."""
+    return _PATH.sub("<path>", message)
+
+
+def from_tf_error(error: BaseException, context: str = "request") -> ServingError:
+    """A `ServingError` for the client: a TF `OpError` keeps its code and its message (paths
+    redacted), a missing file is NOT_FOUND, another I/O error UNKNOWN with its message (paths
+    redacted), anything else (a bug) INTERNAL with no detail; details go to the log.
+
+    Args:
+        error: what was raised.
+        context: what failed, for the message and the log ("request", "loading m version 2").
+    """
     import tensorflow as tf
 
     if isinstance(error, ServingError):
         return error
     if isinstance(error, tf.errors.OpError):
-        return ServingError(_code_name(error.error_code), error.message)
-    return ServingError("INTERNAL", f"{type(error).__name__}: {error}")
+        return ServingError(_code_name(error.error_code), redact(error.message))
+    if isinstance(error, OSError):
+        missing = error.errno == errno.ENOENT or "does not exist" in str(error)
+        return ServingError("NOT_FOUND" if missing else "UNKNOWN", redact(str(error)))
+    log.error("%s failed", context, exc_info=error)
+    return ServingError("INTERNAL", f"{context} failed on the server; the server log has "
+                        "the details")
 
 
 def _code_name(code: int) -> str:

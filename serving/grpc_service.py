@@ -1,11 +1,17 @@
 """TF Serving's gRPC `PredictionService` and `ModelService` on the `tensorflow-serving-api` protos.
 
 Status codes are TF's codes unchanged; messages are cut to 1024 characters plus "...TRUNCATED".
+A Predict hands its checked request to the scheduler and waits for it until the call's deadline;
+a call that ends first (deadline or client cancel) cancels its run if it has not started.
+Status and metadata never wait for a model run. `HandleReloadConfigRequest` only loads base
+paths under the manager's allowed roots (PERMISSION_DENIED otherwise).
 """
 from __future__ import annotations
 
 import functools
 import logging
+import time
+from concurrent.futures import CancelledError, TimeoutError as FutureTimeout
 
 import grpc
 import tensorflow as tf
@@ -13,10 +19,11 @@ from tensorflow_serving.apis import (get_model_metadata_pb2, model_management_pb
                                      model_service_pb2_grpc, predict_pb2,
                                      prediction_service_pb2_grpc)
 
-from tworec.serving.batching import run_directly
 from tworec.serving.errors import ServingError, truncate
+from tworec.serving.limits import default_max_rows
 from tworec.serving.manager import ModelManager, configs_of_proto
-from tworec.serving.model import DEFAULT_SIGNATURE
+from tworec.serving.protocol import DEFAULT_SIGNATURE
+from tworec.serving.tensor_proto import to_array
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +36,10 @@ def _aborts_on_error(method):
             return method(self, request, context)
         except ServingError as error:
             context.abort(grpc.StatusCode[error.code], truncate(error.message))
-        except Exception as error:  # no request may take the server down
+        except Exception:  # no request may take the server down; the log keeps the details
             log.exception("gRPC %s failed", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, truncate(f"{type(error).__name__}: {error}"))
+            context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__} failed on the server; "
+                          "the server log has the details")
     return wrapper
 
 
@@ -50,19 +58,30 @@ def _unimplemented(name: str):
 
 
 class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
-    """Predict and GetModelMetadata; `run` is `run_directly` or a `Batcher`."""
+    """Predict and GetModelMetadata.
 
-    def __init__(self, manager: ModelManager, run=run_directly):
+    Args:
+        manager: the served models.
+        scheduler: runs checked requests (`batching.Direct` or `batching.Batcher`).
+        max_rows: the most rows an input of one request may have.
+    """
+
+    def __init__(self, manager: ModelManager, scheduler, max_rows: int | None = None):
         self.manager = manager
-        self.run = run
+        self.scheduler = scheduler
+        self.max_rows = max_rows or default_max_rows()
 
     @_aborts_on_error
     def Predict(self, request: predict_pb2.PredictRequest, context) -> predict_pb2.PredictResponse:
         signature = request.model_spec.signature_name
+        left = context.time_remaining()
+        deadline = None if left is None else time.monotonic() + left
         with self.manager.lease(*version_of(request.model_spec)) as (number, model):
-            outputs = self.run(model, {name: _to_array(name, proto)
-                                       for name, proto in request.inputs.items()},
-                               signature, list(request.output_filter))
+            inputs = {name: to_array(name, proto, self.max_rows)
+                      for name, proto in request.inputs.items()}
+            future = self.scheduler.submit(model, inputs, signature,
+                                           list(request.output_filter), deadline)
+            outputs = _wait(future, context, left)
         response = predict_pb2.PredictResponse()
         response.model_spec.name = request.model_spec.name
         response.model_spec.version.value = number
@@ -95,6 +114,8 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
 
 
 class ModelService(model_service_pb2_grpc.ModelServiceServicer):
+    """GetModelStatus and HandleReloadConfigRequest (within the manager's allowed roots)."""
+
     def __init__(self, manager: ModelManager):
         self.manager = manager
 
@@ -105,19 +126,28 @@ class ModelService(model_service_pb2_grpc.ModelServiceServicer):
     @_aborts_on_error
     def HandleReloadConfigRequest(self, request: model_management_pb2.ReloadConfigRequest,
                                   context) -> model_management_pb2.ReloadConfigResponse:
-        self.manager.reload(configs_of_proto(request.config))
+        configs = configs_of_proto(request.config)
+        self.manager.check_allowed(configs)
+        self.manager.reload(configs)
         return model_management_pb2.ReloadConfigResponse()
 
 
-def _to_array(name: str, proto):
+def _wait(future, context, left: float | None) -> dict:
+    """The scheduled run's outputs; the run is cancelled (dropped if not started) when the
+    call ends first or its deadline passes."""
+    context.add_callback(future.cancel)
     try:
-        return tf.make_ndarray(proto)
-    except Exception as error:
-        raise ServingError("INVALID_ARGUMENT",
-                           f'Input "{name}" is not a valid TensorProto: {error}') from error
+        return future.result(timeout=left)
+    except FutureTimeout as error:
+        future.cancel()
+        raise ServingError("DEADLINE_EXCEEDED", "Deadline exceeded before the model answered"
+                           ) from error
+    except CancelledError as error:
+        raise ServingError("CANCELLED", "the call was cancelled") from error
 
 
-def add_services(server: grpc.Server, manager: ModelManager, run=run_directly) -> None:
+def add_services(server: grpc.Server, manager: ModelManager, scheduler,
+                 max_rows: int | None = None) -> None:
     prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(
-        PredictionService(manager, run), server)
+        PredictionService(manager, scheduler, max_rows), server)
     model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelService(manager), server)

@@ -15,6 +15,7 @@ import tensorflow as tf
 from tensorflow.core.protobuf import meta_graph_pb2
 
 from tworec.serving.errors import ServingError
+from tworec.serving.limits import MAX_RANK, check_shape
 
 
 def parse_json(body: bytes):
@@ -25,13 +26,14 @@ def parse_json(body: bytes):
         raise ServingError("INVALID_ARGUMENT", f"JSON Parse error: {error}") from error
 
 
-def parse_predict(body, signature: meta_graph_pb2.SignatureDef
+def parse_predict(body, signature: meta_graph_pb2.SignatureDef, max_rows: int
                   ) -> tuple[dict[str, np.ndarray], bool]:
     """The inputs of a predict body.
 
     Args:
         body: the parsed JSON body (`instances` or `inputs`, optional `signature_name`).
         signature: the signature the request runs; it gives every input's dtype.
+        max_rows: an input with more rows is refused before it is converted.
 
     Returns:
         (input name -> array [batch, ...], whether the request used the row form).
@@ -44,8 +46,8 @@ def parse_predict(body, signature: meta_graph_pb2.SignatureDef
                            if "inputs" not in body else "Not formatted correctly expecting only "
                            "one of 'inputs' or 'instances' keys exists")
     if "instances" in body:
-        return _parse_instances(body["instances"], signature), True
-    return _parse_inputs(body["inputs"], signature), False
+        return _parse_instances(body["instances"], signature, max_rows), True
+    return _parse_inputs(body["inputs"], signature, max_rows), False
 
 
 def signature_name(body) -> str:
@@ -81,7 +83,7 @@ def to_json(name: str, value: np.ndarray):
     return flat.reshape(value.shape).tolist()
 
 
-def _parse_instances(instances, signature) -> dict[str, np.ndarray]:
+def _parse_instances(instances, signature, max_rows: int) -> dict[str, np.ndarray]:
     if not isinstance(instances, list):
         raise ServingError("INVALID_ARGUMENT", "Expecting 'instances' to be an list/array")
     if not instances:
@@ -89,27 +91,28 @@ def _parse_instances(instances, signature) -> dict[str, np.ndarray]:
     if all(_is_named(row) for row in instances):
         for row in instances:
             _check_names(row, signature, "instance")
-        return {name: _to_array([row[name] for row in instances], spec, name)
+        return {name: _to_array([row[name] for row in instances], spec, name, max_rows)
                 for name, spec in signature.inputs.items()}
-    return _single_input(instances, signature,
+    return _single_input(instances, signature, max_rows,
                          "Expecting object with named inputs in every instance")
 
 
-def _parse_inputs(inputs, signature) -> dict[str, np.ndarray]:
+def _parse_inputs(inputs, signature, max_rows: int) -> dict[str, np.ndarray]:
     if _is_named(inputs):
         _check_names(inputs, signature, "'inputs' object")
-        return {name: _to_array(inputs[name], spec, name)
+        return {name: _to_array(inputs[name], spec, name, max_rows)
                 for name, spec in signature.inputs.items()}
-    return _single_input(inputs, signature, "Expecting 'inputs' to be an object of named inputs")
+    return _single_input(inputs, signature, max_rows,
+                         "Expecting 'inputs' to be an object of named inputs")
 
 
-def _single_input(values, signature, expectation: str) -> dict[str, np.ndarray]:
+def _single_input(values, signature, max_rows: int, expectation: str) -> dict[str, np.ndarray]:
     """Unnamed values feed the signature's only input; with several inputs, `expectation`."""
     if len(signature.inputs) != 1:
         raise ServingError("INVALID_ARGUMENT", f"{expectation}: the signature has "
                            f"{len(signature.inputs)} inputs {sorted(signature.inputs)}")
     name, spec = next(iter(signature.inputs.items()))
-    return {name: _to_array(values, spec, name)}
+    return {name: _to_array(values, spec, name, max_rows)}
 
 
 def _is_named(value) -> bool:
@@ -131,10 +134,11 @@ def _check_names(named: dict, signature, where: str) -> None:
                            f"the signature's inputs are {sorted(signature.inputs)}")
 
 
-def _to_array(value, spec: meta_graph_pb2.TensorInfo, name: str) -> np.ndarray:
+def _to_array(value, spec: meta_graph_pb2.TensorInfo, name: str, max_rows: int) -> np.ndarray:
     """A JSON value (nested lists) as an array of the signature input's dtype."""
     dtype = tf.as_dtype(spec.dtype)
     shape = _shape_of(value)
+    check_shape(name, shape, max_rows)
     leaves: list = []
     _flatten(value, shape, 0, leaves, name)
     convert = _leaf_converter(dtype)
@@ -148,9 +152,9 @@ def _to_array(value, spec: meta_graph_pb2.TensorInfo, name: str) -> np.ndarray:
 
 
 def _shape_of(value) -> list[int]:
-    """The shape given by the first element at every depth."""
+    """The shape given by the first element at every depth (cut past `MAX_RANK` + 1)."""
     shape = []
-    while isinstance(value, list):
+    while isinstance(value, list) and len(shape) <= MAX_RANK:
         shape.append(len(value))
         if not value:
             break
@@ -200,7 +204,11 @@ def _typed_leaf(accepts, kind: str, dtype: tf.DType):
 
 def _string_leaf(leaf, name: str) -> bytes:
     if isinstance(leaf, str):
-        return leaf.encode("utf-8")
+        try:
+            return leaf.encode("utf-8")
+        except UnicodeEncodeError as error:      # a lone surrogate such as "\ud800"
+            raise ServingError("INVALID_ARGUMENT", f'Input "{name}": the string at position '
+                               f"{error.start} is not valid Unicode text") from error
     if _is_b64(leaf) and isinstance(leaf["b64"], str):
         try:
             return base64.b64decode(leaf["b64"], validate=True)

@@ -6,7 +6,9 @@ serving. A request holds a lease on its version; a retired version is closed whe
 lease ends, so a swap never fails a request in flight. A version that fails to load is retried
 `max_load_retries` times (TF Serving's `--max_num_load_retries`; it stays LOADING meanwhile),
 then reported in the status (state END with the error) and left alone; the previous one keeps
-serving.
+serving. Each model has one worker thread of its own that lists, loads, retries and retires its
+versions, so a slow or failing version never delays another model, the ports or a reload.
+Status messages name the model and version, never a server path.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import dataclasses
 import logging
 import os
 import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Callable, Iterator
 
 from google.protobuf import text_format
@@ -87,6 +91,25 @@ class _Version:
     error: ServingError | None = None
     model: LoadedModel | None = None
     leases: int = 0
+    attempts: int = 0
+
+
+@dataclasses.dataclass
+class _Model:
+    """A configured model: its versions, and the one worker thread that loads, retries and
+    closes them, so that a slow or failing version never holds up another model."""
+    config: ModelConfig
+    versions: dict[int, _Version] = dataclasses.field(default_factory=dict)
+    worker: ThreadPoolExecutor = dataclasses.field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="model-load"))
+    removed: threading.Event = dataclasses.field(default_factory=threading.Event)
+    poll: Future | None = None
+    listed: bool = False          # its base path has been listed once
+
+    def tried(self) -> bool:
+        """Listed, and every version it wants has had a load attempt."""
+        return self.listed and all(v.attempts or v.state != "LOADING"
+                                   for v in self.versions.values())
 
 
 class ModelManager:
@@ -98,59 +121,107 @@ class ModelManager:
         load: builds a servable from a version folder (the default loads it like TF Serving).
         max_load_retries: attempts after a failed load before the version is given up (END).
         load_retry_seconds: the wait between those attempts.
+        allowed_roots: folders, besides the base paths of `configs`, under which
+            `check_allowed` accepts base paths (`--allowed_model_roots`).
     """
 
     def __init__(self, configs: list[ModelConfig], poll_seconds: float = 1.0,
                  load: Callable[[str], LoadedModel] = LoadedModel, max_load_retries: int = 0,
-                 load_retry_seconds: float = 60.0):
+                 load_retry_seconds: float = 60.0, allowed_roots: list[str] = ()):
         self.poll_seconds = poll_seconds
         self._load = load
         self.max_load_retries, self.load_retry_seconds = max_load_retries, load_retry_seconds
+        self.allowed_roots = [os.path.realpath(path) for path in
+                              [c.base_path for c in configs] + list(allowed_roots)]
         self._lock = threading.Lock()
-        self._configs = {c.name: c for c in configs}
-        self._versions: dict[str, dict[int, _Version]] = {c.name: {} for c in configs}
+        self._changed = threading.Condition(self._lock)
+        self._models = {c.name: _Model(c) for c in configs}
         self._stop = threading.Event()
-        self._poll_lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
-        """Loads what the configs want now, then polls in a background thread."""
+    def start(self, wait: bool = True) -> None:
+        """Starts loading what the configs want, then polls in a background thread.
+
+        Args:
+            wait: return only once every initial version is AVAILABLE or given up (END).
+        """
         self.poll()
         if self.poll_seconds > 0:
             self._thread = threading.Thread(target=self._poll_loop, name="model-poll",
                                             daemon=True)
             self._thread.start()
+        if wait:
+            self.wait_until_settled()
+
+    def wait_until_settled(self, names: list[str] | None = None,
+                           timeout: float | None = None) -> bool:
+        """Waits until the models' first polls are done and no version of theirs is LOADING;
+        False if `timeout` seconds passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            polls = [m.poll for n, m in self._models.items() if names is None or n in names]
+        for poll in polls:
+            if poll is not None:
+                wait([poll], timeout=None if deadline is None else deadline - time.monotonic())
+
+        def settled() -> bool:
+            return all(v.state != "LOADING" for n, m in self._models.items()
+                       if names is None or n in names for v in m.versions.values())
+        with self._changed:
+            return self._changed.wait_for(
+                settled, None if deadline is None else max(deadline - time.monotonic(), 0))
 
     def stop(self) -> None:
-        """Stops polling and closes every loaded version."""
+        """Stops polling and loading, and closes every loaded version."""
         self._stop.set()
         if self._thread:
             self._thread.join()
         with self._lock:
-            for name in list(self._versions):
-                self._retire(name, set(self._versions[name]))
+            for name in list(self._models):
+                self._remove(name)
 
-    def reload(self, configs: list[ModelConfig]) -> None:
-        """Replaces the whole model list and polls at once; models left out, or moved to
-        another base path, are unloaded."""
+    def check_allowed(self, configs: list[ModelConfig]) -> None:
+        """Refuses (PERMISSION_DENIED) a config whose base path is neither served now nor
+        under an allowed root; what `HandleReloadConfigRequest` may load."""
+        with self._lock:
+            served = {os.path.realpath(m.config.base_path) for m in self._models.values()}
+        for config in configs:
+            if not os.path.isabs(config.base_path):
+                raise ServingError("INVALID_ARGUMENT", f"Model {config.name}: base_path must "
+                                   "be an absolute path")
+            path = os.path.realpath(config.base_path)
+            if path not in served and not any(_under(path, root) for root in self.allowed_roots):
+                raise ServingError("PERMISSION_DENIED", f"Model {config.name}: base_path is "
+                                   "outside the folders this server may load models from "
+                                   "(--allowed_model_roots)")
+
+    def reload(self, configs: list[ModelConfig], wait_seconds: float | None = None) -> None:
+        """Replaces the whole model list; models left out, or moved to another base path, are
+        unloaded. Returns once each new model has made its first load attempt (or after
+        `wait_seconds`); retries of a failing version go on in the background."""
         new = {c.name: c for c in configs}
         with self._lock:
-            for name, old in self._configs.items():
-                if name not in new or new[name].base_path != old.base_path:
-                    self._retire(name, set(self._versions[name]))
-                    del self._versions[name]
-            self._configs = new
-            for name in new:
-                self._versions.setdefault(name, {})
+            for name, model in list(self._models.items()):
+                if name not in new or new[name].base_path != model.config.base_path:
+                    self._remove(name)
+            added = [name for name in new if name not in self._models]
+            for name, config in new.items():
+                if name in self._models:
+                    self._models[name].config = config
+                else:
+                    self._models[name] = _Model(config)
         self.poll()
+        with self._changed:
+            self._changed.wait_for(lambda: all(self._models[n].tried() for n in added
+                                               if n in self._models), wait_seconds)
 
     def poll(self) -> None:
-        """One pass over every model: load the versions wanted, then retire the others."""
-        with self._poll_lock:
-            with self._lock:
-                configs = list(self._configs.values())
-            for config in configs:
-                self._poll_model(config)
+        """Asks every model's worker to list its base path, load the versions wanted and
+        retire the others; a model whose previous poll is still running is skipped."""
+        with self._lock:
+            for model in self._models.values():
+                if model.poll is None or model.poll.done():
+                    model.poll = model.worker.submit(self._poll_model, model)
 
     @contextlib.contextmanager
     def lease(self, name: str, version: int | None = None,
@@ -183,7 +254,7 @@ class ModelManager:
                label: str | None = None) -> get_model_status_pb2.GetModelStatusResponse:
         """The state of every version of `name`, or of one version; NOT_FOUND if unknown."""
         with self._lock:
-            versions = self._versions.get(name)
+            versions = self._models[name].versions if name in self._models else {}
             if not versions:
                 raise ServingError("NOT_FOUND", f"Could not find any versions of model {name}")
             if label is not None:
@@ -221,60 +292,83 @@ class ModelManager:
             except Exception:  # a poll must never end the loop
                 log.exception("polling the model base paths failed")
 
-    def _poll_model(self, config: ModelConfig) -> None:
-        on_disk = list_versions(config.base_path)
+    def _poll_model(self, model: _Model) -> None:
+        """On the model's worker: loads the new versions it wants, then retires the others."""
+        try:
+            on_disk = list_versions(model.config.base_path)
+        except OSError as error:
+            log.error("listing the versions of model %s failed: %s", model.config.name, error)
+            with self._changed:                         # what is served stays as it is
+                model.listed = True
+                self._changed.notify_all()
+            return
         with self._lock:
-            if config.name not in self._versions:       # removed by a concurrent reload
-                return
-            known = self._versions[config.name]
-            new = sorted(v for v in self._wanted(config, on_disk)
-                         if v not in known or known[v].state == "END")
+            new = sorted(v for v in self._wanted(model, on_disk)
+                         if v not in model.versions or model.versions[v].state == "END")
             for number in new:
-                known[number] = _Version()
+                model.versions[number] = _Version()
+            model.listed = True
+            self._changed.notify_all()
         for number in new:
-            self._load_version(config, number)
+            self._load_version(model, number)
         with self._lock:
-            if config.name in self._versions:           # the wanted ones, failures left out
-                self._retire(config.name, set(self._versions[config.name])
-                             - self._wanted(config, on_disk))
+            if not model.removed.is_set():              # the wanted ones, failures left out
+                self._retire(model, set(model.versions) - self._wanted(model, on_disk))
 
-    def _wanted(self, config: ModelConfig, on_disk: list[int]) -> set[int]:
+    @staticmethod
+    def _wanted(model: _Model, on_disk: list[int]) -> set[int]:
         """The versions to serve: the policy's choice among those that did not fail to load."""
-        known = self._versions[config.name]
-        return config.wanted([v for v in on_disk if v not in known or known[v].error is None])
+        known = model.versions
+        return model.config.wanted([v for v in on_disk
+                                    if v not in known or known[v].error is None])
 
-    def _load_version(self, config: ModelConfig, number: int) -> None:
-        """Loads a version and records the outcome; a failure is kept in its status."""
-        path = os.path.join(config.base_path, str(number))
+    def _load_version(self, model: _Model, number: int) -> None:
+        """Loads a version, retrying on failure; the outcome is kept in its status."""
+        name = model.config.name
+        path = os.path.join(model.config.base_path, str(number))
         for attempt in range(self.max_load_retries + 1):
+            if model.removed.is_set() or self._stop.is_set():
+                return
             try:
-                model = self._load(path)
+                loaded = self._load(path)
                 break
             except Exception as error:
                 log.error("loading %s version %d from %s failed (attempt %d of %d): %s",
-                          config.name, number, path, attempt + 1, self.max_load_retries + 1,
-                          error)
-                failed = from_tf_error(error)
-            if attempt == self.max_load_retries or self._stop.wait(self.load_retry_seconds):
-                self._record(config.name, number, _Version(
-                    "END", ServingError(failed.code, f"{path}: {failed.message}")))
+                          name, number, path, attempt + 1, self.max_load_retries + 1, error)
+                failed = from_tf_error(error, f"loading version {number} of model {name}")
+            self._record(model, number, attempts=attempt + 1)
+            if attempt == self.max_load_retries or model.removed.wait(self.load_retry_seconds):
+                self._record(model, number, state="END", error=ServingError(
+                    failed.code, f"Version {number} of model {name} failed to load: "
+                    f"{failed.message}"))
                 return
-        log.info("serving %s version %d from %s", config.name, number, path)
-        if not self._record(config.name, number, _Version("AVAILABLE", model=model)):
-            model.close()
+        log.info("serving %s version %d from %s", name, number, path)
+        if not self._record(model, number, state="AVAILABLE", model=loaded,
+                            attempts=attempt + 1):
+            loaded.close()
 
-    def _record(self, name: str, number: int, entry: _Version) -> bool:
-        """Stores a version's entry; False when a reload removed the model meanwhile."""
-        with self._lock:
-            versions = self._versions.get(name)
-            if versions is not None:
-                versions[number] = entry
-            return versions is not None
+    def _record(self, owner: _Model, number: int, **fields) -> bool:
+        """Updates a version's entry; False when a reload removed the model meanwhile."""
+        with self._changed:
+            if not owner.removed.is_set():
+                entry = owner.versions[number]
+                for key, value in fields.items():
+                    setattr(entry, key, value)
+            self._changed.notify_all()
+            return not owner.removed.is_set()
 
-    def _retire(self, name: str, numbers: set[int]) -> None:
+    def _remove(self, name: str) -> None:
+        """Unloads every version of a model and stops its worker (lock held)."""
+        model = self._models.pop(name)
+        model.removed.set()
+        self._retire(model, set(model.versions))
+        model.worker.shutdown(wait=False, cancel_futures=True)
+        self._changed.notify_all()
+
+    def _retire(self, model: _Model, numbers: set[int]) -> None:
         """Stops serving versions (lock held); each closes when its last lease ends."""
         for number in numbers:
-            entry = self._versions[name][number]
+            entry = model.versions[number]
             if entry.state == "AVAILABLE":
                 entry.state = "UNLOADING"
                 if entry.leases == 0:
@@ -282,17 +376,18 @@ class ModelManager:
 
     @staticmethod
     def _close(entry: _Version) -> None:
-        entry.model.close()
-        entry.model = None
-        entry.state = "END"
+        """Marks a version ended (lock held); its session closes on a thread of its own, so
+        that a request's thread or the event loop never waits for it."""
+        model, entry.model, entry.state = entry.model, None, "END"
+        threading.Thread(target=model.close, name="model-close", daemon=True).start()
 
     def _serving_version(self, name: str, version: int | None,
                          label: str | None) -> tuple[int, _Version]:
         """The version a request names (lock held)."""
         if label is not None:
             version = self._label_version(name, label)
-        available = {v: e for v, e in self._versions.get(name, {}).items()
-                     if e.state == "AVAILABLE"}
+        versions = self._models[name].versions if name in self._models else {}
+        available = {v: e for v, e in versions.items() if e.state == "AVAILABLE"}
         if version is None:
             if not available:
                 raise ServingError("NOT_FOUND", f"Servable not found for request: Latest({name})")
@@ -303,11 +398,16 @@ class ModelManager:
         return version, available[version]
 
     def _label_version(self, name: str, label: str) -> int:
-        labels = self._configs[name].labels if name in self._configs else {}
+        labels = self._models[name].config.labels if name in self._models else {}
         if label not in labels:
             raise ServingError("INVALID_ARGUMENT",
                                f"Unrecognized servable version label: {label}")
         return labels[label]
+
+
+def _under(path: str, root: str) -> bool:
+    """Whether `path` is `root` or inside it (both resolved)."""
+    return os.path.commonpath([path, root]) == root
 
 
 def _add_status(response: get_model_status_pb2.GetModelStatusResponse, number: int,

@@ -3,7 +3,8 @@
 The MetaGraph tagged `serve` is imported into a `tf.compat.v1.Session` (variables restored, the
 init op run), and a request runs one signature by feeding `signature.inputs[name].name` and
 fetching `signature.outputs[name].name`. Nothing else of the SavedModel is reachable, exactly as
-in TF Serving, so a model that works here works there.
+in TF Serving, so a model that works here works there; and of its signatures only those meant
+for serving: `__saved_model_init_op` and other reserved `__` names cannot be called.
 """
 from __future__ import annotations
 
@@ -15,10 +16,9 @@ import tensorflow as tf
 from tensorflow.core.protobuf import meta_graph_pb2
 from tensorflow_serving.apis import get_model_metadata_pb2, prediction_log_pb2
 
-from tworec.serving.errors import ServingError, from_tf_error
+from tworec.serving.errors import ServingError, from_tf_error, redact
 from tworec.serving.layout import MAX_WARMUP_RECORDS, WARMUP_FILE
-
-DEFAULT_SIGNATURE = "serving_default"
+from tworec.serving.protocol import DEFAULT_SIGNATURE
 
 
 @functools.cache
@@ -34,6 +34,27 @@ def register_custom_ops() -> bool:
 def tf_dtype(array: np.ndarray) -> tf.DType:
     """The TF dtype of a NumPy array; str, bytes and object arrays are `tf.string`."""
     return tf.string if array.dtype.kind in "OSU" else tf.as_dtype(array.dtype)
+
+
+def batch_size(inputs: dict[str, np.ndarray]) -> int | None:
+    """Dimension 0 shared by every input; None when an input is a scalar (nothing to batch).
+
+    Raises:
+        ServingError: INVALID_ARGUMENT when the inputs disagree on dimension 0.
+    """
+    sizes = {name: np.shape(value)[0] for name, value in inputs.items() if np.ndim(value)}
+    if len(sizes) < len(inputs) or not sizes:
+        return None
+    if len(set(sizes.values())) > 1:
+        detail = ", ".join(f"{name} has {size}" for name, size in sorted(sizes.items()))
+        raise ServingError("INVALID_ARGUMENT", "Every input must have the same size in "
+                           f"dimension 0 (the batch): {detail}")
+    return next(iter(sizes.values()))
+
+
+def callable_signature(name: str, signature: meta_graph_pb2.SignatureDef) -> bool:
+    """Whether requests may call a signature: not a reserved `__` name, and meant for serving."""
+    return not name.startswith("__") and bool(signature.method_name)
 
 
 def dims(shape) -> list[int]:
@@ -75,24 +96,29 @@ class LoadedModel:
     def signature(self, name: str) -> meta_graph_pb2.SignatureDef:
         """The signature `name` ("" means `serving_default`); FAILED_PRECONDITION if absent."""
         name = name or DEFAULT_SIGNATURE
-        if name not in self.signature_defs:
+        if name not in self.signature_defs or not callable_signature(
+                name, self.signature_defs[name]):
             raise ServingError("FAILED_PRECONDITION", f'Serving signature key "{name}" not found.')
         return self.signature_defs[name]
 
     def check_inputs(self, inputs: dict[str, np.ndarray],
                      signature_name: str = "") -> dict[str, np.ndarray]:
         """The inputs as arrays ready to feed; INVALID_ARGUMENT unless names, dtypes, ranks and
-        known dimensions match the signature, FAILED_PRECONDITION for an unknown signature."""
+        known dimensions match the signature and every input shares dimension 0 (the batch),
+        FAILED_PRECONDITION for an unknown signature."""
         return _check_inputs(self.signature(signature_name), inputs)
 
     def run(self, inputs: dict[str, np.ndarray], signature_name: str = "",
-            output_filter: tuple[str, ...] | list[str] = ()) -> dict[str, np.ndarray]:
+            output_filter: tuple[str, ...] | list[str] = (),
+            timeout_seconds: float | None = None) -> dict[str, np.ndarray]:
         """Runs one signature.
 
         Args:
             inputs: input name -> array; names, dtypes and shapes must match the signature.
             signature_name: "" means `serving_default`.
             output_filter: the outputs to fetch; empty fetches all of them.
+            timeout_seconds: the session run is cancelled after this long (DEADLINE_EXCEEDED),
+                as TF Serving bounds a run by the request's deadline; None waits.
 
         Returns:
             Output name -> array.
@@ -106,12 +132,19 @@ class LoadedModel:
         feeds = {signature.inputs[name].name: value
                  for name, value in self.check_inputs(inputs, signature_name).items()}
         outputs = _check_output_filter(signature, output_filter)
+        options = None
+        if timeout_seconds is not None:
+            if timeout_seconds <= 0:
+                raise ServingError("DEADLINE_EXCEEDED", "the request's deadline passed before "
+                                   "its model run started")
+            options = tf.compat.v1.RunOptions(timeout_in_ms=max(1, int(timeout_seconds * 1e3)))
         try:
-            values = self.session.run([signature.outputs[n].name for n in outputs], feeds)
+            values = self.session.run([signature.outputs[n].name for n in outputs], feeds,
+                                      options=options)
         except tf.errors.OpError as error:
             raise from_tf_error(error) from error
         except (ValueError, TypeError) as error:  # a feed that cannot convert to its dtype
-            raise ServingError("INVALID_ARGUMENT", str(error)) from error
+            raise ServingError("INVALID_ARGUMENT", redact(str(error))) from error
         return dict(zip(outputs, values))
 
     def close(self) -> None:
@@ -123,11 +156,11 @@ class LoadedModel:
             return
         for count, record in enumerate(tf.compat.v1.io.tf_record_iterator(path)):
             if count >= MAX_WARMUP_RECORDS:
-                raise ServingError("INVALID_ARGUMENT", f"{path} has more than "
+                raise ServingError("INVALID_ARGUMENT", f"{WARMUP_FILE} has more than "
                                    f"{MAX_WARMUP_RECORDS} warmup records")
             log = prediction_log_pb2.PredictionLog.FromString(record)
             if log.WhichOneof("log_type") != "predict_log":
-                raise ServingError("UNIMPLEMENTED", f"warmup record {count} of {path} is a "
+                raise ServingError("UNIMPLEMENTED", f"warmup record {count} of {WARMUP_FILE} is a "
                                    f"{log.WhichOneof('log_type')}; only predict logs are served")
             request = log.predict_log.request
             self.run({name: tf.make_ndarray(proto) for name, proto in request.inputs.items()},
@@ -160,6 +193,7 @@ def _check_inputs(signature: meta_graph_pb2.SignatureDef,
             raise ServingError("INVALID_ARGUMENT", f'Input "{name}" expects shape {shape} '
                                f"but got {list(value.shape)}")
         checked[name] = np.char.encode(value, "utf-8") if value.dtype.kind == "U" else value
+    batch_size(checked)
     return checked
 
 

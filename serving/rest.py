@@ -4,8 +4,12 @@
     GET  /v1/models/NAME[/versions/V | /labels/L]/metadata   metadata
     POST /v1/models/NAME[/versions/V | /labels/L]:predict    predict
 
-Every answer is JSON; errors are `{"error": MESSAGE}` with TF Serving's HTTP codes. A body larger
-than `max_request_bytes` is refused before it is read.
+Every answer is JSON; errors are `{"error": MESSAGE}` with TF Serving's HTTP codes. Status and
+metadata are answered on the event loop, so they never wait behind predictions. A predict reads
+its body within `body_timeout_seconds` (408 otherwise; a client that leaves mid-body has nothing
+run), refuses a body over `max_request_bytes` (413) before reading it, and waits for its model
+run at most until its deadline (`--rest_api_timeout_in_ms`, 504); a request whose client has
+gone, or whose deadline passed, is dropped if its run has not started.
 """
 from __future__ import annotations
 
@@ -13,13 +17,15 @@ import asyncio
 import json
 import logging
 import re
+import time
 import urllib.parse
 
 from google.protobuf import json_format
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from tworec.serving.batching import run_directly
 from tworec.serving.errors import ServingError
 from tworec.serving.json_tensor import format_predict, parse_json, parse_predict, signature_name
+from tworec.serving.limits import default_max_rows
 from tworec.serving.manager import ModelManager
 
 log = logging.getLogger(__name__)
@@ -28,6 +34,12 @@ _MODEL = r"/v1/models/(?P<name>[^/:]+)(?:/versions/(?P<version>\d+)|/labels/(?P<
 _PREDICT = re.compile(_MODEL + r":(?P<verb>classify|regress|predict)", re.IGNORECASE)
 _STATUS = re.compile(_MODEL + r"(?P<metadata>/metadata)?", re.IGNORECASE)
 _NO_NAME = re.compile(r"/v1/models/?(?:/metadata)?", re.IGNORECASE)
+# Bodies and answers larger than this are parsed and formatted off the event loop.
+_INLINE_BYTES = 64 << 10
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its answer was ready."""
 
 
 def proto_json(message) -> dict:
@@ -41,29 +53,37 @@ class RestApp:
 
     Args:
         manager: the served models.
-        timeout_seconds: a request still running after this long answers DEADLINE_EXCEEDED.
+        scheduler: runs checked requests (`batching.Direct` or `batching.Batcher`).
+        timeout_seconds: a predict's deadline, from its arrival (`--rest_api_timeout_in_ms`).
         max_request_bytes: larger bodies are refused (HTTP 413).
-        run: runs a checked request on a model (`run_directly`, or a `Batcher`).
+        max_rows: the most rows an input of one request may have.
+        body_timeout_seconds: a body not fully received by then is refused (HTTP 408).
     """
 
-    def __init__(self, manager: ModelManager, timeout_seconds: float = 30.0,
-                 max_request_bytes: int = 64 << 20, run=run_directly):
+    def __init__(self, manager: ModelManager, scheduler, timeout_seconds: float = 30.0,
+                 max_request_bytes: int = 64 << 20, max_rows: int | None = None,
+                 body_timeout_seconds: float = 30.0):
         self.manager = manager
-        self.run = run
+        self.scheduler = scheduler
         self.timeout_seconds = timeout_seconds
         self.max_request_bytes = max_request_bytes
+        self.max_rows = max_rows or default_max_rows()
+        self.body_timeout_seconds = body_timeout_seconds
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return
         try:
             status, body = await self._answer(scope, receive)
+        except ClientGone:
+            return
         except ServingError as error:
             status, body = error.http_status, {"error": error.message}
-        except Exception as error:  # no request may take the server down
-            log.exception("REST request failed")
-            status, body = 500, {"error": f"{type(error).__name__}: {error}"}
-        await _send_json(send, status, body)
+        except Exception:  # no request may take the server down; the log keeps the details
+            log.exception("REST request %s %s failed", scope["method"], scope["path"])
+            status, body = 500, {"error": "the request failed on the server; the server log "
+                                          "has the details"}
+        await _send_json(send, status, body, close=status in (408, 413))
 
     async def _answer(self, scope, receive) -> tuple[int, dict]:
         method = scope["method"]
@@ -72,35 +92,37 @@ class RestApp:
             raise ServingError("NOT_FOUND", f"Not found: {path}; the API is under /v1/")
         predict, status = _PREDICT.fullmatch(path), _STATUS.fullmatch(path)
         if method == "POST" and predict:
+            deadline = time.monotonic() + self.timeout_seconds
             body = await self._read_body(scope, receive)
-            return 200, await self._run(self._predict, predict["verb"], *_model_spec(predict),
-                                        body)
+            return 200, await self._predict(predict["verb"], *_model_spec(predict), body,
+                                            receive, deadline)
         if method == "GET" and status:
             handler = self._metadata if status["metadata"] else self._status
-            return 200, await self._run(handler, *_model_spec(status))
+            return 200, handler(*_model_spec(status))
         if method == "GET" and _NO_NAME.fullmatch(path):
             raise ServingError("INVALID_ARGUMENT", "Missing model name in request.")
         raise ServingError("INVALID_ARGUMENT", f"Malformed request: {method} {path}")
 
-    async def _run(self, handler, *args) -> dict:
-        """Runs a blocking handler in a worker thread, within the request timeout."""
-        loop = asyncio.get_running_loop()
-        try:
-            return await asyncio.wait_for(loop.run_in_executor(None, handler, *args),
-                                          self.timeout_seconds)
-        except asyncio.TimeoutError as error:
-            raise ServingError("DEADLINE_EXCEEDED", "Request timed out after "
-                               f"{self.timeout_seconds:g} s (--rest_api_timeout_in_ms)") from error
-
     async def _read_body(self, scope, receive) -> bytes:
-        """The request body, refused unread when its Content-Length is over the limit."""
+        """The whole request body, refused unread when its Content-Length is over the limit,
+        and refused when it is not complete within the body timeout."""
         headers = dict(scope["headers"])
         length = headers.get(b"content-length", b"").decode("latin-1")
         if length.isdigit() and int(length) > self.max_request_bytes:
             raise self._too_large(int(length))
+        try:
+            return await asyncio.wait_for(self._receive_body(receive),
+                                          self.body_timeout_seconds)
+        except asyncio.TimeoutError as error:
+            raise ServingError("DEADLINE_EXCEEDED", "The request body did not arrive within "
+                               f"{self.body_timeout_seconds:g} s", http_status=408) from error
+
+    async def _receive_body(self, receive) -> bytes:
         chunks, size = [], 0
         while True:
             message = await receive()
+            if message["type"] == "http.disconnect":      # a partial body is never run
+                raise ClientGone()
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_request_bytes:
@@ -114,17 +136,21 @@ class RestApp:
                             f"exceeds the limit of {self.max_request_bytes} bytes "
                             "(--max_request_bytes)", http_status=413)
 
-    def _predict(self, verb: str, name: str, version: int | None, label: str | None,
-                 body: bytes) -> dict:
+    async def _predict(self, verb: str, name: str, version: int | None, label: str | None,
+                       body: bytes, receive, deadline: float) -> dict:
         if verb.lower() != "predict":
             raise ServingError("UNIMPLEMENTED", f"{verb} is not supported by this server; use "
                                ":predict with a predict signature")
-        request = parse_json(body)
+        big = len(body) > _INLINE_BYTES
+        request = await _maybe_offload(big, parse_json, body)
         signature = signature_name(request)
         with self.manager.lease(name, version, label) as (_, model):
-            inputs, row_form = parse_predict(request, model.signature(signature))
-            outputs = self.run(model, inputs, signature)
-        return format_predict(outputs, row_form)
+            inputs, row_form = await _maybe_offload(
+                big, parse_predict, request, model.signature(signature), self.max_rows)
+            future = self.scheduler.submit(model, inputs, signature, (), deadline)
+            outputs = await _wait(future, receive, deadline, self.timeout_seconds)
+        big = sum(getattr(value, "nbytes", 0) for value in outputs.values()) > _INLINE_BYTES
+        return await _maybe_offload(big, format_predict, outputs, row_form)
 
     def _status(self, name: str, version: int | None, label: str | None) -> dict:
         return proto_json(self.manager.status(name, version, label))
@@ -136,6 +162,40 @@ class RestApp:
         return {"model_spec": spec, "metadata": {"signature_def": proto_json(signatures)}}
 
 
+async def _maybe_offload(big: bool, function, *args):
+    """`function(*args)`, in a worker thread when the data is big (the loop stays free)."""
+    if not big:
+        return function(*args)
+    return await asyncio.get_running_loop().run_in_executor(None, function, *args)
+
+
+async def _wait(future, receive, deadline: float, timeout_seconds: float):
+    """The result of a scheduled run; cancels it (dropped if not started) when the client
+    disconnects (`ClientGone`) or the deadline passes (DEADLINE_EXCEEDED)."""
+    result = asyncio.wrap_future(future)
+    gone = asyncio.ensure_future(_disconnect(receive))
+    done, _ = await asyncio.wait({result, gone}, timeout=max(deadline - time.monotonic(), 0),
+                                 return_when=asyncio.FIRST_COMPLETED)
+    gone.cancel()
+    timed_out = ServingError("DEADLINE_EXCEEDED", f"Request timed out after "
+                             f"{timeout_seconds:g} s (--rest_api_timeout_in_ms)")
+    if result in done:
+        try:
+            return result.result()
+        except ServingError as error:
+            raise timed_out if error.code == "DEADLINE_EXCEEDED" else error
+    result.cancel()
+    if gone in done:
+        raise ClientGone()
+    raise timed_out
+
+
+async def _disconnect(receive) -> None:
+    """Returns when the client disconnects (the body has been read already)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 def _model_spec(match: re.Match) -> tuple[str, int | None, str | None]:
     """(name, version or None, label or None) of a matched path, URL-decoded."""
     return (urllib.parse.unquote(match["name"]),
@@ -143,10 +203,52 @@ def _model_spec(match: re.Match) -> tuple[str, int | None, str | None]:
             urllib.parse.unquote(match["label"]) if match["label"] else None)
 
 
-async def _send_json(send, status: int, body: dict) -> None:
+async def _send_json(send, status: int, body: dict, close: bool = False) -> None:
     data = json.dumps(body).encode("utf-8")
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(data)).encode("ascii"))]})
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(data)).encode("ascii"))]
+    if close:                             # the body may be unread: end the connection
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": data})
 
+
+class HeaderTimeoutProtocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, closing a connection whose request head (request line and
+    headers) has not fully arrived `config.header_timeout_seconds` after the connection opened
+    or the previous answer was sent (uvicorn itself has no such timeout)."""
+
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        self._arm()
+        super().on_response_complete()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self._header_timer is not None and self.cycle is not self._armed_cycle:
+            self._disarm()                # a new request's head has arrived
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._armed_cycle = self.cycle
+        self._header_timer = self.loop.call_later(self.config.header_timeout_seconds,
+                                                  self._header_timeout)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()

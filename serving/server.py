@@ -1,6 +1,19 @@
-"""The embedded model server: one `ModelManager` behind TF Serving's gRPC and REST APIs."""
+"""The embedded model server: one `ModelManager` behind TF Serving's gRPC and REST APIs.
+
+Ports open before the models finish loading (their status says LOADING meanwhile); `start`
+returns once the initial versions are AVAILABLE or given up, as TF Serving's start does. Both
+APIs hand predictions to one scheduler (`batching.Direct`, or a `batching.Batcher`), so
+their threads only wait for answers: status and metadata are never queued behind a model run.
+At most `max_concurrent_requests` requests are served at a time on each API (REST answers 503
+beyond, gRPC RESOURCE_EXHAUSTED); a REST connection must send its request head within
+`header_timeout_seconds` and its body within `body_timeout_seconds`. `stop` (and SIGTERM or
+SIGINT during `wait`) stops accepting, lets requests in flight finish for `grace_seconds`,
+then closes everything.
+"""
 from __future__ import annotations
 
+import logging
+import signal
 import socket
 import threading
 import time
@@ -9,12 +22,13 @@ from concurrent import futures
 import grpc
 import uvicorn
 
-from tworec.serving.batching import Batcher, run_directly
+from tworec.serving.batching import Batcher, Direct
 from tworec.serving.grpc_service import add_services
 from tworec.serving.manager import ModelManager
-from tworec.serving.rest import RestApp
+from tworec.serving.protocol import INT32_MAX
+from tworec.serving.rest import HeaderTimeoutProtocol, RestApp
 
-INT32_MAX = 2**31 - 1
+log = logging.getLogger(__name__)
 
 
 class ModelServer:
@@ -25,50 +39,75 @@ class ModelServer:
         host: the address to bind.
         grpc_port: the gRPC port, None for no gRPC.
         rest_port: the REST port, None for no REST.
-        rest_timeout_seconds: REST requests running longer answer DEADLINE_EXCEEDED.
+        rest_timeout_seconds: a REST predict's deadline (`--rest_api_timeout_in_ms`).
         max_request_bytes: the largest REST body or gRPC message accepted.
-        grpc_threads: worker threads of the gRPC server.
-        batcher: merges concurrent predicts (`--enable_batching`); None runs each alone.
+        batcher: merges concurrent predicts (`--enable_batching`); None runs each alone on
+            `predict_threads` threads. The server closes it when it stops.
+        max_rows: the most rows an input of one request may have (None: from memory, see
+            `limits.default_max_rows`).
+        predict_threads: model runs at a time without batching.
+        max_concurrent_requests: requests served at a time on each API.
+        header_timeout_seconds: a REST request head must arrive within this long.
+        body_timeout_seconds: a REST request body must arrive within this long.
+        grace_seconds: how long `stop` lets requests in flight finish.
     """
 
     def __init__(self, manager: ModelManager, host: str = "127.0.0.1",
                  grpc_port: int | None = 8500, rest_port: int | None = 8501,
-                 rest_timeout_seconds: float = 30.0, max_request_bytes: int = INT32_MAX,
-                 grpc_threads: int = 8, batcher: Batcher | None = None):
+                 rest_timeout_seconds: float = 30.0, max_request_bytes: int = 64 << 20,
+                 batcher: Batcher | None = None, max_rows: int | None = None,
+                 predict_threads: int = 8, max_concurrent_requests: int = 256,
+                 header_timeout_seconds: float = 10.0, body_timeout_seconds: float = 30.0,
+                 grace_seconds: float = 10.0):
         self.manager = manager
         self.host = host
         self.grpc_port, self.rest_port = grpc_port, rest_port
         self._grpc = self._rest = self._rest_thread = None
-        self._rest_timeout_seconds = rest_timeout_seconds
+        self._scheduler = batcher or Direct(predict_threads)
+        self._rest_app = RestApp(manager, self._scheduler, rest_timeout_seconds,
+                                 max_request_bytes, max_rows, body_timeout_seconds)
         self._max_request_bytes = max_request_bytes
-        self._grpc_threads = grpc_threads
-        self._run = batcher or run_directly
+        self._max_rows = max_rows
+        self._max_concurrent = max_concurrent_requests
+        self._header_timeout_seconds = header_timeout_seconds
+        self.grace_seconds = grace_seconds
 
     def start(self) -> "ModelServer":
-        """Loads the models, then opens the ports; returns self once both answer."""
-        self.manager.start()
+        """Starts loading the models, opens the ports, and returns self once the initial
+        versions are AVAILABLE or given up."""
+        self.manager.start(wait=False)
         if self.grpc_port is not None:
             self._start_grpc()
         if self.rest_port is not None:
             self._start_rest()
+        self.manager.wait_until_settled()
         return self
 
-    def stop(self) -> None:
+    def stop(self, grace_seconds: float | None = None) -> None:
+        """Stops accepting requests, lets those in flight finish within the grace period,
+        then closes the scheduler and the models."""
+        grace = self.grace_seconds if grace_seconds is None else grace_seconds
+        stopped = self._grpc.stop(grace) if self._grpc is not None else None
         if self._rest is not None:
+            self._rest.config.timeout_graceful_shutdown = grace
             self._rest.should_exit = True
             self._rest_thread.join()
-        if self._grpc is not None:
-            self._grpc.stop(grace=1).wait()
+        if stopped is not None:
+            stopped.wait()
+        self._scheduler.close()
         self.manager.stop()
 
     def wait(self) -> None:
-        """Blocks until interrupted (Ctrl-C), then stops."""
+        """Blocks until SIGTERM or SIGINT (Ctrl-C), then stops gracefully (see `stop`)."""
+        received = threading.Event()
+        previous = {sig: signal.signal(sig, lambda number, frame: received.set())
+                    for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
-            while True:
-                time.sleep(3600)
-        except KeyboardInterrupt:
-            pass
+            received.wait()
+            log.info("stopping: requests in flight get %g s to finish", self.grace_seconds)
         finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             self.stop()
 
     def __enter__(self) -> "ModelServer":
@@ -80,9 +119,11 @@ class ModelServer:
     def _start_grpc(self) -> None:
         options = [("grpc.max_receive_message_length", self._max_request_bytes),
                    ("grpc.max_send_message_length", INT32_MAX)]
-        self._grpc = grpc.server(futures.ThreadPoolExecutor(self._grpc_threads),
-                                 options=options)
-        add_services(self._grpc, self.manager, self._run)
+        # One thread per call in flight: handlers only wait for the scheduler, and a status
+        # call always finds a thread.
+        self._grpc = grpc.server(futures.ThreadPoolExecutor(self._max_concurrent),
+                                 options=options, maximum_concurrent_rpcs=self._max_concurrent)
+        add_services(self._grpc, self.manager, self._scheduler, self._max_rows)
         self.grpc_port = self._grpc.add_insecure_port(f"{self.host}:{self.grpc_port}")
         if not self.grpc_port:
             raise OSError(f"cannot bind the gRPC port on {self.host}")
@@ -97,9 +138,11 @@ class ModelServer:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((self.host, self.rest_port))
         self.rest_port = sock.getsockname()[1]
-        app = RestApp(self.manager, self._rest_timeout_seconds, self._max_request_bytes,
-                      self._run)
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
+        config = uvicorn.Config(self._rest_app, log_level="warning", lifespan="off",
+                                access_log=False, http=HeaderTimeoutProtocol,
+                                limit_concurrency=self._max_concurrent,
+                                timeout_graceful_shutdown=self.grace_seconds)
+        config.header_timeout_seconds = self._header_timeout_seconds
         self._rest = uvicorn.Server(config)
         self._rest_thread = threading.Thread(target=self._rest.run, kwargs={"sockets": [sock]},
                                              name="rest-server", daemon=True)

@@ -757,9 +757,9 @@ class CountingModel:
     def check_inputs(self, inputs, signature_name=""):
         return self.model.check_inputs(inputs, signature_name)
 
-    def run(self, inputs, signature_name="", output_filter=()):
+    def run(self, inputs, signature_name="", output_filter=(), timeout_seconds=None):
         self.runs.append(len(next(iter(inputs.values()))))
-        return self.model.run(inputs, signature_name, output_filter)
+        return self.model.run(inputs, signature_name, output_filter, timeout_seconds)
 
 
 def test_batcher_merges_concurrent_requests_and_a_bad_one_fails_alone(local):
@@ -770,13 +770,15 @@ def test_batcher_merges_concurrent_requests_and_a_bad_one_fails_alone(local):
     batcher = Batcher(max_batch_size=64, batch_timeout_micros=200_000)
     requests_ = [{"x": np.full(i % 3 + 1, i, np.float32)} for i in range(8)]
     with ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(lambda inputs: batcher(model, inputs), requests_))
+        answers = list(pool.map(lambda inputs: batcher.submit(model, inputs).result(),
+                                requests_))
     for inputs, answer in zip(requests_, answers):
         np.testing.assert_array_equal(answer["y"], inputs["x"] * 3)
     assert len(model.runs) < len(requests_) and sum(model.runs) == sum(
         len(r["x"]) for r in requests_)
     with pytest.raises(ServingError, match="expects dtype float"):
-        batcher(model, {"x": np.array([1], np.int64)})
+        batcher.submit(model, {"x": np.array([1], np.int64)})
+    batcher.close()
 
 
 def test_server_with_batching_answers_concurrent_clients(model_dir):

@@ -1,0 +1,63 @@
+"""TensorProtos of gRPC requests as arrays, checked before anything is allocated.
+
+`tf.make_ndarray` first expands the declared shape, filling missing values with the last one
+(an 18-byte proto declaring 2^28 floats costs 1 GiB). Here a tensor must carry every value it
+declares: its dimensions are non-negative, dimension 0 is within the row limit, and the values
+present (`tensor_content` bytes or the typed repeated field) are exactly as many as the shape
+holds. So the array a request builds is never larger than the request itself.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.framework import tensor_pb2, types_pb2
+
+from tworec.serving.errors import ServingError
+from tworec.serving.limits import check_shape
+
+# dtype -> (the repeated field holding its values, how many entries make one element).
+_FIELDS = {
+    types_pb2.DT_FLOAT: ("float_val", 1), types_pb2.DT_DOUBLE: ("double_val", 1),
+    types_pb2.DT_INT32: ("int_val", 1), types_pb2.DT_INT16: ("int_val", 1),
+    types_pb2.DT_INT8: ("int_val", 1), types_pb2.DT_UINT8: ("int_val", 1),
+    types_pb2.DT_UINT16: ("int_val", 1), types_pb2.DT_INT64: ("int64_val", 1),
+    types_pb2.DT_UINT32: ("uint32_val", 1), types_pb2.DT_UINT64: ("uint64_val", 1),
+    types_pb2.DT_BOOL: ("bool_val", 1), types_pb2.DT_STRING: ("string_val", 1),
+    types_pb2.DT_HALF: ("half_val", 1), types_pb2.DT_BFLOAT16: ("half_val", 1),
+    types_pb2.DT_COMPLEX64: ("scomplex_val", 2), types_pb2.DT_COMPLEX128: ("dcomplex_val", 2),
+}
+
+
+def to_array(name: str, proto: tensor_pb2.TensorProto, max_rows: int) -> np.ndarray:
+    """The array of a request's TensorProto.
+
+    Raises:
+        ServingError: INVALID_ARGUMENT for an unknown rank, a negative dimension, more rows
+            than `max_rows`, an unsupported dtype, or values that do not fill the shape.
+    """
+    if proto.tensor_shape.unknown_rank:
+        raise ServingError("INVALID_ARGUMENT", f'Input "{name}" has an unknown rank')
+    shape = [dim.size for dim in proto.tensor_shape.dim]
+    check_shape(name, shape, max_rows)
+    if proto.dtype not in _FIELDS:
+        raise ServingError("INVALID_ARGUMENT", f'Input "{name}" has dtype '
+                           f"{types_pb2.DataType.Name(proto.dtype)}, which requests cannot carry")
+    want = math.prod(shape)
+    got = _values_present(name, proto)
+    if got != want:
+        raise ServingError("INVALID_ARGUMENT", f'Input "{name}" declares shape {shape} '
+                           f"({want} values) but carries {got}")
+    return tf.make_ndarray(proto)
+
+
+def _values_present(name: str, proto: tensor_pb2.TensorProto) -> int | float:
+    """How many elements the proto's bytes hold (fractional when they do not divide)."""
+    field, per_element = _FIELDS[proto.dtype]
+    if proto.tensor_content:
+        if proto.dtype == types_pb2.DT_STRING:
+            raise ServingError("INVALID_ARGUMENT", f'Input "{name}": a DT_STRING tensor '
+                               "carries its values in string_val, not tensor_content")
+        return len(proto.tensor_content) / tf.as_dtype(proto.dtype).size
+    return len(getattr(proto, field)) / per_element
