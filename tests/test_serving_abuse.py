@@ -1,0 +1,458 @@
+"""The embedded server under concurrency and abuse (issue 11): each finding reproduced.
+
+Loopback only, tiny SavedModels, small limits set by flags, every wait bounded: the whole file
+runs in seconds.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+import requests
+
+import tworec.serving  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow loads)
+import tensorflow as tf
+from tensorflow.core.framework import tensor_pb2, tensor_shape_pb2, types_pb2
+from tensorflow_serving.apis import (get_model_status_pb2, model_management_pb2,
+                                     model_service_pb2_grpc, predict_pb2,
+                                     prediction_service_pb2_grpc)
+from tensorflow_serving.config import model_server_config_pb2
+
+from test_serving import Scale, ToyRanking, save
+from tworec.serving.batching import Batcher
+from tworec.serving.manager import ModelConfig, ModelManager
+from tworec.serving.model import LoadedModel
+from tworec.serving.server import ModelServer
+
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Spin(tf.Module):
+    """x [b] float32 -> y [b]: `steps` dependent sin steps, ~2 µs each (a slow model)."""
+
+    def __init__(self, steps: int):
+        super().__init__()
+        self.steps = steps
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32, name="x")])
+    def serve(self, x):
+        return {"y": tf.while_loop(lambda i, v: i < self.steps,
+                                   lambda i, v: (i + 1, tf.sin(v)), (tf.constant(0), x))[1]}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> str:
+    """ranking/1, scale/1, spin/1 (~3 s a run) and spin_short/1 (~0.5 s) under one folder."""
+    root = str(tmp_path_factory.mktemp("abuse"))
+    for name, module in {"ranking": ToyRanking(), "scale": Scale(3.0),
+                         "spin": Spin(1_500_000), "spin_short": Spin(250_000)}.items():
+        save(module, os.path.join(root, name))
+    return root
+
+
+def _serve(models: str, names=("ranking", "scale"), **options) -> ModelServer:
+    manager = ModelManager([ModelConfig(n, os.path.join(models, n)) for n in names],
+                           poll_seconds=0)
+    return ModelServer(manager, grpc_port=0, rest_port=0, **options)
+
+
+def _stub(server: ModelServer) -> prediction_service_pb2_grpc.PredictionServiceStub:
+    return prediction_service_pb2_grpc.PredictionServiceStub(
+        grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}"))
+
+
+def _request(name: str, inputs: dict, signature: str = "") -> predict_pb2.PredictRequest:
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = name
+    request.model_spec.signature_name = signature
+    for key, value in inputs.items():
+        request.inputs[key].CopyFrom(tf.make_tensor_proto(value))
+    return request
+
+
+def _grpc_error(call, *args, **kwargs) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as error:
+        call(*args, timeout=10, **kwargs)
+    return error.value
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _strings(*values) -> np.ndarray:
+    return np.array(values, dtype=object)
+
+
+# ------------------------------------------------------------------ 1. no crossed answers
+
+
+def test_batching_never_mixes_clients(models):
+    """X (2 users, 1 item list) and Z (1 user, 2 item lists) are invalid alone; batched with Y
+    they must still fail, and Y must get its own answer."""
+    local = LoadedModel(os.path.join(models, "ranking", "1"))
+    x = {"user_id": _strings(b"u1", b"u2"), "item_ids": _strings([b"i9", b"i10", b"i11"])}
+    y = {"user_id": _strings(b"u5"), "item_ids": _strings([b"i1", b"i2", b"i3"])}
+    z = {"user_id": _strings(b"u3"), "item_ids": _strings([b"i4", b"i5", b"i6"],
+                                                          [b"i7", b"i8", b"i0"])}
+    expected = local.run(y)["scores"]
+    with _serve(models, batcher=Batcher(max_batch_size=32,
+                                        batch_timeout_micros=200_000)) as server:
+        stub = _stub(server)
+
+        def call(inputs):
+            try:
+                return tf.make_ndarray(stub.Predict(_request("ranking", inputs),
+                                                    timeout=10).outputs["scores"])
+            except grpc.RpcError as error:
+                return error.code()
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(call, [x, y, z]))
+    assert [a if isinstance(a, grpc.StatusCode) else "answered" for a in answers] == [
+        grpc.StatusCode.INVALID_ARGUMENT, "answered", grpc.StatusCode.INVALID_ARGUMENT]
+    np.testing.assert_allclose(answers[1], expected, rtol=1e-6)
+
+
+# ------------------------------------------------------------------ 2. rows per request
+
+
+def test_rows_per_request_are_limited(models):
+    with _serve(models) as server:                # the default limit is at most 65536 rows
+        refused = requests.post(f"http://127.0.0.1:{server.rest_port}/v1/models/scale:predict",
+                                json={"inputs": [1.0] * 65537}, timeout=10)
+        assert refused.status_code == 400, refused.status_code
+    with _serve(models, max_rows=100) as server:
+        rest = f"http://127.0.0.1:{server.rest_port}/v1/models/scale:predict"
+        assert requests.post(rest, json={"inputs": [1.0] * 100}, timeout=10).status_code == 200
+        refused = requests.post(rest, json={"inputs": [1.0] * 101}, timeout=10)
+        assert refused.status_code == 400 and "--max_rows_per_request" in refused.json()["error"]
+        error = _grpc_error(_stub(server).Predict,
+                            _request("scale", {"x": np.ones(101, np.float32)}))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "at most 100" in error.details()
+
+
+def test_default_row_limit_follows_memory():
+    from tworec.serving.limits import default_max_rows
+    assert default_max_rows(24 << 30) == 6144
+    assert default_max_rows(1 << 30) == 256 and default_max_rows(1 << 50) == 65536
+
+
+# ------------------------------------------------------------------ 3. shape amplification
+
+
+def _proto(dtype, dims: list[int], **values) -> tensor_pb2.TensorProto:
+    return tensor_pb2.TensorProto(dtype=dtype, tensor_shape=tensor_shape_pb2.TensorShapeProto(
+        dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=d) for d in dims]), **values)
+
+
+@pytest.mark.parametrize("name, proto", [
+    ("scale", _proto(types_pb2.DT_FLOAT, [1 << 24], float_val=[1.0])),
+    ("scale", _proto(types_pb2.DT_FLOAT, [2], tensor_content=b"\0" * 12)),
+    ("scale", _proto(types_pb2.DT_FLOAT, [-1], float_val=[1.0])),
+    ("scale", _proto(types_pb2.DT_FLOAT, [1, 1 << 40], float_val=[1.0])),
+    ("scale", _proto(types_pb2.DT_VARIANT, [1])),
+    ("ranking_user", _proto(types_pb2.DT_STRING, [50], string_val=[b"u1"])),
+])
+def test_declared_shapes_must_match_the_bytes_sent(models, name, proto):
+    with _serve(models) as server:
+        request = predict_pb2.PredictRequest()
+        request.model_spec.name = name.split("_")[0]
+        request.inputs["x" if name == "scale" else "user_id"].CopyFrom(proto)
+        if name == "ranking_user":
+            request.inputs["item_ids"].CopyFrom(tf.make_tensor_proto(
+                np.full((50, 2), b"i1", dtype=object)))
+        before, start = _rss_bytes(), time.monotonic()
+        error = _grpc_error(_stub(server).Predict, request)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+        assert time.monotonic() - start < 2 and _rss_bytes() - before < 32 << 20
+
+
+# ------------------------------------------------------------------ 4. ReloadConfig
+
+
+def _reload(server: ModelServer, entries: dict[str, str]):
+    config = model_server_config_pb2.ModelServerConfig()
+    for name, base_path in entries.items():
+        config.model_config_list.config.add(name=name, base_path=base_path,
+                                            model_platform="tensorflow")
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        return model_service_pb2_grpc.ModelServiceStub(channel).HandleReloadConfigRequest(
+            model_management_pb2.ReloadConfigRequest(config=config), timeout=30)
+
+
+def test_reload_config_loads_only_under_allowed_roots(models, tmp_path):
+    elsewhere = str(tmp_path / "elsewhere")
+    save(Scale(5.0), elsewhere)
+    escape = os.path.join(models, "scale", "..", "..", os.path.basename(str(tmp_path)),
+                          "elsewhere")
+    with _serve(models, names=("scale",)) as server:
+        for base_path in (elsewhere, escape):
+            with pytest.raises(grpc.RpcError) as error:
+                _reload(server, {"scale": os.path.join(models, "scale"), "evil": base_path})
+            assert error.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert elsewhere not in error.value.details()
+        assert requests.get(f"http://127.0.0.1:{server.rest_port}/v1/models/evil",
+                            timeout=10).status_code == 404
+    manager = ModelManager([ModelConfig("scale", os.path.join(models, "scale"))],
+                           poll_seconds=0, allowed_roots=[str(tmp_path)])
+    with ModelServer(manager, grpc_port=0, rest_port=None) as server:
+        _reload(server, {"other": elsewhere})
+        assert server.manager.status("other").model_version_status[0].state == \
+            get_model_status_pb2.ModelVersionStatus.AVAILABLE
+
+
+# ------------------------------------------------------------------ 5. slow requests
+
+
+def test_timed_out_runs_stop_and_status_never_waits(models):
+    """Ten ~3 s runs with a 1 s REST timeout: each answers 504 in time, their runs stop, a
+    small predict behind them is quick, and status answers while they run."""
+    with _serve(models, names=("scale", "spin"), rest_timeout_seconds=1.0) as server:
+        rest = f"http://127.0.0.1:{server.rest_port}/v1/models"
+
+        def slow(_):
+            start = time.monotonic()
+            answer = requests.post(f"{rest}/spin:predict", json={"inputs": [1.0]}, timeout=30)
+            return answer.status_code, time.monotonic() - start
+        with ThreadPoolExecutor(10) as pool:
+            pending = pool.map(slow, range(10))
+            time.sleep(0.1)
+            start = time.monotonic()
+            assert requests.get(f"{rest}/scale", timeout=10).status_code == 200
+            status_seconds = time.monotonic() - start
+            answers = list(pending)
+        start = time.monotonic()
+        assert requests.post(f"{rest}/scale:predict", json={"inputs": [1.0]},
+                             timeout=30).json() == {"outputs": [3.0]}
+        assert time.monotonic() - start < 1.0
+    assert status_seconds < 0.5
+    assert all(code == 504 and seconds < 2.5 for code, seconds in answers), answers
+
+
+# ------------------------------------------------------------------ 6. model isolation
+
+
+def test_a_bad_version_delays_neither_other_models_nor_ports_nor_reloads(models, tmp_path,
+                                                                        unused_port):
+    bad, good = str(tmp_path / "bad"), str(tmp_path / "good")
+    os.makedirs(os.path.join(bad, "1"))                 # an empty version folder
+    save(Scale(1.0), good)
+    manager = ModelManager([ModelConfig("bad", bad), ModelConfig("good", good)],
+                           poll_seconds=0.05, max_load_retries=10, load_retry_seconds=1.0)
+    server = ModelServer(manager, grpc_port=0, rest_port=unused_port)
+    started = threading.Thread(target=server.start, daemon=True)
+    started.start()
+    rest = f"http://127.0.0.1:{unused_port}/v1/models"
+    try:
+        _wait_for(lambda: _status_code(f"{rest}/good") == 200, seconds=3)
+        save(Scale(2.0), good)
+        _wait_for(lambda: _predict_scale(f"{rest}/good") == 2.0, seconds=3)
+        loading = requests.get(f"{rest}/bad", timeout=5).json()["model_version_status"][0]
+        assert loading["state"] == "LOADING"
+        start = time.monotonic()
+        _reload(server, {"bad": bad, "good": good, "again": good})
+        assert time.monotonic() - start < 3
+        assert _predict_scale(f"{rest}/again") == 2.0
+    finally:
+        manager.stop()
+        started.join(timeout=10)
+        server.stop()
+
+
+def _status_code(url: str) -> int | None:
+    try:
+        return requests.get(url, timeout=1).status_code
+    except requests.ConnectionError:
+        return None
+
+
+def _predict_scale(url: str) -> float | None:
+    answer = requests.post(f"{url}:predict", json={"inputs": [1.0]}, timeout=5)
+    return answer.json()["outputs"][0] if answer.status_code == 200 else None
+
+
+def _wait_for(condition, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def unused_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ------------------------------------------------------------------ 7. slow clients
+
+
+class CountingLoadedModel(LoadedModel):
+    """A `LoadedModel` that counts its session runs."""
+    runs = 0
+
+    def run(self, *args, **kwargs):
+        type(self).runs += 1
+        return super().run(*args, **kwargs)
+
+
+def _connect(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    return sock
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    """Whether the server closes the connection (after any answer) within `seconds`."""
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except (socket.timeout, TimeoutError):
+        return False
+    except ConnectionResetError:
+        return True
+
+
+_HEAD = "POST /v1/models/scale:predict HTTP/1.1\r\nHost: x\r\n"
+_BODY = b'{"inputs": [1.0]}'
+
+
+def test_a_partial_body_is_never_run(models):
+    manager = ModelManager([ModelConfig("scale", os.path.join(models, "scale"))],
+                           poll_seconds=0, load=CountingLoadedModel)
+    with ModelServer(manager, grpc_port=None, rest_port=0) as server:
+        runs = CountingLoadedModel.runs
+        gone = _connect(server.rest_port)
+        gone.sendall((_HEAD + "Content-Length: 100\r\n\r\n").encode() + _BODY)
+        gone.close()                                            # leaves mid-body
+        time.sleep(0.3)
+        assert CountingLoadedModel.runs == runs
+
+
+def test_slow_clients_are_cut_off_and_connections_capped(models):
+    with _serve(models, names=("scale",), header_timeout_seconds=0.3,
+                body_timeout_seconds=0.3, max_concurrent_requests=3) as server:
+        port, head, body = server.rest_port, _HEAD, _BODY
+        slow_head = _connect(port)
+        slow_head.sendall(head.encode())                        # the head never ends
+        assert _closed_within(slow_head, 2)
+        slow_body = _connect(port)
+        slow_body.sendall((head + "Content-Length: 1000\r\n\r\n{").encode())
+        answer = slow_body.recv(65536)
+        assert b" 408 " in answer.split(b"\r\n")[0] and _closed_within(slow_body, 2)
+        idle = [_connect(port) for _ in range(3)]               # the connection cap
+        time.sleep(0.1)
+        refused = requests.post(f"http://127.0.0.1:{port}/v1/models/scale:predict",
+                                data=body, timeout=5)
+        assert refused.status_code == 503
+        assert all(_closed_within(sock, 2) for sock in idle)
+        assert requests.post(f"http://127.0.0.1:{port}/v1/models/scale:predict", data=body,
+                             timeout=5).json() == {"outputs": [3.0]}
+
+
+# ------------------------------------------------------------------ 8. batches fill
+
+
+def test_batches_fill_beyond_the_request_threads(models):
+    """16 concurrent one-row requests fill a 16-row batch at once instead of each waiting the
+    300 ms batch timeout; a request over max_batch_size is refused, or split when allowed."""
+    batcher = Batcher(max_batch_size=16, batch_timeout_micros=300_000)
+    with _serve(models, batcher=batcher) as server:
+        stub = _stub(server)
+
+        def call(i):
+            start = time.monotonic()
+            answer = stub.Predict(_request("scale", {"x": np.array([i], np.float32)}),
+                                  timeout=10)
+            return tf.make_ndarray(answer.outputs["y"])[0], time.monotonic() - start
+        with ThreadPoolExecutor(16) as pool:
+            call(0)
+            answers = list(pool.map(call, range(48)))
+        error = _grpc_error(stub.Predict, _request("scale", {"x": np.ones(17, np.float32)}))
+    assert [value for value, _ in answers] == [3.0 * i for i in range(48)]
+    assert np.median([seconds for _, seconds in answers]) < 0.2
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "Task size 17 is larger than maximum input batch size 16" in error.details()
+    splitting = Batcher(max_batch_size=4, batch_timeout_micros=1000,
+                        enable_large_batch_splitting=True)
+    with _serve(models, batcher=splitting) as server:
+        answer = _stub(server).Predict(_request("scale", {"x": np.arange(10, dtype=np.float32)}),
+                                       timeout=10)
+    np.testing.assert_array_equal(tf.make_ndarray(answer.outputs["y"]), 3.0 * np.arange(10))
+
+
+# ------------------------------------------------------------------ 9. client errors
+
+
+_LEAKS = re.compile(r"/tmp/|/work/|\b\w+(Error|Exception)\b|Traceback")
+
+
+@pytest.mark.parametrize("model, body, status", [
+    ("ranking", b'{"instances": [{"user_id": "\\ud800", "item_ids": ["i1"]}]}', 400),
+    ("scale", b'{"inputs": ' + b"[" * 70 + b"1.0" + b"]" * 70 + b"}", 400),
+    ("scale", b'{"signature_name": "__saved_model_init_op", "inputs": {}}', 400),
+    ("scale", b'{"inputs": {"x": [1.0], "y": [2.0]}}', 400),
+])
+def test_rest_client_mistakes_are_client_errors(models, model, body, status):
+    with _serve(models) as server:
+        answer = requests.post(f"http://127.0.0.1:{server.rest_port}/v1/models/{model}:predict",
+                               data=body, timeout=10)
+    assert answer.status_code == status, answer.text
+    assert not _LEAKS.search(answer.json()["error"]), answer.text
+
+
+def test_grpc_init_op_and_missing_saved_model_are_client_facing(models, tmp_path):
+    base = str(tmp_path / "empty")
+    os.makedirs(os.path.join(base, "1"))
+    manager = ModelManager([ModelConfig("scale", os.path.join(models, "scale")),
+                            ModelConfig("empty", base)], poll_seconds=0)
+    with ModelServer(manager, grpc_port=0, rest_port=0) as server:
+        error = _grpc_error(_stub(server).Predict,
+                            _request("scale", {}, signature="__saved_model_init_op"))
+        status = requests.get(f"http://127.0.0.1:{server.rest_port}/v1/models/empty",
+                              timeout=10).json()["model_version_status"][0]
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert status["state"] == "END" and status["status"]["error_code"] == "NOT_FOUND"
+    assert not _LEAKS.search(status["status"]["error_message"]), status
+    assert "empty" in status["status"]["error_message"]
+
+
+# ------------------------------------------------------------------ 10. graceful stop
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM])
+def test_sigterm_drains_requests_in_flight(models, unused_port, sig):
+    process = subprocess.Popen(
+        [sys.executable, os.path.join(REPOSITORY, "scripts", "serve.py"),
+         "--model_name=spin_short", f"--model_base_path={models}/spin_short",
+         "--port=0", f"--rest_api_port={unused_port}"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        while "serving gRPC" not in process.stdout.readline():
+            assert process.poll() is None, "the server did not start"
+        url = f"http://127.0.0.1:{unused_port}/v1/models/spin_short:predict"
+        with ThreadPoolExecutor(2) as pool:
+            in_flight = [pool.submit(requests.post, url, json={"inputs": [1.0]}, timeout=30)
+                         for _ in range(2)]
+            time.sleep(0.15)
+            process.send_signal(sig)
+            answers = [future.result() for future in in_flight]
+        assert process.wait(timeout=30) == 0
+    finally:
+        process.kill()
+    assert [answer.status_code for answer in answers] == [200, 200]
