@@ -6,7 +6,8 @@
 
 Both transports take and return dicts of NumPy arrays (strings as bytes), raise `ServingError`
 with the TF error code, and retry UNAVAILABLE (HTTP 503, refused connections) with exponential
-backoff.
+backoff. A predict with more rows than `max_rows_per_request` is sent in parts (servers bound
+the rows of one request) and the answers are joined along dimension 0.
 """
 from __future__ import annotations
 
@@ -36,23 +37,34 @@ class Client:
         timeout: seconds per attempt.
         retries: extra attempts after an UNAVAILABLE answer.
         backoff: seconds before the first retry, doubled for every further one.
+        max_rows_per_request: larger predicts are split into requests of this many rows.
     """
 
     def __init__(self, url: str | None = None, grpc_target: str | None = None,
-                 timeout: float = 10.0, retries: int = 3, backoff: float = 0.1):
+                 timeout: float = 10.0, retries: int = 3, backoff: float = 0.1,
+                 max_rows_per_request: int = 256):
         if (url is None) == (grpc_target is None):
             raise ValueError("give exactly one of url (REST) or grpc_target (HOST:PORT)")
         self.transport = (RestTransport(url, timeout) if url
                           else GrpcTransport(grpc_target, timeout))
         self.retries = retries
         self.backoff = backoff
+        self.max_rows_per_request = max_rows_per_request
 
     def predict(self, model: str, inputs: dict[str, np.ndarray],
                 signature_name: str = DEFAULT_SIGNATURE,
                 version: int | None = None) -> dict[str, np.ndarray]:
         """Runs a signature; inputs and outputs are name -> array [batch, ...]."""
         inputs = {name: np.asarray(value) for name, value in inputs.items()}
-        return self._retry(self.transport.predict, model, inputs, signature_name, version)
+        rows = {len(value) if value.ndim else None for value in inputs.values()}
+        if len(rows) != 1 or None in rows or rows.pop() <= self.max_rows_per_request:
+            return self._retry(self.transport.predict, model, inputs, signature_name, version)
+        size = self.max_rows_per_request
+        parts = [self.predict(model, {name: value[start:start + size]
+                                      for name, value in inputs.items()},
+                              signature_name, version)
+                 for start in range(0, len(next(iter(inputs.values()))), size)]
+        return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
 
     def status(self, model: str, version: int | None = None
                ) -> get_model_status_pb2.GetModelStatusResponse:

@@ -43,6 +43,7 @@ def write_version(base_path: str, write: Callable[[str], None], version: int | N
     staging = tempfile.mkdtemp(prefix=f".tmp-{version}-", dir=base_path)
     try:
         write(staging)
+        os.chmod(staging, 0o755)      # mkdtemp's 0o700 would hide it from a server's user
         os.rename(staging, final)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

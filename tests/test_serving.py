@@ -602,6 +602,15 @@ def test_client_predict_status_metadata(client, local):
     assert error.value.code == "NOT_FOUND"
 
 
+def test_client_splits_requests_over_its_row_limit(server, local):
+    users = np.array([f"u{i % 6}".encode() for i in range(7)], dtype=object)
+    expected = local["retrieval"].run({"user_id": users})
+    for transport in ({"url": server[1]}, {"grpc_target": server[2]}):
+        with Client(**transport, max_rows_per_request=3) as client:
+            outputs = client.predict("retrieval", {"user_id": users})
+        assert np.array_equal(outputs["item_ids"], expected["item_ids"])
+
+
 def test_client_retries_unavailable_then_fails(unused_port):
     for client in (Client(url=f"http://127.0.0.1:{unused_port}", retries=2, backoff=0.01),
                    Client(grpc_target=f"127.0.0.1:{unused_port}", retries=2, backoff=0.01,
