@@ -7,7 +7,6 @@ carries `ratio` (ours over the reference).
 """
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -142,8 +141,9 @@ def bench_index(num_items: int = 1_000_000, dim: int = 64, num_queries: int = 20
 
 def bench_serving(num_items: int = 1_000_000, seconds: float = 3.0) -> dict:
     """p50/p99 latency and requests/s of retrieval (1M items, brute force and ScaNN) and the
-    composed recommender, over REST and gRPC with 1 and 8 clients, and in-process (the same
-    SavedModel in a TF-Serving-style session) as the floor."""
+    composed recommender, over REST and gRPC with 1, 8 and 16 clients, without and with
+    batching, and in-process (the same SavedModel in a TF-Serving-style session) as the floor
+    (`serving.loadtest`)."""
     import tempfile
     from tworec.features import split
     from tworec.features.synthetic import SyntheticConfig
@@ -154,13 +154,9 @@ def bench_serving(num_items: int = 1_000_000, seconds: float = 3.0) -> dict:
     from tworec.retrieval.export import export as export_retrieval
     from tworec.retrieval.index import ScannParams
     from tworec.retrieval.train import fit as fit_retrieval
-    from tworec.serving.client import Client
     from tworec.serving.compose import compose_recommender
-    from tworec.serving.latency import measure
     from tworec.serving.layout import write_version
-    from tworec.serving.manager import ModelConfig, ModelManager
-    from tworec.serving.model import LoadedModel
-    from tworec.serving.server import ModelServer
+    from tworec.serving.loadtest import serving_figures
 
     log = generate(SyntheticConfig(num_users=2_000, num_items=num_items, num_interactions=60_000), seed=0)
     parts = split(log, "temporal")
@@ -177,28 +173,10 @@ def bench_serving(num_items: int = 1_000_000, seconds: float = 3.0) -> dict:
              "ranking": export_ranking(ranking_model, inputs, f"{root}/ranking")}
     paths["recommender"] = write_version(f"{root}/recommender", lambda path: compose_recommender(
         paths["retrieval"], paths["ranking"], path, 10))
-    served = ("retrieval", "retrieval_scann", "recommender")
-    manager = ModelManager([ModelConfig(name, os.path.dirname(paths[name])) for name in served],
-                           poll_seconds=0)
-    server = ModelServer(manager, grpc_port=0, rest_port=0).start()
-    users = inputs.interactions.user_ids[:1]
-    results = {"items": num_items}
-    try:
-        for name in served:
-            local = LoadedModel(paths[name])
-            figures = {"in_process": measure(lambda: local.run({"user_id": users}), 1, seconds)}
-            for transport, client in (("rest", lambda: Client(url=f"http://127.0.0.1:{server.rest_port}", timeout=120)),
-                                      ("grpc", lambda: Client(grpc_target=f"127.0.0.1:{server.grpc_port}", timeout=120))):
-                for clients in (1, 8):
-                    shared = client()
-                    figures[f"{transport}_{clients}"] = measure(
-                        lambda: shared.predict(name, {"user_id": users}), clients, seconds)
-                    shared.close()
-            results[name] = {key: {k: round(v, 3) if isinstance(v, float) else v
-                                   for k, v in row.items()} for key, row in figures.items()}
-    finally:
-        server.stop()
-    return results
+    users = {"user_id": inputs.interactions.user_ids[:1]}
+    served = {name: (paths[name], users)
+              for name in ("retrieval", "retrieval_scann", "recommender")}
+    return {"items": num_items, **serving_figures(served, seconds=seconds)}
 
 
 PARTS = {"input": bench_input, "train_retrieval": bench_train_retrieval,
