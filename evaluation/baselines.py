@@ -31,7 +31,7 @@ def ease_scorer(interactions: Interactions, train: np.ndarray, evalset: EvalSet,
     inverse = np.linalg.inv(gram)
     weights = (-inverse / np.diag(inverse)).astype(np.float32)          # [u, u]
     np.fill_diagonal(weights, 0.0)
-    history = evalset.seen[:, used]
+    history = evalset.history[:, used]
 
     def score(positions):
         scores = np.full((len(positions), interactions.num_items), -1e9, dtype=np.float32)
@@ -63,5 +63,5 @@ def baselines(interactions: Interactions, parts: Split, evalset: EvalSet, ks=KS)
         if name == "ease" and interactions.num_items > EASE_MAX_ITEMS:
             results[name] = None
             continue
-        results[name] = evaluate(make(interactions, parts.train, evalset), evalset, ks)
+        results[name] = evaluate(make(interactions, parts.train, evalset), evalset, ks, name=name)
     return results

@@ -1,4 +1,11 @@
-"""Held-out rows of a split part, with what each user had before them."""
+"""Held-out rows of a split part, with what the model knew of each user before them.
+
+A held-out part is scored the way it is served: from each user's state as of the rows known
+before the part (for `test`: the training and validation rows, what an export bakes in; for
+`validation`: the training rows), frozen for every held-out row of that user. Under the
+per-user temporal split that state is the user's whole past; under the random split (several
+held-out rows per user) it is the user's training rows.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -6,7 +13,7 @@ import dataclasses
 import numpy as np
 import scipy.sparse as sp
 
-from tworec.features.interactions import DataError, Interactions
+from tworec.features.interactions import DataError, Interactions, interaction_matrix
 from tworec.features.splits import Split
 
 
@@ -17,46 +24,52 @@ class EvalSet:
     Attributes:
         rows: [m] rows of the log being predicted.
         users: [m] user codes. targets: [m] item codes.
-        seen: [m, num_items] CSR 0/1 of the items each user had before the row (excluded).
-        last_item: [m] item code of the user's interaction just before the row, -1 if none.
+        history: [m, num_items] CSR 0/1 of the items the row's user had in the known rows.
+        last_item: [m] item code of the user's latest known interaction, -1 if none.
+        known: [m] bool, whether the user has known rows (an export knows them; others are
+            served the popular items).
+        exclude_seen: whether `history` is excluded from the ranking (as the exports do).
     """
 
     rows: np.ndarray
     users: np.ndarray
     targets: np.ndarray
-    seen: sp.csr_matrix
+    history: sp.csr_matrix
     last_item: np.ndarray
+    known: np.ndarray
+    exclude_seen: bool = True
 
     def __len__(self) -> int:
         return len(self.rows)
 
+    @property
+    def excluded(self) -> sp.csr_matrix:
+        """[m, num_items] CSR of the items not to rank: `history`, or none."""
+        return self.history if self.exclude_seen else sp.csr_matrix(self.history.shape,
+                                                                    dtype=np.float32)
+
+
+def known_rows(parts: Split, part: str) -> np.ndarray:
+    """The rows known before `part` is held out: train and validation for `test`, train for
+    `validation`."""
+    if part == "test":
+        return parts.fit
+    if part == "validation":
+        return parts.train
+    raise DataError(f"unknown evaluation part {part!r}; use 'test' or 'validation'")
+
 
 def eval_set(interactions: Interactions, parts: Split, part: str = "test",
              exclude_seen: bool = True) -> EvalSet:
-    """The rows of `part` with, for each, the user's earlier items (for `test`: train and
-    validation rows; for `validation`: train rows). With `exclude_seen` False (the random
-    protocol, several rows per user) nothing is excluded."""
-    rows = {"test": parts.test, "validation": parts.validation}.get(part)
-    if rows is None:
-        raise DataError(f"unknown evaluation part {part!r}; use 'test' or 'validation'")
-    before = parts.train if part == "validation" else np.concatenate([parts.train, parts.validation])
+    """The rows of `part` with each user's state as of the rows known before it."""
+    before = known_rows(parts, part)
+    rows = getattr(parts, part)
     known = interactions.take(before)
     order = known.time_order()
     last = np.full(interactions.num_users, -1)
     last[known.user[order]] = known.item[order]                # later rows overwrite earlier
     users = interactions.user[rows]
-    if not exclude_seen:
-        seen = sp.csr_matrix((len(rows), interactions.num_items), dtype=np.float32)
-        return EvalSet(rows=rows, users=users, targets=interactions.item[rows], seen=seen,
-                       last_item=last[users])
-    row_of_user = np.full(interactions.num_users, -1)
-    row_of_user[interactions.user[rows]] = np.arange(len(rows))
-    if (np.bincount(interactions.user[rows], minlength=interactions.num_users) > 1).any():
-        raise DataError(f"{part}: evaluation expects one held-out row per user")
-    mask = row_of_user[known.user] >= 0
-    seen = sp.csr_matrix((np.ones(int(mask.sum()), dtype=np.float32),
-                          (row_of_user[known.user[mask]], known.item[mask])),
-                         shape=(len(rows), interactions.num_items))
-    seen.data[:] = 1.0                                        # duplicates summed: back to 0/1
-    return EvalSet(rows=rows, users=users, targets=interactions.item[rows], seen=seen,
-                   last_item=last[users])
+    history = interaction_matrix(interactions, before)[users]  # [m, I] the user's known items
+    has_rows = np.bincount(known.user, minlength=interactions.num_users) > 0
+    return EvalSet(rows=rows, users=users, targets=interactions.item[rows], history=history,
+                   last_item=last[users], known=has_rows[users], exclude_seen=exclude_seen)

@@ -10,9 +10,10 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import scipy.sparse as sp
 
 from tworec.features.history import build_history, latest_history
-from tworec.features.interactions import DataError, Interactions
+from tworec.features.interactions import DataError, Interactions, interaction_matrix
 from tworec.features.splits import Split
 from tworec.features.vocab import PAD, Vocabulary
 
@@ -26,6 +27,8 @@ class DataConfig:
 
     split: str = "temporal"               # one of PROTOCOLS, see features.splits
     history_length: int = 20              # previous items per row, 0 for none
+    exclude_seen: bool = True             # never serve (nor rank) a user's known items; off
+                                          # for catalogues where repeats are wanted
 
     def validate(self) -> None:
         """Raises DataError naming the first setting that cannot work."""
@@ -40,7 +43,12 @@ DATA_PRESETS = {"default": DataConfig(), "tiny": DataConfig(history_length=5)}
 
 @dataclasses.dataclass
 class ModelInputs:
-    """Vocabularies, feature tables and per-split example arrays.
+    """Vocabularies, feature tables, per-split example arrays and the users' state.
+
+    Histories only ever hold rows a model may know: a training row's history is the user's
+    earlier training rows; a held-out row's history is the user's state as of the rows known
+    before its part (training rows for validation, training and validation rows for test),
+    the state an export serves.
 
     Attributes:
         users, items: vocabularies from the training rows.
@@ -48,8 +56,11 @@ class ModelInputs:
         item_genres: [num_items, g] float32 multi-hot (g may be 0). item_year: [num_items] int32.
         user_feature_index: name -> [num_users] int64 indexes into `user_feature_vocabs[name]`.
         examples: part -> {"user": [m], "item": [m] catalogue code, "history": [m, L]}.
-        latest: [num_users, L] every user's last L items of the whole log (for serving).
+        latest: [num_users, L] every user's last L items of the fit rows (what an export serves).
+        seen: [num_users, num_items] CSR 0/1 of every user's items in the fit rows.
+        known: [num_users] bool, users with fit rows (an export serves others the popular items).
         item_probability: [num_items] float32 share of training interactions (logQ correction).
+        exclude_seen: whether a user's known items are never served nor ranked.
     """
 
     interactions: Interactions
@@ -63,7 +74,10 @@ class ModelInputs:
     user_feature_index: dict[str, np.ndarray]
     examples: dict[str, dict[str, np.ndarray]]
     latest: np.ndarray
+    seen: sp.csr_matrix
+    known: np.ndarray
     item_probability: np.ndarray
+    exclude_seen: bool = True
 
     @property
     def num_items(self) -> int:
@@ -74,16 +88,42 @@ class ModelInputs:
         """L, the history slots of every row (at least 1: an empty history is one pad)."""
         return self.latest.shape[1]
 
+    def known_in(self, part: str) -> np.ndarray:
+        """[m] bool per row of `part`: whether its user has rows known before the part (all
+        training rows do); the others are served as users the models do not know."""
+        users = self.interactions.user[getattr(self.split, part)]
+        if part == "train":
+            return np.ones(len(users), bool)
+        before = self.split.train if part == "validation" else self.split.fit
+        return (np.bincount(self.interactions.user[before],
+                            minlength=self.interactions.num_users) > 0)[users]
 
-def prepare(interactions: Interactions, split: Split, history_length: int) -> ModelInputs:
+    def state(self) -> dict:
+        """What an export knows: the fit rows, their users and items, the last timestamp."""
+        fit = self.split.fit
+        return {"rows": int(len(fit)), "users": int(self.known.sum()),
+                "items": int((np.asarray(self.seen.sum(0)).ravel() > 0).sum()),
+                "last_timestamp": int(self.interactions.timestamp[fit].max()) if len(fit) else None}
+
+
+def prepare(interactions: Interactions, split: Split, history_length: int,
+            exclude_seen: bool = True) -> ModelInputs:
     """Builds vocabularies from the training rows and the example arrays of every part."""
     users = Vocabulary.from_codes(interactions.user_ids, interactions.user[split.train], "users")
     items = Vocabulary.from_codes(interactions.item_ids, interactions.item[split.train], "items")
     item_index = items.remap(interactions.item_ids)
     user_index = users.remap(interactions.user_ids)
     length = max(history_length, 1)
-    history = build_history(interactions, length, item_index=item_index, pad=PAD)
-    latest = latest_history(interactions, length, item_index=item_index, pad=PAD)
+
+    def state_of(rows: np.ndarray) -> np.ndarray:
+        """[num_users, L] every user's last L items among `rows`."""
+        return latest_history(interactions.take(rows), length, item_index=item_index, pad=PAD)
+
+    histories = {"train": build_history(interactions.take(split.train), length,
+                                        item_index=item_index, pad=PAD)}
+    latest = state_of(split.fit)
+    for part, state in (("validation", state_of(split.train)), ("test", latest)):
+        histories[part] = state[interactions.user[getattr(split, part)]]
     feature_vocabs, feature_index = {}, {}
     for name, values in interactions.user_features.items():
         values = np.asarray(values).astype(str)
@@ -94,7 +134,7 @@ def prepare(interactions: Interactions, split: Split, history_length: int) -> Mo
         rows = getattr(split, part)
         examples[part] = {"user": user_index[interactions.user[rows]],
                           "item": interactions.item[rows].astype(np.int64),
-                          "history": history[rows]}
+                          "history": histories[part]}
         for name, index in feature_index.items():
             examples[part][f"user_{name}"] = index[interactions.user[rows]]
     counts = np.bincount(interactions.item[split.train], minlength=interactions.num_items)
@@ -106,5 +146,7 @@ def prepare(interactions: Interactions, split: Split, history_length: int) -> Mo
         interactions=interactions, split=split, users=users, items=items, item_index=item_index,
         item_genres=np.asarray(genres, dtype=np.float32), item_year=np.asarray(year, np.int32),
         user_feature_vocabs=feature_vocabs, user_feature_index=feature_index, examples=examples,
-        latest=latest, item_probability=(counts / max(counts.sum(), 1)).astype(np.float32))
-
+        latest=latest, seen=interaction_matrix(interactions, split.fit),
+        known=np.bincount(interactions.user[split.fit], minlength=interactions.num_users) > 0,
+        item_probability=(counts / max(counts.sum(), 1)).astype(np.float32),
+        exclude_seen=exclude_seen)

@@ -50,25 +50,40 @@ def id_lookup(ids: np.ndarray) -> tf.lookup.StaticHashTable:
 
 
 class UserInputs(tf.Module):
-    """String user ids -> the model inputs of those users, their latest history baked in.
+    """String user ids -> the model inputs of those users, from the state baked in: each known
+    user's latest items and seen items of the rows the models were fit on (`ModelInputs`).
 
     Call: user_id [b] string (and optionally history [b, L] vocabulary indexes to use instead
     of the baked-in one) -> ({"user": [b], "history": [b, L], "user_NAME": [b]}, known [b] bool).
-    Unknown users get the out-of-vocabulary index and an empty history.
+    Users without fit rows are unknown: the out-of-vocabulary index and an empty history.
     """
 
     def __init__(self, inputs):
         super().__init__()
         interactions = inputs.interactions
-        self.user_codes = id_lookup(interactions.user_ids)
+        known_users = np.flatnonzero(inputs.known)
+        self.user_positions = id_lookup(interactions.user_ids[known_users])
+        self.known_codes = tf.constant(known_users, tf.int64)                         # [K]
         self.user_index = tf.constant(inputs.users.remap(interactions.user_ids))       # [U]
         self.latest = tf.constant(inputs.latest)                                       # [U, L]
+        self.seen_starts = tf.constant(inputs.seen.indptr, tf.int64)                   # [U + 1]
+        self.seen_items = tf.constant(inputs.seen.indices, tf.int64)                   # [nnz]
         self.features = {name: tf.constant(index) for name, index in inputs.user_feature_index.items()}
 
+    def codes(self, user_id: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        """user_id [b] string -> (user codes [b] int64, 0 for unknown users; known [b] bool)."""
+        positions = self.user_positions.lookup(user_id)                                 # [b]
+        known = positions >= 0
+        return tf.gather(self.known_codes, tf.maximum(positions, 0)) * tf.cast(known, tf.int64), known
+
+    def seen(self, codes: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        """The seen items of users [b]: (batch row [n] int64, item code [n] int64) pairs."""
+        positions = tf.ragged.range(tf.gather(self.seen_starts, codes),
+                                    tf.gather(self.seen_starts, codes + 1))             # [b, None]
+        return positions.value_rowids(), tf.gather(self.seen_items, positions.flat_values)
+
     def __call__(self, user_id: tf.Tensor, history: tf.Tensor | None = None):
-        codes = self.user_codes.lookup(user_id)                                        # [b]
-        known = codes >= 0
-        codes = tf.maximum(codes, 0)
+        codes, known = self.codes(user_id)
         oov = tf.constant(1, tf.int64)
         if history is None:
             history = tf.gather(self.latest, codes) * tf.cast(known, tf.int64)[:, None]

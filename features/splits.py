@@ -27,6 +27,11 @@ class Split:
     test: np.ndarray
     short_users: int = 0   # temporal: users kept wholly in train for having < 3 interactions
 
+    @property
+    def fit(self) -> np.ndarray:
+        """[f] the rows the models are fit on and an export knows: train and validation."""
+        return np.sort(np.concatenate([self.train, self.validation]))
+
     def sizes(self) -> dict[str, int]:
         return {"train": len(self.train), "validation": len(self.validation),
                 "test": len(self.test)}

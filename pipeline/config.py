@@ -22,9 +22,11 @@ class RunConfig:
     hard_negative_pool: int = 50          # retrieval's top items per training row, the pool of
                                           # the ranker's hard negatives
     top_n: int = 10                       # items the composed recommender returns
-    tuning_queries: int = 200             # query embeddings the ScaNN tuning measures
+    tuning_queries: int = 200             # validation queries the ScaNN tuning measures
     tuning_k: int = 10                    # ScaNN is tuned for recall@tuning_k against exact
-    check_users: int = 8                  # test users the served check queries
+    checked_users: int = 2000             # test users the served check asks for (a seeded
+                                          # sample beyond)
+    warmup_users: int = 8                 # users of the exports' warmup requests
 
     def validate(self) -> None:
         """Raises ValueError naming the first setting that cannot work."""

@@ -91,17 +91,31 @@ def plot(out: str, report: dict) -> list[str]:
     return written
 
 
+PROTOCOLS = {
+    "temporal": "per user, the last interaction is held out (test) and the one before it is "
+                "validation; other users' later rows stay in training",
+    "random": "an 80/20 shuffle of the rows (seed 42), as in the TFRS tutorials; several "
+              "held-out rows per user, each scored from the user's training rows",
+}
+
+
 def markdown(report: dict, out: str, plots: list[str]) -> str:
     """report.md: data, metrics against the baselines, ranking, index, serving, timings."""
     def row(name, metrics):
         return f"| {name} | {metrics['recall@10']:.4f} | {metrics['ndcg@10']:.4f} |"
     data = report["data"]
+    state = data.get("state", {})
+    excluded = ("each user's known items excluded, as the exports serve"
+                if data.get("exclude_seen", True) else "nothing excluded (repeats allowed)")
     lines = [f"# Run report: {data['source']}", "",
              f"{data['users']} users, {data['items']} items, {data['interactions']} interactions; "
              f"split `{data['split']}` with {data['test_users']} test users; dropped rows: "
              f"{data['dropped'] or 'none'}.", "",
+             f"Protocol: {PROTOCOLS.get(data['split'], data['split'])}. The exports know the "
+             f"{state.get('rows', '?')} training and validation rows of {state.get('users', '?')} "
+             f"users, never the test rows.", "",
              "## Test Recall@10 and NDCG@10", "",
-             "Full catalogue, each user's earlier items excluded (temporal split); the baselines "
+             f"Full catalogue, {excluded}; ties count against the held-out item; the baselines "
              "are fit on the same training rows.", "",
              "| model | Recall@10 | NDCG@10 |", "| --- | --- | --- |"]
     for name, section in (("retrieval (two-tower)", "retrieval"),
@@ -112,26 +126,41 @@ def markdown(report: dict, out: str, plots: list[str]) -> str:
     if "ranking" in report:
         ranking = report["ranking"]["test"]
         lines += ["", "## Ranking on its own", "",
-                  f"RMSE of the rating head: {ranking['rmse']}; AUC of positives over their "
-                  f"negatives: {ranking['auc']}."]
+                  f"RMSE of the rating head: {ranking['rmse']}; AUC of positives over retrieval's "
+                  f"top candidates: {ranking['auc']}."]
     if "index" in report:
         index = report["index"]
-        recall = next(value for key, value in index.items() if key.endswith("_vs_exact"))
+        recall = next(value for key, value in index.items()
+                      if key.endswith("_vs_exact") and not key.startswith("test_"))
+        test = next((value for key, value in index.items() if key.startswith("test_")), None)
         lines += ["", "## Candidate index", "",
-                  f"ScaNN {index['params']}: recall@10 against exact search {recall}, "
+                  f"ScaNN {index['params']}, tuned on {index.get('tuned_on', 'test')} queries: "
+                  f"recall@10 against exact search {recall} there, {test} on test queries; "
                   f"single-query latency p50 {index['latency_ms_p50']} ms against "
                   f"{index['exact_latency_ms_p50']} ms for brute force."]
     if "serving" in report:
-        lines += ["", "## Serving", "",
-                  f"{report['serving']['smoke_users']} test users were queried over REST and "
-                  f"gRPC; the answers matched the in-process models: "
-                  f"{report['serving']['matches_in_process']}."]
+        serving = report["serving"]
+        lines += ["", "## Served", "",
+                  f"The exports were served by the embedded server and asked for "
+                  f"{serving['users']} test users over REST and gRPC (identical answers). "
+                  "Recall@10 and NDCG@10 of the served lists:", "",
+                  "| served model | Recall@10 | NDCG@10 | seen items served |",
+                  "| --- | --- | --- | --- |"]
+        lines += [f"| {name} | {figures['recall@10']:.4f} | {figures['ndcg@10']:.4f} | "
+                  f"{figures['seen_items_served']} |" for name, figures in serving["served"].items()]
+        lines += ["", f"The ranking export's scores differ from the Keras ranker's by at most "
+                  f"{serving['ranking_export_max_abs_diff']:.1e}."]
     if "exports" in report:
-        lines += ["", "Serve the exports with the embedded server:", "",
-                  f"    python scripts/serve.py --model_config_file {out}/export/models.config", "",
-                  "or with TF Serving (every model but `retrieval_scann`, which needs ScaNN's ops):",
+        root = os.path.abspath(out)
+        lines += ["", "## Serve", "",
+                  "With the embedded server (every model, `retrieval_scann` included):", "",
+                  f"    python scripts/serve.py --model_config_file={root}/export/models_scann.config",
+                  "", "With TF Serving (every model but `retrieval_scann`, which needs ScaNN's ops):",
                   "", f"    tensorflow_model_server --port=8500 --rest_api_port=8501 "
-                  f"--model_config_file={os.path.abspath(out)}/export/models.config"]
+                  f"--model_config_file={root}/export/models.config", "",
+                  "or its Docker image, with the config written for the container's `/models`:",
+                  "", f"    docker run -p 8500:8500 -p 8501:8501 -v {root}/export:/models "
+                  "tensorflow/serving --model_config_file=/models/models.docker.config"]
     lines += ["", "## Timings (seconds)", "", "| step | seconds |", "| --- | --- |"]
     lines += [f"| {name} | {seconds} |" for name, seconds in report["timings"].items()]
     lines += ["", "Plots: " + ", ".join(f"`plots/{name}`" for name in plots) + ".", ""]

@@ -16,18 +16,20 @@ import os
 import time
 
 import numpy as np
+import tensorflow as tf
 
-from tworec.evaluation import KS, baselines, eval_set
+from tworec.evaluation import KS, baselines, eval_set, evaluate_ranks
 from tworec.features import Interactions, load, split
 from tworec.features.inputs import ModelInputs, prepare
-from tworec.pipeline import config as run_config, report as run_report, store
+from tworec.pipeline import config as run_config, report as run_report, served, store
 from tworec.pipeline.config import Configs
 from tworec.ranking import features as ranking_features
 from tworec.ranking import train as ranking
 from tworec.ranking.export import export as export_ranking
 from tworec.retrieval import train as retrieval
 from tworec.retrieval.export import export as export_retrieval
-from tworec.retrieval.index import ScannParams, exact_top_k, tune_scann
+from tworec.retrieval.index import (ScannParams, build_index, exact_top_k, recall_against,
+                                    tune_scann)
 from tworec.serving.client import Client
 from tworec.serving.compose import compose_recommender
 from tworec.serving.layout import list_versions, write_models_config, write_version
@@ -41,6 +43,8 @@ PIPELINE = ("train retrieval", "baselines", "tune index", "train ranking", "expo
 RETRIEVAL_ONLY = ("train retrieval", "baselines", "tune index", "export")
 RANKING_ONLY = ("train ranking", "export")
 EXPORT_ORDER = ("retrieval", "retrieval_scann", "ranking", "recommender")
+# Where `models.docker.config` expects the export folder mounted in a TF Serving container.
+DOCKER_FOLDER = "/models/{}"
 # The report sections a retrained ranking makes stale in a continued run.
 RETRAINED_WITH_RANKING = ("ranking", "two_stage", "serving")
 
@@ -62,12 +66,15 @@ class Run:
                  verbose: int = 1):
         self.out, self.log, self.configs, self.verbose = out, log, configs, verbose
         self.parts = split(log, configs.data.split)
-        self.inputs: ModelInputs = prepare(log, self.parts, configs.data.history_length)
+        self.inputs: ModelInputs = prepare(log, self.parts, configs.data.history_length,
+                                           exclude_seen=configs.data.exclude_seen)
         self.report = run_report.read(out)
         self.report["data"] = {"source": source["data"], "users": log.num_users,
                                "items": log.num_items, "interactions": len(log),
                                "split": self.parts.kind, "test_users": len(self.test_users()),
-                               "dropped": dict(log.dropped)}
+                               "dropped": dict(log.dropped),
+                               "exclude_seen": configs.data.exclude_seen,
+                               "state": self.inputs.state()}
         self.timings = self.report.setdefault("timings", {})
         self.retrieval_model, self.retrieval_trained = None, False
         self.signals = self.ranking_model = None
@@ -91,19 +98,19 @@ class Run:
         """[t] codes of the users with a test row, increasing."""
         return np.unique(self.log.user[self.parts.test])
 
-    def check_users(self) -> np.ndarray:
-        """[c] codes of the test users the served check and the warmup requests use."""
-        return self.test_users()[:self.configs.run.check_users]
+    def checked_users(self) -> np.ndarray:
+        """[c] codes of the test users the served check asks for: all, or a seeded sample of
+        `checked_users`, increasing."""
+        users, most = self.test_users(), self.configs.run.checked_users
+        return users if len(users) <= most else \
+            np.sort(np.random.default_rng(0).choice(users, most, replace=False))
 
-    def check_user_ids(self) -> np.ndarray:
-        """[c] their string ids."""
-        return self.log.user_ids[self.check_users()]
-
-    def exclude_seen(self) -> bool:
-        return self.parts.kind == "temporal"
+    def warmup_user_ids(self) -> np.ndarray:
+        """[w] string ids of the test users whose requests warm the exports up."""
+        return self.log.user_ids[self.test_users()[:self.configs.run.warmup_users]]
 
     def test_set(self):
-        return eval_set(self.log, self.parts, "test", exclude_seen=self.exclude_seen())
+        return eval_set(self.log, self.parts, "test", exclude_seen=self.inputs.exclude_seen)
 
     def export_dir(self, name: str = "") -> str:
         return os.path.join(self.out, "export", name)
@@ -129,22 +136,32 @@ class Run:
         self.report["baselines"] = baselines(self.log, self.parts, self.test_set())
 
     def tune_index(self) -> None:
-        run = self.configs.run
-        candidates = retrieval.candidate_embeddings(self.retrieval_model, self.inputs.num_items)
-        queries = retrieval.query_embeddings(self.retrieval_model,
-                                             self.inputs.examples["test"])[:run.tuning_queries]
-        self.tuning = tune_scann(candidates, queries, k=run.tuning_k)
-        self.report["index"] = {"kind": "scann", **{key: self.tuning[key] for key in (
-            "params", f"recall@{run.tuning_k}_vs_exact", "latency_ms_p50",
-            "exact_latency_ms_p50", "table")}}
+        """Tunes ScaNN on validation queries (training queries when the split has no
+        validation) and reports the chosen setting's recall against exact search on test
+        queries."""
+        run, model = self.configs.run, self.retrieval_model
+        candidates = retrieval.candidate_embeddings(model, self.inputs.num_items)
+        part = "validation" if len(self.parts.validation) else "train"
+        queries = retrieval.query_embeddings(model, self.inputs.examples[part])
+        self.tuning = tune_scann(candidates, queries[:run.tuning_queries], k=run.tuning_k)
+        recall_key = f"recall@{run.tuning_k}_vs_exact"
+        self.report["index"] = {"kind": "scann", "tuned_on": part,
+                                **{key: self.tuning[key] for key in (
+                                    "params", recall_key, "latency_ms_p50",
+                                    "exact_latency_ms_p50", "table")}}
+        if self.tuning["params"]:
+            test = retrieval.query_embeddings(model, self.inputs.examples["test"])
+            index = build_index(candidates, run.tuning_k, ScannParams(**self.tuning["params"]))
+            _, found = index(tf.constant(test))
+            self.report["index"][f"test_{recall_key}"] = recall_against(
+                found.numpy(), exact_top_k(candidates, test, run.tuning_k))
 
     def train_ranking(self) -> None:
         run, model = self.configs.run, self.retrieval_model
-        hard = {part: retrieval.top_candidates(model, self.inputs, part, run.hard_negative_pool,
-                                               exclude_seen=False)
+        hard = {part: retrieval.top_candidates(model, self.inputs, part, run.hard_negative_pool)
                 for part in ("train", "validation")}
         self.test_candidates = retrieval.top_candidates(model, self.inputs, "test", run.candidates,
-                                                        exclude_seen=self.exclude_seen())
+                                                        evalset=self.test_set())
         self.signals = ranking_features.signals(
             self.inputs, self.configs.ranking.use_transitions,
             retrieval.embeddings_for_ranking(model, self.inputs))
@@ -160,8 +177,9 @@ class Run:
 
     def export(self) -> None:
         """Exports the models this run trained (the retrieval export a continued run already
-        has is kept) and writes `export/models.config` listing every exported model."""
-        run, users = self.configs.run, self.check_user_ids()
+        has is kept) and writes `export/models.config`, the models stock TF Serving loads, and
+        `export/models_scann.config`, the same with `retrieval_scann`."""
+        run, users = self.configs.run, self.warmup_user_ids()
         paths = self.report.setdefault("exports", {})
         if self.retrieval_trained:
             paths["retrieval"] = export_retrieval(self.retrieval_model, self.inputs,
@@ -182,9 +200,12 @@ class Run:
                 self.export_dir("recommender"),
                 lambda path: compose_recommender(retrieval_path, paths["ranking"], path,
                                                  run.top_n, warmup_user_ids=list(users)))
-        write_models_config(self.export_dir("models.config"),
-                            {name: self.export_dir(name) for name in EXPORT_ORDER
-                             if list_versions(self.export_dir(name))})
+        exported = [name for name in EXPORT_ORDER if list_versions(self.export_dir(name))]
+        stock = [name for name in exported if name != "retrieval_scann"]
+        for config, names, folder in (("models.config", stock, self.export_dir),
+                                      ("models_scann.config", exported, self.export_dir),
+                                      ("models.docker.config", stock, DOCKER_FOLDER.format)):
+            write_models_config(self.export_dir(config), {name: folder(name) for name in names})
 
     def latest_export(self, name: str) -> str:
         versions = list_versions(self.export_dir(name))
@@ -193,34 +214,94 @@ class Run:
         return os.path.join(self.export_dir(name), str(versions[-1]))
 
     def serve_and_check(self) -> None:
-        """Serves the exports on free ports; checks REST, gRPC and in-process answers agree."""
-        users = self.check_user_ids()
-        with open(self.export_dir("models.config")) as f:
+        """Serves every export with the embedded server, asks for every checked test user over
+        REST and gRPC, and records the metrics of the served lists beside the offline ones
+        (`pipeline.served`); fails when they differ beyond float ties, when REST and gRPC
+        disagree, when a served list holds a seen item, or when the ranking export scores
+        retrieval's candidates otherwise than the Keras ranker."""
+        users = self.checked_users()
+        ids = self.log.user_ids[users]
+        test = self.parts.test
+        rows = np.flatnonzero(np.isin(self.log.user[test], users))         # positions in test
+        answer_of_row = np.searchsorted(users, self.log.user[test][rows])
+        targets = self.log.item_ids[self.log.item[test][rows]]
+        with open(self.export_dir("models_scann.config")) as f:
             manager = ModelManager(parse_config(f.read()), poll_seconds=0)
         server = ModelServer(manager, grpc_port=0, rest_port=0).start()
         try:
-            rest = Client(url=f"http://127.0.0.1:{server.rest_port}")
-            grpc = Client(grpc_target=f"127.0.0.1:{server.grpc_port}")
-            served = rest.predict("retrieval", {"user_id": users})["item_ids"]
-            queries = retrieval.latest_queries(self.retrieval_model, self.inputs)[self.check_users()]
-            expected = self.log.item_ids[exact_top_k(
-                retrieval.candidate_embeddings(self.retrieval_model, self.inputs.num_items),
-                queries, served.shape[1])]
-            retrieval_matches = bool(np.array_equal(_strings(served), expected))
-            composed_rest = _strings(rest.predict("recommender", {"user_id": users})["item_ids"])
-            composed_grpc = _strings(grpc.predict("recommender", {"user_id": users})["item_ids"])
-            two_stage = _strings(Recommender(grpc).recommend(users, n=self.configs.run.top_n)
-                                 ["item_ids"])
-            recommender_matches = bool(np.array_equal(composed_rest, composed_grpc)
-                                       and np.array_equal(composed_rest, two_stage))
-            rest.close()
-            grpc.close()
+            with Client(url=f"http://127.0.0.1:{server.rest_port}") as rest, \
+                    Client(grpc_target=f"127.0.0.1:{server.grpc_port}") as grpc:
+                answers = {name: {"rest": served.ask(rest, name, ids),
+                                  "grpc": served.ask(grpc, name, ids)}
+                           for name in ("retrieval", "recommender")}
+                ranking_gap = self.ranking_export_gap(rest, rows[:64])
+                sample = ids[:8]
+                client_side = Recommender(grpc).recommend(sample, n=self.configs.run.top_n)
         finally:
             server.stop()
-        self.report["serving"] = {
-            "smoke_users": int(len(users)), "retrieval_matches_keras": retrieval_matches,
-            "recommender_rest_grpc_recommender_agree": recommender_matches,
-            "matches_in_process": retrieval_matches and recommender_matches}
+        result = {"users": int(len(users)), "rows": int(len(rows)),
+                  "exclude_seen": self.inputs.exclude_seen, "ranking_export_max_abs_diff":
+                  ranking_gap, "served": {}}
+        if not np.array_equal(served.strings(client_side["item_ids"]),
+                              answers["recommender"]["grpc"]["item_ids"][:len(sample)]):
+            raise served.ServedMismatch("recommender: serving.Recommender over gRPC and the "
+                                        "composed SavedModel served different lists")
+        offline = {"retrieval": self.offline_retrieval(rows),
+                   "recommender": self.offline_two_stage(rows)}
+        for name, by_transport in answers.items():
+            rest_lists, grpc_lists = by_transport["rest"], by_transport["grpc"]
+            if not np.array_equal(rest_lists["item_ids"], grpc_lists["item_ids"]):
+                raise served.ServedMismatch(f"{name}: REST and gRPC served different lists")
+            seen = served.seen_served(rest_lists["item_ids"], self.log.item_ids,
+                                      self.inputs.seen[users])
+            if seen and self.inputs.exclude_seen:
+                raise served.ServedMismatch(f"{name}: {seen} served items were already seen")
+            per_row = {key: values[answer_of_row] for key, values in rest_lists.items()}
+            result["served"][name] = {**served.compare(name, per_row, offline[name], targets),
+                                      "seen_items_served": seen}
+        if ranking_gap > 1e-4:
+            raise served.ServedMismatch(f"ranking: the export's scores differ from the Keras "
+                                        f"ranker's by up to {ranking_gap:.2e}")
+        self.report["serving"] = result
+
+    def offline_retrieval(self, rows: np.ndarray) -> served.Offline:
+        """Offline ranks and target scores of retrieval for the test `rows` (positions)."""
+        evalset = self.test_set()
+        subset = dataclasses.replace(
+            evalset, rows=evalset.rows[rows], users=evalset.users[rows],
+            targets=evalset.targets[rows], history=evalset.history[rows],
+            last_item=evalset.last_item[rows], known=evalset.known[rows])
+        score = retrieval.catalogue_scorer(self.retrieval_model, self.inputs, "test", evalset)
+        ranks = evaluate_ranks(lambda positions: score(rows[positions]), subset, "retrieval")
+        scores = np.concatenate([score(rows[chunk])[np.arange(len(chunk)), subset.targets[chunk]]
+                                 for chunk in np.array_split(np.arange(len(rows)),
+                                                             max(1, len(rows) // 512))])
+        return served.Offline(ranks=ranks, target_scores=scores)
+
+    def offline_two_stage(self, rows: np.ndarray) -> served.Offline:
+        """Offline positions and ranking scores of the targets in the re-ranked candidates."""
+        scores = ranking.score_lists(self.ranking_model, self.inputs, self.signals, "test",
+                                     self.test_candidates)[rows]                  # [m, K]
+        candidates = self.test_candidates[rows]
+        order = np.argsort(-scores, axis=1, kind="stable")
+        found = np.take_along_axis(candidates, order, 1) == \
+            self.inputs.examples["test"]["item"][rows][:, None]
+        ranks = np.where(found.any(1), found.argmax(1), candidates.shape[1])
+        target_scores = np.take_along_axis(np.take_along_axis(scores, order, 1),
+                                           found.argmax(1)[:, None], 1)[:, 0]
+        return served.Offline(ranks=ranks, target_scores=target_scores)
+
+    def ranking_export_gap(self, client: Client, rows: np.ndarray) -> float:
+        """Largest absolute difference between the served ranking's and the Keras ranker's
+        scores of retrieval's test candidates, for the test `rows` (positions)."""
+        if not len(rows):
+            return 0.0
+        keras = ranking.score_lists(self.ranking_model, self.inputs, self.signals, "test",
+                                    self.test_candidates)[rows]
+        users = self.log.user_ids[self.log.user[self.parts.test][rows]]
+        items = self.log.item_ids[self.test_candidates[rows]]
+        answer = client.predict("ranking", {"user_id": users, "item_ids": items})["scores"]
+        return float(np.abs(answer - keras).max())
 
     def write_report(self) -> None:
         run_report.write(self.out, self.report)
@@ -229,13 +310,6 @@ class Run:
 STEP_METHODS = {"train retrieval": Run.train_retrieval, "baselines": Run.baselines,
                 "tune index": Run.tune_index, "train ranking": Run.train_ranking,
                 "export": Run.export, "serve and check": Run.serve_and_check}
-
-
-def _strings(values) -> np.ndarray:
-    """[...] bytes or str -> [...] str."""
-    values = np.asarray(values)
-    return np.vectorize(lambda v: v.decode() if isinstance(v, bytes) else str(v))(values) \
-        if values.size else values.astype(str)
 
 
 def prepare_run(out: str, source: dict, configs: Configs, verbose: int = 1,

@@ -1,8 +1,9 @@
 """SavedModel export of the ranking stage in TF Serving's `BASE/VERSION/` layout.
 
 Signature `serving_default`: user_id [b] string, item_ids [b, n] string -> scores [b, n]
-float32. Every user's latest history is baked in; unknown users score through the
-out-of-vocabulary rows and unknown items score below every known item, without failing. Stock TF ops only.
+float32. The users' state of the fit rows is baked in; users it does not know are scored by
+the items' training popularity (so every model serves them the popular order), and unknown
+items score below every known item, without failing. Stock TF ops only.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ class RankingModule(tf.Module):
             (tf.constant(signals.retrieval_latest), tf.constant(signals.retrieval_items))  # [U, e], [I, e]
             if signals.has_retrieval else (None, None))
         self.item_index = tf.constant(data.item_index, tf.int64)                         # [I]
+        self.popularity = tf.constant(data.item_probability)                            # [I]
         self.vocab_size = data.items.size
         self.transitions = (None if signals.transitions is None
                             else transition_table(signals.transitions))
@@ -52,7 +54,7 @@ class RankingModule(tf.Module):
         # Unknown items are scored as code 0, then placed below every known item.
         features["items"] = tf.maximum(items, 0)
         if self.retrieval_latest is not None:
-            codes = tf.maximum(self.users.user_codes.lookup(user_id), 0)
+            codes, _ = self.users.codes(user_id)
             query = tf.gather(self.retrieval_latest, codes) * tf.cast(known, tf.float32)[:, None]
             features["retrieval_scores"] = tf.einsum(                                    # [b, n]
                 "be,bne->bn", query, tf.gather(self.retrieval_items, features["items"]))
@@ -60,7 +62,8 @@ class RankingModule(tf.Module):
             last = features["history"][:, -1:]                                          # [b, 1]
             keys = last * self.vocab_size + tf.gather(self.item_index, features["items"])
             features["transitions"] = tf.math.log1p(self.transitions.lookup(keys))      # [b, n]
-        scores = self.model(features)
+        scores = tf.where(known[:, None], self.model(features),                          # [b, n]
+                          tf.gather(self.popularity, features["items"]))
         return {"scores": tf.where(items >= 0, scores, tf.reduce_min(scores) - 1.0)}
 
 

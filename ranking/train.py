@@ -111,21 +111,49 @@ def fit(data: ModelInputs, config: RankingConfig, signals: RankingSignals,
 
 def score_lists(model: RankingModel, data: ModelInputs, signals: RankingSignals, part: str,
                 items: np.ndarray, batch_size: int = 1024) -> np.ndarray:
-    """[m, n] scores of candidate lists [m, n] for the rows of `part`."""
+    """[m, n] scores of candidate lists [m, n] for the rows of `part`, as the export scores
+    them: the ranker's for users known before the part, the items' training popularity for the
+    others.
+
+    Raises:
+        ValueError: a list holds a NaN or infinite score.
+    """
     examples = list_examples(data, signals, part, items)
-    return np.concatenate([model(b).numpy() for b in batches(examples, batch_size)])
+    scores = np.concatenate([model(b).numpy() for b in batches(examples, batch_size)]
+                            or [np.zeros((0, items.shape[1]), np.float32)])
+    finite = np.isfinite(scores).all(1)
+    if not finite.all():
+        raise ValueError(f"ranking: {int((~finite).sum())} of {len(scores)} scored lists hold "
+                         "NaN or infinite scores")
+    unknown = ~data.known_in(part)
+    scores[unknown] = data.item_probability[items[unknown]]
+    return scores
+
+
+def retrieval_negatives(candidates: np.ndarray, positives: np.ndarray, count: int) -> np.ndarray:
+    """[m, count] the first `count` of each row's retrieval candidates [m, H] that are not the
+    row's positive [m], in retrieval's order."""
+    order = np.argsort(candidates == positives[:, None], axis=1, kind="stable")[:, :count]
+    return np.take_along_axis(candidates, order, axis=1)
 
 
 def evaluate(model: RankingModel, data: ModelInputs, signals: RankingSignals, part: str = "test",
              hard: np.ndarray | None = None) -> dict[str, float | None]:
     """RMSE of the rating head (None without ratings) and AUC: the share of (positive,
-    negative) pairs of each list that the model orders correctly, ties counting half."""
+    negative) pairs that the model orders correctly, ties counting half, each row's negatives
+    being the first `num_negatives` of its retrieval candidates `hard` [m, H] other than the
+    positive, for every row alike (the items the ranker must beat when serving); random
+    negatives when `hard` is None."""
     config = model.config
     result = {"rmse": None, "auc": None}
     if len(getattr(data.split, part)) == 0:
         return result
-    lists = candidate_lists(data, part, max(config.num_negatives, 1), config.hard_negative_share,
-                            hard, seed=config.seed + 7)
+    count = max(config.num_negatives, 1)
+    positives = data.examples[part]["item"]
+    if hard is None:
+        lists = candidate_lists(data, part, count, 0.0, seed=config.seed + 7)
+    else:
+        lists = np.concatenate([positives[:, None], retrieval_negatives(hard, positives, count)], 1)
     if config.task != "regression":
         scores = score_lists(model, data, signals, part, lists)
         positive, negative = scores[:, :1], scores[:, 1:]

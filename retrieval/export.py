@@ -1,17 +1,25 @@
 """SavedModel exports of the retrieval stage, in TF Serving's `BASE/VERSION/` layout.
 
 `retrieval` (brute force, stock TF ops only) and `retrieval_scann` (ScaNN ops) share one
-module: string ids at the boundary, every user's latest history baked in, the popular items
-for users the model has never seen.
+module: string ids at the boundary, the users' state baked in (their latest items and seen
+items of the rows the model was fit on), the popular items for users it does not know. A known
+user is never served an item of their state, nor a `with_history` request the items it
+passed, unless the export is made with `exclude_seen=False`; the top k of what remains come
+back (ScaNN over-fetches k plus the most items any user has seen). A slot left without an item
+(the catalogue exhausted) holds the id "" and the lowest float32 score.
 
 Signatures (batch is dimension 0):
     serving_default: user_id [b] string -> item_ids [b, k] string, scores [b, k] float32
     with_history: user_id [b] string, history [b, L] string -> item_ids, scores
     embed_user: user_id [b] string -> embedding [b, d] float32
     embed_items: item_ids [n] string -> embedding [n, d] float32
+
+`assets.extra/state.json` records the state: the fit rows, their users and items, the last
+timestamp, and whether seen items are excluded.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -26,35 +34,62 @@ from tworec.serving.layout import write_version, write_warmup_requests
 
 
 class RetrievalModule(tf.Module):
-    """The servable: lookups, the query tower and a top-k index."""
+    """The servable: lookups, the user state, the query tower and a top-k search."""
 
     def __init__(self, model: TwoTower, data: ModelInputs, k: int,
-                 scann: ScannParams | None = None):
+                 scann: ScannParams | None = None, exclude_seen: bool = True):
         super().__init__()
         interactions = data.interactions
-        self.model = model
-        self.k = k
+        self.model, self.k, self.exclude_seen = model, k, exclude_seen
+        self.num_items = interactions.num_items
         self.users = UserInputs(data)
-        self.item_codes = id_lookup(interactions.item_ids)            # item id -> code
-        self.item_ids = tf.constant(interactions.item_ids)                 # [num_items]
+        self.item_codes = id_lookup(interactions.item_ids)                              # id -> code
+        self.item_ids = tf.constant(np.append(interactions.item_ids, ""))               # [I + 1]
         self.item_index = tf.constant(data.item_index)                                  # [I]
         popular = np.argsort(-data.item_probability, kind="stable")[:k]
         self.popular_codes = tf.constant(popular, tf.int64)                             # [k]
-        self.popular_scores = tf.constant(np.sort(data.item_probability)[::-1][:k])
-        self.index = build_index(candidate_embeddings(model, interactions.num_items), k, scann)
+        self.popular_scores = tf.constant(data.item_probability[popular])               # [k]
+        candidates = candidate_embeddings(model, interactions.num_items)                # [I, d]
+        if scann is None:
+            self.candidates, self.index = tf.constant(candidates), None
+        else:       # over-fetch so that k remain once a user's seen (or given) items are gone
+            most_seen = int(np.diff(data.seen.indptr).max(initial=0))
+            self.fetch = min(interactions.num_items,
+                             k + max(most_seen, data.history_length) * exclude_seen)
+            self.index = build_index(candidates, self.fetch, scann)
 
-    def _top_k(self, features, known):
-        scores, codes = self.index(self.model.query(features))                          # [b, k]
-        batch = tf.shape(codes)[0]
-        fallback_codes = tf.tile(self.popular_codes[None, :], [batch, 1])
-        fallback_scores = tf.tile(self.popular_scores[None, :], [batch, 1])
-        codes = tf.where(known[:, None], codes, fallback_codes)
-        scores = tf.where(known[:, None], scores, fallback_scores)
+    def _top_k(self, features, known, excluded=None):
+        """Top k codes of the query tower's scores, `excluded` ((row [n], code [n]) pairs)
+        skipped, the popular items for rows not `known`."""
+        query = self.model.query(features)                                              # [b, d]
+        batch = tf.shape(query)[0]
+        if excluded is None:
+            mask = tf.zeros([batch, self.num_items], tf.bool)
+        else:
+            mask = tf.scatter_nd(tf.stack(excluded, axis=1), tf.ones_like(excluded[0], tf.int32),
+                                 [batch, self.num_items]) > 0                           # [b, I]
+        if self.index is None:
+            scores, codes = tf.math.top_k(tf.where(mask, -np.inf, tf.matmul(
+                query, self.candidates, transpose_b=True)), k=self.k)                  # [b, k]
+        else:
+            scores, codes = self.index(query, k=self.fetch)                             # [b, f]
+            scores = tf.where(tf.gather(mask, codes, batch_dims=1), -np.inf, scores)
+            scores, order = tf.math.top_k(scores, k=self.k)
+            codes = tf.gather(codes, order, batch_dims=1)
+        codes = tf.cast(codes, tf.int64)
+        empty = tf.math.is_inf(scores)                       # fewer than k items remained
+        codes = tf.where(empty, tf.constant(self.num_items, tf.int64), codes)
+        scores = tf.where(empty, tf.float32.min, scores)
+        codes = tf.where(known[:, None], codes, self.popular_codes[None, :])
+        scores = tf.where(known[:, None], scores, tf.tile(self.popular_scores[None, :], [batch, 1]))
         return {"item_ids": tf.gather(self.item_ids, codes), "scores": scores}
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="user_id")])
     def serve(self, user_id):
-        return self._top_k(*self.users(user_id))
+        features, known = self.users(user_id)
+        codes, _ = self.users.codes(user_id)
+        excluded = self.users.seen(codes) if self.exclude_seen else None
+        return self._top_k(features, known, excluded)
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="user_id"),
                                   tf.TensorSpec([None, None], tf.string, name="history")])
@@ -63,8 +98,10 @@ class RetrievalModule(tf.Module):
         index = tf.where(codes >= 0, tf.gather(self.item_index, tf.maximum(codes, 0)),
                          tf.where(history == "", tf.constant(0, tf.int64), 1))
         features, _ = self.users(user_id, index)
+        given = tf.where(codes >= 0)                          # [n, 2] (row, slot) of known items
+        excluded = (given[:, 0], tf.gather_nd(codes, given)) if self.exclude_seen else None
         known = tf.ones_like(user_id, tf.bool)       # history given: the towers can answer
-        return self._top_k(features, known)
+        return self._top_k(features, known, excluded)
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="user_id")])
     def embed_user(self, user_id):
@@ -77,6 +114,13 @@ class RetrievalModule(tf.Module):
         return {"embedding": self.model.candidate(tf.maximum(codes, 0))}
 
 
+def write_state(path: str, data: ModelInputs, exclude_seen: bool) -> None:
+    """Writes `assets.extra/state.json` into a SavedModel folder: what the export knows."""
+    os.makedirs(os.path.join(path, "assets.extra"), exist_ok=True)
+    with open(os.path.join(path, "assets.extra", "state.json"), "w") as f:
+        json.dump({**data.state(), "exclude_seen": exclude_seen}, f, indent=2)
+
+
 def export(model: TwoTower, data: ModelInputs, base_path: str, k: int,
            scann: ScannParams | None = None, version: int | None = None,
            warmup_users: np.ndarray | None = None) -> str:
@@ -86,13 +130,14 @@ def export(model: TwoTower, data: ModelInputs, base_path: str, k: int,
     With `scann` the index is ScaNN and the model needs ScaNN's ops to serve. With
     `warmup_users` ([w] str) the version carries TF Serving warmup requests for them.
     """
-    module = RetrievalModule(model, data, k, scann)
+    module = RetrievalModule(model, data, k, scann, exclude_seen=data.exclude_seen)
     signatures = {"serving_default": module.serve, "with_history": module.with_history,
                   "embed_user": module.embed_user, "embed_items": module.embed_items}
     options = tf.saved_model.SaveOptions(namespace_whitelist=["Scann"] if scann else None)
 
     def write(path: str) -> None:
         tf.saved_model.save(module, path, signatures=signatures, options=options)
+        write_state(path, data, data.exclude_seen)
         if warmup_users is not None:
             write_warmup_requests(path, os.path.basename(os.path.normpath(base_path)),
                                   {"user_id": np.asarray(warmup_users, dtype=object)})

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from tworec.evaluation import KS, EvalSet, eval_set, evaluate
+from tworec.evaluation import KS, EvalSet, eval_set, evaluate, top_k_rows
 from tworec.features.batches import batches, steps_per_epoch
 from tworec.features.inputs import ModelInputs
 from tworec.features.training import make_optimizer, make_strategy, mixed_precision, train
@@ -39,7 +39,7 @@ def query_embeddings(model: TwoTower, examples: dict[str, np.ndarray],
 
 
 def latest_queries(model: TwoTower, data: ModelInputs) -> np.ndarray:
-    """[num_users, d] every user's query embedding from their latest history (what the
+    """[num_users, d] every user's query embedding from their state (`data.latest`, what the
     export serves for a user id)."""
     features = {"user": data.users.remap(data.interactions.user_ids), "history": data.latest}
     features.update({f"user_{name}": index for name, index in data.user_feature_index.items()})
@@ -55,36 +55,47 @@ def embeddings_for_ranking(model: TwoTower, data: ModelInputs) -> dict:
             "items": candidate_embeddings(model, data.num_items)}
 
 
-def evaluate_model(model: TwoTower, data: ModelInputs, part: str = "test", ks=KS,
-                   evalset: EvalSet | None = None) -> dict[str, float]:
-    """Recall@K (the hit rate of the held-out item) and NDCG@K over the full catalogue; under
-    the temporal split each user's earlier items are excluded, under the random split (several
-    held-out rows per user) nothing is."""
+def catalogue_scorer(model: TwoTower, data: ModelInputs, part: str, evalset: EvalSet):
+    """positions [b] into `evalset` -> scores [b, num_items], as the export scores them: the
+    towers' dot products for users it knows, the training popularity for the others."""
     candidates = candidate_embeddings(model, data.num_items)
     queries = query_embeddings(model, data.examples[part])
+
+    def score(positions: np.ndarray) -> np.ndarray:
+        scores = queries[positions] @ candidates.T                                # [b, d] x [d, I]
+        scores[~evalset.known[positions]] = data.item_probability
+        return scores
+    return score
+
+
+def evaluate_model(model: TwoTower, data: ModelInputs, part: str = "test", ks=KS,
+                   evalset: EvalSet | None = None) -> dict[str, float]:
+    """Recall@K (the hit rate of the held-out item) and NDCG@K over the full catalogue, each
+    user's known items excluded (unless `data.exclude_seen` is off), as the export serves."""
     evalset = evalset or eval_set(data.interactions, data.split, part,
-                                  exclude_seen=data.split.kind == "temporal")
-    return evaluate(lambda rows: queries[rows] @ candidates.T, evalset, ks)   # [b, d] x [d, I]
+                                  exclude_seen=data.exclude_seen)
+    return evaluate(catalogue_scorer(model, data, part, evalset), evalset, ks, name="retrieval")
 
 
 def top_candidates(model: TwoTower, data: ModelInputs, part: str, k: int,
-                   exclude_seen: bool = True, batch_size: int = 2048) -> np.ndarray:
-    """[m, k] catalogue codes of the best k items for every row of `part`, best first; for
-    `validation` and `test` of the temporal split with `exclude_seen`, the user's earlier
-    items are skipped; other splits, as in `evaluate_model`, exclude nothing."""
-    candidates = candidate_embeddings(model, data.num_items)
-    queries = query_embeddings(model, data.examples[part])
-    seen = (eval_set(data.interactions, data.split, part).seen
-            if exclude_seen and part != "train" and data.split.kind == "temporal" else None)
+                   evalset: EvalSet | None = None, batch_size: int = 2048) -> np.ndarray:
+    """[m, k] catalogue codes of the best k items for every row of `part`, best first (ties to
+    the lower code, as the export). With `evalset` (of that part) rows are scored as
+    `catalogue_scorer` does and its excluded items skipped: the export's candidates."""
+    if evalset is None:
+        candidates = candidate_embeddings(model, data.num_items)
+        queries = query_embeddings(model, data.examples[part])
+        score = lambda positions: queries[positions] @ candidates.T          # noqa: E731
+    else:
+        score = catalogue_scorer(model, data, part, evalset)
     result = []
-    for start in range(0, len(queries), batch_size):
-        scores = queries[start:start + batch_size] @ candidates.T                 # [b, I]
-        if seen is not None:
-            rows, cols = seen[start:start + batch_size].nonzero()
+    for start in range(0, len(data.examples[part]["user"]), batch_size):
+        positions = np.arange(start, min(start + batch_size, len(data.examples[part]["user"])))
+        scores = score(positions)                                                 # [b, I]
+        if evalset is not None:
+            rows, cols = evalset.excluded[positions].nonzero()
             scores[rows, cols] = -np.inf
-        best = np.argpartition(-scores, k - 1, axis=1)[:, :k]
-        order = np.argsort(-np.take_along_axis(scores, best, 1), axis=1, kind="stable")
-        result.append(np.take_along_axis(best, order, 1))
+        result.append(top_k_rows(scores, k))
     return np.concatenate(result) if result else np.zeros((0, k), np.int64)
 
 
@@ -94,7 +105,8 @@ class ValidationRecall(tf.keras.callbacks.Callback):
     def __init__(self, data: ModelInputs):
         super().__init__()
         self.data = data
-        self.evalset = eval_set(data.interactions, data.split, "validation")
+        self.evalset = eval_set(data.interactions, data.split, "validation",
+                                exclude_seen=data.exclude_seen)
 
     def on_epoch_end(self, epoch, logs=None):
         metrics = evaluate_model(self.model, self.data, "validation", ks=(10,), evalset=self.evalset)

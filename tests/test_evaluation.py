@@ -4,7 +4,9 @@ import pytest
 import scipy.sparse as sp
 
 from tworec.features import Interactions, split
-from tworec.evaluation import baselines, eval_set, evaluate, rank_metrics, target_ranks
+from tworec.evaluation import (baselines, eval_set, evaluate, rank_metrics, target_ranks,
+                               top_k_rows)
+from tworec.evaluation.baselines import ease_scorer
 from tworec.features.history import transition_counts
 
 
@@ -14,10 +16,38 @@ def test_rank_metrics_by_hand():
     assert metrics["ndcg@10"] == pytest.approx((1.0 + 1.0 / np.log2(5)) / 4)
 
 
-def test_target_ranks_exclude_seen_but_not_the_target():
-    scores = np.array([[0.9, 0.8, 0.7, 0.1], [0.1, 0.2, 0.3, 0.4]])
-    seen = sp.csr_matrix(np.array([[1, 0, 0, 0], [0, 0, 0, 1]], dtype=np.float32))
-    assert target_ranks(scores, np.array([2, 3]), seen).tolist() == [1, 0]
+def test_target_ranks_exclude_seen_items_and_a_seen_target_is_a_miss():
+    scores = np.array([[0.9, 0.8, 0.7, 0.1], [0.1, 0.2, 0.3, 0.4], [0.1, 0.2, 0.3, 0.4]])
+    seen = sp.csr_matrix(np.array([[1, 0, 0, 0], [0, 0, 0, 1], [0, 1, 0, 0]], dtype=np.float32))
+    assert target_ranks(scores, np.array([2, 2, 1]), seen).tolist() == [1, 0, 4]
+
+
+def test_ties_count_against_the_target():
+    """A constant scorer ranks every target last, not first; a target tied with 5 others at
+    K=3 is a miss."""
+    none = sp.csr_matrix((2, 8), dtype=np.float32)
+    assert target_ranks(np.zeros((2, 8)), np.array([0, 7]), none).tolist() == [7, 7]
+    assert rank_metrics(target_ranks(np.ones((2, 8)), np.array([0, 3]), none), ks=(3,)) == \
+        {"recall@3": 0.0, "ndcg@3": 0.0}
+    tied = np.array([[0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.1, 0.2]])            # target 2, tied with 5
+    ranks = target_ranks(tied, np.array([2]), sp.csr_matrix((1, 8), dtype=np.float32))
+    assert ranks.tolist() == [5] and rank_metrics(ranks, ks=(3,))["recall@3"] == 0.0
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_score_is_an_error_naming_the_model(bad):
+    scores = np.zeros((3, 4))
+    scores[1, 2] = bad
+    with pytest.raises(ValueError, match=r"retrieval: 1 of 3 scored rows hold NaN or infinite"):
+        target_ranks(scores, np.array([0, 0, 0]), sp.csr_matrix((3, 4)), name="retrieval")
+
+
+def test_top_k_rows_is_tf_top_k():
+    import tensorflow as tf
+    rng = np.random.default_rng(0)
+    scores = rng.integers(0, 4, (50, 30)).astype(np.float32)                 # many ties
+    expected = tf.math.top_k(scores, k=7).indices.numpy()
+    assert np.array_equal(top_k_rows(scores, 7), expected)
 
 
 @pytest.fixture
@@ -34,9 +64,11 @@ def test_eval_set_history(log):
     test = eval_set(log, parts, "test")
     assert log.item_ids[test.targets].tolist() == ["w", "z"]
     assert log.item_ids[test.last_item].tolist() == ["z", "y"]             # validation row
-    assert test.seen.toarray().tolist() == [[1, 1, 1, 0], [1, 1, 0, 0]]
+    assert test.history.toarray().tolist() == [[1, 1, 1, 0], [1, 1, 0, 0]]
+    assert test.known.tolist() == [True, True]
     validation = eval_set(log, parts, "validation")
-    assert validation.seen.toarray().tolist() == [[1, 1, 0, 0], [1, 0, 0, 0]]
+    assert validation.history.toarray().tolist() == [[1, 1, 0, 0], [1, 0, 0, 0]]
+    assert eval_set(log, parts, "test", exclude_seen=False).excluded.nnz == 0
 
 
 def test_transitions_and_popularity_by_hand(log):
@@ -61,3 +93,40 @@ def test_evaluate_batches_agree(log):
     one = evaluate(lambda p: table[p], test, ks=(1, 2), batch_size=1)
     all_ = evaluate(lambda p: table[p], test, ks=(1, 2), batch_size=100)
     assert one == all_
+
+
+def test_ease_matches_its_closed_form():
+    """B = I - P / diag(P), P = (X'X + lambda I)^-1 over items seen in training, diagonal zero;
+    a user's scores are their known items times B."""
+    rng = np.random.default_rng(1)
+    users, items = rng.integers(0, 12, 80), rng.integers(0, 9, 80)
+    log = Interactions(user_ids=np.array([f"u{i}" for i in range(12)]),
+                       item_ids=np.array([f"i{i}" for i in range(10)]),          # i9 never used
+                       user=users, item=items, timestamp=np.arange(80))
+    parts = split(log, "random")
+    test = eval_set(log, parts, "test")
+    x = np.zeros((12, 10))
+    x[users[parts.train], items[parts.train]] = 1
+    used = np.flatnonzero(x.sum(0))
+    p = np.linalg.inv(x[:, used].T @ x[:, used] + 5.0 * np.eye(len(used)))
+    b = np.eye(len(used)) - p / np.diag(p)
+    np.fill_diagonal(b, 0.0)
+    scores = ease_scorer(log, parts.train, test, regularisation=5.0)(np.arange(len(test)))
+    known = np.zeros((12, 10))
+    known[users[parts.fit], items[parts.fit]] = 1
+    np.testing.assert_allclose(scores[:, used], known[test.users][:, used] @ b, atol=1e-5)
+    assert (scores[:, 9] < -1e8).all()
+
+
+def test_random_protocol_baselines_use_the_training_rows_as_history():
+    """Several held-out rows per user, each scored from the user's training rows: EASE and
+    transitions see them (an empty history gave every EASE score 0 and Recall@10 = 1.0)."""
+    from tworec.features.synthetic import PRESETS, generate
+    log = generate(PRESETS["tiny"], seed=0)
+    parts = split(log, "random")
+    test = eval_set(log, parts, "test")
+    assert np.bincount(test.users).max() > 1 and test.history.nnz > 0
+    assert (test.last_item >= 0).mean() > 0.9
+    results = baselines(log, parts, test, ks=(10,))
+    for name, metrics in results.items():
+        assert 0 < metrics["recall@10"] < 0.9, (name, metrics)

@@ -10,12 +10,15 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEMA = {
-    "data": {"source", "users", "items", "interactions", "split", "test_users", "dropped"},
-    "retrieval": {"test", "train"}, "index": {"kind", "params", "recall@10_vs_exact",
-                                              "latency_ms_p50", "exact_latency_ms_p50"},
+    "data": {"source", "users", "items", "interactions", "split", "test_users", "dropped",
+             "state", "exclude_seen"},
+    "retrieval": {"test", "train"},
+    "index": {"kind", "params", "tuned_on", "recall@10_vs_exact", "test_recall@10_vs_exact",
+              "latency_ms_p50", "exact_latency_ms_p50"},
     "ranking": {"test", "train"}, "two_stage": {"test"},
     "baselines": {"popularity", "ease", "item_transition"},
-    "serving": {"smoke_users", "matches_in_process"}, "exports": {"retrieval", "ranking", "recommender"},
+    "serving": {"users", "rows", "served", "exclude_seen", "ranking_export_max_abs_diff"},
+    "exports": {"retrieval", "ranking", "recommender"},
 }
 
 
@@ -38,6 +41,25 @@ def test_report_follows_the_schema(run):
     assert {"rmse", "auc"} <= set(report["ranking"]["test"])
     assert {"recall@10", "ndcg@10"} <= set(report["two_stage"]["test"])
     assert report["index"]["kind"] == "scann" and report["index"]["recall@10_vs_exact"] >= 0.95
+    assert report["index"]["tuned_on"] == "validation"
+
+
+def test_served_lists_score_what_the_report_says(run):
+    """The served check asked for every test user over REST and gRPC: the served lists'
+    metrics equal the offline ones, and no served list holds a seen item."""
+    _, report = run
+    serving = report["serving"]
+    assert serving["users"] == report["data"]["test_users"] == serving["rows"]
+    for name, offline in (("retrieval", report["retrieval"]["test"]),
+                          ("recommender", report["two_stage"]["test"])):
+        served = serving["served"][name]
+        assert served["seen_items_served"] == 0
+        for key in ("recall@10", "ndcg@10"):
+            assert served[key] == pytest.approx(offline[key], abs=served["float_ties"] / serving["rows"])
+    assert {"recall@100", "ndcg@100"} <= set(serving["served"]["retrieval"])
+    assert serving["ranking_export_max_abs_diff"] < 1e-4
+    state = report["data"]["state"]
+    assert state["rows"] == report["data"]["interactions"] - report["data"]["test_users"]
 
 
 def test_models_beat_popularity_on_the_planted_structure(run):
@@ -49,11 +71,11 @@ def test_models_beat_popularity_on_the_planted_structure(run):
 
 def test_every_export_loads_and_answers(run):
     out, report = run
-    assert report["serving"]["matches_in_process"] is True
     import tensorflow as tf
     import tworec.serving  # noqa: F401  (registers ScaNN's ops for retrieval_scann)
     from tworec.serving.model import register_custom_ops
     register_custom_ops()
+    answers = {}
     for name, path in report["exports"].items():
         assert os.path.basename(path) == "1", path
         model = tf.saved_model.load(path)
@@ -63,9 +85,19 @@ def test_every_export_loads_and_answers(run):
             inputs["item_ids"] = tf.constant([["i0", "i1"], ["i2", "zzz"]])
         outputs = signature(**inputs)
         assert np.isfinite(outputs["scores"].numpy()).all(), name
+        answers[name] = outputs
         assert os.path.exists(os.path.join(path, "assets.extra", "tf_serving_warmup_requests"))
-    config = open(out / "export" / "models.config").read()
-    assert all(f'name: "{name}"' in config for name in report["exports"])
+        assert os.stat(path).st_mode & 0o005 == 0o005, "a non-root server cannot read " + path
+    # A user the exports do not know gets the popular order from every model, the composed
+    # recommender included (it must not re-rank the popular list).
+    popular = answers["retrieval"]["item_ids"].numpy()[1]
+    assert np.array_equal(answers["recommender"]["item_ids"].numpy()[1], popular[:10])
+    stock = open(out / "export" / "models.config").read()
+    assert all(f'name: "{name}"' in stock for name in ("retrieval", "ranking", "recommender"))
+    assert "retrieval_scann" not in stock         # stock TF Serving would not start
+    assert 'name: "retrieval_scann"' in open(out / "export" / "models_scann.config").read()
+    docker = open(out / "export" / "models.docker.config").read()
+    assert 'base_path: "/models/retrieval"' in docker and str(out) not in docker
 
 
 def test_plots_and_human_report_exist(run):
@@ -121,7 +153,7 @@ def test_train_ranking_reuses_a_retrieval_run_and_matches_the_pipeline(run, retr
     assert report["two_stage"]["test"] == pipeline["two_stage"]["test"]
     assert report["ranking"]["test"] == pipeline["ranking"]["test"]
     assert set(report["exports"]) == {"retrieval", "retrieval_scann", "ranking", "recommender"}
-    config = open(folder / "export" / "models.config").read()
+    config = open(folder / "export" / "models_scann.config").read()
     assert all(f'name: "{name}"' in config for name in report["exports"])
 
 

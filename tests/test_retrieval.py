@@ -149,7 +149,20 @@ def graph_op_types(meta) -> set:
     return ops
 
 
-def test_brute_force_export_serves_the_keras_top_k(trained, tmp_path):
+def keras_top_k(model, data, users: np.ndarray, k: int, excluded) -> np.ndarray:
+    """[u, k] codes of the Keras towers' top k for user codes `users`, `excluded` ([u, I] 0/1)
+    skipped: the exports' answers, by NumPy."""
+    features = {"user": data.users.remap(data.interactions.user_ids)[users],
+                "history": data.latest[users]}
+    for name, index in data.user_feature_index.items():
+        features[f"user_{name}"] = index[users]
+    queries = model.query({key: tf.constant(v) for key, v in features.items()}).numpy()
+    scores = queries @ candidate_embeddings(model, data.num_items).T
+    scores[np.asarray(excluded) > 0] = -np.inf
+    return np.argsort(-scores, axis=1, kind="stable")[:, :k]
+
+
+def test_brute_force_export_serves_the_keras_top_k_of_unseen_items(trained, tmp_path):
     from tworec.retrieval.export import export
     from tensorflow.python.framework import op_def_registry
     log, _, model, data, _ = trained
@@ -157,30 +170,84 @@ def test_brute_force_export_serves_the_keras_top_k(trained, tmp_path):
     assert os.path.basename(path) == "1"
     run, meta = load_like_tf_serving(path)
     assert set(meta.signature_def) >= {"serving_default", "with_history", "embed_user", "embed_items"}
-    users = log.user_ids[:5]
-    served = run("serving_default", user_id=users)
-    features = {"user": data.users.remap(log.user_ids)[:5], "history": data.latest[:5]}
-    for name, index in data.user_feature_index.items():
-        features[f"user_{name}"] = index[:5]
-    queries = model.query({k: tf.constant(v) for k, v in features.items()}).numpy()
-    exact = exact_top_k(candidate_embeddings(model, data.num_items), queries, 10)
-    assert served["item_ids"].astype(str).tolist() == log.item_ids[exact].tolist()
+    users = np.flatnonzero(data.known)[:5]
+    served = run("serving_default", user_id=log.user_ids[users])
+    seen = data.seen[users].toarray()
+    expected = keras_top_k(model, data, users, 10, seen)
+    assert served["item_ids"].astype(str).tolist() == log.item_ids[expected].tolist()
     assert served["scores"].shape == (5, 10) and served["scores"].dtype == np.float32
-    unknown = run("serving_default", user_id=np.array(["nobody"]))
-    popular = np.argsort(-data.item_probability, kind="stable")[:10]
-    assert unknown["item_ids"].astype(str).tolist() == [log.item_ids[popular].tolist()]
+    assert seen.sum() > 0 and not np.take_along_axis(seen, expected, 1).any()
     ops = graph_op_types(meta)
     assert not [op for op in ops if op.startswith("Scann")]
     assert all(op_def_registry.get(op) is not None for op in ops)
-    given = run("with_history", user_id=users, history=_history_strings(data, 5))
-    assert np.array_equal(given["item_ids"], served["item_ids"])
+    history = _history_strings(data, users)
+    given = run("with_history", user_id=log.user_ids[users], history=history)
+    passed = np.zeros_like(seen)
+    for row, ids in enumerate(history):
+        passed[row, np.isin(log.item_ids, ids[ids != ""])] = 1
+    assert given["item_ids"].astype(str).tolist() == \
+        log.item_ids[keras_top_k(model, data, users, 10, passed)].tolist()
     embedded = run("embed_items", item_ids=log.item_ids[:3])["embedding"]
     np.testing.assert_allclose(embedded, candidate_embeddings(model, data.num_items)[:3], atol=1e-5)
 
 
-def _history_strings(data, users: int) -> np.ndarray:
-    """[users, L] item id strings of the first users' latest histories, '' for padding."""
-    return data.items.decode(data.latest[:users]).astype(object)
+def test_users_the_export_does_not_know_get_the_popular_items(trained, tmp_path):
+    """Unknown ids, and users whose only rows are held out, are served the training popularity
+    order; nothing of theirs is excluded."""
+    from tworec.retrieval.export import export
+    log, parts, model, data, _ = trained
+    run, _ = load_like_tf_serving(export(model, data, str(tmp_path / "retrieval"), k=10))
+    popular = np.argsort(-data.item_probability, kind="stable")[:10]
+    answer = run("serving_default", user_id=np.array(["nobody", "also-nobody"]))
+    assert answer["item_ids"].astype(str).tolist() == [log.item_ids[popular].tolist()] * 2
+    np.testing.assert_allclose(answer["scores"][0], data.item_probability[popular])
+
+
+def test_an_export_knows_the_fit_rows_and_never_the_test_rows(trained, tmp_path):
+    """The baked state: each test user's latest items are their training and validation rows
+    (the test item is not among them unless seen before), seen items likewise."""
+    import json
+    from tworec.retrieval.export import export
+    log, parts, model, data, _ = trained
+    path = export(model, data, str(tmp_path / "retrieval"), k=10)
+    state = json.load(open(os.path.join(path, "assets.extra", "state.json")))
+    assert state == {**data.state(), "exclude_seen": True}
+    assert state["rows"] == len(parts.train) + len(parts.validation) == len(log) - len(parts.test)
+    test_users, test_items = log.user[parts.test], log.item[parts.test]
+    fit = log.take(parts.fit)
+    last_fit = {}
+    for row in fit.time_order():
+        last_fit[fit.user[row]] = fit.item[row]
+    assert [data.items.decode(data.latest[u, -1]) for u in test_users[:20]] == \
+        [log.item_ids[last_fit[u]] for u in test_users[:20]]
+    assert np.asarray(data.seen[test_users, test_items]).ravel().sum() == 0
+    assert data.seen.sum() == len(set(zip(fit.user, fit.item)))
+
+
+def test_seen_exclusion_over_fetches_k_distinct_unseen_items(tmp_path):
+    """A user who has seen most of a small catalogue still gets k distinct unseen items from
+    both exports (ScaNN over-fetches), and what remains when fewer than k are left."""
+    from tworec.retrieval.export import export
+    log = generate(PRESETS["tiny"], seed=3)
+    parts = split(log, "temporal")
+    model, data, _ = train(log, parts, preset("tiny", epochs=1))
+    heavy = int(np.argmax(np.asarray(data.seen.sum(1)).ravel()))
+    unseen = data.num_items - int(data.seen[heavy].sum())
+    for k in (10, unseen + 3):
+        for scann in (None, ScannParams(4, 1, 10)):
+            name = f"k{k}_{'scann' if scann else 'brute'}"
+            run, _ = load_like_tf_serving(export(model, data, str(tmp_path / name), k=k,
+                                                 scann=scann))
+            ids = run("serving_default", user_id=log.user_ids[[heavy]])["item_ids"][0].astype(str)
+            real = ids[ids != ""]
+            assert len(real) == min(k, unseen) == len(set(real)), name
+            code = {item: c for c, item in enumerate(log.item_ids)}
+            assert not data.seen[heavy, [code[item] for item in real]].nnz, name
+
+
+def _history_strings(data, users: np.ndarray) -> np.ndarray:
+    """[u, L] item id strings of the users' latest histories, '' for padding."""
+    return data.items.decode(data.latest[users]).astype(object)
 
 
 def test_scann_export_loads_and_answers(trained, tmp_path):

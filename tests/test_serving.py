@@ -216,6 +216,16 @@ def test_versions_are_integer_folders_written_atomically(tmp_path):
         write_version(base, lambda path: None, version=11)
 
 
+def test_versions_are_readable_by_a_server_running_as_another_user(tmp_path):
+    def write(path):
+        os.makedirs(os.path.join(path, "variables"))
+        open(os.path.join(path, "variables", "variables.index"), "w").close()
+    version = write_version(str(tmp_path / "m"), write)
+    assert os.stat(version).st_mode & 0o777 == 0o755
+    assert os.stat(os.path.join(version, "variables")).st_mode & 0o777 == 0o755
+    assert os.stat(os.path.join(version, "variables", "variables.index")).st_mode & 0o777 == 0o644
+
+
 def test_models_config_is_a_model_server_config(tmp_path):
     path = write_models_config(str(tmp_path / "models.config"),
                                {"a": str(tmp_path / "a"), "b": "rel/b"})

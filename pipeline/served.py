@@ -1,0 +1,102 @@
+"""The run proves its own numbers: it serves its exports, asks for every test user's list over
+REST and gRPC, scores the served lists against the held-out items, and compares them with the
+offline figures row by row.
+
+A row whose served rank differs from its offline rank must be a float tie: the target's
+offline score equal (to float32 precision) to the served score at its offline rank. Anything
+else fails the run.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import scipy.sparse as sp
+
+from tworec.evaluation import KS, rank_metrics
+from tworec.serving.client import Client
+
+REQUEST_USERS = 200          # users per request: well inside the server's row limit
+
+
+class ServedMismatch(AssertionError):
+    """The served answers disagree with the offline figures beyond float ties."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Offline:
+    """What the offline evaluation found for the checked rows of one model.
+
+    Attributes:
+        ranks: [m] rank of every row's target (a miss at or past `list_length`).
+        target_scores: [m] the model's score of the row's target.
+    """
+
+    ranks: np.ndarray
+    target_scores: np.ndarray
+
+
+def strings(values) -> np.ndarray:
+    """[...] bytes or str -> [...] str."""
+    values = np.asarray(values)
+    return np.vectorize(lambda v: v.decode() if isinstance(v, bytes) else str(v))(values) \
+        if values.size else values.astype(str)
+
+
+def ask(client: Client, model: str, user_ids: np.ndarray) -> dict[str, np.ndarray]:
+    """{"item_ids": [u, n] str, "scores": [u, n]} of a served model for every user, in
+    requests of `REQUEST_USERS`."""
+    answers = [client.predict(model, {"user_id": user_ids[start:start + REQUEST_USERS]})
+               for start in range(0, len(user_ids), REQUEST_USERS)]
+    return {"item_ids": strings(np.concatenate([a["item_ids"] for a in answers])),
+            "scores": np.concatenate([a["scores"] for a in answers]).astype(np.float32)}
+
+
+def served_ranks(item_ids: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """[m] position of each target id in its row of served ids [m, n]; n when absent."""
+    found = item_ids == targets[:, None]
+    return np.where(found.any(1), found.argmax(1), item_ids.shape[1])
+
+
+def compare(name: str, served: dict[str, np.ndarray], offline: Offline,
+            targets: np.ndarray) -> dict:
+    """Served against offline metrics of one model on the same rows.
+
+    Args:
+        served: the served lists of each row's user ({"item_ids": [m, n], "scores": [m, n]}).
+        offline: the offline ranks and target scores of the rows.
+        targets: [m] the held-out item ids.
+
+    Returns:
+        {"recall@K": ..., "ndcg@K": ... for K up to n, "rows": m, "float_ties": rows whose
+        ranks differ by a float tie}.
+
+    Raises:
+        ServedMismatch: a row differs for another reason.
+    """
+    length = served["item_ids"].shape[1]
+    ranks = served_ranks(served["item_ids"], targets)
+    capped = np.minimum(offline.ranks, length)
+    differ = np.flatnonzero(ranks != capped)
+    at = np.minimum(capped[differ], length - 1)
+    tie = np.isclose(offline.target_scores[differ], served["scores"][differ, at],
+                     rtol=1e-5, atol=1e-6)
+    if not tie.all():
+        rows = differ[~tie]
+        raise ServedMismatch(
+            f"{name}: {len(rows)} of {len(targets)} served lists rank the held-out item "
+            f"otherwise than the offline evaluation (first row {rows[0]}: served rank "
+            f"{ranks[rows[0]]}, offline {offline.ranks[rows[0]]})")
+    ks = [k for k in KS if k <= length]
+    return {**rank_metrics(ranks, ks), "rows": int(len(targets)), "float_ties": int(len(differ))}
+
+
+def seen_served(item_ids: np.ndarray, catalogue: np.ndarray, seen: sp.csr_matrix) -> int:
+    """How many served items [u, n] (ids; "" for an empty slot) are among the users' seen
+    items ([u, num_items] CSR over the catalogue ids [num_items])."""
+    order = np.argsort(catalogue)
+    position = np.searchsorted(catalogue, item_ids, sorter=order)
+    codes = order[np.minimum(position, len(catalogue) - 1)]
+    real = catalogue[codes] == item_ids
+    rows = np.repeat(np.arange(len(item_ids)), item_ids.shape[1]).reshape(item_ids.shape)
+    return int((np.asarray(seen[rows[real], codes[real]]).ravel() > 0).sum())
