@@ -1,9 +1,10 @@
 """How checked predict requests reach a model's session: one run each, or merged into batches.
 
-Both schedulers take a request and hand back a `concurrent.futures.Future` at once, so the
-request handlers (REST's and gRPC's event loops) never hold a thread while a model runs, status
-and metadata never queue behind predictions, and a request is dropped before it starts when its
-client has gone (its future was cancelled) or its deadline has passed.
+Both schedulers `submit` a request and hand back a `concurrent.futures.Future` at once, so
+REST's event loop never holds a thread while a model runs and status and metadata never queue
+behind predictions; gRPC's thread-per-call handlers call `run`. A request is dropped before it
+starts when its client has gone (its future cancelled, or `cancelled()` true) or its deadline
+has passed.
 
 `Batcher` follows TF Serving's batching (`--enable_batching`, BasicBatchScheduler): requests of
 one model version, signature and output filter queue together; a batch closes when it holds
@@ -22,7 +23,9 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Callable
 
 import numpy as np
 
@@ -47,14 +50,36 @@ def _run(model: LoadedModel, inputs: dict[str, np.ndarray], signature_name: str,
         raise from_tf_error(error) from error
 
 
+def _never() -> bool:
+    return False
+
+
+def wait_for(future: Future, deadline: float | None) -> dict[str, np.ndarray]:
+    """The outputs of a scheduled run, waiting at most until the deadline (then the run is
+    cancelled if it has not started, and DEADLINE_EXCEEDED raised)."""
+    try:
+        return future.result(timeout=remaining(deadline))
+    except FutureTimeout as error:
+        future.cancel()
+        raise ServingError("DEADLINE_EXCEEDED", "Deadline exceeded before the model answered"
+                           ) from error
+    except CancelledError as error:
+        raise ServingError("CANCELLED", "the request was cancelled") from error
+
+
 class Direct:
-    """One session run per request (batching off), on `num_threads` threads.
+    """One session run per request (batching off), at most `num_threads` at a time.
+
+    `submit` runs the request on a thread of its own pool (for event loops); `run` runs it in
+    the calling thread once a slot is free (for servers with a thread per call, which saves a
+    thread switch per request).
 
     Args:
         num_threads: model runs at a time.
     """
 
     def __init__(self, num_threads: int = 8):
+        self._slots = threading.BoundedSemaphore(num_threads)
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="predict")
 
     def submit(self, model: LoadedModel, inputs: dict[str, np.ndarray], signature_name: str = "",
@@ -62,11 +87,32 @@ class Direct:
                deadline: float | None = None) -> Future:
         """Checks the request (raising `ServingError`) and queues its run."""
         inputs = model.check_inputs(inputs, signature_name)
-        return self._pool.submit(_run, model, inputs, signature_name, tuple(output_filter),
+        return self._pool.submit(self._run, model, inputs, signature_name, tuple(output_filter),
                                  deadline)
+
+    def run(self, model: LoadedModel, inputs: dict[str, np.ndarray], signature_name: str = "",
+            output_filter: tuple[str, ...] | list[str] = (), deadline: float | None = None,
+            cancelled: Callable[[], bool] = _never) -> dict[str, np.ndarray]:
+        """Checks the request and runs it in this thread; dropped if `cancelled()` by then."""
+        inputs = model.check_inputs(inputs, signature_name)
+        return self._run(model, inputs, signature_name, tuple(output_filter), deadline,
+                         cancelled)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _run(self, model, inputs, signature_name, output_filter, deadline,
+             cancelled: Callable[[], bool] = _never) -> dict[str, np.ndarray]:
+        left = remaining(deadline)
+        if not self._slots.acquire(timeout=None if left is None else max(left, 0)):
+            raise ServingError("DEADLINE_EXCEEDED", "the request's deadline passed while it "
+                               "was queued")
+        try:
+            if cancelled():
+                raise ServingError("CANCELLED", "the client has gone")
+            return _run(model, inputs, signature_name, output_filter, deadline)
+        finally:
+            self._slots.release()
 
 
 @dataclasses.dataclass
@@ -74,6 +120,7 @@ class _Task:
     inputs: dict[str, np.ndarray]
     rows: int
     deadline: float | None
+    cancelled: Callable[[], bool] = _never
     arrived: float = dataclasses.field(default_factory=time.monotonic)
     future: Future = dataclasses.field(default_factory=Future)
 
@@ -119,9 +166,17 @@ class Batcher:
         for thread in self._threads:
             thread.start()
 
+    def run(self, model: LoadedModel, inputs: dict[str, np.ndarray], signature_name: str = "",
+            output_filter: tuple[str, ...] | list[str] = (), deadline: float | None = None,
+            cancelled: Callable[[], bool] = _never) -> dict[str, np.ndarray]:
+        """`submit`, then waits for the answer until the deadline; a request `cancelled()` by
+        the time its batch starts is dropped."""
+        return wait_for(self.submit(model, inputs, signature_name, output_filter, deadline,
+                                    cancelled), deadline)
+
     def submit(self, model: LoadedModel, inputs: dict[str, np.ndarray], signature_name: str = "",
-               output_filter: tuple[str, ...] | list[str] = (),
-               deadline: float | None = None) -> Future:
+               output_filter: tuple[str, ...] | list[str] = (), deadline: float | None = None,
+               cancelled: Callable[[], bool] = _never) -> Future:
         """Checks the request alone (raising `ServingError`) and queues it for a batch."""
         inputs = model.check_inputs(inputs, signature_name)
         rows = batch_size(inputs)
@@ -134,9 +189,10 @@ class Batcher:
             if not self.split:
                 raise ServingError("INVALID_ARGUMENT", f"Task size {rows} is larger than "
                                    f"maximum input batch size {self.max_batch_size}")
-            return _gather([self.submit(model, part, signature_name, output_filter, deadline)
+            return _gather([self.submit(model, part, signature_name, output_filter, deadline,
+                                        cancelled)
                             for part in _split(inputs, rows, self.max_batch_size)])
-        task = _Task(inputs, rows, deadline)
+        task = _Task(inputs, rows, deadline, cancelled)
         with self._cond:
             queue = self._queues.get(key) or _Queue(model, signature_name, tuple(output_filter))
             if queue.rows + rows > self.max_enqueued_batches * self.max_batch_size:
@@ -229,6 +285,8 @@ def _start(tasks: list[_Task]) -> list[_Task]:
     """The tasks still wanted: cancelled ones are dropped, expired ones answered."""
     started = []
     for task in tasks:
+        if task.cancelled():
+            task.future.cancel()
         if not task.future.set_running_or_notify_cancel():
             continue
         left = remaining(task.deadline)

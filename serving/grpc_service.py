@@ -1,8 +1,8 @@
 """TF Serving's gRPC `PredictionService` and `ModelService` on the `tensorflow-serving-api` protos.
 
 Status codes are TF's codes unchanged; messages are cut to 1024 characters plus "...TRUNCATED".
-A Predict hands its checked request to the scheduler and waits for it until the call's deadline;
-a call that ends first (deadline or client cancel) cancels its run if it has not started.
+A Predict hands its request to the scheduler and waits for it until the call's deadline; a call
+that ends first (deadline or client cancel) has its run dropped if it has not started.
 Status and metadata never wait for a model run. `HandleReloadConfigRequest` only loads base
 paths under the manager's allowed roots (PERMISSION_DENIED otherwise).
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from concurrent.futures import CancelledError, TimeoutError as FutureTimeout
 
 import grpc
 import tensorflow as tf
@@ -79,9 +78,8 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
         with self.manager.lease(*version_of(request.model_spec)) as (number, model):
             inputs = {name: to_array(name, proto, self.max_rows)
                       for name, proto in request.inputs.items()}
-            future = self.scheduler.submit(model, inputs, signature,
-                                           list(request.output_filter), deadline)
-            outputs = _wait(future, context, left)
+            outputs = self.scheduler.run(model, inputs, signature, list(request.output_filter),
+                                         deadline, lambda: not context.is_active())
         response = predict_pb2.PredictResponse()
         response.model_spec.name = request.model_spec.name
         response.model_spec.version.value = number
@@ -130,20 +128,6 @@ class ModelService(model_service_pb2_grpc.ModelServiceServicer):
         self.manager.check_allowed(configs)
         self.manager.reload(configs)
         return model_management_pb2.ReloadConfigResponse()
-
-
-def _wait(future, context, left: float | None) -> dict:
-    """The scheduled run's outputs; the run is cancelled (dropped if not started) when the
-    call ends first or its deadline passes."""
-    context.add_callback(future.cancel)
-    try:
-        return future.result(timeout=left)
-    except FutureTimeout as error:
-        future.cancel()
-        raise ServingError("DEADLINE_EXCEEDED", "Deadline exceeded before the model answered"
-                           ) from error
-    except CancelledError as error:
-        raise ServingError("CANCELLED", "the call was cancelled") from error
 
 
 def add_services(server: grpc.Server, manager: ModelManager, scheduler,

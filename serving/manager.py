@@ -138,6 +138,7 @@ class ModelManager:
         self._models = {c.name: _Model(c) for c in configs}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._closing: list[threading.Thread] = []
 
     def start(self, wait: bool = True) -> None:
         """Starts loading what the configs want, then polls in a background thread.
@@ -179,6 +180,9 @@ class ModelManager:
         with self._lock:
             for name in list(self._models):
                 self._remove(name)
+            closing, self._closing = self._closing, []
+        for thread in closing:
+            thread.join()
 
     def check_allowed(self, configs: list[ModelConfig]) -> None:
         """Refuses (PERMISSION_DENIED) a config whose base path is neither served now nor
@@ -374,12 +378,13 @@ class ModelManager:
                 if entry.leases == 0:
                     self._close(entry)
 
-    @staticmethod
-    def _close(entry: _Version) -> None:
+    def _close(self, entry: _Version) -> None:
         """Marks a version ended (lock held); its session closes on a thread of its own, so
-        that a request's thread or the event loop never waits for it."""
+        that a request's thread or the event loop never waits for it (`stop` joins them)."""
         model, entry.model, entry.state = entry.model, None, "END"
-        threading.Thread(target=model.close, name="model-close", daemon=True).start()
+        closing = threading.Thread(target=model.close, name="model-close")
+        closing.start()
+        self._closing = [thread for thread in self._closing if thread.is_alive()] + [closing]
 
     def _serving_version(self, name: str, version: int | None,
                          label: str | None) -> tuple[int, _Version]:
