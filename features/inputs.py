@@ -14,10 +14,10 @@ import scipy.sparse as sp
 
 from tworec.features.history import build_history, latest_history
 from tworec.features.interactions import DataError, Interactions, interaction_matrix
-from tworec.features.splits import Split
+from tworec.features.splits import Split, global_quantile
 from tworec.features.vocab import PAD, Vocabulary
 
-PROTOCOLS = ("temporal", "random")        # the splits a run evaluates with
+PROTOCOLS = ("temporal", "random", "global[:Q]", "none")   # the splits a run can use
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +32,9 @@ class DataConfig:
 
     def validate(self) -> None:
         """Raises DataError naming the first setting that cannot work."""
-        if self.split not in PROTOCOLS:
+        if self.split.startswith("global"):
+            global_quantile(self.split)
+        elif self.split not in PROTOCOLS:
             raise DataError(f"split {self.split!r}: choose one of {list(PROTOCOLS)}")
         if self.history_length < 0:
             raise DataError(f"history_length must be >= 0, got {self.history_length}")

@@ -4,6 +4,11 @@
   test, the second-last validation, the rest train. Users with fewer than 3 interactions stay
   wholly in train and are counted.
 - `random`: the TFRS tutorials' protocol, an 80/20 shuffle with a seed (42); no validation.
+- `global[:Q]` (Q = 0.9 by default): every row after the Q-quantile of timestamps is test; of
+  the rows before it, those after the Q-quantile of their own timestamps are validation, the
+  rest train. Nothing after a cut can reach what is fit before it: the protocol closest to
+  deployment.
+- `none`: every row is train; nothing is held out (the deployment run).
 - `cutoff`: everything before a global timestamp is train, the rest test.
 """
 from __future__ import annotations
@@ -14,7 +19,8 @@ import numpy as np
 
 from tworec.features.interactions import DataError, Interactions
 
-SPLITS = ("temporal", "random", "cutoff")
+SPLITS = ("temporal", "random", "global", "none", "cutoff")
+GLOBAL_QUANTILE = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,16 +45,47 @@ class Split:
 
 def split(interactions: Interactions, kind: str = "temporal", *, seed: int = 42,
           train_fraction: float = 0.8, cutoff: int | None = None) -> Split:
-    """Splits a log; see the module docstring for the protocols."""
+    """Splits a log; see the module docstring for the protocols (`global:0.8` sets Q)."""
     if kind == "temporal":
         return temporal_split(interactions)
     if kind == "random":
         return random_split(interactions, seed=seed, train_fraction=train_fraction)
+    if kind == "global" or kind.startswith("global:"):
+        return global_split(interactions, global_quantile(kind))
+    if kind == "none":
+        empty = np.zeros(0, dtype=np.int64)
+        return Split("none", np.arange(len(interactions), dtype=np.int64), empty, empty)
     if kind == "cutoff":
         if cutoff is None:
             raise DataError("split 'cutoff' needs a cutoff timestamp")
         return cutoff_split(interactions, cutoff)
     raise DataError(f"unknown split {kind!r}; known: {list(SPLITS)}")
+
+
+def global_quantile(kind: str) -> float:
+    """Q of `global[:Q]`; raises DataError unless 0 < Q < 1."""
+    text = kind.partition(":")[2]
+    try:
+        quantile = float(text) if text else GLOBAL_QUANTILE
+    except ValueError:
+        quantile = -1.0
+    if not 0 < quantile < 1:
+        raise DataError(f"split {kind!r}: write global or global:Q with 0 < Q < 1, e.g. global:0.9")
+    return quantile
+
+
+def global_split(interactions: Interactions, quantile: float = GLOBAL_QUANTILE) -> Split:
+    """Rows after the `quantile` of timestamps are test; of the rest, rows after the same
+    quantile of their timestamps are validation (ties stay before a cut)."""
+    time = interactions.timestamp
+    cut = np.quantile(time, quantile, method="lower")
+    before = time <= cut
+    if before.all():
+        raise DataError(f"split global:{quantile}: no row is later than the cut "
+                        f"(timestamps span {time.min()}..{time.max()})")
+    validation_cut = np.quantile(time[before], quantile, method="lower")
+    return Split(f"global:{quantile:g}", np.flatnonzero(before & (time <= validation_cut)),
+                 np.flatnonzero(before & (time > validation_cut)), np.flatnonzero(~before))
 
 
 def positions_from_end(interactions: Interactions) -> tuple[np.ndarray, np.ndarray]:

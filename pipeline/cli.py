@@ -23,8 +23,10 @@ def add_run_arguments(parser: argparse.ArgumentParser, out_required: bool = True
                         help="for generic files: ROLE=COLUMN,... with roles user, item, time, "
                              "rating, user.NAME, item.NAME")
     parser.add_argument("--out", required=out_required, help="the run folder")
-    parser.add_argument("--split", default="temporal", choices=PROTOCOLS,
-                        help="evaluation protocol (default: temporal)")
+    parser.add_argument("--split", default="temporal",
+                        help=f"evaluation protocol: {', '.join(PROTOCOLS)} (default: temporal; "
+                             "global holds out every row after the 0.9 quantile of time, none "
+                             "trains on every row and evaluates nothing)")
     parser.add_argument("--preset", default="default", choices=PRESETS)
     parser.add_argument("--epochs", type=int, help="epochs of every stage the command trains")
 
@@ -64,5 +66,5 @@ def run(args, steps: tuple[str, ...], continue_run: bool = False, verbose: int =
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(json.dumps({name: report[name].get("test", report[name]) for name in SUMMARY_SECTIONS
-                      if name in report}, default=float))
+                      if report.get(name)}, default=float))
     return 0

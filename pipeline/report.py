@@ -66,7 +66,8 @@ def plot(out: str, report: dict) -> list[str]:
         save(figure, "training.png")
 
     curves = {name: report[section]["test"] for name, section in
-              (("retrieval", "retrieval"), ("two-stage", "two_stage")) if section in report}
+              (("retrieval", "retrieval"), ("two-stage", "two_stage"))
+              if (report.get(section) or {}).get("test")}
     curves.update({name: metrics for name, metrics in report.get("baselines", {}).items() if metrics})
     if curves:
         figure, axis = plt.subplots(figsize=(6, 4))
@@ -96,6 +97,11 @@ PROTOCOLS = {
                 "validation; other users' later rows stay in training",
     "random": "an 80/20 shuffle of the rows (seed 42), as in the TFRS tutorials; several "
               "held-out rows per user, each scored from the user's training rows",
+    "global": "every row after a quantile of time is held out (test), and the same quantile "
+              "of the earlier rows is validation; each user is scored from their state frozen "
+              "at the cut, users first seen after it get the popular items, and nothing after "
+              "the cut reaches any fitted statistic",
+    "none": "every row trains; nothing is held out, so nothing is evaluated (the deployment run)",
 }
 
 
@@ -111,7 +117,8 @@ def markdown(report: dict, out: str, plots: list[str]) -> str:
              f"{data['users']} users, {data['items']} items, {data['interactions']} interactions; "
              f"split `{data['split']}` with {data['test_users']} test users; dropped rows: "
              f"{data['dropped'] or 'none'}.", "",
-             f"Protocol: {PROTOCOLS.get(data['split'], data['split'])}. The exports know the "
+             f"Protocol `{data['split']}`: {PROTOCOLS[data['split'].partition(':')[0]]}. "
+             f"The exports know the "
              f"{state.get('rows', '?')} training and validation rows of {state.get('users', '?')} "
              f"users, never the test rows.", "",
              "## Test Recall@10 and NDCG@10", "",
@@ -120,10 +127,10 @@ def markdown(report: dict, out: str, plots: list[str]) -> str:
              "| model | Recall@10 | NDCG@10 |", "| --- | --- | --- |"]
     for name, section in (("retrieval (two-tower)", "retrieval"),
                           ("two-stage (retrieval + ranking)", "two_stage")):
-        if section in report:
+        if (report.get(section) or {}).get("test"):
             lines.append(row(name, report[section]["test"]))
     lines += [row(name, metrics) for name, metrics in report.get("baselines", {}).items() if metrics]
-    if "ranking" in report:
+    if (report.get("ranking") or {}).get("test"):
         ranking = report["ranking"]["test"]
         lines += ["", "## Ranking on its own", "",
                   f"RMSE of the rating head: {ranking['rmse']}; AUC of positives over retrieval's "
@@ -146,8 +153,9 @@ def markdown(report: dict, out: str, plots: list[str]) -> str:
                   "Recall@10 and NDCG@10 of the served lists:", "",
                   "| served model | Recall@10 | NDCG@10 | seen items served |",
                   "| --- | --- | --- | --- |"]
-        lines += [f"| {name} | {figures['recall@10']:.4f} | {figures['ndcg@10']:.4f} | "
-                  f"{figures['seen_items_served']} |" for name, figures in serving["served"].items()]
+        lines += [f"| {name} | {figures.get('recall@10', float('nan')):.4f} | "
+                  f"{figures.get('ndcg@10', float('nan')):.4f} | {figures['seen_items_served']} |"
+                  for name, figures in serving["served"].items()]
         lines += ["", f"The ranking export's scores differ from the Keras ranker's by at most "
                   f"{serving['ranking_export_max_abs_diff']:.1e}."]
     if "exports" in report:

@@ -79,6 +79,7 @@ class Run:
         self.retrieval_model, self.retrieval_trained = None, False
         self.signals = self.ranking_model = None
         self.test_candidates = self.tuning = None
+        self.evaluating = len(self.parts.test) > 0      # split `none` holds nothing out
 
     # ------------------------------------------------------------------ helpers
 
@@ -106,8 +107,10 @@ class Run:
             np.sort(np.random.default_rng(0).choice(users, most, replace=False))
 
     def warmup_user_ids(self) -> np.ndarray:
-        """[w] string ids of the test users whose requests warm the exports up."""
-        return self.log.user_ids[self.test_users()[:self.configs.run.warmup_users]]
+        """[w] string ids of the users whose requests warm the exports up: test users, or
+        without a test part the first users the exports know."""
+        users = self.test_users() if self.evaluating else np.flatnonzero(self.inputs.known)
+        return self.log.user_ids[users[:self.configs.run.warmup_users]]
 
     def test_set(self):
         return eval_set(self.log, self.parts, "test", exclude_seen=self.inputs.exclude_seen)
@@ -124,7 +127,8 @@ class Run:
         store.save_retrieval(self.out, model)
         self.retrieval_model, self.retrieval_trained = model, True
         self.report["retrieval"] = {
-            "test": retrieval.evaluate_model(model, self.inputs, "test", evalset=self.test_set()),
+            "test": retrieval.evaluate_model(model, self.inputs, "test", evalset=self.test_set())
+            if self.evaluating else None,
             "train": {k: summary[k] for k in ("seconds", "epochs", "examples_per_second")},
             "loss": summary["loss"]}
 
@@ -133,7 +137,8 @@ class Run:
         self.retrieval_model = store.load_retrieval(self.out, self.inputs, self.configs.retrieval)
 
     def baselines(self) -> None:
-        self.report["baselines"] = baselines(self.log, self.parts, self.test_set())
+        if self.evaluating:
+            self.report["baselines"] = baselines(self.log, self.parts, self.test_set())
 
     def tune_index(self) -> None:
         """Tunes ScaNN on validation queries (training queries when the split has no
@@ -149,7 +154,7 @@ class Run:
                                 **{key: self.tuning[key] for key in (
                                     "params", recall_key, "latency_ms_p50",
                                     "exact_latency_ms_p50", "table")}}
-        if self.tuning["params"]:
+        if self.tuning["params"] and self.evaluating:
             test = retrieval.query_embeddings(model, self.inputs.examples["test"])
             index = build_index(candidates, run.tuning_k, ScannParams(**self.tuning["params"]))
             _, found = index(tf.constant(test))
@@ -160,8 +165,9 @@ class Run:
         run, model = self.configs.run, self.retrieval_model
         hard = {part: retrieval.top_candidates(model, self.inputs, part, run.hard_negative_pool)
                 for part in ("train", "validation")}
-        self.test_candidates = retrieval.top_candidates(model, self.inputs, "test", run.candidates,
-                                                        evalset=self.test_set())
+        if self.evaluating:
+            self.test_candidates = retrieval.top_candidates(model, self.inputs, "test",
+                                                            run.candidates, evalset=self.test_set())
         self.signals = ranking_features.signals(
             self.inputs, self.configs.ranking.use_transitions,
             retrieval.embeddings_for_ranking(model, self.inputs))
@@ -170,10 +176,12 @@ class Run:
                                                   verbose=self.verbose)
         self.report["ranking"] = {
             "test": ranking.evaluate(self.ranking_model, self.inputs, self.signals, "test",
-                                     hard=self.test_candidates),
+                                     hard=self.test_candidates) if self.evaluating else None,
             "train": {k: summary[k] for k in ("seconds", "examples_per_second")}}
-        self.report["two_stage"] = {"test": ranking.two_stage_metrics(
-            self.ranking_model, self.inputs, self.signals, "test", self.test_candidates, ks=KS)}
+        if self.evaluating:
+            self.report["two_stage"] = {"test": ranking.two_stage_metrics(
+                self.ranking_model, self.inputs, self.signals, "test", self.test_candidates,
+                ks=KS)}
 
     def export(self) -> None:
         """Exports the models this run trained (the retrieval export a continued run already
@@ -218,8 +226,10 @@ class Run:
         REST and gRPC, and records the metrics of the served lists beside the offline ones
         (`pipeline.served`); fails when they differ beyond float ties, when REST and gRPC
         disagree, when a served list holds a seen item, or when the ranking export scores
-        retrieval's candidates otherwise than the Keras ranker."""
-        users = self.checked_users()
+        retrieval's candidates otherwise than the Keras ranker. Without a test part (split
+        `none`) it asks for the users the exports know, with the same checks but metrics."""
+        users = self.checked_users() if self.evaluating else \
+            np.flatnonzero(self.inputs.known)[:self.configs.run.checked_users]
         ids = self.log.user_ids[users]
         test = self.parts.test
         rows = np.flatnonzero(np.isin(self.log.user[test], users))         # positions in test
@@ -247,7 +257,7 @@ class Run:
             raise served.ServedMismatch("recommender: serving.Recommender over gRPC and the "
                                         "composed SavedModel served different lists")
         offline = {"retrieval": self.offline_retrieval(rows),
-                   "recommender": self.offline_two_stage(rows)}
+                   "recommender": self.offline_two_stage(rows)} if self.evaluating else {}
         for name, by_transport in answers.items():
             rest_lists, grpc_lists = by_transport["rest"], by_transport["grpc"]
             if not np.array_equal(rest_lists["item_ids"], grpc_lists["item_ids"]):
@@ -256,9 +266,10 @@ class Run:
                                       self.inputs.seen[users])
             if seen and self.inputs.exclude_seen:
                 raise served.ServedMismatch(f"{name}: {seen} served items were already seen")
-            per_row = {key: values[answer_of_row] for key, values in rest_lists.items()}
-            result["served"][name] = {**served.compare(name, per_row, offline[name], targets),
-                                      "seen_items_served": seen}
+            result["served"][name] = {"seen_items_served": seen}
+            if self.evaluating:
+                per_row = {key: values[answer_of_row] for key, values in rest_lists.items()}
+                result["served"][name].update(served.compare(name, per_row, offline[name], targets))
         if ranking_gap > 1e-4:
             raise served.ServedMismatch(f"ranking: the export's scores differ from the Keras "
                                         f"ranker's by up to {ranking_gap:.2e}")

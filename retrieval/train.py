@@ -55,15 +55,24 @@ def embeddings_for_ranking(model: TwoTower, data: ModelInputs) -> dict:
             "items": candidate_embeddings(model, data.num_items)}
 
 
+def popular_order(data: ModelInputs) -> np.ndarray:
+    """[num_items] float32 scores that order the catalogue as the exports serve users they do
+    not know: by training popularity, ties to the lower code (the served order, not a tie)."""
+    scores = np.empty(data.num_items, np.float32)
+    scores[np.argsort(-data.item_probability, kind="stable")] = -np.arange(data.num_items)
+    return scores
+
+
 def catalogue_scorer(model: TwoTower, data: ModelInputs, part: str, evalset: EvalSet):
     """positions [b] into `evalset` -> scores [b, num_items], as the export scores them: the
-    towers' dot products for users it knows, the training popularity for the others."""
+    towers' dot products for users it knows, the popular order for the others."""
     candidates = candidate_embeddings(model, data.num_items)
     queries = query_embeddings(model, data.examples[part])
+    popular = popular_order(data)
 
     def score(positions: np.ndarray) -> np.ndarray:
         scores = queries[positions] @ candidates.T                                # [b, d] x [d, I]
-        scores[~evalset.known[positions]] = data.item_probability
+        scores[~evalset.known[positions]] = popular
         return scores
     return score
 

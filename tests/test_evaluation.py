@@ -130,3 +130,43 @@ def test_random_protocol_baselines_use_the_training_rows_as_history():
     results = baselines(log, parts, test, ks=(10,))
     for name, metrics in results.items():
         assert 0 < metrics["recall@10"] < 0.9, (name, metrics)
+
+
+def test_the_global_protocol_keeps_post_cut_rows_out_of_every_fitted_statistic():
+    """Rewrite every held-out row: nothing fitted changes (vocabularies, popularity and logQ,
+    histories, the exports' state, transition counts, baselines on validation)."""
+    import dataclasses
+    from tworec.features.inputs import prepare
+    from tworec.features.synthetic import PRESETS, generate
+    from tworec.ranking.features import transition_matrix
+    log = generate(PRESETS["tiny"], seed=0)
+    parts = split(log, "global:0.8")
+    assert log.timestamp[parts.test].min() > log.timestamp[parts.fit].max()
+    assert log.timestamp[parts.validation].min() > log.timestamp[parts.train].max()
+    item = log.item.copy()
+    item[parts.test] = (item[parts.test] + 7) % log.num_items
+    changed = dataclasses.replace(log, item=item)
+    before, after = prepare(log, parts, 5), prepare(changed, parts, 5)
+    assert np.array_equal(before.items.ids, after.items.ids)
+    assert np.array_equal(before.users.ids, after.users.ids)
+    assert np.array_equal(before.item_probability, after.item_probability)
+    assert np.array_equal(before.latest, after.latest) and (before.seen != after.seen).nnz == 0
+    for part in ("train", "validation", "test"):
+        assert np.array_equal(before.examples[part]["history"], after.examples[part]["history"])
+    assert (transition_matrix(before) != transition_matrix(after)).nnz == 0
+    validation = eval_set(log, parts, "validation")
+    assert baselines(log, parts, validation) == baselines(changed, parts, validation)
+    test, test_changed = eval_set(log, parts, "test"), eval_set(changed, parts, "test")
+    assert (test.history != test_changed.history).nnz == 0
+    assert np.array_equal(test.last_item, test_changed.last_item)
+    assert not np.array_equal(test.targets, test_changed.targets)
+
+
+def test_split_none_trains_on_every_row():
+    from tworec.features.synthetic import PRESETS, generate
+    log = generate(PRESETS["tiny"], seed=0)
+    parts = split(log, "none")
+    assert len(parts.train) == len(log) and not len(parts.validation) and not len(parts.test)
+    for bad in ("global:1.5", "global:x", "weekly"):
+        with pytest.raises(Exception, match="split"):
+            split(log, bad)
