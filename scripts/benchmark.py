@@ -146,31 +146,34 @@ def bench_serving(num_items: int = 1_000_000, seconds: float = 3.0) -> dict:
     (`serving.loadtest`)."""
     import tempfile
     from tworec.features import split
+    from tworec.features.inputs import prepare
     from tworec.features.synthetic import SyntheticConfig
     from tworec.ranking.config import preset as ranking_preset
     from tworec.ranking.export import export as export_ranking
+    from tworec.ranking.features import signals
     from tworec.ranking.train import fit as fit_ranking
     from tworec.retrieval.config import preset as retrieval_preset
     from tworec.retrieval.export import export as export_retrieval
     from tworec.retrieval.index import ScannParams
-    from tworec.retrieval.train import fit as fit_retrieval
+    from tworec.retrieval.train import embeddings_for_ranking, fit as fit_retrieval
     from tworec.serving.compose import compose_recommender
     from tworec.serving.layout import write_version
     from tworec.serving.loadtest import serving_figures
 
     log = generate(SyntheticConfig(num_users=2_000, num_items=num_items, num_interactions=60_000), seed=0)
-    parts = split(log, "temporal")
-    first = retrieval_preset("tiny", epochs=1, k=100)
-    retrieval_model, inputs, _ = fit_retrieval(log, parts, first, verbose=0)
-    ranking_model, _ = fit_ranking(inputs, ranking_preset("tiny", epochs=1,
-                                                          history_length=first.history_length), verbose=0)
+    inputs = prepare(log, split(log, "temporal"), history_length=5)
+    retrieval_model, _ = fit_retrieval(inputs, retrieval_preset("tiny", epochs=1), verbose=0)
+    ranking_signals = signals(inputs, use_transitions=True,
+                              retrieval=embeddings_for_ranking(retrieval_model, inputs))
+    ranking_model, _ = fit_ranking(inputs, ranking_preset("tiny", epochs=1), ranking_signals,
+                                   verbose=0)
     root = tempfile.mkdtemp(prefix="bench-serving-")
-    paths = {"retrieval": export_retrieval(retrieval_model, inputs, f"{root}/retrieval"),
+    paths = {"retrieval": export_retrieval(retrieval_model, inputs, f"{root}/retrieval", k=100),
              "retrieval_scann": export_retrieval(
-                 retrieval_model, inputs, f"{root}/retrieval_scann",
+                 retrieval_model, inputs, f"{root}/retrieval_scann", k=100,
                  scann=ScannParams(num_leaves=2000, num_leaves_to_search=200,
                                    num_reordering_candidates=1000)),
-             "ranking": export_ranking(ranking_model, inputs, f"{root}/ranking")}
+             "ranking": export_ranking(ranking_model, inputs, ranking_signals, f"{root}/ranking")}
     paths["recommender"] = write_version(f"{root}/recommender", lambda path: compose_recommender(
         paths["retrieval"], paths["ranking"], path, 10))
     users = {"user_id": inputs.interactions.user_ids[:1]}

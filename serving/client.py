@@ -149,6 +149,8 @@ class RestTransport:
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.session = requests.Session()
+        # One kept-alive connection per concurrent caller (requests keeps 10 by default).
+        self.session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=64))
         self._signatures: dict[tuple, object] = {}
 
     def predict(self, model: str, inputs: dict[str, np.ndarray], signature_name: str,
