@@ -6,8 +6,8 @@ serving. A request holds a lease on its version; a retired version is closed whe
 lease ends, so a swap never fails a request in flight. A version that fails to load is retried
 `max_load_retries` times (TF Serving's `--max_num_load_retries`; it stays LOADING meanwhile),
 then reported in the status (state END with the error) and left alone; the previous one keeps
-serving. Each model has one worker thread of its own that lists, loads, retries and retires its
-versions, so a slow or failing version never delays another model, the ports or a reload.
+serving. Each model has one worker thread of its own that lists, loads and retries its versions,
+so a slow or failing version never delays another model, the ports or a reload.
 Status messages name the model and version, never a server path.
 """
 from __future__ import annotations
@@ -96,8 +96,9 @@ class _Version:
 
 @dataclasses.dataclass
 class _Model:
-    """A configured model: its versions, and the one worker thread that loads, retries and
-    closes them, so that a slow or failing version never holds up another model."""
+    """A configured model: its versions, and the one worker thread that lists, loads and
+    retries them, so that a slow or failing version never holds up another model (sessions
+    close on threads of their own, see `ModelManager._close`)."""
     config: ModelConfig
     versions: dict[int, _Version] = dataclasses.field(default_factory=dict)
     worker: ThreadPoolExecutor = dataclasses.field(
