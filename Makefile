@@ -23,7 +23,7 @@ bench: $(STAMP)
 	$(PY) scripts/benchmark.py
 
 serve: $(STAMP)
-	$(PY) scripts/serve.py --port=8500 --rest_api_port=8501 --model_config_file=$(RUN)/export/models.config
+	$(PY) scripts/serve.py --port=8500 --rest_api_port=8501 --model_config_file=$(RUN)/export/models_scann.config
 
 clean:
 	rm -rf $(VENV) build *.egg-info
