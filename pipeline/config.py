@@ -7,10 +7,13 @@ import dataclasses
 import json
 
 from tworec.features.inputs import DATA_PRESETS, DataConfig
-from tworec.ranking.config import PRESETS as RANKING_PRESETS, RankingConfig
-from tworec.retrieval.config import PRESETS as RETRIEVAL_PRESETS, RetrievalConfig
+from tworec.ranking.config import MODELS, PRESETS as RANKING_PRESETS, TASKS, RankingConfig
+from tworec.retrieval.config import (ENCODERS, PRESETS as RETRIEVAL_PRESETS, STRATEGIES,
+                                     RetrievalConfig)
 
 PRESETS = sorted(DATA_PRESETS)
+__all__ = ["Configs", "RunConfig", "resolve", "read", "write", "PRESETS", "ENCODERS",
+           "STRATEGIES", "MODELS", "TASKS"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from tworec.pipeline import cli
-from tworec.ranking.config import MODELS, TASKS
+from tworec.pipeline.config import MODELS, TASKS
 
 
 def main(argv=None) -> int:

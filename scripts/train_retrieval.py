@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from tworec.pipeline import cli
-from tworec.retrieval.config import ENCODERS, STRATEGIES
+from tworec.pipeline.config import ENCODERS, STRATEGIES
 
 
 def main(argv=None) -> int:
