@@ -4,15 +4,13 @@ training, 1 a step that failed)."""
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
+import time
 
 from tworec.features.inputs import PROTOCOLS
 from tworec.features.interactions import DataError
 from tworec.pipeline.config import PRESETS
-
-SUMMARY_SECTIONS = ("retrieval", "two_stage", "ranking", "serving")
-
 
 def add_run_arguments(parser: argparse.ArgumentParser, out_required: bool = True) -> None:
     """--data, --columns, --out, --split, --preset and --epochs."""
@@ -29,6 +27,8 @@ def add_run_arguments(parser: argparse.ArgumentParser, out_required: bool = True
                              "trains on every row and evaluates nothing)")
     parser.add_argument("--preset", default="default", choices=PRESETS)
     parser.add_argument("--epochs", type=int, help="epochs of every stage the command trains")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show TensorFlow's, absl's and ScaNN's own logs (also: TWOREC_VERBOSE=1)")
 
 
 def source_of(args) -> dict:
@@ -39,8 +39,14 @@ def source_of(args) -> dict:
 
 def run(args, steps: tuple[str, ...], continue_run: bool = False, verbose: int = 1,
         **overrides) -> int:
-    """Resolves the configs, prepares the run and executes `steps`; prints a one-line JSON
-    summary of the test metrics. `overrides` go to `pipeline.config.resolve`."""
+    """Resolves the configs, prepares the run and executes `steps`; ends with the headline test
+    figures and where the report is. `overrides` go to `pipeline.config.resolve`."""
+    import tworec
+    from tworec import console
+    if args.verbose or tworec.verbose_requested():
+        tworec.configure_logs(True)
+    else:
+        console.filter_native_logs()
     from tworec.pipeline.config import resolve
     from tworec.pipeline.run import StepFailed, execute, prepare_run, read_run
     from tworec.pipeline.store import RunFolderError
@@ -60,11 +66,19 @@ def run(args, steps: tuple[str, ...], continue_run: bool = False, verbose: int =
     except (DataError, ValueError, RunFolderError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    start = time.perf_counter()
     try:
         report = execute(prepared, steps)
     except StepFailed as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    print(json.dumps({name: report[name].get("test", report[name]) for name in SUMMARY_SECTIONS
-                      if report.get(name)}, default=float))
+    for line in report.get("warnings", []):
+        print(f"[run] warning: {line}", flush=True)
+    figures = [f"{name} {test['recall@10']:.4f} / {test['ndcg@10']:.4f}"
+               for name, test in (("retrieval", (report.get("retrieval") or {}).get("test")),
+                                  ("two-stage", (report.get("two_stage") or {}).get("test")))
+               if test]
+    print(f"[run] done in {time.perf_counter() - start:.0f} s"
+          + (f"; test Recall@10 / NDCG@10: {', '.join(figures)}" if figures else ""))
+    print(f"[run] report: {os.path.join(args.out, 'report.md')} (also report.json, plots/)")
     return 0

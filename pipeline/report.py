@@ -18,8 +18,28 @@ def read(out: str) -> dict:
         return json.load(f)
 
 
+def warnings_of(report: dict) -> list[str]:
+    """A line for every model that does worse than a baseline on test Recall@10 or NDCG@10,
+    and for a two-stage list that does worse than retrieval alone."""
+    def test(section):
+        return (report.get(section) or {}).get("test") or {}
+    lines = []
+    comparisons = [("retrieval", test("retrieval"), name, metrics)
+                   for name, metrics in (report.get("baselines") or {}).items() if metrics]
+    comparisons += [("two-stage", test("two_stage"), name, metrics)
+                    for name, metrics in (report.get("baselines") or {}).items() if metrics]
+    comparisons.append(("two-stage", test("two_stage"), "retrieval alone", test("retrieval")))
+    for model, ours, name, theirs in comparisons:
+        for metric in ("recall@10", "ndcg@10"):
+            if metric in ours and metric in theirs and ours[metric] < theirs[metric]:
+                lines.append(f"{model} does worse than {name} on test {metric}: "
+                             f"{ours[metric]:.4f} against {theirs[metric]:.4f}")
+    return lines
+
+
 def write(out: str, report: dict) -> None:
     """Writes report.json, the plots and report.md."""
+    report["warnings"] = warnings_of(report)
     os.makedirs(os.path.join(out, "plots"), exist_ok=True)
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f, indent=2, default=float)
@@ -130,6 +150,7 @@ def markdown(report: dict, out: str, plots: list[str]) -> str:
         if (report.get(section) or {}).get("test"):
             lines.append(row(name, report[section]["test"]))
     lines += [row(name, metrics) for name, metrics in report.get("baselines", {}).items() if metrics]
+    lines += [""] + [f"**Warning:** {line}." for line in report.get("warnings", [])]
     if (report.get("ranking") or {}).get("test"):
         ranking = report["ranking"]["test"]
         lines += ["", "## Ranking on its own", "",

@@ -93,7 +93,7 @@ class Run:
         except Exception as error:
             raise StepFailed(f"step '{name}' failed: {type(error).__name__}: {error}") from error
         self.timings[name] = round(time.perf_counter() - start, 2)
-        print(f"[run] {name}: {self.timings[name]} s", flush=True)
+        print(f"[run] {name}: {self.timings[name]:.1f} s", flush=True)
 
     def test_users(self) -> np.ndarray:
         """[t] codes of the users with a test row, increasing."""
@@ -129,7 +129,8 @@ class Run:
         self.report["retrieval"] = {
             "test": retrieval.evaluate_model(model, self.inputs, "test", evalset=self.test_set())
             if self.evaluating else None,
-            "train": {k: summary[k] for k in ("seconds", "epochs", "examples_per_second")},
+            "train": {k: summary[k] for k in ("seconds", "epochs", "best_epoch",
+                                              "examples_per_second")},
             "loss": summary["loss"]}
 
     def load_retrieval(self) -> None:
@@ -177,7 +178,8 @@ class Run:
         self.report["ranking"] = {
             "test": ranking.evaluate(self.ranking_model, self.inputs, self.signals, "test",
                                      hard=self.test_candidates) if self.evaluating else None,
-            "train": {k: summary[k] for k in ("seconds", "examples_per_second")}}
+            "train": {k: summary[k] for k in ("seconds", "epochs", "best_epoch",
+                                              "examples_per_second")}}
         if self.evaluating:
             self.report["two_stage"] = {"test": ranking.two_stage_metrics(
                 self.ranking_model, self.inputs, self.signals, "test", self.test_candidates,

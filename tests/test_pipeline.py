@@ -29,7 +29,23 @@ def run(tmp_path_factory):
                            "--data", "synthetic:tiny", "--preset", "tiny", "--out", str(out)],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    (out / "command_output.txt").write_text(done.stdout + done.stderr)
     return out, json.load(open(out / "report.json"))
+
+
+def test_the_run_is_quiet_and_says_each_step_and_where_the_report_is(run):
+    """No TensorFlow, absl or ScaNN log line and no warning; each step with its duration; one
+    labelled line per epoch off a terminal; the last line names the report."""
+    out, _ = run
+    lines = (out / "command_output.txt").read_text().strip().splitlines()
+    noise = [line for line in lines if not line.startswith(("[run]", "[retrieval]", "[ranking]"))]
+    assert not noise, noise[:5]
+    assert len(lines) < 60
+    for step in ("train retrieval", "baselines", "tune index", "train ranking", "export",
+                 "serve and check", "report"):
+        assert any(line.startswith(f"[run] {step}: ") and line.endswith(" s") for line in lines), step
+    assert sum(line.startswith("[retrieval] epoch ") for line in lines) == 3
+    assert lines[-1] == f"[run] report: {out / 'report.md'} (also report.json, plots/)"
 
 
 def test_report_follows_the_schema(run):
