@@ -183,8 +183,8 @@ class Batcher:
         key = (id(model), signature_name or DEFAULT_SIGNATURE, tuple(output_filter),
                tuple(sorted((name, value.dtype.str, value.shape[1:])
                             for name, value in inputs.items())))
-        if rows is None:                      # a scalar input: nothing to batch along
-            key, rows = key + (object(),), 1
+        if rows is None:          # a scalar input: nothing to batch along, a full batch alone
+            key, rows = key + (object(),), self.max_batch_size
         elif rows > self.max_batch_size:
             if not self.split:
                 raise ServingError("INVALID_ARGUMENT", f"Task size {rows} is larger than "

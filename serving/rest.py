@@ -36,6 +36,8 @@ _STATUS = re.compile(_MODEL + r"(?P<metadata>/metadata)?", re.IGNORECASE)
 _NO_NAME = re.compile(r"/v1/models/?(?:/metadata)?", re.IGNORECASE)
 # Bodies and answers larger than this are parsed and formatted off the event loop.
 _INLINE_BYTES = 64 << 10
+# The scope extension holding a future that is done once the client's connection is lost.
+DISCONNECTED = "tworec.disconnected"
 
 
 class ClientGone(Exception):
@@ -95,7 +97,7 @@ class RestApp:
             deadline = time.monotonic() + self.timeout_seconds
             body = await self._read_body(scope, receive)
             return 200, await self._predict(predict["verb"], *_model_spec(predict), body,
-                                            receive, deadline)
+                                            scope, deadline)
         if method == "GET" and status:
             handler = self._metadata if status["metadata"] else self._status
             return 200, handler(*_model_spec(status))
@@ -111,9 +113,9 @@ class RestApp:
         if length.isdigit() and int(length) > self.max_request_bytes:
             raise self._too_large(int(length))
         try:
-            return await asyncio.wait_for(self._receive_body(receive),
-                                          self.body_timeout_seconds)
-        except asyncio.TimeoutError as error:
+            async with asyncio.timeout(self.body_timeout_seconds):
+                return await self._receive_body(receive)
+        except TimeoutError as error:
             raise ServingError("DEADLINE_EXCEEDED", "The request body did not arrive within "
                                f"{self.body_timeout_seconds:g} s", http_status=408) from error
 
@@ -137,7 +139,7 @@ class RestApp:
                             "(--max_request_bytes)", http_status=413)
 
     async def _predict(self, verb: str, name: str, version: int | None, label: str | None,
-                       body: bytes, receive, deadline: float) -> dict:
+                       body: bytes, scope, deadline: float) -> dict:
         if verb.lower() != "predict":
             raise ServingError("UNIMPLEMENTED", f"{verb} is not supported by this server; use "
                                ":predict with a predict signature")
@@ -148,7 +150,7 @@ class RestApp:
             inputs, row_form = await _maybe_offload(
                 big, parse_predict, request, model.signature(signature), self.max_rows)
             future = self.scheduler.submit(model, inputs, signature, (), deadline)
-            outputs = await _wait(future, receive, deadline, self.timeout_seconds)
+            outputs = await _wait(future, scope, deadline, self.timeout_seconds)
         big = sum(getattr(value, "nbytes", 0) for value in outputs.values()) > _INLINE_BYTES
         return await _maybe_offload(big, format_predict, outputs, row_form)
 
@@ -169,31 +171,32 @@ async def _maybe_offload(big: bool, function, *args):
     return await asyncio.get_running_loop().run_in_executor(None, function, *args)
 
 
-async def _wait(future, receive, deadline: float, timeout_seconds: float):
+async def _wait(future, scope, deadline: float, timeout_seconds: float):
     """The result of a scheduled run; cancels it (dropped if not started) when the client
     disconnects (`ClientGone`) or the deadline passes (DEADLINE_EXCEEDED)."""
     result = asyncio.wrap_future(future)
-    gone = asyncio.ensure_future(_disconnect(receive))
-    done, _ = await asyncio.wait({result, gone}, timeout=max(deadline - time.monotonic(), 0),
-                                 return_when=asyncio.FIRST_COMPLETED)
-    gone.cancel()
+    gone = scope.get("extensions", {}).get(DISCONNECTED)
+
+    def cancel(_) -> None:
+        result.cancel()
+    if gone is not None:
+        gone.add_done_callback(cancel)
     timed_out = ServingError("DEADLINE_EXCEEDED", f"Request timed out after "
                              f"{timeout_seconds:g} s (--rest_api_timeout_in_ms)")
-    if result in done:
-        try:
-            return result.result()
-        except ServingError as error:
-            raise timed_out if error.code == "DEADLINE_EXCEEDED" else error
-    result.cancel()
-    if gone in done:
-        raise ClientGone()
-    raise timed_out
-
-
-async def _disconnect(receive) -> None:
-    """Returns when the client disconnects (the body has been read already)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
+    try:
+        async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
+            return await result
+    except TimeoutError as error:
+        raise timed_out from error
+    except asyncio.CancelledError:
+        if gone is not None and gone.done():
+            raise ClientGone() from None
+        raise
+    except ServingError as error:
+        raise timed_out if error.code == "DEADLINE_EXCEEDED" else error
+    finally:
+        if gone is not None:
+            gone.remove_done_callback(cancel)
 
 
 def _model_spec(match: re.Match) -> tuple[str, int | None, str | None]:
@@ -216,12 +219,14 @@ async def _send_json(send, status: int, body: dict, close: bool = False) -> None
 class HeaderTimeoutProtocol(H11Protocol):
     """uvicorn's HTTP/1.1 protocol, closing a connection whose request head (request line and
     headers) has not fully arrived `config.header_timeout_seconds` after the connection opened
-    or the previous answer was sent (uvicorn itself has no such timeout)."""
+    or the previous answer was sent (uvicorn itself has no such timeout). Each request's scope
+    carries, under `extensions[DISCONNECTED]`, a future done once the connection is lost."""
 
     _header_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        self._disconnected = self.loop.create_future()
         self._arm()
 
     def on_response_complete(self) -> None:
@@ -231,10 +236,13 @@ class HeaderTimeoutProtocol(H11Protocol):
     def handle_events(self) -> None:
         super().handle_events()
         if self._header_timer is not None and self.cycle is not self._armed_cycle:
-            self._disarm()                # a new request's head has arrived
+            self._disarm()                # a new request's head has arrived; its app task
+            self.scope.setdefault("extensions", {})[DISCONNECTED] = self._disconnected
 
     def connection_lost(self, exc) -> None:
         self._disarm()
+        if not self._disconnected.done():
+            self._disconnected.set_result(None)
         super().connection_lost(exc)
 
     def _arm(self) -> None:

@@ -344,6 +344,26 @@ def test_a_partial_body_is_never_run(models):
         assert CountingLoadedModel.runs == runs
 
 
+def test_work_for_a_gone_client_is_dropped(models):
+    """A predict queued behind a slow run, whose client then leaves, never runs."""
+    manager = ModelManager([ModelConfig(n, os.path.join(models, n))
+                            for n in ("scale", "spin_short")],
+                           poll_seconds=0, load=CountingLoadedModel)
+    with ModelServer(manager, grpc_port=None, rest_port=0, predict_threads=1) as server:
+        url = f"http://127.0.0.1:{server.rest_port}/v1/models/spin_short:predict"
+        with ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(requests.post, url, json={"inputs": [1.0]}, timeout=30)
+            time.sleep(0.1)
+            runs = CountingLoadedModel.runs
+            gone = _connect(server.rest_port)
+            gone.sendall((_HEAD + f"Content-Length: {len(_BODY)}\r\n\r\n").encode() + _BODY)
+            time.sleep(0.1)
+            gone.close()
+            assert slow.result().status_code == 200
+        time.sleep(0.2)
+        assert CountingLoadedModel.runs == runs
+
+
 def test_slow_clients_are_cut_off_and_connections_capped(models):
     with _serve(models, names=("scale",), header_timeout_seconds=0.3,
                 body_timeout_seconds=0.3, max_concurrent_requests=3) as server:
