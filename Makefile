@@ -17,7 +17,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
-	$(PY) scripts/pipeline.py --data synthetic --out $(RUN)
+	$(PY) scripts/pipeline.py --data synthetic --out $(RUN) --overwrite
 
 bench: $(STAMP)
 	$(PY) scripts/benchmark.py

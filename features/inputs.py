@@ -18,6 +18,7 @@ from tworec.features.splits import Split, global_quantile
 from tworec.features.vocab import PAD, Vocabulary
 
 PROTOCOLS = ("temporal", "random", "global[:Q]", "none")   # the splits a run can use
+EMPTY_SLOT = -1          # the code of a candidate slot left empty (fewer unseen items than k)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,9 +128,11 @@ def prepare(interactions: Interactions, split: Split, history_length: int,
     for part, state in (("validation", state_of(split.train)), ("test", latest)):
         histories[part] = state[interactions.user[getattr(split, part)]]
     feature_vocabs, feature_index = {}, {}
+    trained_users = np.unique(interactions.user[split.train])
     for name, values in interactions.user_features.items():
         values = np.asarray(values).astype(str)
-        vocab = Vocabulary(np.unique(values[values != ""]), name=f"user_{name}")
+        trained_values = values[trained_users]        # nothing held out reaches a vocabulary
+        vocab = Vocabulary(np.unique(trained_values[trained_values != ""]), name=f"user_{name}")
         feature_vocabs[name], feature_index[name] = vocab, vocab.lookup(values)
     examples = {}
     for part in ("train", "validation", "test"):

@@ -2,6 +2,9 @@
 string-id lookups and the per-user inputs an export bakes in."""
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 import tensorflow as tf
 
@@ -92,3 +95,16 @@ class UserInputs(tf.Module):
         for name, table in self.features.items():
             features[f"user_{name}"] = tf.where(known, tf.gather(table, codes), oov)
         return features, known
+
+
+STATE_FILE = os.path.join("assets.extra", "state.json")
+
+
+def write_state(saved_model_dir: str, inputs) -> None:
+    """Writes `assets.extra/state.json` into a SavedModel folder: the rows, users, items and
+    last timestamp of the state it bakes in (`ModelInputs.state`), and whether it excludes seen
+    items."""
+    path = os.path.join(saved_model_dir, STATE_FILE)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({**inputs.state(), "exclude_seen": inputs.exclude_seen}, f, indent=2)

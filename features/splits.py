@@ -50,7 +50,7 @@ def split(interactions: Interactions, kind: str = "temporal", *, seed: int = 42,
         return temporal_split(interactions)
     if kind == "random":
         return random_split(interactions, seed=seed, train_fraction=train_fraction)
-    if kind == "global" or kind.startswith("global:"):
+    if kind.startswith("global"):
         return global_split(interactions, global_quantile(kind))
     if kind == "none":
         empty = np.zeros(0, dtype=np.int64)
@@ -64,10 +64,12 @@ def split(interactions: Interactions, kind: str = "temporal", *, seed: int = 42,
 
 def global_quantile(kind: str) -> float:
     """Q of `global[:Q]`; raises DataError unless 0 < Q < 1."""
-    text = kind.partition(":")[2]
+    name, _, text = kind.partition(":")
     try:
         quantile = float(text) if text else GLOBAL_QUANTILE
     except ValueError:
+        quantile = -1.0
+    if name != "global":
         quantile = -1.0
     if not 0 < quantile < 1:
         raise DataError(f"split {kind!r}: write global or global:Q with 0 < Q < 1, e.g. global:0.9")

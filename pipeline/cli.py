@@ -21,14 +21,24 @@ def add_run_arguments(parser: argparse.ArgumentParser, out_required: bool = True
                         help="for generic files: ROLE=COLUMN,... with roles user, item, time, "
                              "rating, user.NAME, item.NAME")
     parser.add_argument("--out", required=out_required, help="the run folder")
-    parser.add_argument("--split", default="temporal",
+    parser.add_argument("--split",
                         help=f"evaluation protocol: {', '.join(PROTOCOLS)} (default: temporal; "
                              "global holds out every row after the 0.9 quantile of time, none "
                              "trains on every row and evaluates nothing)")
-    parser.add_argument("--preset", default="default", choices=PRESETS)
+    parser.add_argument("--preset", choices=PRESETS, help="default (the default) or tiny")
     parser.add_argument("--epochs", type=int, help="epochs of every stage the command trains")
+    parser.add_argument("--keep-seen", action="store_true",
+                        help="serve and rank items users already have (catalogues with repeats)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the run already in --out")
     parser.add_argument("--verbose", action="store_true",
                         help="show TensorFlow's, absl's and ScaNN's own logs (also: TWOREC_VERBOSE=1)")
+
+
+def fail(message: str) -> int:
+    """Prints a one-line error for a mistake caught before any work; returns exit code 2."""
+    print(f"error: {message}", file=sys.stderr)
+    return 2
 
 
 def source_of(args) -> dict:
@@ -59,13 +69,13 @@ def run(args, steps: tuple[str, ...], continue_run: bool = False, verbose: int =
             configs = resolve(base=base, ranking=ranking)
         else:
             source = source_of(args)
-            configs = resolve(args.preset, epochs=args.epochs,
-                              **{"data": {"split": args.split}, **overrides})
+            configs = resolve(args.preset or "default", epochs=args.epochs,
+                              **{"data": {"split": args.split or "temporal",
+                                          "exclude_seen": not args.keep_seen}, **overrides})
         prepared = prepare_run(args.out, source, configs, verbose=verbose,
-                               continue_run=continue_run)
+                               continue_run=continue_run, overwrite=args.overwrite)
     except (DataError, ValueError, RunFolderError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return fail(str(error))
     start = time.perf_counter()
     try:
         report = execute(prepared, steps)

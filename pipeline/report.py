@@ -125,6 +125,13 @@ PROTOCOLS = {
 }
 
 
+def scann_sentence(params: dict) -> str:
+    """A ScaNN setting in words."""
+    return (f"ScaNN with {params['num_leaves']} leaves, searching "
+            f"{params['num_leaves_to_search']} of them and re-scoring the best "
+            f"{params['num_reordering_candidates']} exactly")
+
+
 def markdown(report: dict, out: str, plots: list[str]) -> str:
     """report.md: data, metrics against the baselines, ranking, index, serving, timings."""
     def row(name, metrics):
@@ -142,30 +149,46 @@ def markdown(report: dict, out: str, plots: list[str]) -> str:
              f"{state.get('rows', '?')} training and validation rows of {state.get('users', '?')} "
              f"users, never the test rows.", "",
              "## Test Recall@10 and NDCG@10", "",
-             f"Full catalogue, {excluded}; ties count against the held-out item; the baselines "
-             "are fit on the same training rows.", "",
+             f"Full catalogue, {excluded}. Over the full catalogue a tie counts against the "
+             "held-out item; where the order is the one served (retrieval's candidates "
+             "re-ranked, the popular order for users the exports do not know) ties keep the "
+             "served order. The baselines are fit on the same training rows.", "",
              "| model | Recall@10 | NDCG@10 |", "| --- | --- | --- |"]
     for name, section in (("retrieval (two-tower)", "retrieval"),
                           ("two-stage (retrieval + ranking)", "two_stage")):
         if (report.get(section) or {}).get("test"):
             lines.append(row(name, report[section]["test"]))
     lines += [row(name, metrics) for name, metrics in report.get("baselines", {}).items() if metrics]
-    lines += [""] + [f"**Warning:** {line}." for line in report.get("warnings", [])]
+    lines += [""] + [f"- **Warning:** {line}." for line in report.get("warnings", [])]
     if (report.get("ranking") or {}).get("test"):
         ranking = report["ranking"]["test"]
+        rmse = "none (no ratings)" if ranking["rmse"] is None else f"{ranking['rmse']:.3f}"
+        auc = "not computed" if ranking["auc"] is None else f"{ranking['auc']:.3f}"
         lines += ["", "## Ranking on its own", "",
-                  f"RMSE of the rating head: {ranking['rmse']}; AUC of positives over retrieval's "
-                  f"top candidates: {ranking['auc']}."]
+                  f"RMSE of the rating head: {rmse}. AUC of each held-out item against "
+                  f"retrieval's top candidates for its user (the items it must beat when "
+                  f"served): {auc}."]
     if "index" in report:
         index = report["index"]
         recall = next(value for key, value in index.items()
                       if key.endswith("_vs_exact") and not key.startswith("test_"))
         test = next((value for key, value in index.items() if key.startswith("test_")), None)
-        lines += ["", "## Candidate index", "",
-                  f"ScaNN {index['params']}, tuned on {index.get('tuned_on', 'test')} queries: "
-                  f"recall@10 against exact search {recall} there, {test} on test queries; "
-                  f"single-query latency p50 {index['latency_ms_p50']} ms against "
-                  f"{index['exact_latency_ms_p50']} ms for brute force."]
+        lines += ["", "## Candidate index", ""]
+        if index["params"] is None:
+            lines.append("No ScaNN setting reached the recall target; only the brute-force "
+                         "export is written.")
+        else:
+            lines.append(
+                f"{scann_sentence(index['params'])}, tuned on {index['tuned_on']} queries, finds "
+                f"{recall:.1%} of the exact top 10 there"
+                + (f" and {test:.1%} on test queries" if test is not None else "")
+                + f"; one query takes {index['latency_ms_p50']:.2f} ms (p50) against "
+                f"{index['exact_latency_ms_p50']:.2f} ms for brute force.")
+        if "exported" in index:
+            exported = index["exported"]
+            lines.append(f"The `retrieval_scann` export fetches {exported['fetch']} items per "
+                         f"query so that k unseen ones remain, so it searches with "
+                         f"{scann_sentence(exported)[len('ScaNN with '):]}.")
     if "serving" in report:
         serving = report["serving"]
         lines += ["", "## Served", "",
@@ -191,6 +214,6 @@ def markdown(report: dict, out: str, plots: list[str]) -> str:
                   "", f"    docker run -p 8500:8500 -p 8501:8501 -v {root}/export:/models "
                   "tensorflow/serving --model_config_file=/models/models.docker.config"]
     lines += ["", "## Timings (seconds)", "", "| step | seconds |", "| --- | --- |"]
-    lines += [f"| {name} | {seconds} |" for name, seconds in report["timings"].items()]
+    lines += [f"| {name} | {seconds:.1f} |" for name, seconds in report["timings"].items()]
     lines += ["", "Plots: " + ", ".join(f"`plots/{name}`" for name in plots) + ".", ""]
     return "\n".join(lines)

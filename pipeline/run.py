@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shutil
 import time
 
 import numpy as np
@@ -20,14 +21,15 @@ import tensorflow as tf
 
 from tworec.evaluation import KS, baselines, eval_set, evaluate_ranks
 from tworec.features import Interactions, load, split
-from tworec.features.inputs import ModelInputs, prepare
+from tworec.features.inputs import EMPTY_SLOT, ModelInputs, prepare
+from tworec.features.layers import STATE_FILE
 from tworec.pipeline import config as run_config, report as run_report, served, store
 from tworec.pipeline.config import Configs
 from tworec.ranking import features as ranking_features
 from tworec.ranking import train as ranking
 from tworec.ranking.export import export as export_ranking
 from tworec.retrieval import train as retrieval
-from tworec.retrieval.export import export as export_retrieval
+from tworec.retrieval.export import export as export_retrieval, scann_fetch
 from tworec.retrieval.index import (ScannParams, build_index, exact_top_k, recall_against,
                                     tune_scann)
 from tworec.serving.client import Client
@@ -41,12 +43,14 @@ from tworec.serving.server import ModelServer
 PIPELINE = ("train retrieval", "baselines", "tune index", "train ranking", "export",
             "serve and check")
 RETRIEVAL_ONLY = ("train retrieval", "baselines", "tune index", "export")
-RANKING_ONLY = ("train ranking", "export")
+RANKING_ONLY = ("train ranking", "export", "serve and check")
 EXPORT_ORDER = ("retrieval", "retrieval_scann", "ranking", "recommender")
 # Where `models.docker.config` expects the export folder mounted in a TF Serving container.
 DOCKER_FOLDER = "/models/{}"
-# The report sections a retrained ranking makes stale in a continued run.
+# The report sections a retrained ranking makes stale in a continued run, and their steps.
 RETRAINED_WITH_RANKING = ("ranking", "two_stage", "serving")
+STEP_OF_SECTION = {"ranking": "train ranking", "two_stage": "train ranking",
+                   "serving": "serve and check"}
 
 
 class StepFailed(RuntimeError):
@@ -63,12 +67,12 @@ class Run:
     """
 
     def __init__(self, out: str, log: Interactions, configs: Configs, source: dict,
-                 verbose: int = 1):
+                 verbose: int = 1, report: dict | None = None):
         self.out, self.log, self.configs, self.verbose = out, log, configs, verbose
         self.parts = split(log, configs.data.split)
         self.inputs: ModelInputs = prepare(log, self.parts, configs.data.history_length,
                                            exclude_seen=configs.data.exclude_seen)
-        self.report = run_report.read(out)
+        self.report = report if report is not None else {}
         self.report["data"] = {"source": source["data"], "users": log.num_users,
                                "items": log.num_items, "interactions": len(log),
                                "split": self.parts.kind, "test_users": len(self.test_users()),
@@ -91,7 +95,9 @@ class Run:
         try:
             yield
         except Exception as error:
-            raise StepFailed(f"step '{name}' failed: {type(error).__name__}: {error}") from error
+            first_line = (str(error).strip().splitlines() or [""])[0]
+            raise StepFailed(f"step '{name}' failed: {type(error).__name__}: {first_line}") \
+                from error
         self.timings[name] = round(time.perf_counter() - start, 2)
         print(f"[run] {name}: {self.timings[name]:.1f} s", flush=True)
 
@@ -149,7 +155,8 @@ class Run:
         candidates = retrieval.candidate_embeddings(model, self.inputs.num_items)
         part = "validation" if len(self.parts.validation) else "train"
         queries = retrieval.query_embeddings(model, self.inputs.examples[part])
-        self.tuning = tune_scann(candidates, queries[:run.tuning_queries], k=run.tuning_k)
+        sample = np.random.default_rng(0).permutation(len(queries))[:run.tuning_queries]
+        self.tuning = tune_scann(candidates, queries[np.sort(sample)], k=run.tuning_k)
         recall_key = f"recall@{run.tuning_k}_vs_exact"
         self.report["index"] = {"kind": "scann", "tuned_on": part,
                                 **{key: self.tuning[key] for key in (
@@ -196,20 +203,27 @@ class Run:
                                                   self.export_dir("retrieval"), run.candidates,
                                                   warmup_users=users)
             if self.tuning and self.tuning["params"]:
+                params = ScannParams(**self.tuning["params"])
                 paths["retrieval_scann"] = export_retrieval(
                     self.retrieval_model, self.inputs, self.export_dir("retrieval_scann"),
-                    run.candidates, scann=ScannParams(**self.tuning["params"]),
-                    warmup_users=users)
+                    run.candidates, scann=params, warmup_users=users)
+                fetch = scann_fetch(self.inputs, run.candidates, self.inputs.exclude_seen)
+                self.report["index"]["exported"] = {   # the setting the export really searches
+                    "fetch": fetch, **dataclasses.asdict(
+                        params.with_enough_answers(self.inputs.num_items, fetch))}
         if self.ranking_model is not None:
             items = self.log.item_ids
             paths["ranking"] = export_ranking(
                 self.ranking_model, self.inputs, self.signals, self.export_dir("ranking"),
                 warmup={"user_id": users, "item_ids": np.tile(items[:10], (len(users), 1))})
             retrieval_path = self.latest_export("retrieval")
-            paths["recommender"] = write_version(
-                self.export_dir("recommender"),
-                lambda path: compose_recommender(retrieval_path, paths["ranking"], path,
-                                                 run.top_n, warmup_user_ids=list(users)))
+
+            def compose(path: str) -> None:
+                compose_recommender(retrieval_path, paths["ranking"], path, run.top_n,
+                                    warmup_user_ids=list(users))
+                shutil.copy(os.path.join(retrieval_path, STATE_FILE),
+                            os.path.join(path, STATE_FILE))      # the state it serves
+            paths["recommender"] = write_version(self.export_dir("recommender"), compose)
         exported = [name for name in EXPORT_ORDER if list_versions(self.export_dir(name))]
         stock = [name for name in exported if name != "retrieval_scann"]
         for config, names, folder in (("models.config", stock, self.export_dir),
@@ -312,7 +326,8 @@ class Run:
         keras = ranking.score_lists(self.ranking_model, self.inputs, self.signals, "test",
                                     self.test_candidates)[rows]
         users = self.log.user_ids[self.log.user[self.parts.test][rows]]
-        items = self.log.item_ids[self.test_candidates[rows]]
+        candidates = self.test_candidates[rows]
+        items = np.where(candidates == EMPTY_SLOT, "", self.log.item_ids[candidates])
         answer = client.predict("ranking", {"user_id": users, "item_ids": items})["scores"]
         return float(np.abs(answer - keras).max())
 
@@ -326,16 +341,17 @@ STEP_METHODS = {"train retrieval": Run.train_retrieval, "baselines": Run.baselin
 
 
 def prepare_run(out: str, source: dict, configs: Configs, verbose: int = 1,
-                continue_run: bool = False) -> Run:
-    """Loads the log and checks everything before any training: the configs against the log,
-    and for a continued run that only the ranking config changed. Raises DataError,
-    ValueError or `store.RunFolderError` with a one-line message.
+                continue_run: bool = False, overwrite: bool = False) -> Run:
+    """Loads the log and checks everything before any training: the folder, the configs
+    against the log, and for a continued run that only the ranking config changed and that the
+    source still gives the log the run was trained on. Raises DataError, ValueError or
+    `store.RunFolderError` with a one-line message.
 
     Args:
-        out: the run folder.
+        out: the run folder: new (or empty) for a fresh run, a run folder to replace with
+            `overwrite`, or for `continue_run` the run whose retrieval model is reused.
         source: {"data": a `features.load` source, "columns": role -> column name}.
         configs: the resolved configs (for a continued run, resolved from `read_run(out)`).
-        continue_run: reuse the retrieval model trained in `out`.
     """
     if continue_run:
         saved_source, saved = read_run(out)
@@ -345,18 +361,29 @@ def prepare_run(out: str, source: dict, configs: Configs, verbose: int = 1,
             raise store.RunFolderError(
                 f"{out}: a continued run keeps the folder's data source and its data, retrieval "
                 f"and run configs; these differ: {changed or ['source']}")
+    else:
+        store.check_fresh(out, overwrite)
     log = load(source["data"], columns=source.get("columns") or {})
     configs.validate(has_ratings=log.rating is not None)
+    fingerprint = store.fingerprint(log)
+    if continue_run and source.get("fingerprint") != fingerprint:
+        raise store.RunFolderError(f"{out}: {source['data']} now gives another log than the run "
+                                   "was trained on; train a new run")
     run, notices = configs.run.for_catalogue(log.num_items)
     configs = dataclasses.replace(configs, run=run)
-    for notice in notices:
-        print(f"[run] note: {notice}", flush=True)
-    os.makedirs(out, exist_ok=True)
-    run_config.write(os.path.join(out, "config.json"), configs, source)
-    result = Run(out, log, configs, source, verbose=verbose)
+    source = {**source, "fingerprint": fingerprint}
+    report = run_report.read(out) if continue_run else {}
+    result = Run(out, log, configs, source, verbose=verbose, report=report)
     for section in RETRAINED_WITH_RANKING if continue_run else ():
         result.report.pop(section, None)          # no longer describes the folder's models
+        result.timings.pop(STEP_OF_SECTION.get(section, section), None)
     result.report["notices"] = notices
+    for notice in notices:
+        print(f"[run] note: {notice}", flush=True)
+    if overwrite and not continue_run:
+        store.clear(out)
+    os.makedirs(out, exist_ok=True)
+    run_config.write(os.path.join(out, "config.json"), configs, source)
     return result
 
 

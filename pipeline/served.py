@@ -68,8 +68,8 @@ def compare(name: str, served: dict[str, np.ndarray], offline: Offline,
         targets: [m] the held-out item ids.
 
     Returns:
-        {"recall@K": ..., "ndcg@K": ... for K up to n, "rows": m, "float_ties": rows whose
-        ranks differ by a float tie}.
+        {"recall@K": ..., "ndcg@K": ... for the report's K up to n (n itself when all are
+        larger), "rows": m, "float_ties": rows whose ranks differ by a float tie}.
 
     Raises:
         ServedMismatch: a row differs for another reason.
@@ -87,7 +87,7 @@ def compare(name: str, served: dict[str, np.ndarray], offline: Offline,
             f"{name}: {len(rows)} of {len(targets)} served lists rank the held-out item "
             f"otherwise than the offline evaluation (first row {rows[0]}: served rank "
             f"{ranks[rows[0]]}, offline {offline.ranks[rows[0]]})")
-    ks = [k for k in KS if k <= length]
+    ks = [k for k in KS if k <= length] or [length]
     return {**rank_metrics(ranks, ks), "rows": int(len(targets)), "float_ties": int(len(differ))}
 
 

@@ -3,7 +3,8 @@
 Signature `serving_default`: user_id [b] string, item_ids [b, n] string -> scores [b, n]
 float32. The users' state of the fit rows is baked in; users it does not know are scored by
 the items' training popularity (so every model serves them the popular order), and unknown
-items score below every known item, without failing. Stock TF ops only.
+items score below every other item of their list, without failing. Stock TF ops only.
+`assets.extra/state.json` records the state, as the retrieval export does.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import scipy.sparse as sp
 import tensorflow as tf
 
 from tworec.features.inputs import ModelInputs
-from tworec.features.layers import UserInputs, id_lookup
+from tworec.features.layers import UserInputs, id_lookup, write_state
 from tworec.ranking.features import RankingSignals
 from tworec.ranking.model import RankingModel
 from tworec.serving.layout import write_version, write_warmup_requests
@@ -64,7 +65,8 @@ class RankingModule(tf.Module):
             features["transitions"] = tf.math.log1p(self.transitions.lookup(keys))      # [b, n]
         scores = tf.where(known[:, None], self.model(features),                          # [b, n]
                           tf.gather(self.popularity, features["items"]))
-        return {"scores": tf.where(items >= 0, scores, tf.reduce_min(scores) - 1.0)}
+        lowest = tf.reduce_min(scores, axis=1, keepdims=True) - 1.0      # [b, 1] per row
+        return {"scores": tf.where(items >= 0, scores, lowest)}
 
 
 def export(model: RankingModel, data: ModelInputs, signals: RankingSignals, base_path: str,
@@ -78,6 +80,7 @@ def export(model: RankingModel, data: ModelInputs, signals: RankingSignals, base
 
     def write(path: str) -> None:
         tf.saved_model.save(module, path, signatures={"serving_default": module.serve})
+        write_state(path, data)
         if warmup is not None:
             write_warmup_requests(path, os.path.basename(os.path.normpath(base_path)),
                                   {k: np.asarray(v, dtype=object) for k, v in warmup.items()})

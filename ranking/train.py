@@ -6,7 +6,7 @@ import tensorflow as tf
 
 from tworec.evaluation import rank_metrics
 from tworec.features.batches import batches, steps_per_epoch
-from tworec.features.inputs import ModelInputs
+from tworec.features.inputs import EMPTY_SLOT, ModelInputs
 from tworec.features.interactions import interaction_matrix
 from tworec.features.training import mixed_precision, train
 from tworec.ranking.config import RankingConfig
@@ -113,11 +113,13 @@ def score_lists(model: RankingModel, data: ModelInputs, signals: RankingSignals,
                 items: np.ndarray, batch_size: int = 1024) -> np.ndarray:
     """[m, n] scores of candidate lists [m, n] for the rows of `part`, as the export scores
     them: the ranker's for users known before the part, the items' training popularity for the
-    others.
+    others, and an `EMPTY_SLOT` one below the lowest of its row.
 
     Raises:
         ValueError: a list holds a NaN or infinite score.
     """
+    empty = items == EMPTY_SLOT
+    items = np.where(empty, 0, items)                       # scored as code 0, as the export
     examples = list_examples(data, signals, part, items)
     scores = np.concatenate([model(b).numpy() for b in batches(examples, batch_size)]
                             or [np.zeros((0, items.shape[1]), np.float32)])
@@ -127,14 +129,17 @@ def score_lists(model: RankingModel, data: ModelInputs, signals: RankingSignals,
                          "NaN or infinite scores")
     unknown = ~data.known_in(part)
     scores[unknown] = data.item_probability[items[unknown]]
-    return scores
+    lowest = scores.min(1, keepdims=True) - 1.0 if len(scores) else scores
+    return np.where(empty, lowest, scores)
 
 
 def retrieval_negatives(candidates: np.ndarray, positives: np.ndarray, count: int) -> np.ndarray:
     """[m, count] the first `count` of each row's retrieval candidates [m, H] that are not the
-    row's positive [m], in retrieval's order."""
-    order = np.argsort(candidates == positives[:, None], axis=1, kind="stable")[:, :count]
-    return np.take_along_axis(candidates, order, axis=1)
+    row's positive [m], in retrieval's order; `EMPTY_SLOT` past the candidates there are."""
+    unusable = (candidates == positives[:, None]) | (candidates == EMPTY_SLOT)
+    order = np.argsort(unusable, axis=1, kind="stable")[:, :count]
+    return np.where(np.take_along_axis(unusable, order, 1), EMPTY_SLOT,
+                    np.take_along_axis(candidates, order, axis=1))
 
 
 def evaluate(model: RankingModel, data: ModelInputs, signals: RankingSignals, part: str = "test",
@@ -157,7 +162,9 @@ def evaluate(model: RankingModel, data: ModelInputs, signals: RankingSignals, pa
     if config.task != "regression":
         scores = score_lists(model, data, signals, part, lists)
         positive, negative = scores[:, :1], scores[:, 1:]
-        result["auc"] = float(((positive > negative) + 0.5 * (positive == negative)).mean())
+        pairs = lists[:, 1:] != EMPTY_SLOT                                  # [m, count]
+        ordered = (positive > negative) + 0.5 * (positive == negative)
+        result["auc"] = float(ordered[pairs].mean()) if pairs.any() else None
     if model.use_rating:
         examples = list_examples(data, signals, part, lists[:, :1])
         predicted = np.concatenate([model.predict_rating(b).numpy()

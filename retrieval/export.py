@@ -19,18 +19,24 @@ timestamp, and whether seen items are excluded.
 """
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
 import tensorflow as tf
 
 from tworec.features.inputs import ModelInputs
-from tworec.features.layers import UserInputs, id_lookup
+from tworec.features.layers import UserInputs, id_lookup, write_state
 from tworec.retrieval.index import ScannParams, build_index
 from tworec.retrieval.model import TwoTower
 from tworec.retrieval.train import candidate_embeddings
 from tworec.serving.layout import write_version, write_warmup_requests
+
+
+def scann_fetch(data: ModelInputs, k: int, exclude_seen: bool = True) -> int:
+    """How many items the ScaNN export fetches so that k remain once a user's seen (or given)
+    items are gone: k plus the most any user has seen (or a request can pass)."""
+    most_seen = int(np.diff(data.seen.indptr).max(initial=0))
+    return min(data.num_items, k + max(most_seen, data.history_length) * exclude_seen)
 
 
 class RetrievalModule(tf.Module):
@@ -52,10 +58,8 @@ class RetrievalModule(tf.Module):
         candidates = candidate_embeddings(model, interactions.num_items)                # [I, d]
         if scann is None:
             self.candidates, self.index = tf.constant(candidates), None
-        else:       # over-fetch so that k remain once a user's seen (or given) items are gone
-            most_seen = int(np.diff(data.seen.indptr).max(initial=0))
-            self.fetch = min(interactions.num_items,
-                             k + max(most_seen, data.history_length) * exclude_seen)
+        else:
+            self.fetch = scann_fetch(data, k, exclude_seen)
             self.index = build_index(candidates, self.fetch, scann)
 
     def _top_k(self, features, known, excluded=None):
@@ -114,13 +118,6 @@ class RetrievalModule(tf.Module):
         return {"embedding": self.model.candidate(tf.maximum(codes, 0))}
 
 
-def write_state(path: str, data: ModelInputs, exclude_seen: bool) -> None:
-    """Writes `assets.extra/state.json` into a SavedModel folder: what the export knows."""
-    os.makedirs(os.path.join(path, "assets.extra"), exist_ok=True)
-    with open(os.path.join(path, "assets.extra", "state.json"), "w") as f:
-        json.dump({**data.state(), "exclude_seen": exclude_seen}, f, indent=2)
-
-
 def export(model: TwoTower, data: ModelInputs, base_path: str, k: int,
            scann: ScannParams | None = None, version: int | None = None,
            warmup_users: np.ndarray | None = None) -> str:
@@ -137,7 +134,7 @@ def export(model: TwoTower, data: ModelInputs, base_path: str, k: int,
 
     def write(path: str) -> None:
         tf.saved_model.save(module, path, signatures=signatures, options=options)
-        write_state(path, data, data.exclude_seen)
+        write_state(path, data)
         if warmup_users is not None:
             write_warmup_requests(path, os.path.basename(os.path.normpath(base_path)),
                                   {"user_id": np.asarray(warmup_users, dtype=object)})

@@ -6,7 +6,7 @@ import tensorflow as tf
 
 from tworec.evaluation import KS, EvalSet, eval_set, evaluate, top_k_rows
 from tworec.features.batches import batches, steps_per_epoch
-from tworec.features.inputs import ModelInputs
+from tworec.features.inputs import EMPTY_SLOT, ModelInputs
 from tworec.features.training import make_optimizer, make_strategy, mixed_precision, train
 from tworec.retrieval.config import RetrievalConfig
 from tworec.retrieval.model import TwoTower
@@ -90,7 +90,8 @@ def top_candidates(model: TwoTower, data: ModelInputs, part: str, k: int,
                    evalset: EvalSet | None = None, batch_size: int = 2048) -> np.ndarray:
     """[m, k] catalogue codes of the best k items for every row of `part`, best first (ties to
     the lower code, as the export). With `evalset` (of that part) rows are scored as
-    `catalogue_scorer` does and its excluded items skipped: the export's candidates."""
+    `catalogue_scorer` does and its excluded items skipped: the export's candidates, with
+    `EMPTY_SLOT` where fewer than k items remain (the export's empty id)."""
     if evalset is None:
         candidates = candidate_embeddings(model, data.num_items)
         queries = query_embeddings(model, data.examples[part])
@@ -104,7 +105,9 @@ def top_candidates(model: TwoTower, data: ModelInputs, part: str, k: int,
         if evalset is not None:
             rows, cols = evalset.excluded[positions].nonzero()
             scores[rows, cols] = -np.inf
-        result.append(top_k_rows(scores, k))
+        best = top_k_rows(scores, k)
+        best[np.isneginf(np.take_along_axis(scores, best, 1))] = EMPTY_SLOT
+        result.append(best)
     return np.concatenate(result) if result else np.zeros((0, k), np.int64)
 
 

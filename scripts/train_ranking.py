@@ -24,14 +24,20 @@ def main(argv=None) -> int:
                         help="a run folder with a trained retrieval model to reuse")
     parser.add_argument("--model", choices=MODELS)
     parser.add_argument("--task", choices=TASKS)
-    parser.add_argument("--top-k", type=int, default=100,
-                        help="retrieval candidates to re-rank (a retrieval run keeps its own)")
+    parser.add_argument("--top-k", type=int,
+                        help="retrieval candidates to re-rank (default 100; a retrieval run "
+                             "keeps its own)")
     args = parser.parse_args(argv)
-    if args.retrieval_run and (args.data or (args.out and args.out != args.retrieval_run)):
-        parser.error("--retrieval-run reuses RUN's data and trains into RUN; "
-                     "leave out --data and --out")
+    kept = [flag for flag, value in (("--data", args.data), ("--split", args.split),
+                                     ("--preset", args.preset), ("--top-k", args.top_k))
+            if value is not None]
+    if args.out and args.out != args.retrieval_run:
+        kept.append("--out")
+    if args.retrieval_run and kept:
+        return cli.fail(f"--retrieval-run reuses RUN's data and configs and trains into RUN; "
+                        f"leave out {' '.join(kept)}")
     if not (args.retrieval_run or args.out):
-        parser.error("give --retrieval-run RUN, or --out RUN to train retrieval first")
+        return cli.fail("give --retrieval-run RUN, or --out RUN to train retrieval first")
     args.out = args.retrieval_run or args.out
     ranking = {name: value for name, value in (("model", args.model), ("task", args.task))
                if value is not None}
@@ -39,7 +45,7 @@ def main(argv=None) -> int:
     if args.retrieval_run:
         return cli.run(args, RANKING_ONLY, continue_run=True, ranking=ranking)
     return cli.run(args, ("train retrieval",) + RANKING_ONLY, ranking=ranking,
-                   run={"candidates": args.top_k})
+                   run={"candidates": args.top_k or 100})
 
 
 if __name__ == "__main__":

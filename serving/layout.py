@@ -43,12 +43,23 @@ def write_version(base_path: str, write: Callable[[str], None], version: int | N
     staging = tempfile.mkdtemp(prefix=f".tmp-{version}-", dir=base_path)
     try:
         write(staging)
-        os.chmod(staging, 0o755)      # mkdtemp's 0o700 would hide it from a server's user
+        make_readable(staging)        # mkdtemp's 0o700 would hide it from a server's user
         os.rename(staging, final)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return final
+
+
+def make_readable(folder: str) -> None:
+    """Makes a folder and everything in it readable by every user (folders 755, files 644),
+    so that a server running as another user (a container's) can load it, whatever the umask."""
+    os.chmod(folder, 0o755)
+    for directory, folders, files in os.walk(folder):
+        for name in folders:
+            os.chmod(os.path.join(directory, name), 0o755)
+        for name in files:
+            os.chmod(os.path.join(directory, name), 0o644)
 
 
 def write_models_config(path: str, base_paths: dict[str, str]) -> str:

@@ -174,12 +174,24 @@ def test_train_ranking_reuses_a_retrieval_run_and_matches_the_pipeline(run, retr
 
 
 @pytest.mark.parametrize("name, args, message", [
-    ("train_retrieval.py", ["--data", "synthetic:tiny", "--epochs", "0", "--out", "OUT"],
+    ("train_retrieval.py", ["--data", "synthetic:tiny", "--epochs", "0", "--out", "OUT/new"],
      "epochs must be positive"),
     ("train_ranking.py", ["--retrieval-run", "OUT"], "not a run folder"),
-    ("pipeline.py", ["--data", "OUT/none.csv", "--out", "OUT"], "no such file"),
+    ("pipeline.py", ["--data", "OUT/none.csv", "--out", "OUT/new"], "no such file"),
+    ("pipeline.py", ["--out", "OUT/a-file"], "is a file"),
+    ("pipeline.py", ["--out", "OUT/a-run"], "already holds a run; pass --overwrite"),
+    ("pipeline.py", ["--out", "OUT/a-folder"], "other files in it"),
+    ("pipeline.py", ["--split", "weekly", "--out", "OUT/new"], "split 'weekly'"),
+    ("pipeline.py", ["--split", "global:2", "--out", "OUT/new"], "0 < Q < 1"),
+    ("train_ranking.py", ["--retrieval-run", "OUT/a-run", "--split", "random"],
+     "leave out --split"),
 ])
 def test_script_mistakes_fail_before_training_with_one_line(tmp_path, name, args, message):
+    (tmp_path / "a-file").write_text("not a folder")
+    (tmp_path / "a-run").mkdir()
+    (tmp_path / "a-run" / "config.json").write_text("{}")
+    (tmp_path / "a-folder").mkdir()
+    (tmp_path / "a-folder" / "notes.txt").write_text("mine")
     done = script(name, *(arg.replace("OUT", str(tmp_path)) for arg in args), timeout=60)
     assert done.returncode == 2, done.stderr[-2000:]
     assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
@@ -212,3 +224,30 @@ def test_run_configs_resolve_validate_and_round_trip(tmp_path):
                          ({"run": {"top_m": 1}}, "unexpected keyword argument 'top_m'")):
         with pytest.raises(ValueError, match=message):
             config.resolve("tiny", **bad).validate()
+
+
+def test_the_served_check_fails_on_any_difference_but_a_float_tie():
+    from tworec.pipeline import served
+    lists = {"item_ids": np.array([["a", "b", "c"], ["d", "e", "f"]]),
+             "scores": np.array([[3.0, 2.0, 1.0], [3.0, 2.0, 2.0]], np.float32)}
+    targets = np.array(["b", "f"])
+    agree = served.Offline(ranks=np.array([1, 2]), target_scores=np.array([2.0, 2.0]))
+    result = served.compare("m", lists, agree, targets)
+    assert result["recall@3"] == 1.0 and result["float_ties"] == 0
+    tied = served.Offline(ranks=np.array([1, 1]), target_scores=np.array([2.0, 2.0]))
+    assert served.compare("m", lists, tied, targets)["float_ties"] == 1   # f tied with e
+    shifted = served.Offline(ranks=np.array([0, 2]), target_scores=np.array([2.0, 2.0]))
+    with pytest.raises(served.ServedMismatch, match="m: 1 of 2 served lists rank"):
+        served.compare("m", lists, shifted, targets)
+    missed = served.Offline(ranks=np.array([1, 50]), target_scores=np.array([2.0, 0.5]))
+    with pytest.raises(served.ServedMismatch):
+        served.compare("m", lists, missed, targets)
+
+
+def test_seen_items_served_are_counted():
+    import scipy.sparse as sp
+    from tworec.pipeline import served
+    catalogue = np.array(["x", "y", "z", "w"])
+    seen = sp.csr_matrix(np.array([[1, 0, 0, 0], [0, 0, 1, 1]], np.float32))
+    assert served.seen_served(np.array([["y", "z"], ["x", ""]]), catalogue, seen) == 0
+    assert served.seen_served(np.array([["x", "z"], ["w", "z"]]), catalogue, seen) == 3

@@ -135,6 +135,18 @@ def test_ranking_learns_and_reranks(inputs, transitions_only):
     assert two_stage_metrics(model, inputs, transitions_only, "test", missing)["recall@10"] == 0.0
 
 
+def test_empty_slots_score_below_their_list_as_the_export(inputs, transitions_only):
+    from tworec.features.inputs import EMPTY_SLOT
+    model, _ = fit(inputs, preset("tiny", epochs=1), transitions_only, verbose=0)
+    items = candidate_lists(inputs, "test", 4, 0.0, seed=3)
+    items[:, -2:] = EMPTY_SLOT
+    scores = score_lists(model, inputs, transitions_only, "test", items)
+    assert (scores[:, -2:] < scores[:, :-2].min(1, keepdims=True)).all()
+    assert np.isfinite(scores).all()
+    hard = np.concatenate([items[:, :1], np.full((len(items), 3), EMPTY_SLOT)], 1)
+    assert evaluate(model, inputs, transitions_only, "test", hard=hard)["auc"] is None
+
+
 def test_settings_that_cannot_work(inputs, transitions_only):
     with pytest.raises(ValueError, match="model 'gbdt'"):
         fit(inputs, preset("tiny", model="gbdt"), transitions_only, verbose=0)

@@ -245,6 +245,22 @@ def test_seen_exclusion_over_fetches_k_distinct_unseen_items(tmp_path):
             assert not data.seen[heavy, [code[item] for item in real]].nnz, name
 
 
+def test_candidates_past_the_unseen_items_are_empty_slots(trained):
+    """With fewer unseen items than k, the export's candidates end in empty slots, and so do
+    the offline ones: never a seen item."""
+    from tworec.evaluation import eval_set
+    from tworec.features.inputs import EMPTY_SLOT
+    from tworec.retrieval.train import top_candidates
+    log, parts, model, data, _ = trained
+    test = eval_set(log, parts, "test")
+    candidates = top_candidates(model, data, "test", data.num_items, evalset=test)
+    seen = np.asarray(test.history.sum(1)).ravel().astype(int)
+    assert ((candidates == EMPTY_SLOT).sum(1) == seen).all() and seen.min() > 0
+    real = np.where(candidates == EMPTY_SLOT, 0, candidates)
+    picked_seen = test.history[np.arange(len(test))[:, None], real].toarray() > 0   # [m, I]
+    assert not picked_seen[candidates != EMPTY_SLOT].any()
+
+
 def _history_strings(data, users: np.ndarray) -> np.ndarray:
     """[u, L] item id strings of the users' latest histories, '' for padding."""
     return data.items.decode(data.latest[users]).astype(object)

@@ -220,7 +220,11 @@ def test_versions_are_readable_by_a_server_running_as_another_user(tmp_path):
     def write(path):
         os.makedirs(os.path.join(path, "variables"))
         open(os.path.join(path, "variables", "variables.index"), "w").close()
-    version = write_version(str(tmp_path / "m"), write)
+    previous = os.umask(0o077)                    # a private umask must not hide the model
+    try:
+        version = write_version(str(tmp_path / "m"), write)
+    finally:
+        os.umask(previous)
     assert os.stat(version).st_mode & 0o777 == 0o755
     assert os.stat(os.path.join(version, "variables")).st_mode & 0o777 == 0o755
     assert os.stat(os.path.join(version, "variables", "variables.index")).st_mode & 0o777 == 0o644
