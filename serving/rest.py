@@ -219,24 +219,29 @@ async def _send_json(send, status: int, body: dict, close: bool = False) -> None
 class HeaderTimeoutProtocol(H11Protocol):
     """uvicorn's HTTP/1.1 protocol, closing a connection whose request head (request line and
     headers) has not fully arrived `config.header_timeout_seconds` after the connection opened
-    or the previous answer was sent (uvicorn itself has no such timeout). Each request's scope
-    carries, under `extensions[DISCONNECTED]`, a future done once the connection is lost."""
+    or, on a kept-alive connection, after the head's first bytes (uvicorn itself has no such
+    timeout; an idle kept-alive connection is closed by its keep-alive timeout). Each request's
+    scope carries, under `extensions[DISCONNECTED]`, a future done once the connection is lost.
+    """
 
     _header_timer: asyncio.TimerHandle | None = None
+    _seen_cycle = None
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._disconnected = self.loop.create_future()
         self._arm()
 
-    def on_response_complete(self) -> None:
-        self._arm()
-        super().on_response_complete()
+    def data_received(self, data: bytes) -> None:
+        if self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
+            self._arm()                   # the first bytes of the next request's head
+        super().data_received(data)
 
     def handle_events(self) -> None:
         super().handle_events()
-        if self._header_timer is not None and self.cycle is not self._armed_cycle:
-            self._disarm()                # a new request's head has arrived; its app task
+        if self.cycle is not self._seen_cycle:   # a new request's head has arrived
+            self._seen_cycle = self.cycle
+            self._disarm()
             self.scope.setdefault("extensions", {})[DISCONNECTED] = self._disconnected
 
     def connection_lost(self, exc) -> None:
@@ -247,7 +252,6 @@ class HeaderTimeoutProtocol(H11Protocol):
 
     def _arm(self) -> None:
         self._disarm()
-        self._armed_cycle = self.cycle
         self._header_timer = self.loop.call_later(self.config.header_timeout_seconds,
                                                   self._header_timeout)
 
