@@ -12,6 +12,7 @@ STACK = [
     "tensorflow-recommenders==0.7.7",
     "scann==1.4.2",
     "tensorflow-datasets",
+    "importlib_resources",      # TFDS imports it to download a data set, without requiring it
     "tensorflow-serving-api~=2.20.0",
     "numpy",
     "scipy",

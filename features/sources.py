@@ -453,6 +453,9 @@ def load_tfds(name: str, data_dir: str | None = None) -> Interactions:
         ratings = _tfds_columns(tfds.load(name, split="train", data_dir=data_dir))
         movies = _tfds_columns(tfds.load(name.replace("-ratings", "-movies"), split="train",
                                          data_dir=data_dir))
+    except ModuleNotFoundError as error:          # a package TFDS imports only when it downloads
+        raise DataError(f"tfds:{name}: TensorFlow Datasets needs the package {error.name!r} to "
+                        f"download; install it (pip install {error.name}) and try again") from None
     except Exception as error:  # TFDS raises many kinds of download and preparation errors.
         raise DataError(
             f"tfds:{name}: could not load it ({type(error).__name__}: {str(error)[:300]}). "

@@ -145,6 +145,23 @@ def test_tfds_with_mock_data():
     assert set(log.user_features) == {"gender", "age", "occupation"}
 
 
+def test_tfds_names_a_missing_package_not_the_network(monkeypatch):
+    import tensorflow_datasets as tfds
+
+    def load_without(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'importlib_resources'", name="importlib_resources")
+    monkeypatch.setattr(tfds, "load", load_without)
+    with pytest.raises(DataError, match=r"needs the package 'importlib_resources'.*pip install "
+                                        r"importlib_resources"):
+        load("tfds:movielens/100k-ratings")
+
+
+def test_tfds_can_download_in_the_installed_environment():
+    """What TFDS imports to download (its packaging gap) is installed with the project."""
+    import importlib.util
+    assert importlib.util.find_spec("importlib_resources") is not None
+
+
 def test_tfds_unsupported_name():
     with pytest.raises(DataError, match="unsupported"):
         load("tfds:mnist")
