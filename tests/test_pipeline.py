@@ -185,6 +185,10 @@ def test_train_ranking_reuses_a_retrieval_run_and_matches_the_pipeline(run, retr
     ("pipeline.py", ["--split", "global:2", "--out", "OUT/new"], "0 < Q < 1"),
     ("train_ranking.py", ["--retrieval-run", "OUT/a-run", "--split", "random"],
      "leave out --split"),
+    ("pipeline.py", ["--top-k", "0", "--out", "OUT/new"], "candidates must be positive"),
+    ("pipeline.py", ["--top-n", "0", "--out", "OUT/new"], "top_n must be positive"),
+    ("train_ranking.py", ["--data", "synthetic:tiny", "--epochs", "0", "--out", "OUT/new"],
+     "epochs must be positive"),
 ])
 def test_script_mistakes_fail_before_training_with_one_line(tmp_path, name, args, message):
     (tmp_path / "a-file").write_text("not a folder")
