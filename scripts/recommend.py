@@ -3,13 +3,15 @@
     python scripts/recommend.py --user ID [--url http://127.0.0.1:8501 | --grpc HOST:PORT]
         [--n 10] [--movies items.csv] [--seen ID,ID,...]
 
-`--movies` is a CSV with `item_id` and `title` columns, for titles beside the ids.
+`--movies` is a CSV with an item id column (`item_id`, GroupLens's `movieId`, or another name
+the loader knows) and a `title` column, for titles beside the ids: a GroupLens `movies.csv`
+works as it is.
 """
 import argparse
 import csv
 import sys
 
-
+from tworec.features.sources import DEFAULT_COLUMNS
 from tworec.serving.client import Client
 from tworec.serving.errors import ServingError
 from tworec.serving.recommender import PAD_ID, Recommender
@@ -22,20 +24,26 @@ def parse_args(argv):
     parser.add_argument("--grpc", default="", help="gRPC HOST:PORT (instead of --url)")
     parser.add_argument("--n", type=int, default=10, help="how many items")
     parser.add_argument("--seen", default="", help="comma-separated item ids to leave out")
-    parser.add_argument("--movies", default="", help="CSV with item_id,title columns")
+    parser.add_argument("--movies", default="",
+                        help="CSV with an item id column (item_id, movieId, ...) and title")
     parser.add_argument("--retrieval_model", default="retrieval")
     parser.add_argument("--ranking_model", default="ranking")
     return parser.parse_args(argv)
 
 
 def read_titles(path: str) -> dict[str, str]:
+    """item id -> title from a CSV whose item id column has any name the loader knows."""
     if not path:
         return {}
     with open(path, newline="", encoding="utf-8") as f:
         rows = csv.DictReader(f)
-        if not {"item_id", "title"} <= set(rows.fieldnames or ()):
-            raise ValueError(f"{path} needs item_id and title columns, has {rows.fieldnames}")
-        return {row["item_id"]: row["title"] for row in rows}
+        names = rows.fieldnames or ()
+        ids = next((name for name in DEFAULT_COLUMNS["item"] if name in names), None)
+        if ids is None or "title" not in names:
+            raise ValueError(f"{path} needs an item id column (one of "
+                             f"{', '.join(DEFAULT_COLUMNS['item'])}) and a title column; "
+                             f"it has {', '.join(names)}")
+        return {row[ids]: row["title"] for row in rows}
 
 
 def main(argv=None) -> int:
