@@ -18,6 +18,7 @@ STACK = [
     "scipy",
     "pyarrow",
     "matplotlib",
+    "markdown",                 # report.html from report.md
     "tqdm",
     "grpcio",
     "requests",

@@ -90,5 +90,6 @@ def run(args, steps: tuple[str, ...], continue_run: bool = False, verbose: int =
                if test]
     print(f"[run] done in {time.perf_counter() - start:.0f} s"
           + (f"; test Recall@10 / NDCG@10: {', '.join(figures)}" if figures else ""))
-    print(f"[run] report: {os.path.join(args.out, 'report.md')} (also report.json, plots/)")
+    print(f"[run] report: {os.path.join(args.out, 'report.md')} "
+          "(also report.html, report.json, plots/)")
     return 0

@@ -1,8 +1,10 @@
-"""The run's report: RUN/report.json (every result), RUN/report.md (for people) and
-RUN/plots/*.png, written from the results the run's steps produced. A section a run did not
-produce (ranking, in a retrieval-only run) is left out."""
+"""The run's report: RUN/report.json (every result), RUN/report.md (for people),
+RUN/report.html (the same with the plots inline, one file to share) and RUN/plots/*.png,
+written from the results the run's steps produced. A section a run did not produce (ranking,
+in a retrieval-only run) is left out."""
 from __future__ import annotations
 
+import base64
 import json
 import os
 
@@ -44,8 +46,27 @@ def write(out: str, report: dict) -> None:
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f, indent=2, default=float)
     plots = plot(out, report)
+    text = markdown(report, out, plots)
     with open(os.path.join(out, "report.md"), "w") as f:
-        f.write(markdown(report, out, plots))
+        f.write(text)
+    with open(os.path.join(out, "report.html"), "w") as f:
+        f.write(html(text, out, plots))
+
+
+def html(text: str, out: str, plots: list[str]) -> str:
+    """report.md as one self-contained HTML page: Python-Markdown's rendering, the plots
+    embedded as data URIs, no external resource."""
+    import markdown as markdown_library
+    body = markdown_library.markdown(text, extensions=["tables"])
+    for name in plots:
+        with open(os.path.join(out, "plots", name), "rb") as f:
+            data = base64.b64encode(f.read()).decode()
+        body += f'<figure><img alt="{name}" src="data:image/png;base64,{data}"></figure>\n'
+    return ("<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>tworec run report"
+            "</title><style>body{font-family:sans-serif;max-width:60em;margin:2em auto;"
+            "line-height:1.4}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
+            "padding:.2em .6em;text-align:right}img{max-width:100%}pre{background:#f4f4f4;"
+            "padding:.5em;overflow-x:auto}</style></head><body>\n" + body + "</body></html>\n")
 
 
 def _training_summaries(out: str) -> dict[str, dict]:

@@ -45,7 +45,7 @@ def test_the_run_is_quiet_and_says_each_step_and_where_the_report_is(run):
                  "serve and check", "report"):
         assert any(line.startswith(f"[run] {step}: ") and line.endswith(" s") for line in lines), step
     assert sum(line.startswith("[retrieval] epoch ") for line in lines) == 3
-    assert lines[-1] == f"[run] report: {out / 'report.md'} (also report.json, plots/)"
+    assert lines[-1] == f"[run] report: {out / 'report.md'} (also report.html, report.json, plots/)"
 
 
 def test_report_follows_the_schema(run):
@@ -122,6 +122,9 @@ def test_plots_and_human_report_exist(run):
         assert (out / "plots" / plot).stat().st_size > 5000
     text = (out / "report.md").read_text()
     assert "tensorflow_model_server" in text and "| popularity |" in text
+    page = (out / "report.html").read_text()
+    assert "<table>" in page and page.count('src="data:image/png;base64,') == 3
+    assert "http://" not in page and "https://" not in page        # nothing fetched to read it
     assert (out / "config.json").exists() and (out / "tensorboard").is_dir()
 
 
