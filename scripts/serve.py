@@ -131,6 +131,7 @@ def main(argv=None) -> int:
                                          args.model_config_file_poll_wait_seconds)
     for config in configs:
         print(f"model {config.name}: {config.base_path}")
+    server.handle_signals()                  # before the readiness line: a SIGTERM on it stops
     rest = f", REST on http://{args.host}:{server.rest_port}" if server.rest_port else ""
     print(f"serving gRPC on {args.host}:{server.grpc_port}{rest}; Ctrl-C or SIGTERM stops",
           flush=True)

@@ -71,6 +71,7 @@ class ModelServer:
         self._max_concurrent = max_concurrent_requests
         self._header_timeout_seconds = header_timeout_seconds
         self.grace_seconds = grace_seconds
+        self._signals = None
 
     def start(self) -> "ModelServer":
         """Starts loading the models, opens the ports, and returns self once the initial
@@ -97,17 +98,27 @@ class ModelServer:
         self._scheduler.close()
         self.manager.stop()
 
+    def handle_signals(self) -> None:
+        """Catches SIGTERM and SIGINT from now on, for `wait` (main thread only). Call it
+        before announcing the server is ready, so that a signal sent on that news is not lost
+        (`wait` calls it if it was not called)."""
+        if self._signals is None:
+            received = threading.Event()
+            previous = {sig: signal.signal(sig, lambda number, frame: received.set())
+                        for sig in (signal.SIGTERM, signal.SIGINT)}
+            self._signals = received, previous
+
     def wait(self) -> None:
         """Blocks until SIGTERM or SIGINT (Ctrl-C), then stops gracefully (see `stop`)."""
-        received = threading.Event()
-        previous = {sig: signal.signal(sig, lambda number, frame: received.set())
-                    for sig in (signal.SIGTERM, signal.SIGINT)}
+        self.handle_signals()
+        received, previous = self._signals
         try:
             received.wait()
             log.info("stopping: requests in flight get %g s to finish", self.grace_seconds)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            self._signals = None
             self.stop()
 
     def __enter__(self) -> "ModelServer":

@@ -177,7 +177,7 @@ def test_declared_shapes_must_match_the_bytes_sent(models, name, proto):
         before, start = _rss_bytes(), time.monotonic()
         error = _grpc_error(_stub(server).Predict, request)
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
-        assert time.monotonic() - start < 2 and _rss_bytes() - before < 32 << 20
+        assert time.monotonic() - start < 5 and _rss_bytes() - before < 32 << 20
 
 
 # ------------------------------------------------------------------ 4. ReloadConfig
@@ -237,34 +237,36 @@ def test_timed_out_runs_stop_and_status_never_waits(models):
         start = time.monotonic()
         assert requests.post(f"{rest}/scale:predict", json={"inputs": [1.0]},
                              timeout=30).json() == {"outputs": [3.0]}
-        assert time.monotonic() - start < 1.0
-    assert status_seconds < 0.5
+        assert time.monotonic() - start < 1.5
+    assert status_seconds < 1.5
     assert all(code == 504 and seconds < 2.5 for code, seconds in answers), answers
 
 
 # ------------------------------------------------------------------ 6. model isolation
 
 
-def test_a_bad_version_delays_neither_other_models_nor_ports_nor_reloads(models, tmp_path,
-                                                                        unused_port):
+def test_a_bad_version_delays_neither_other_models_nor_ports_nor_reloads(models, tmp_path):
+    """The bad version retries for far longer than any bound below (1000 attempts, 1 s apart),
+    so each bound fails if the bad version holds anything up, however slow the machine."""
     bad, good = str(tmp_path / "bad"), str(tmp_path / "good")
     os.makedirs(os.path.join(bad, "1"))                 # an empty version folder
     save(Scale(1.0), good)
     manager = ModelManager([ModelConfig("bad", bad), ModelConfig("good", good)],
-                           poll_seconds=0.05, max_load_retries=10, load_retry_seconds=1.0)
-    server = ModelServer(manager, grpc_port=0, rest_port=unused_port)
+                           poll_seconds=0.05, max_load_retries=1000, load_retry_seconds=1.0)
+    server = ModelServer(manager, grpc_port=0, rest_port=0)
     started = threading.Thread(target=server.start, daemon=True)
     started.start()
-    rest = f"http://127.0.0.1:{unused_port}/v1/models"
     try:
-        _wait_for(lambda: _status_code(f"{rest}/good") == 200, seconds=3)
+        _wait_for(lambda: server.rest_port, seconds=30)   # bound before the models settle
+        rest = f"http://127.0.0.1:{server.rest_port}/v1/models"
+        _wait_for(lambda: _status_code(f"{rest}/good") == 200, seconds=30)
         save(Scale(2.0), good)
-        _wait_for(lambda: _predict_scale(f"{rest}/good") == 2.0, seconds=3)
+        _wait_for(lambda: _predict_scale(f"{rest}/good") == 2.0, seconds=30)
         loading = requests.get(f"{rest}/bad", timeout=5).json()["model_version_status"][0]
         assert loading["state"] == "LOADING"
         start = time.monotonic()
         _reload(server, {"bad": bad, "good": good, "again": good})
-        assert time.monotonic() - start < 3
+        assert time.monotonic() - start < 15
         assert _predict_scale(f"{rest}/again") == 2.0
     finally:
         manager.stop()
@@ -296,6 +298,20 @@ def unused_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _server_has_read(port: int, client: socket.socket) -> bool:
+    """Whether the server at `port` has accepted `client`'s connection and read all it sent
+    (its side of the connection is established with nothing left in its receive queue)."""
+    client_port = client.getsockname()[1]
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            local, remote, state = fields[1], fields[2], fields[3]
+            if (int(local.split(":")[1], 16) == port
+                    and int(remote.split(":")[1], 16) == client_port):
+                return state == "01" and int(fields[4].split(":")[1], 16) == 0
+    return False
 
 
 # ------------------------------------------------------------------ 7. slow clients
@@ -346,18 +362,18 @@ def test_a_partial_body_is_never_run(models):
 
 def test_work_for_a_gone_client_is_dropped(models):
     """A predict queued behind a slow run, whose client then leaves, never runs."""
-    manager = ModelManager([ModelConfig(n, os.path.join(models, n))
-                            for n in ("scale", "spin_short")],
+    manager = ModelManager([ModelConfig(n, os.path.join(models, n)) for n in ("scale", "spin")],
                            poll_seconds=0, load=CountingLoadedModel)
     with ModelServer(manager, grpc_port=None, rest_port=0, predict_threads=1) as server:
-        url = f"http://127.0.0.1:{server.rest_port}/v1/models/spin_short:predict"
+        url = f"http://127.0.0.1:{server.rest_port}/v1/models/spin:predict"
         with ThreadPoolExecutor(1) as pool:
-            slow = pool.submit(requests.post, url, json={"inputs": [1.0]}, timeout=30)
-            time.sleep(0.1)
+            before = CountingLoadedModel.runs
+            slow = pool.submit(requests.post, url, json={"inputs": [1.0]}, timeout=60)
+            _wait_for(lambda: CountingLoadedModel.runs > before, seconds=30)  # it runs
             runs = CountingLoadedModel.runs
             gone = _connect(server.rest_port)
             gone.sendall((_HEAD + f"Content-Length: {len(_BODY)}\r\n\r\n").encode() + _BODY)
-            time.sleep(0.1)
+            _wait_for(lambda: _server_has_read(server.rest_port, gone), seconds=30)
             gone.close()
             assert slow.result().status_code == 200
         time.sleep(0.2)
@@ -365,22 +381,24 @@ def test_work_for_a_gone_client_is_dropped(models):
 
 
 def test_slow_clients_are_cut_off_and_connections_capped(models):
-    with _serve(models, names=("scale",), header_timeout_seconds=0.3,
-                body_timeout_seconds=0.3, max_concurrent_requests=3) as server:
+    with _serve(models, names=("scale",), header_timeout_seconds=2.0,
+                body_timeout_seconds=2.0, max_concurrent_requests=3) as server:
         port, head, body = server.rest_port, _HEAD, _BODY
         slow_head = _connect(port)
         slow_head.sendall(head.encode())                        # the head never ends
-        assert _closed_within(slow_head, 2)
+        assert _closed_within(slow_head, 10)
         slow_body = _connect(port)
         slow_body.sendall((head + "Content-Length: 1000\r\n\r\n{").encode())
         answer = slow_body.recv(65536)
-        assert b" 408 " in answer.split(b"\r\n")[0] and _closed_within(slow_body, 2)
+        assert b" 408 " in answer.split(b"\r\n")[0] and _closed_within(slow_body, 10)
         idle = [_connect(port) for _ in range(3)]               # the connection cap
-        time.sleep(0.1)
+        for sock in idle:                                       # each accepted by the server
+            sock.sendall(b"P")
+            _wait_for(lambda: _server_has_read(port, sock), seconds=30)
         refused = requests.post(f"http://127.0.0.1:{port}/v1/models/scale:predict",
                                 data=body, timeout=5)
         assert refused.status_code == 503
-        assert all(_closed_within(sock, 2) for sock in idle)
+        assert all(_closed_within(sock, 10) for sock in idle)
         assert requests.post(f"http://127.0.0.1:{port}/v1/models/scale:predict", data=body,
                              timeout=5).json() == {"outputs": [3.0]}
 
@@ -390,8 +408,8 @@ def test_slow_clients_are_cut_off_and_connections_capped(models):
 
 def test_batches_fill_beyond_the_request_threads(models):
     """16 concurrent one-row requests fill a 16-row batch at once instead of each waiting the
-    300 ms batch timeout; a request over max_batch_size is refused, or split when allowed."""
-    batcher = Batcher(max_batch_size=16, batch_timeout_micros=300_000)
+    2 s batch timeout; a request over max_batch_size is refused, or split when allowed."""
+    batcher = Batcher(max_batch_size=16, batch_timeout_micros=2_000_000)
     with _serve(models, batcher=batcher) as server:
         stub = _stub(server)
 
@@ -405,7 +423,7 @@ def test_batches_fill_beyond_the_request_threads(models):
             answers = list(pool.map(call, range(48)))
         error = _grpc_error(stub.Predict, _request("scale", {"x": np.ones(17, np.float32)}))
     assert [value for value, _ in answers] == [3.0 * i for i in range(48)]
-    assert np.median([seconds for _, seconds in answers]) < 0.2
+    assert np.median([seconds for _, seconds in answers]) < 1.0
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "Task size 17 is larger than maximum input batch size 16" in error.details()
     splitting = Batcher(max_batch_size=4, batch_timeout_micros=1000,
@@ -455,24 +473,54 @@ def test_grpc_init_op_and_missing_saved_model_are_client_facing(models, tmp_path
 # ------------------------------------------------------------------ 10. graceful stop
 
 
+def _start_serve(models: str) -> tuple[subprocess.Popen, int]:
+    """scripts/serve.py serving spin_short, once it says it is ready (its signal handlers are
+    installed by then). REST needs a fixed port there (0 turns it off): a port another process
+    took between the pick and the bind makes the server exit, and it is tried again."""
+    for _ in range(5):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        process = subprocess.Popen(
+            [sys.executable, os.path.join(REPOSITORY, "scripts", "serve.py"),
+             "--model_name=spin_short", f"--model_base_path={models}/spin_short",
+             "--port=0", f"--rest_api_port={port}"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        for line in process.stdout:
+            if "serving gRPC" in line:
+                return process, port
+        process.wait(timeout=30)                       # exited before it was ready
+    raise AssertionError("the server did not start")
+
+
+def _http_status(sock: socket.socket) -> int:
+    """The status code of the answer on `sock` (read to the end)."""
+    sock.settimeout(60)
+    answer = b""
+    while chunk := sock.recv(65536):
+        answer += chunk
+    return int(answer.split(b" ", 2)[1])
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM])
-def test_sigterm_drains_requests_in_flight(models, unused_port, sig):
-    process = subprocess.Popen(
-        [sys.executable, os.path.join(REPOSITORY, "scripts", "serve.py"),
-         "--model_name=spin_short", f"--model_base_path={models}/spin_short",
-         "--port=0", f"--rest_api_port={unused_port}"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+def test_sigterm_drains_requests_in_flight(models, sig):
+    process, port = _start_serve(models)
     try:
-        while "serving gRPC" not in process.stdout.readline():
-            assert process.poll() is None, "the server did not start"
-        url = f"http://127.0.0.1:{unused_port}/v1/models/spin_short:predict"
-        with ThreadPoolExecutor(2) as pool:
-            in_flight = [pool.submit(requests.post, url, json={"inputs": [1.0]}, timeout=30)
-                         for _ in range(2)]
-            time.sleep(0.15)
-            process.send_signal(sig)
-            answers = [future.result() for future in in_flight]
-        assert process.wait(timeout=30) == 0
+        body = b'{"inputs": [1.0]}'
+        in_flight = [socket.create_connection(("127.0.0.1", port), timeout=30)
+                     for _ in range(2)]
+        for sock in in_flight:
+            sock.sendall((f"POST /v1/models/spin_short:predict HTTP/1.1\r\nHost: x\r\n"
+                          f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+                          ).encode() + body)
+        for sock in in_flight:                         # both requests read by the server
+            _wait_for(lambda: _server_has_read(port, sock), seconds=30)
+        process.send_signal(sig)
+        statuses = [_http_status(sock) for sock in in_flight]
+        for sock in in_flight:
+            sock.close()
+        assert process.wait(timeout=60) == 0
     finally:
         process.kill()
-    assert [answer.status_code for answer in answers] == [200, 200]
+        process.stdout.close()
+    assert statuses == [200, 200]
