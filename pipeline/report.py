@@ -85,6 +85,7 @@ def plot(out: str, report: dict) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     written = []
 
@@ -102,8 +103,18 @@ def plot(out: str, report: dict) -> list[str]:
             for key in ("loss", "val_loss"):
                 if key in history:
                     axis.plot(range(1, len(history[key]) + 1), history[key], marker="o", label=key)
-            axis.set(title=f"{name} loss per epoch", xlabel="epoch", ylabel="loss")
-            axis.legend()
+            axis.set(title=f"{name} per epoch", xlabel="epoch", ylabel="loss")
+            axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+            handles = axis.get_legend_handles_labels()
+            if "val_recall@10" in history:             # the metric early stopping follows
+                twin = axis.twinx()
+                values = history["val_recall@10"]
+                twin.plot(range(1, len(values) + 1), values, marker="s", color="tab:green",
+                          label="val_recall@10")
+                twin.set_ylabel("validation recall@10")
+                more = twin.get_legend_handles_labels()
+                handles = (handles[0] + more[0], handles[1] + more[1])
+            axis.legend(*handles, loc="best")
         save(figure, "training.png")
 
     curves = {name: report[section]["test"] for name, section in
@@ -111,12 +122,13 @@ def plot(out: str, report: dict) -> list[str]:
               if (report.get(section) or {}).get("test")}
     curves.update({name: metrics for name, metrics in report.get("baselines", {}).items() if metrics})
     if curves:
-        figure, axis = plt.subplots(figsize=(6, 4))
+        figure, axis = plt.subplots(figsize=(8, 4))
         for name, metrics in curves.items():
             ks = [k for k in KS if f"recall@{k}" in metrics]
             axis.plot(ks, [metrics[f"recall@{k}"] for k in ks], marker="o", label=name)
         axis.set(title="test Recall@K", xlabel="K", ylabel="recall", xscale="log")
-        axis.legend()
+        axis.set_xticks(KS, [str(k) for k in KS])
+        axis.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0))    # beside, never over a curve
         save(figure, "recall_at_k.png")
 
     if "index" in report:
@@ -126,6 +138,16 @@ def plot(out: str, report: dict) -> list[str]:
                      [r["recall"] for r in index["table"]], label="ScaNN settings")
         axis.axvline(index["exact_latency_ms_p50"], color="grey", linestyle="--",
                      label="brute force")
+        chosen = [row for row in index["table"] if index["params"] and all(
+            row[key] == value for key, value in index["params"].items())]
+        if chosen:
+            axis.scatter([chosen[0]["latency_ms_p50"]], [chosen[0]["recall"]], s=160,
+                         facecolors="none", edgecolors="red", linewidths=2, label="chosen")
+            axis.annotate(f"{chosen[0]['num_leaves']} leaves, search "
+                          f"{chosen[0]['num_leaves_to_search']}, re-score "
+                          f"{chosen[0]['num_reordering_candidates']}",
+                          (chosen[0]["latency_ms_p50"], chosen[0]["recall"]),
+                          textcoords="offset points", xytext=(8, -14), fontsize=8)
         axis.set(title="ScaNN recall against latency", xlabel="single-query latency p50 (ms)",
                  ylabel="recall vs exact")
         axis.legend()
