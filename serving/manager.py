@@ -222,10 +222,12 @@ class ModelManager:
 
     def poll(self) -> None:
         """Asks every model's worker to list its base path, load the versions wanted and
-        retire the others; a model whose previous poll is still running is skipped."""
+        retire the others. A model whose poll is running gets one more queued behind it (it
+        reads the config when it starts, so a reload meanwhile is never missed); one already
+        queued and not started is enough."""
         with self._lock:
             for model in self._models.values():
-                if model.poll is None or model.poll.done():
+                if model.poll is None or model.poll.running() or model.poll.done():
                     model.poll = model.worker.submit(self._poll_model, model)
 
     @contextlib.contextmanager
@@ -298,17 +300,22 @@ class ModelManager:
                 log.exception("polling the model base paths failed")
 
     def _poll_model(self, model: _Model) -> None:
-        """On the model's worker: loads the new versions it wants, then retires the others."""
+        """On the model's worker: loads the new versions it wants, then retires the others,
+        both by the config as it was when the poll started (a reload meanwhile queues another
+        poll, which follows the new config; retiring by it here could retire the version
+        serving before its replacement is loaded)."""
+        with self._lock:
+            config = model.config
         try:
-            on_disk = list_versions(model.config.base_path)
+            on_disk = list_versions(config.base_path)
         except OSError as error:
-            log.error("listing the versions of model %s failed: %s", model.config.name, error)
+            log.error("listing the versions of model %s failed: %s", config.name, error)
             with self._changed:                         # what is served stays as it is
                 model.listed = True
                 self._changed.notify_all()
             return
         with self._lock:
-            new = sorted(v for v in self._wanted(model, on_disk)
+            new = sorted(v for v in self._wanted(model, config, on_disk)
                          if v not in model.versions or model.versions[v].state == "END")
             for number in new:
                 model.versions[number] = _Version()
@@ -318,14 +325,14 @@ class ModelManager:
             self._load_version(model, number)
         with self._lock:
             if not model.removed.is_set():              # the wanted ones, failures left out
-                self._retire(model, set(model.versions) - self._wanted(model, on_disk))
+                self._retire(model, set(model.versions) - self._wanted(model, config, on_disk))
 
     @staticmethod
-    def _wanted(model: _Model, on_disk: list[int]) -> set[int]:
-        """The versions to serve: the policy's choice among those that did not fail to load."""
+    def _wanted(model: _Model, config: ModelConfig, on_disk: list[int]) -> set[int]:
+        """The versions `config` serves: its policy's choice among those that did not fail
+        to load."""
         known = model.versions
-        return model.config.wanted([v for v in on_disk
-                                    if v not in known or known[v].error is None])
+        return config.wanted([v for v in on_disk if v not in known or known[v].error is None])
 
     def _load_version(self, model: _Model, number: int) -> None:
         """Loads a version, retrying on failure; the outcome is kept in its status."""

@@ -214,6 +214,42 @@ def test_reload_config_loads_only_under_allowed_roots(models, tmp_path):
             get_model_status_pb2.ModelVersionStatus.AVAILABLE
 
 
+def test_a_reload_during_a_poll_is_followed_and_never_leaves_no_version(tmp_path):
+    """The config changes from version 1 to version 2 while version 1 loads: the poll under
+    way must not retire version 1 by the new config, and the reload must not be skipped (it
+    was: version 1 retired, version 2 never loaded, nothing served)."""
+    base = str(tmp_path / "a")
+    for version in (1, 2):
+        os.makedirs(os.path.join(base, str(version)))
+    loading, release = threading.Event(), threading.Event()
+
+    class Fake:
+        def __init__(self, path):
+            if path.endswith("1"):
+                loading.set()
+                assert release.wait(60)
+
+        def close(self):
+            pass
+    manager = ModelManager([ModelConfig("a", base, policy="specific", versions=(1,))],
+                           poll_seconds=0, load=Fake)
+    manager.start(wait=False)
+    try:
+        assert loading.wait(30)
+        manager.reload([ModelConfig("a", base, policy="specific", versions=(2,))],
+                       wait_seconds=30)
+        release.set()
+
+        def states():
+            return {s.version: get_model_status_pb2.ModelVersionStatus.State.Name(s.state)
+                    for s in manager.status("a").model_version_status}
+        _wait_for(lambda: states().get(2) == "AVAILABLE" and states().get(1) == "END",
+                  seconds=30)
+    finally:
+        release.set()
+        manager.stop()
+
+
 # ------------------------------------------------------------------ 5. slow requests
 
 
