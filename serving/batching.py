@@ -12,7 +12,9 @@ one model version, signature and output filter queue together; a batch closes wh
 `num_batch_threads` threads of its own, so a batch fills however few request threads there are.
 Every request is checked alone before it may join a queue (names, dtypes, shapes and one shared
 dimension 0), the merged outputs go back by each request's own row count, and when a merged run
-fails each request is run alone so that it gets its own answer or error. A request larger than
+fails on its data each request is run alone so that it gets its own answer or error. A merged
+run is bounded by the latest deadline of its requests, never the earliest, so one request with a
+short deadline cannot cut the others' run short. A request larger than
 `max_batch_size` is refused ("Task size ... is larger than maximum input batch size ...")
 unless `enable_large_batch_splitting` splits it.
 """
@@ -298,13 +300,23 @@ def _start(tasks: list[_Task]) -> list[_Task]:
     return started
 
 
+# Failures of a merged run that say nothing about its data: every request gets the same one
+# instead of a run of its own (DEADLINE_EXCEEDED: the latest deadline of the batch has passed).
+_NOT_DATA_ERRORS = ("DEADLINE_EXCEEDED", "CANCELLED", "UNAVAILABLE")
+
+
 def _run_batch(queue: _Queue, tasks: list[_Task]) -> None:
-    """Runs the tasks as one merged batch, or one by one when the merge fails or cannot split."""
+    """Runs the tasks as one merged batch, or one by one when the merged run fails on its data
+    (or its outputs cannot be split), so that each request gets its own answer or error."""
     tasks = _start(tasks)
     if len(tasks) > 1:
         try:
             return _run_merged(queue, tasks)
-        except Exception as error:  # noqa: BLE001  (each request then gets its own answer)
+        except ServingError as error:
+            if error.code in _NOT_DATA_ERRORS:
+                for task in tasks:
+                    task.future.set_exception(error)
+                return
             log.info("a merged batch of %d requests failed (%s); running them one by one",
                      len(tasks), error)
     for task in tasks:
@@ -316,16 +328,24 @@ def _run_batch(queue: _Queue, tasks: list[_Task]) -> None:
 
 
 def _run_merged(queue: _Queue, tasks: list[_Task]) -> None:
+    """One run of the tasks' rows, bounded by the latest deadline among them (none if one has
+    none), so that a request with a short deadline never cuts the run of the others short;
+    the requests whose own deadline passed meanwhile are answered DEADLINE_EXCEEDED."""
     merged = {name: np.concatenate([t.inputs[name] for t in tasks])
               for name in tasks[0].inputs}                                    # [sum rows, ...]
-    deadlines = [t.deadline for t in tasks if t.deadline is not None]
+    deadlines = [t.deadline for t in tasks]
     outputs = _run(queue.model, merged, queue.signature_name, queue.output_filter,
-                   min(deadlines) if deadlines else None)
+                   None if None in deadlines else max(deadlines))
     ends = np.cumsum([t.rows for t in tasks])
     for name, value in outputs.items():
         if np.ndim(value) == 0 or len(value) != ends[-1]:
             raise ServingError("INTERNAL", f"output {name} of shape {np.shape(value)} has no "
                                f"batch dimension of {ends[-1]}")
     for task, end in zip(tasks, ends):
-        task.future.set_result({name: value[end - task.rows:end]
-                                for name, value in outputs.items()})
+        left = remaining(task.deadline)
+        if left is not None and left <= 0:
+            task.future.set_exception(ServingError(
+                "DEADLINE_EXCEEDED", "the request's deadline passed before the model answered"))
+        else:
+            task.future.set_result({name: value[end - task.rows:end]
+                                    for name, value in outputs.items()})

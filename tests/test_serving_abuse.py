@@ -470,6 +470,28 @@ def test_batches_fill_beyond_the_request_threads(models):
     np.testing.assert_array_equal(tf.make_ndarray(answer.outputs["y"]), 3.0 * np.arange(10))
 
 
+def test_a_short_deadline_does_not_cut_the_batch_short(models):
+    """Four requests without a deadline share a batch with one whose deadline passes during
+    the run: the merged run goes on (one session run, not one cut short and five more alone,
+    which multiplied the others' latency), the four get their answers and the fifth
+    DEADLINE_EXCEEDED."""
+    model = CountingLoadedModel(os.path.join(models, "spin_short", "1"))
+    batcher = Batcher(max_batch_size=5, batch_timeout_micros=30_000_000, num_batch_threads=1)
+    try:
+        runs = CountingLoadedModel.runs
+        innocent = [batcher.submit(model, {"x": np.ones(1, np.float32)}) for _ in range(4)]
+        short = batcher.submit(model, {"x": np.ones(1, np.float32)},      # fills the batch
+                               deadline=time.monotonic() + 0.3)
+        answers = [future.result(timeout=120)["y"] for future in innocent]
+        assert short.exception(timeout=120).code == "DEADLINE_EXCEEDED"
+    finally:
+        batcher.close()
+        model.close()
+    assert CountingLoadedModel.runs - runs == 1
+    assert answers[0].shape == (1,)
+    assert all(np.array_equal(answer, answers[0]) for answer in answers)
+
+
 # ------------------------------------------------------------------ 9. client errors
 
 
