@@ -75,14 +75,31 @@ class ModelServer:
 
     def start(self) -> "ModelServer":
         """Starts loading the models, opens the ports, and returns self once the initial
-        versions are AVAILABLE or given up."""
+        versions are AVAILABLE or given up. When a port cannot be opened, what was started
+        (the other port, the scheduler, the model workers) is stopped and the error raised."""
         self.manager.start(wait=False)
-        if self.grpc_port is not None:
-            self._start_grpc()
-        if self.rest_port is not None:
-            self._start_rest()
+        try:
+            if self.grpc_port is not None:
+                self._start_grpc()
+            if self.rest_port is not None:
+                self._start_rest()
+        except BaseException:
+            self._stop_after_failed_start()
+            raise
         self.manager.wait_until_settled()
         return self
+
+    def _stop_after_failed_start(self) -> None:
+        try:
+            if self._grpc is not None:
+                self._grpc.stop(0).wait()
+            if self._rest is not None:
+                self._rest.should_exit = True
+                self._rest_thread.join()
+        finally:
+            self._grpc = self._rest = self._rest_thread = None
+            self._scheduler.close()
+            self.manager.stop()
 
     def stop(self, grace_seconds: float | None = None) -> None:
         """Stops accepting requests, lets those in flight finish within the grace period,
@@ -147,7 +164,11 @@ class ModelServer:
                              socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.bind((self.host, self.rest_port))
+        try:
+            sock.bind((self.host, self.rest_port))
+        except OSError:
+            sock.close()
+            raise
         self.rest_port = sock.getsockname()[1]
         config = uvicorn.Config(self._rest_app, log_level="warning", lifespan="off",
                                 access_log=False, http=HeaderTimeoutProtocol,

@@ -350,6 +350,24 @@ def _server_has_read(port: int, client: socket.socket) -> bool:
     return False
 
 
+def test_a_port_that_cannot_be_opened_stops_what_was_started(models):
+    """The REST port is taken: start raises, and the gRPC port it had opened is closed and the
+    models unloaded (they kept serving, with no way to stop them)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = _serve(models, names=("scale",))
+        server.rest_port = taken.getsockname()[1]
+        with pytest.raises(OSError):
+            server.start()
+        grpc_port = server.grpc_port
+    assert grpc_port
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", grpc_port)) != 0
+    with pytest.raises(Exception, match="Could not find any versions"):
+        server.manager.status("scale")
+
+
 # ------------------------------------------------------------------ 7. slow clients
 
 
