@@ -191,9 +191,16 @@ class Batcher:
             if not self.split:
                 raise ServingError("INVALID_ARGUMENT", f"Task size {rows} is larger than "
                                    f"maximum input batch size {self.max_batch_size}")
-            return _gather([self.submit(model, part, signature_name, output_filter, deadline,
-                                        cancelled)
-                            for part in _split(inputs, rows, self.max_batch_size)])
+            parts = []
+            try:
+                for part in _split(inputs, rows, self.max_batch_size):
+                    parts.append(self.submit(model, part, signature_name, output_filter,
+                                             deadline, cancelled))
+            except BaseException:         # a part refused: the queued ones must not run
+                for queued in parts:
+                    queued.cancel()
+                raise
+            return _gather(parts)
         task = _Task(inputs, rows, deadline, cancelled)
         with self._cond:
             queue = self._queues.get(key) or _Queue(model, signature_name, tuple(output_filter))
@@ -257,11 +264,26 @@ def _split(inputs: dict[str, np.ndarray], rows: int, size: int) -> list[dict[str
             for start in range(0, rows, size)]
 
 
+class _Gathered(Future):
+    """The future of a split request: cancelling it cancels its parts (those not started yet
+    never run)."""
+
+    def __init__(self, parts: list[Future]):
+        super().__init__()
+        self.parts = parts
+
+    def cancel(self) -> bool:
+        if not super().cancel():            # answered already
+            return False
+        for part in self.parts:
+            part.cancel()
+        return True
+
+
 def _gather(parts: list[Future]) -> Future:
     """A future of the parts' outputs concatenated along dimension 0 (the first error wins);
     cancelling it cancels the parts."""
-    result = Future()
-    result.set_running_or_notify_cancel()
+    result = _Gathered(parts)
     left = [len(parts)]
     lock = threading.Lock()
 
@@ -271,6 +293,8 @@ def _gather(parts: list[Future]) -> Future:
             if left[0]:
                 return
         errors = [p.exception() for p in parts if not p.cancelled() and p.exception()]
+        if not result.set_running_or_notify_cancel():
+            return                                      # cancelled: nobody waits for it
         if errors or any(p.cancelled() for p in parts):
             result.set_exception(errors[0] if errors else ServingError(
                 "CANCELLED", "the request was cancelled"))

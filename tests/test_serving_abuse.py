@@ -31,6 +31,7 @@ from tensorflow_serving.config import model_server_config_pb2
 
 from test_serving import Scale, ToyRanking, save
 from tworec.serving.batching import Batcher
+from tworec.serving.errors import ServingError
 from tworec.serving.manager import ModelConfig, ModelManager
 from tworec.serving.model import LoadedModel
 from tworec.serving.server import ModelServer
@@ -508,6 +509,49 @@ def test_a_short_deadline_does_not_cut_the_batch_short(models):
     assert CountingLoadedModel.runs - runs == 1
     assert answers[0].shape == (1,)
     assert all(np.array_equal(answer, answers[0]) for answer in answers)
+
+
+class _Blocking:
+    """A stand-in model: `run` records its rows and waits until `release` is set."""
+
+    def __init__(self):
+        self.release, self.runs = threading.Event(), []
+
+    def check_inputs(self, inputs, signature_name=""):
+        return inputs
+
+    def run(self, inputs, signature_name="", output_filter=(), timeout_seconds=None):
+        self.runs.append(len(inputs["x"]))
+        assert self.release.wait(60)
+        return {"y": inputs["x"] * 3}
+
+
+@pytest.mark.parametrize("abandon", ["cancelled", "refused"])
+def test_a_split_request_cancelled_or_refused_leaves_no_part_running(abandon):
+    """Cancelling a split request cancels its queued parts, and a part refused by a full queue
+    cancels the parts queued before it: none of them runs (they all did)."""
+    model = _Blocking()
+    batcher = Batcher(max_batch_size=2, batch_timeout_micros=60_000_000, num_batch_threads=1,
+                      max_enqueued_batches=2, enable_large_batch_splitting=True)
+    try:
+        busy = batcher.submit(model, {"x": np.zeros(2)})            # holds the batch thread
+        _wait_for(lambda: model.runs == [2], seconds=30)
+        if abandon == "cancelled":
+            split = batcher.submit(model, {"x": np.arange(4.0)})   # two parts, queued
+            assert split.cancel()
+        else:
+            with pytest.raises(ServingError) as error:             # 4 rows fit, 6 do not
+                batcher.submit(model, {"x": np.arange(6.0)})
+            assert error.value.code == "UNAVAILABLE"
+        model.release.set()
+        busy.result(timeout=60)
+        _wait_for(lambda: not batcher._queues, seconds=30)         # the parts dropped
+        after = batcher.submit(model, {"x": np.array([5.0, 6.0])})
+        np.testing.assert_array_equal(after.result(timeout=60)["y"], [15.0, 18.0])
+    finally:
+        model.release.set()
+        batcher.close()
+    assert model.runs == [2, 2]
 
 
 # ------------------------------------------------------------------ 9. client errors
