@@ -6,6 +6,7 @@
         [--file_system_poll_wait_seconds=1] [--model_config_file_poll_wait_seconds=0]
         [--rest_api_timeout_in_ms=30000]
         [--max_request_bytes=67108864] [--max_rows_per_request=N]
+        [--max_elements_per_request=N]
         [--allowed_model_roots=DIR,...] [--shutdown_grace_seconds=10]
         [--enable_batching [--max_batch_size=32] [--batch_timeout_micros=1000]
          [--num_batch_threads=N] [--max_enqueued_batches=10]
@@ -20,7 +21,7 @@ import sys
 
 from tworec.serving.batching import Batcher
 from tworec.serving.errors import ServingError
-from tworec.serving.limits import default_max_rows
+from tworec.serving.limits import default_max_elements, default_max_rows
 from tworec.serving.manager import ModelConfig, ModelManager, parse_config
 from tworec.serving.server import ModelServer
 
@@ -45,6 +46,10 @@ def parse_args(argv):
     parser.add_argument("--max_rows_per_request", type=int, default=default_max_rows(),
                         help="an input with more rows (dimension 0) is refused; the default "
                         "is a quarter of physical memory at 1 MiB per row")
+    parser.add_argument("--max_elements_per_request", type=int,
+                        default=default_max_elements(),
+                        help="a request whose inputs have more elements together is refused; "
+                        "the default is a quarter of physical memory at 256 bytes per element")
     parser.add_argument("--allowed_model_roots", default="",
                         help="comma-separated folders under which HandleReloadConfigRequest may "
                         "load models, besides the base paths the server starts with")
@@ -124,7 +129,8 @@ def main(argv=None) -> int:
                          max_concurrent_requests=args.max_concurrent_requests,
                          header_timeout_seconds=args.http_header_timeout_seconds,
                          body_timeout_seconds=args.http_body_timeout_seconds,
-                         grace_seconds=args.shutdown_grace_seconds)
+                         grace_seconds=args.shutdown_grace_seconds,
+                         max_elements=args.max_elements_per_request)
     server.start()
     if args.model_config_file and args.model_config_file_poll_wait_seconds > 0:
         server.manager.watch_config_file(args.model_config_file,

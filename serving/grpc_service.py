@@ -19,7 +19,7 @@ from tensorflow_serving.apis import (get_model_metadata_pb2, model_management_pb
                                      prediction_service_pb2_grpc)
 
 from tworec.serving.errors import ServingError, truncate
-from tworec.serving.limits import default_max_rows
+from tworec.serving.limits import check_elements, default_max_elements, default_max_rows
 from tworec.serving.manager import ModelManager, configs_of_proto
 from tworec.serving.protocol import DEFAULT_SIGNATURE
 from tworec.serving.tensor_proto import to_array
@@ -63,12 +63,15 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
         manager: the served models.
         scheduler: runs checked requests (`batching.Direct` or `batching.Batcher`).
         max_rows: the most rows an input of one request may have.
+        max_elements: the most elements the inputs of one request may have together.
     """
 
-    def __init__(self, manager: ModelManager, scheduler, max_rows: int | None = None):
+    def __init__(self, manager: ModelManager, scheduler, max_rows: int | None = None,
+                 max_elements: int | None = None):
         self.manager = manager
         self.scheduler = scheduler
         self.max_rows = max_rows or default_max_rows()
+        self.max_elements = max_elements or default_max_elements()
 
     @_aborts_on_error
     def Predict(self, request: predict_pb2.PredictRequest, context) -> predict_pb2.PredictResponse:
@@ -76,6 +79,8 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
         left = context.time_remaining()
         deadline = None if left is None else time.monotonic() + left
         with self.manager.lease(*version_of(request.model_spec)) as (number, model):
+            check_elements({name: [dim.size for dim in proto.tensor_shape.dim]
+                            for name, proto in request.inputs.items()}, self.max_elements)
             inputs = {name: to_array(name, proto, self.max_rows)
                       for name, proto in request.inputs.items()}
             outputs = self.scheduler.run(model, inputs, signature, list(request.output_filter),
@@ -131,7 +136,7 @@ class ModelService(model_service_pb2_grpc.ModelServiceServicer):
 
 
 def add_services(server: grpc.Server, manager: ModelManager, scheduler,
-                 max_rows: int | None = None) -> None:
+                 max_rows: int | None = None, max_elements: int | None = None) -> None:
     prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(
-        PredictionService(manager, scheduler, max_rows), server)
+        PredictionService(manager, scheduler, max_rows, max_elements), server)
     model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelService(manager), server)

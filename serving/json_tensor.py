@@ -15,7 +15,7 @@ import tensorflow as tf
 from tensorflow.core.protobuf import meta_graph_pb2
 
 from tworec.serving.errors import ServingError
-from tworec.serving.limits import MAX_RANK, check_shape
+from tworec.serving.limits import MAX_RANK, check_elements, check_shape, default_max_elements
 
 
 def parse_json(body: bytes):
@@ -26,14 +26,16 @@ def parse_json(body: bytes):
         raise ServingError("INVALID_ARGUMENT", f"JSON Parse error: {error}") from error
 
 
-def parse_predict(body, signature: meta_graph_pb2.SignatureDef, max_rows: int
-                  ) -> tuple[dict[str, np.ndarray], bool]:
+def parse_predict(body, signature: meta_graph_pb2.SignatureDef, max_rows: int,
+                  max_elements: int | None = None) -> tuple[dict[str, np.ndarray], bool]:
     """The inputs of a predict body.
 
     Args:
         body: the parsed JSON body (`instances` or `inputs`, optional `signature_name`).
         signature: the signature the request runs; it gives every input's dtype.
         max_rows: an input with more rows is refused before it is converted.
+        max_elements: inputs with more elements together are refused before any is
+            converted (None: `limits.default_max_elements`).
 
     Returns:
         (input name -> array [batch, ...], whether the request used the row form).
@@ -46,8 +48,16 @@ def parse_predict(body, signature: meta_graph_pb2.SignatureDef, max_rows: int
                            if "inputs" not in body else "Not formatted correctly expecting only "
                            "one of 'inputs' or 'instances' keys exists")
     if "instances" in body:
-        return _parse_instances(body["instances"], signature, max_rows), True
-    return _parse_inputs(body["inputs"], signature, max_rows), False
+        values, row_form = _parse_instances(body["instances"], signature), True
+    else:
+        values, row_form = _parse_inputs(body["inputs"], signature), False
+    shapes = {}
+    for name, (value, _) in values.items():
+        shapes[name] = _shape_of(value)
+        check_shape(name, shapes[name], max_rows)
+    check_elements(shapes, default_max_elements() if max_elements is None else max_elements)
+    return {name: _to_array(value, spec, name, shapes[name])
+            for name, (value, spec) in values.items()}, row_form
 
 
 def signature_name(body) -> str:
@@ -83,7 +93,8 @@ def to_json(name: str, value: np.ndarray):
     return flat.reshape(value.shape).tolist()
 
 
-def _parse_instances(instances, signature, max_rows: int) -> dict[str, np.ndarray]:
+def _parse_instances(instances, signature) -> dict[str, tuple]:
+    """Input name -> (its JSON value, its TensorInfo), not converted yet."""
     if not isinstance(instances, list):
         raise ServingError("INVALID_ARGUMENT", "Expecting 'instances' to be an list/array")
     if not instances:
@@ -91,28 +102,27 @@ def _parse_instances(instances, signature, max_rows: int) -> dict[str, np.ndarra
     if all(_is_named(row) for row in instances):
         for row in instances:
             _check_names(row, signature, "instance")
-        return {name: _to_array([row[name] for row in instances], spec, name, max_rows)
+        return {name: ([row[name] for row in instances], spec)
                 for name, spec in signature.inputs.items()}
-    return _single_input(instances, signature, max_rows,
+    return _single_input(instances, signature,
                          "Expecting object with named inputs in every instance")
 
 
-def _parse_inputs(inputs, signature, max_rows: int) -> dict[str, np.ndarray]:
+def _parse_inputs(inputs, signature) -> dict[str, tuple]:
     if _is_named(inputs):
         _check_names(inputs, signature, "'inputs' object")
-        return {name: _to_array(inputs[name], spec, name, max_rows)
-                for name, spec in signature.inputs.items()}
-    return _single_input(inputs, signature, max_rows,
+        return {name: (inputs[name], spec) for name, spec in signature.inputs.items()}
+    return _single_input(inputs, signature,
                          "Expecting 'inputs' to be an object of named inputs")
 
 
-def _single_input(values, signature, max_rows: int, expectation: str) -> dict[str, np.ndarray]:
+def _single_input(values, signature, expectation: str) -> dict[str, tuple]:
     """Unnamed values feed the signature's only input; with several inputs, `expectation`."""
     if len(signature.inputs) != 1:
         raise ServingError("INVALID_ARGUMENT", f"{expectation}: the signature has "
                            f"{len(signature.inputs)} inputs {sorted(signature.inputs)}")
     name, spec = next(iter(signature.inputs.items()))
-    return {name: _to_array(values, spec, name, max_rows)}
+    return {name: (values, spec)}
 
 
 def _is_named(value) -> bool:
@@ -134,11 +144,11 @@ def _check_names(named: dict, signature, where: str) -> None:
                            f"the signature's inputs are {sorted(signature.inputs)}")
 
 
-def _to_array(value, spec: meta_graph_pb2.TensorInfo, name: str, max_rows: int) -> np.ndarray:
-    """A JSON value (nested lists) as an array of the signature input's dtype."""
+def _to_array(value, spec: meta_graph_pb2.TensorInfo, name: str, shape: list[int]
+              ) -> np.ndarray:
+    """A JSON value (nested lists) of the checked `shape` as an array of the signature input's
+    dtype."""
     dtype = tf.as_dtype(spec.dtype)
-    shape = _shape_of(value)
-    check_shape(name, shape, max_rows)
     leaves: list = []
     _flatten(value, shape, 0, leaves, name)
     convert = _leaf_converter(dtype)

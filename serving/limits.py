@@ -1,6 +1,7 @@
 """Bounds on the work one request may ask for, checked before anything is allocated."""
 from __future__ import annotations
 
+import math
 import os
 
 MAX_RANK = 32
@@ -9,6 +10,9 @@ MAX_RANK = 32
 ROW_BYTES = 1 << 20
 # One request may use at most this share of physical memory.
 MEMORY_SHARE = 4
+# What one input element may cost: a string is a Python object (~50 bytes with its pointer) in
+# the parsed request, then again in the session's tensor and in what the model derives from it.
+ELEMENT_BYTES = 256
 
 
 def default_max_rows(memory_bytes: int | None = None) -> int:
@@ -17,6 +21,28 @@ def default_max_rows(memory_bytes: int | None = None) -> int:
     if memory_bytes is None:
         memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return int(min(max(memory_bytes // MEMORY_SHARE // ROW_BYTES, 256), 65536))
+
+
+def default_max_elements(memory_bytes: int | None = None) -> int:
+    """The default `--max_elements_per_request` (every input's elements together): a quarter of
+    physical memory at 256 bytes an element, between 1 << 20 and 1 << 26 (25165824 on a 24 GiB
+    machine). Rows alone do not bound a request whose inputs have a second dimension of any
+    size (`item_ids`, `history`)."""
+    if memory_bytes is None:
+        memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(min(max(memory_bytes // MEMORY_SHARE // ELEMENT_BYTES, 1 << 20), 1 << 26))
+
+
+def check_elements(shapes: dict[str, list[int]], max_elements: int) -> None:
+    """Refuses (INVALID_ARGUMENT) inputs whose shapes hold more than `max_elements` elements
+    together; checked on the declared shapes, before any input is converted."""
+    from tworec.serving.errors import ServingError
+
+    total = sum(math.prod(shape) for shape in shapes.values() if min(shape, default=0) >= 0)
+    if total > max_elements:
+        raise ServingError("INVALID_ARGUMENT", f"The request's inputs have {total} elements; a "
+                           f"request may have at most {max_elements} "
+                           "(--max_elements_per_request)")
 
 
 def check_shape(name: str, shape: list[int], max_rows: int) -> None:

@@ -25,7 +25,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tworec.serving.errors import ServingError
 from tworec.serving.json_tensor import format_predict, parse_json, parse_predict, signature_name
-from tworec.serving.limits import default_max_rows
+from tworec.serving.limits import default_max_elements, default_max_rows
 from tworec.serving.manager import ModelManager
 
 log = logging.getLogger(__name__)
@@ -60,16 +60,18 @@ class RestApp:
         max_request_bytes: larger bodies are refused (HTTP 413).
         max_rows: the most rows an input of one request may have.
         body_timeout_seconds: a body not fully received by then is refused (HTTP 408).
+        max_elements: the most elements the inputs of one request may have together.
     """
 
     def __init__(self, manager: ModelManager, scheduler, timeout_seconds: float = 30.0,
                  max_request_bytes: int = 64 << 20, max_rows: int | None = None,
-                 body_timeout_seconds: float = 30.0):
+                 body_timeout_seconds: float = 30.0, max_elements: int | None = None):
         self.manager = manager
         self.scheduler = scheduler
         self.timeout_seconds = timeout_seconds
         self.max_request_bytes = max_request_bytes
         self.max_rows = max_rows or default_max_rows()
+        self.max_elements = max_elements or default_max_elements()
         self.body_timeout_seconds = body_timeout_seconds
 
     async def __call__(self, scope, receive, send) -> None:
@@ -148,7 +150,8 @@ class RestApp:
         signature = signature_name(request)
         with self.manager.lease(name, version, label) as (_, model):
             inputs, row_form = await _maybe_offload(
-                big, parse_predict, request, model.signature(signature), self.max_rows)
+                big, parse_predict, request, model.signature(signature), self.max_rows,
+                self.max_elements)
             future = self.scheduler.submit(model, inputs, signature, (), deadline)
             outputs = await _wait(future, scope, deadline, self.timeout_seconds)
         big = sum(getattr(value, "nbytes", 0) for value in outputs.values()) > _INLINE_BYTES

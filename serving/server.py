@@ -50,6 +50,8 @@ class ModelServer:
         header_timeout_seconds: a REST request head must arrive within this long.
         body_timeout_seconds: a REST request body must arrive within this long.
         grace_seconds: how long `stop` lets requests in flight finish.
+        max_elements: the most elements the inputs of one request may have together (None:
+            from memory, see `limits.default_max_elements`).
     """
 
     def __init__(self, manager: ModelManager, host: str = "127.0.0.1",
@@ -58,16 +60,18 @@ class ModelServer:
                  batcher: Batcher | None = None, max_rows: int | None = None,
                  predict_threads: int = 8, max_concurrent_requests: int = 256,
                  header_timeout_seconds: float = 10.0, body_timeout_seconds: float = 30.0,
-                 grace_seconds: float = 10.0):
+                 grace_seconds: float = 10.0, max_elements: int | None = None):
         self.manager = manager
         self.host = host
         self.grpc_port, self.rest_port = grpc_port, rest_port
         self._grpc = self._rest = self._rest_thread = None
         self._scheduler = batcher or Direct(predict_threads)
         self._rest_app = RestApp(manager, self._scheduler, rest_timeout_seconds,
-                                 max_request_bytes, max_rows, body_timeout_seconds)
+                                 max_request_bytes, max_rows, body_timeout_seconds,
+                                 max_elements)
         self._max_request_bytes = max_request_bytes
         self._max_rows = max_rows
+        self._max_elements = max_elements
         self._max_concurrent = max_concurrent_requests
         self._header_timeout_seconds = header_timeout_seconds
         self.grace_seconds = grace_seconds
@@ -151,7 +155,8 @@ class ModelServer:
         # call always finds a thread.
         self._grpc = grpc.server(futures.ThreadPoolExecutor(self._max_concurrent),
                                  options=options, maximum_concurrent_rpcs=self._max_concurrent)
-        add_services(self._grpc, self.manager, self._scheduler, self._max_rows)
+        add_services(self._grpc, self.manager, self._scheduler, self._max_rows,
+                     self._max_elements)
         self.grpc_port = self._grpc.add_insecure_port(f"{self.host}:{self.grpc_port}")
         if not self.grpc_port:
             raise OSError(f"cannot bind the gRPC port on {self.host}")

@@ -145,10 +145,38 @@ def test_rows_per_request_are_limited(models):
         assert "at most 100" in error.details()
 
 
+def test_elements_per_request_are_limited(models):
+    """One row may carry any number of items (`item_ids` is [None, None]): the inputs'
+    elements together are bounded too, on REST and gRPC, before anything is converted."""
+    items = [f"i{i}" for i in range(9)]
+    with _serve(models, names=("ranking",), max_elements=10) as server:
+        rest = f"http://127.0.0.1:{server.rest_port}/v1/models/ranking:predict"
+        fits = requests.post(rest, json={"instances": [{"user_id": "u1", "item_ids": items}]},
+                             timeout=10)
+        assert fits.status_code == 200, fits.text
+        refused = requests.post(rest, json={"instances": [
+            {"user_id": "u1", "item_ids": items + ["i9"]}]}, timeout=10)
+        assert refused.status_code == 400
+        assert "--max_elements_per_request" in refused.json()["error"]
+        error = _grpc_error(_stub(server).Predict, _request("ranking", {
+            "user_id": _strings(b"u1"), "item_ids": np.full((1, 10), b"i1", dtype=object)}))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "at most 10" in error.details()
+        declared = _request("ranking", {"user_id": _strings(b"u1")})   # claims 2**40 items
+        declared.inputs["item_ids"].CopyFrom(_proto(types_pb2.DT_STRING, [1, 1 << 40],
+                                                    string_val=[b"i1"]))
+        error = _grpc_error(_stub(server).Predict, declared)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "--max_elements_per_request" in error.details()
+
+
 def test_default_row_limit_follows_memory():
     from tworec.serving.limits import default_max_rows
     assert default_max_rows(24 << 30) == 6144
     assert default_max_rows(1 << 30) == 256 and default_max_rows(1 << 50) == 65536
+    from tworec.serving.limits import default_max_elements
+    assert default_max_elements(24 << 30) == 25165824
+    assert default_max_elements(1 << 30) == 1 << 20 and default_max_elements(1 << 50) == 1 << 26
 
 
 # ------------------------------------------------------------------ 3. shape amplification
