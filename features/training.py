@@ -95,9 +95,12 @@ def best_epoch(callbacks: list, epochs: int, stage: str, verbose: int) -> int:
         if isinstance(callback, tf.keras.callbacks.EarlyStopping) and callback.stopped_epoch:
             best = callback.best_epoch + 1
             if verbose:
-                print(f"[{stage}] early stopping after epoch {callback.stopped_epoch + 1}: no "
-                      f"{callback.monitor} gain for {callback.patience} epochs; the weights of "
-                      f"epoch {best} ({callback.monitor} {callback.best:.4f}) are kept", flush=True)
+                stopped = callback.stopped_epoch + 1
+                why = (f"early stopping after epoch {stopped}: no {callback.monitor} gain for "
+                       f"{callback.patience} epochs" if stopped < epochs else
+                       f"no {callback.monitor} gain in the last {callback.patience} epochs")
+                print(f"[{stage}] {why}; the weights of epoch {best} ({callback.monitor} "
+                      f"{callback.best:.4f}) are kept", flush=True)
             return best
     return epochs
 

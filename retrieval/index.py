@@ -10,6 +10,8 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
+from tworec.console import quiet_native_logs
+
 
 @dataclasses.dataclass(frozen=True)
 class ScannParams:
@@ -47,7 +49,8 @@ def build_index(candidates: np.ndarray, k: int, scann: ScannParams | None = None
             num_leaves_to_search=scann.num_leaves_to_search,
             num_reordering_candidates=scann.num_reordering_candidates,
             dimensions_per_block=scann.dimensions_per_block, training_iterations=10)
-    layer.index(tf.constant(candidates, tf.float32), codes)
+    with quiet_native_logs():                   # ScaNN's partitioner logs its training
+        layer.index(tf.constant(candidates, tf.float32), codes)
     return layer
 
 

@@ -5,9 +5,11 @@ dropped unless verbose, and Keras progress is one line per epoch when output is 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import re
 import sys
+import tempfile
 import threading
 
 # `I1202 18:28:05.56 123 file.cc:42] ...` (absl/glog INFO or WARNING), and absl's banner.
@@ -41,6 +43,32 @@ def filter_native_logs() -> None:
 
     atexit.register(restore)
     filter_native_logs.installed = True
+
+
+@contextlib.contextmanager
+def quiet_native_logs():
+    """Within the block, drops the native INFO and WARNING lines (ScaNN's partitioner, absl's
+    banner) that C++ code writes to file descriptor 2, for library users who have no
+    `filter_native_logs`; anything else written meanwhile is passed on when the block ends.
+    A no-op when verbose or when the process-wide filter is on."""
+    import tworec
+    if tworec.verbose_requested() or getattr(filter_native_logs, "installed", False):
+        yield
+        return
+    sys.stderr.flush()
+    original = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(original, 2)
+            os.close(original)
+            captured.seek(0)
+            kept = b"".join(line for line in captured if not NATIVE_NOISE.match(line))
+            if kept:
+                os.write(2, kept)
 
 
 def is_terminal() -> bool:
