@@ -1,4 +1,5 @@
-"""Ranks over the full catalogue and the metrics computed from them.
+"""Ranks over the full catalogue, the metrics computed from them, and paired bootstrap
+intervals for the difference between two models on the same rows.
 
 Both stages rank the whole catalogue for each held-out interaction, excluding the items the
 user had before it as the exports do (a held-out item the user already had is never served, so
@@ -61,16 +62,73 @@ def top_k_rows(scores: np.ndarray, k: int) -> np.ndarray:
     return np.take_along_axis(columns, order, 1)
 
 
-def rank_metrics(ranks: np.ndarray, ks=KS) -> dict[str, float]:
-    """Recall@K (hit rate) and NDCG@K for each K, averaged over rows."""
+def row_metrics(ranks: np.ndarray, k: int) -> dict[str, np.ndarray]:
+    """{"recall@k": [m] 1.0 for a hit else 0.0, "ndcg@k": [m] 1 / log2(rank + 2) for a hit
+    else 0.0} of every row's rank [m]: the per-row values `rank_metrics` averages."""
     ranks = np.asarray(ranks)
+    hit = ranks < k
+    return {f"recall@{k}": hit.astype(np.float64),
+            f"ndcg@{k}": np.where(hit, 1.0 / np.log2(ranks + 2.0), 0.0)}
+
+
+def rank_metrics(ranks: np.ndarray, ks=KS) -> dict[str, float]:
+    """Recall@K (hit rate) and NDCG@K for each K, averaged over rows (0.0 without rows)."""
     metrics = {}
     for k in ks:
-        hit = ranks < k
-        metrics[f"recall@{k}"] = float(hit.mean()) if len(ranks) else 0.0
-        metrics[f"ndcg@{k}"] = float(np.where(hit, 1.0 / np.log2(ranks + 2.0), 0.0).mean()) \
-            if len(ranks) else 0.0
+        for name, values in row_metrics(ranks, k).items():
+            metrics[name] = float(values.mean()) if len(values) else 0.0
     return metrics
+
+
+def paired_bootstrap(a: np.ndarray, b: np.ndarray, samples: int = 2000, seed: int = 0,
+                     groups: np.ndarray | None = None) -> dict:
+    """How much model `a` beats model `b` on the same rows, with paired bootstrap intervals.
+
+    Each resample draws units with replacement (rows, or with `groups` whole groups: a user's
+    held-out rows together, for protocols with several per user) and takes both models' means
+    over the same drawn rows, so the interval reflects the paired difference, not each model's
+    own spread.
+
+    Args:
+        a: [m] a per-row metric of the model (e.g. `row_metrics(ranks, 10)["ndcg@10"]`).
+        b: [m] the same metric of the reference model, row for row.
+        samples: resamples drawn. seed: the generator's seed (the same seed, the same answer).
+        groups: [m] optional unit of each row (e.g. its user code); rows when None.
+
+    Returns:
+        {"difference": mean(a) - mean(b), "ratio": mean(a) / mean(b) (None when mean(b) is 0),
+        "ci95": [lo, hi] the 2.5 and 97.5 percentiles of the resampled difference,
+        "ratio_ci95": the same of the ratio (None when a resample's mean(b) is 0),
+        "rows": m, "units": the number of units resampled, "samples": samples}.
+    """
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.ndim != 1 or a.shape != b.shape or not len(a):
+        raise ValueError(f"paired_bootstrap needs a and b of the same non-empty shape [m], got "
+                         f"{a.shape} and {b.shape}")
+    groups = np.arange(len(a)) if groups is None else np.asarray(groups)
+    if groups.shape != a.shape:
+        raise ValueError(f"groups must be [m] = {a.shape}, got {groups.shape}")
+    _, unit = np.unique(groups, return_inverse=True)
+    units = int(unit.max()) + 1
+    sums_a, sums_b = np.bincount(unit, a, units), np.bincount(unit, b, units)      # [units]
+    rows = np.bincount(unit, minlength=units).astype(np.float64)                    # [units]
+    rng = np.random.default_rng(seed)
+    per_chunk = max(1, 2 ** 22 // units)             # [per_chunk, units] draws at a time
+    totals = []                                      # [chunk, 3] sums of a, b and rows
+    for start in range(0, samples, per_chunk):
+        drawn = rng.integers(0, units, (min(per_chunk, samples - start), units))   # [c, units]
+        totals.append(np.stack([sums_a[drawn].sum(1), sums_b[drawn].sum(1),
+                                rows[drawn].sum(1)], axis=1))
+    total_a, total_b, total_rows = np.concatenate(totals).T                        # [samples]
+    differences = (total_a - total_b) / total_rows
+    ratio, ratio_ci = None, None
+    if b.sum() > 0:
+        ratio = float(a.sum() / b.sum())
+        if (total_b > 0).all():
+            ratio_ci = [float(x) for x in np.percentile(total_a / total_b, [2.5, 97.5])]
+    return {"difference": float((a.sum() - b.sum()) / len(a)), "ratio": ratio,
+            "ci95": [float(x) for x in np.percentile(differences, [2.5, 97.5])],
+            "ratio_ci95": ratio_ci, "rows": int(len(a)), "units": units, "samples": samples}
 
 
 def evaluate_ranks(score_rows: Callable[[np.ndarray], np.ndarray], evalset: EvalSet,
