@@ -1,9 +1,12 @@
 """End to end: the whole pipeline on the tiny synthetic preset."""
 import json
 import os
+import shlex
 import shutil
+import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -114,6 +117,41 @@ def test_every_export_loads_and_answers(run):
     assert 'name: "retrieval_scann"' in open(out / "export" / "models_scann.config").read()
     docker = open(out / "export" / "models.docker.config").read()
     assert 'base_path: "/models/retrieval"' in docker and str(out) not in docker
+
+
+def test_make_serve_serves_the_run_folder(run):
+    """`make serve RUN=...` as the Makefile runs it (on free ports): every model of
+    models_scann.config becomes AVAILABLE and answers a user; SIGTERM stops it cleanly."""
+    import requests
+    out, _ = run
+    command = subprocess.run(["make", "-s", "-n", "serve", f"RUN={out}"], cwd=ROOT, text=True,
+                             capture_output=True, check=True).stdout.strip().splitlines()[-1]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = command.replace("--port=8500", "--port=0").replace(
+        "--rest_api_port=8501", f"--rest_api_port={port}")
+    server = subprocess.Popen(shlex.split(command), cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        assert any("serving gRPC" in line for line in server.stdout), "the server did not start"
+        for name in ("retrieval", "retrieval_scann", "ranking", "recommender"):
+            for _ in range(600):
+                status = requests.get(f"http://127.0.0.1:{port}/v1/models/{name}", timeout=10)
+                if status.ok and status.json()["model_version_status"][0]["state"] == "AVAILABLE":
+                    break
+                time.sleep(0.1)
+            inputs = {"user_id": ["u0"]}
+            if name == "ranking":
+                inputs["item_ids"] = [["i0", "i1"]]
+            answer = requests.post(f"http://127.0.0.1:{port}/v1/models/{name}:predict",
+                                   json={"inputs": inputs}, timeout=60)
+            assert answer.ok, (name, answer.text)
+        server.terminate()
+        assert server.wait(timeout=60) == 0
+    finally:
+        server.kill()
+        server.stdout.close()
 
 
 def test_plots_and_human_report_exist(run):
