@@ -3,10 +3,12 @@
 Sources: `synthetic`, `tfds:NAME` (MovieLens configs of TensorFlow Datasets), a GroupLens release
 (folder or `.zip`; ml-100k, ml-1m, ml-latest(-small), ml-20m, ml-25m, detected from file names),
 or a generic CSV / Parquet log with a column mapping. Files are parsed by Arrow in blocks;
-no code here loops over rows in Python.
+no code here loops over rows in Python. A text log's delimiter is detected from its header
+unless given; a file that is not UTF-8 text is refused before it is parsed.
 """
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import io
 import os
@@ -30,20 +32,28 @@ DEFAULT_COLUMNS = {"user": ("user_id", "userId", "user", "uid"),
                    "time": ("timestamp", "time", "ts", "datetime"),
                    "rating": ("rating", "user_rating", "score")}
 BLOCK_SIZE = 16 << 20
+TEXT_SUFFIXES = (".csv", ".tsv", ".txt")          # each also gzip-compressed, e.g. `.csv.gz`
+DELIMITERS = (",", ";", "\t", "|")                 # detected from the header, in this order
+DELIMITER_HELP = ("for .csv/.tsv/.txt logs: the character between fields, e.g. ';' or '\\t' "
+                  "(default: detected from the header among , ; tab |; tab for .tsv)")
 
 
 def load(source: str, columns: dict[str, str] | None = None, data_dir: str | None = None,
-         seed: int = 0) -> Interactions:
+         seed: int = 0, delimiter: str | None = None) -> Interactions:
     """Loads an interaction log.
 
     Args:
         source: `synthetic`, `synthetic:PRESET`, `tfds:NAME` (e.g. `tfds:movielens/100k-ratings`),
-            a GroupLens folder or `.zip`, or a `.csv` / `.tsv` / `.parquet` file.
+            a GroupLens folder or `.zip`, or a `.csv` / `.tsv` / `.txt` (each also as `.gz`) or
+            `.parquet` file.
         columns: for generic files, role -> column name: `user`, `item`, `time`, optional
             `rating`, and side features as `user.NAME` or `item.NAME`.
         data_dir: TFDS data directory holding an already prepared copy.
         seed: seed of the synthetic generator.
+        delimiter: for text logs, the character between fields (`\\t` or `tab` for a tab);
+            None detects it from the header.
     """
+    delimiter = _delimiter_option(source, delimiter)
     if source == "synthetic" or source.startswith("synthetic:"):
         from tworec.features.synthetic import PRESETS, generate
         preset = source.partition(":")[2] or "default"
@@ -57,7 +67,22 @@ def load(source: str, columns: dict[str, str] | None = None, data_dir: str | Non
                         "or .zip, a .csv/.tsv/.parquet log, 'synthetic' or 'tfds:NAME')")
     if os.path.isdir(source) or source.endswith(".zip"):
         return load_grouplens(source)
-    return load_table(source, columns or {})
+    return load_table(source, columns or {}, delimiter)
+
+
+def _delimiter_option(source: str, text: str | None) -> str | None:
+    """The one character `text` names as a delimiter, or None; a DataError for a source that is
+    not a text log or for anything Arrow cannot split on."""
+    if text is None:
+        return None
+    if _text_suffix(source) is None:
+        raise DataError(f"--delimiter {text!r}: {source} is not a text log; the option applies "
+                        f"only to {', '.join(TEXT_SUFFIXES)} files")
+    delimiter = {"\\t": "\t", "tab": "\t"}.get(text, text)
+    if len(delimiter) != 1 or delimiter in '"\r\n':
+        raise DataError(f"--delimiter {text!r}: expected one character, such as ',', ';', '|' "
+                        "or \\t for a tab")
+    return delimiter
 
 
 def from_columns(source: str, user, item, timestamp, rating=None, *, catalogue=None,
@@ -123,8 +148,10 @@ def _numeric(source: str, name: str, values) -> np.ndarray:
             values = values.astype(np.float64)
         except (TypeError, ValueError):
             bad = next(v for v in values if not _parses(v))
+            decimal_comma = _parses(str(bad).replace(",", "."))
+            advice = "; write numbers with a decimal point" if decimal_comma else ""
             raise DataError(f"{source}: column {name!r} is not numeric "
-                            f"(first bad value {bad!r})") from None
+                            f"(first bad value {bad!r}{advice})") from None
     if values.dtype.kind == "f":
         missing = np.flatnonzero(np.isnan(values))
         if len(missing):
@@ -340,7 +367,7 @@ def parse_columns(text: str) -> dict[str, str]:
     return mapping
 
 
-def load_table(path: str, columns: dict[str, str]) -> Interactions:
+def load_table(path: str, columns: dict[str, str], delimiter: str | None = None) -> Interactions:
     """Reads a generic CSV, TSV or Parquet log.
 
     Args:
@@ -348,10 +375,17 @@ def load_table(path: str, columns: dict[str, str]) -> Interactions:
         columns: role -> column name (`user`, `item`, `time`, optional `rating`, and
             `user.NAME` / `item.NAME` side features); missing roles are looked up among common
             names (user_id, userId, item_id, movieId, timestamp, rating, ...).
+        delimiter: of a text log; None detects it from the header (a `.tsv` is tab-separated).
+            Unless it is `,`, ratings written with a decimal comma (`3,5`) are read as numbers.
     """
-    names = _table_column_names(path)
-    mapping = _resolve_columns(path, names, columns)
-    table = _read_table(path, sorted(set(mapping.values())))
+    if path.endswith(".parquet"):
+        mapping = _resolve_columns(path, _parquet_column_names(path), columns)
+        table = _read_parquet(path, sorted(set(mapping.values())))
+    else:
+        delimiter, mapping = _text_columns(path, columns, delimiter)
+        table = _read_text(path, sorted(set(mapping.values())), delimiter)
+        if delimiter != "," and "rating" in mapping:
+            table = _with_decimal_commas(table, mapping["rating"])
     values = {role: _to_numpy(path, table, name) for role, name in mapping.items()}
     user, item = values.pop("user"), values.pop("item")
     rating = values.pop("rating", None)
@@ -381,24 +415,108 @@ def _last_per_id(ids: np.ndarray, features: dict[str, np.ndarray]):
     return reversed_ids, {name: values[rows] for name, values in features.items()}
 
 
-def _table_column_names(path: str) -> list[str]:
-    if path.endswith(".parquet"):
-        try:
-            return pq.ParquetFile(path).schema_arrow.names
-        except (pa.ArrowInvalid, OSError) as error:
-            raise DataError(f"{path}: not a readable Parquet file: {error}") from None
-    if not path.endswith((".csv", ".tsv", ".txt", ".csv.gz")):
+def _parquet_column_names(path: str) -> list[str]:
+    try:
+        return pq.ParquetFile(path).schema_arrow.names
+    except (pa.ArrowInvalid, OSError) as error:
+        raise DataError(f"{path}: not a readable Parquet file: {_one_line(error)}") from None
+
+
+def _text_suffix(path: str) -> str | None:
+    """`.csv`, `.tsv` or `.txt` for a text log (also when gzip-compressed), else None."""
+    suffix = os.path.splitext(path[:-len(".gz")] if path.endswith(".gz") else path)[1]
+    return suffix if suffix in TEXT_SUFFIXES else None
+
+
+def _text_columns(path: str, columns: dict[str, str],
+                  delimiter: str | None) -> tuple[str, dict[str, str]]:
+    """The delimiter of a text log and its role -> column mapping; an explicit `delimiter` that
+    does not split the header into the needed columns is a DataError naming both."""
+    if _text_suffix(path) is None:
         raise DataError(f"{path}: unknown format: expected .csv, .tsv or .parquet, or a "
                         "GroupLens release folder or .zip")
-    with open(path, "rb") as f:
-        header = f.readline().decode("utf8", errors="replace").strip()
-    if not header:
+    head = _text_head(path)
+    detected = _detect_delimiter(path, head)
+    if delimiter is None or delimiter == detected:
+        return detected, _resolve_columns(path, _header_names(path, head, detected), columns)
+    try:
+        return delimiter, _resolve_columns(path, _header_names(path, head, delimiter), columns)
+    except DataError:
+        header = _first_lines(head, 1).decode("utf-8-sig", errors="replace")
+        fits = len(_header_names(path, head, detected)) > 1
+        advice = (f"it is {detected!r}-separated: pass --delimiter {detected!r} or leave it out"
+                  if fits else "pass the character that separates its columns")
+        raise DataError(f"{path}: --delimiter {delimiter!r} does not split the header "
+                        f"{header!r} into the needed columns; {advice}") from None
+
+
+NOT_TEXT = {b"\x1f\x8b": "it is gzip-compressed: rename it {path}.gz and pass that",
+            b"PAR1": "it is a Parquet file: rename it {stem}.parquet and pass that",
+            b"\xff\xfe": "it is UTF-16 text: save it as UTF-8",
+            b"\xfe\xff": "it is UTF-16 text: save it as UTF-8"}
+
+
+def _text_head(path: str) -> bytes:
+    """The first 64 KiB of a text log (decompressed if `.gz`); a DataError saying what would
+    work when its first KB is not UTF-8 text or it is empty."""
+    try:
+        with pa.input_stream(path) as stream:          # decompresses by the file's suffix
+            head = stream.read(1 << 16)
+    except OSError as error:                           # e.g. a .gz that is not gzip data
+        advice = "; if it is not gzip-compressed, drop .gz from its name" if path.endswith(
+            ".gz") else ""
+        raise DataError(f"{path}: cannot read it: {_one_line(error)}{advice}") from None
+    first = head[:1024]
+    for signature, advice in NOT_TEXT.items():
+        if first.startswith(signature):
+            stem = os.path.splitext(path)[0]
+            raise DataError(f"{path}: not a text CSV; {advice.format(path=path, stem=stem)}")
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(first, final=False)
+        problem = f"a NUL byte at offset {first.index(0)}" if 0 in first else None
+    except UnicodeDecodeError as error:
+        problem = f"a byte that is not UTF-8 at offset {error.start}"
+    if problem:
+        raise DataError(f"{path}: not a text CSV ({problem}); pass a UTF-8 .csv or .tsv "
+                        "(or either gzip-compressed, as .csv.gz or .tsv.gz) or a .parquet file")
+    if not head.strip():
         raise DataError(f"{path}: the log is empty")
-    return [c.strip().strip('"') for c in header.split(_delimiter(path))]
+    return head
 
 
-def _delimiter(path: str) -> str:
-    return "\t" if path.endswith(".tsv") else ","
+def _detect_delimiter(path: str, head: bytes) -> str:
+    """Tab for a `.tsv`; otherwise the one of DELIMITERS that splits the header into the most
+    fields and the second line into as many (`,` on a tie)."""
+    if _text_suffix(path) == ".tsv":
+        return "\t"
+    best, most = ",", 1
+    for delimiter in DELIMITERS:
+        try:
+            fields = _parse_text(_first_lines(head, 2), delimiter).num_columns
+        except pa.ArrowInvalid:                        # the second line splits differently
+            continue
+        if fields > most:
+            best, most = delimiter, fields
+    return best
+
+
+def _header_names(path: str, head: bytes, delimiter: str) -> list[str]:
+    """The column names of the header line, split by Arrow (quotes respected)."""
+    try:
+        return _parse_text(_first_lines(head, 1), delimiter).column_names
+    except pa.ArrowInvalid as error:
+        raise DataError(f"{path}: cannot parse the header: {_one_line(error)}") from None
+
+
+def _first_lines(head: bytes, count: int) -> bytes:
+    """The first `count` lines of `head` that are not empty (Arrow skips empty lines too)."""
+    return b"\n".join([line for line in head.splitlines() if line][:count])
+
+
+def _parse_text(lines: bytes, delimiter: str) -> pa.Table:
+    """Arrow's table of a few whole lines (Arrow reads no header from a line without its end)."""
+    return pacsv.read_csv(io.BytesIO(lines + b"\n"),
+                          parse_options=pacsv.ParseOptions(delimiter=delimiter))
 
 
 def _resolve_columns(path: str, names: list[str], columns: dict[str, str]) -> dict[str, str]:
@@ -424,20 +542,44 @@ def _resolve_columns(path: str, names: list[str], columns: dict[str, str]) -> di
     return mapping
 
 
-def _read_table(path: str, include: list[str]) -> pa.Table:
-    """Reads the needed columns in blocks (Parquet row groups, CSV blocks of 16 MiB)."""
+def _read_parquet(path: str, include: list[str]) -> pa.Table:
+    """Reads the needed columns a row group at a time."""
+    parquet = pq.ParquetFile(path)
     try:
-        if path.endswith(".parquet"):
-            parquet = pq.ParquetFile(path)
-            batches = list(parquet.iter_batches(columns=include, batch_size=1 << 20))
-            return pa.Table.from_batches(batches, schema=parquet.schema_arrow.empty_table()
-                                         .select(include).schema)
+        batches = list(parquet.iter_batches(columns=include, batch_size=1 << 20))
+    except (pa.ArrowInvalid, OSError) as error:
+        raise DataError(f"{path}: cannot parse: {_one_line(error)}") from None
+    return pa.Table.from_batches(batches, schema=parquet.schema_arrow.empty_table()
+                                 .select(include).schema)
+
+
+def _read_text(path: str, include: list[str], delimiter: str) -> pa.Table:
+    """Reads the needed columns in blocks of 16 MiB (decompressed if `.gz`)."""
+    try:
         reader = pacsv.open_csv(path, read_options=pacsv.ReadOptions(block_size=BLOCK_SIZE),
-                                parse_options=pacsv.ParseOptions(delimiter=_delimiter(path)),
+                                parse_options=pacsv.ParseOptions(delimiter=delimiter),
                                 convert_options=pacsv.ConvertOptions(include_columns=include))
         return reader.read_all()
-    except pa.ArrowInvalid as error:
-        raise DataError(f"{path}: cannot parse: {error}") from None
+    except (pa.ArrowInvalid, OSError) as error:
+        raise DataError(f"{path}: cannot parse: {_one_line(error)}") from None
+
+
+def _with_decimal_commas(table: pa.Table, name: str) -> pa.Table:
+    """`table` with its column `name` read as float64 if it is text of decimal-comma numbers
+    (`3,5`); unchanged otherwise, for `_numeric` to name the first bad value."""
+    column = table.column(name)
+    if not pa.types.is_string(column.type):
+        return table
+    try:
+        numbers = pc.cast(pc.replace_substring(column, ",", "."), pa.float64())
+    except pa.ArrowInvalid:
+        return table
+    return table.set_column(table.column_names.index(name), name, numbers)
+
+
+def _one_line(error: Exception) -> str:
+    """An error's message on one line, at most 300 characters."""
+    return " ".join(str(error).split())[:300]
 
 
 # ---------------------------------------------------------------- TensorFlow Datasets

@@ -10,16 +10,18 @@ import time
 
 from tworec.features.inputs import PROTOCOLS
 from tworec.features.interactions import DataError
+from tworec.features.sources import DELIMITER_HELP, parse_columns
 from tworec.pipeline.config import PRESETS
 
 def add_run_arguments(parser: argparse.ArgumentParser, out_required: bool = True) -> None:
-    """--data, --columns, --out, --split, --preset and --epochs."""
+    """--data, --columns, --delimiter, --out, --split, --preset and --epochs."""
     parser.add_argument("--data", default=None,
                         help="synthetic[:PRESET], tfds:NAME, a GroupLens folder or .zip, or a "
                              ".csv/.tsv/.parquet log (default: synthetic)")
     parser.add_argument("--columns", default="",
                         help="for generic files: ROLE=COLUMN,... with roles user, item, time, "
                              "rating, user.NAME, item.NAME")
+    parser.add_argument("--delimiter", help=DELIMITER_HELP)
     parser.add_argument("--out", required=out_required, help="the run folder")
     parser.add_argument("--split",
                         help=f"evaluation protocol: {', '.join(PROTOCOLS)} (default: temporal; "
@@ -43,8 +45,8 @@ def fail(message: str) -> int:
 
 def source_of(args) -> dict:
     """The data source of parsed arguments, as RUN/config.json records it."""
-    from tworec.features.sources import parse_columns
-    return {"data": args.data or "synthetic", "columns": parse_columns(args.columns)}
+    return {"data": args.data or "synthetic", "columns": parse_columns(args.columns),
+            "delimiter": args.delimiter}
 
 
 def run(args, steps: tuple[str, ...], continue_run: bool = False, verbose: int = 1,

@@ -1,6 +1,7 @@
 """Prints one JSON object describing a log: counts, split sizes and dropped rows by reason.
 
     python scripts/describe_data.py --data SOURCE [--split temporal|random] [--columns user=..,item=..,time=..]
+        [--delimiter ';']
 """
 import argparse
 import json
@@ -8,7 +9,7 @@ import sys
 
 
 from tworec.features import DataError, load, split
-from tworec.features.sources import parse_columns
+from tworec.features.sources import DELIMITER_HELP, parse_columns
 
 
 def main(argv=None) -> int:
@@ -19,10 +20,12 @@ def main(argv=None) -> int:
     parser.add_argument("--split", default="temporal", choices=["temporal", "random"])
     parser.add_argument("--columns", default="", help="column mapping for generic logs, "
                         "e.g. user=uid,item=sku,time=ts,rating=stars")
+    parser.add_argument("--delimiter", default=None, help=DELIMITER_HELP)
     parser.add_argument("--data-dir", default=None, help="TFDS data directory")
     args = parser.parse_args(argv)
     try:
-        interactions = load(args.data, columns=parse_columns(args.columns), data_dir=args.data_dir)
+        interactions = load(args.data, columns=parse_columns(args.columns), data_dir=args.data_dir,
+                            delimiter=args.delimiter)
         parts = split(interactions, args.split)
     except DataError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -1,0 +1,164 @@
+"""Mistakes in a generic log caught before any work, each with one line naming the file and
+what would work: binary files named .csv, delimiters other than ',', decimal commas."""
+import argparse
+import gzip
+import io
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tworec.features import DataError, load
+from tworec.pipeline import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROWS = [("user_id", "item_id", "timestamp", "rating", "title"),
+        ("a", "x", "3", "4.5", "Toy Story"),
+        ("a", "y", "1", "2", "Heat"),
+        ("b", "x", "2", "5", "Toy Story")]
+MAPPING = {"user": "user_id", "item": "item_id", "time": "timestamp", "rating": "rating",
+           "item.title": "title"}
+
+
+def write_log(path, delimiter=",", rows=ROWS) -> str:
+    path.write_text("".join(delimiter.join(row) + "\n" for row in rows))
+    return str(path)
+
+
+def assert_same_log(got, want):
+    for name in ("user_ids", "item_ids", "user", "item", "timestamp", "rating"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    assert got.item_features.keys() == want.item_features.keys()
+    for name, values in want.item_features.items():
+        np.testing.assert_array_equal(got.item_features[name], values, err_msg=name)
+    assert got.dropped == want.dropped
+
+
+def load_error(path, **options) -> str:
+    """The message of the DataError that loading `path` raises; it must be one line."""
+    with pytest.raises(DataError) as error:
+        load(str(path), columns=MAPPING, **options)
+    message = str(error.value)
+    assert "\n" not in message, message
+    return message
+
+
+def parquet_bytes() -> bytes:
+    buffer = io.BytesIO()
+    pq.write_table(pa.table({"user_id": ["a"], "item_id": ["x"], "timestamp": [1]}), buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("content, expected", [
+    (gzip.compress(b"user_id,item_id,timestamp\na,x,1\n"), "gzip-compressed: rename it"),
+    (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x10", "not UTF-8 at offset 0"),
+    (np.random.default_rng(0).bytes(4096), "not a text CSV"),
+    (b"user_id,item_id,timestamp\na,x,\x001\n", "a NUL byte at offset 30"),
+    (parquet_bytes(), "it is a Parquet file: rename it"),
+    ("user_id,item_id,timestamp\na,x,1\n".encode("utf-16"), "UTF-16 text: save it as UTF-8"),
+])
+def test_a_binary_file_named_csv_is_not_a_text_csv(tmp_path, content, expected):
+    path = tmp_path / "data.csv"
+    path.write_bytes(content)
+    message = load_error(path)
+    assert message.startswith(f"{path}: not a text CSV") and expected in message
+
+
+def test_gzip_compressed_logs_are_read_as_they_are(tmp_path):
+    plain = load(write_log(tmp_path / "log.csv"), columns=MAPPING)
+    for name, delimiter in (("log.csv.gz", ","), ("log.tsv.gz", "\t")):
+        text = "".join(delimiter.join(row) + "\n" for row in ROWS)
+        (tmp_path / name).write_bytes(gzip.compress(text.encode()))
+        assert_same_log(load(str(tmp_path / name), columns=MAPPING), plain)
+    (tmp_path / "plain.csv.gz").write_text("user_id,item_id,timestamp\na,x,1\n")
+    assert "if it is not gzip-compressed, drop .gz" in load_error(tmp_path / "plain.csv.gz")
+
+
+@pytest.mark.parametrize("delimiter", [";", "\t", "|"])
+def test_the_delimiter_is_detected_from_the_header(tmp_path, delimiter):
+    commas = load(write_log(tmp_path / "commas.csv"), columns=MAPPING)
+    other = load(write_log(tmp_path / "other.csv", delimiter), columns=MAPPING)
+    assert_same_log(other, commas)
+    assert len(commas.user_ids) == 2 and commas.rating.tolist() == [4.5, 2, 5]
+
+
+@pytest.mark.parametrize("given", [";", "tab", "\\t"])
+def test_an_explicit_delimiter(tmp_path, given):
+    actual = ";" if given == ";" else "\t"
+    commas = load(write_log(tmp_path / "commas.csv"), columns=MAPPING)
+    assert_same_log(load(write_log(tmp_path / "log.txt", actual), columns=MAPPING,
+                         delimiter=given), commas)
+
+
+def test_a_wrong_explicit_delimiter_names_itself_and_the_header(tmp_path):
+    path = write_log(tmp_path / "log.csv", ";")
+    message = load_error(path, delimiter=",")
+    assert message == (f"{path}: --delimiter ',' does not split the header "
+                       "'user_id;item_id;timestamp;rating;title' into the needed columns; it is "
+                       "';'-separated: pass --delimiter ';' or leave it out")
+    colons = write_log(tmp_path / "colons.csv", ":")
+    assert "--delimiter '|' does not split the header 'user_id:item_id" in load_error(
+        colons, delimiter="|")
+    assert "pass the character that separates its columns" in load_error(colons, delimiter="|")
+    assert "expected one character" in load_error(path, delimiter=";;")
+    with pytest.raises(DataError, match="synthetic:tiny is not a text log"):
+        load("synthetic:tiny", delimiter=";")
+
+
+def test_a_tsv_stays_tab_separated(tmp_path):
+    rows = [("user_id", "item_id", "timestamp", "tags,of,the,item")] + [
+        (user, item, time, "a,b,c,d") for user, item, time, *_ in ROWS[1:]]
+    log = load(write_log(tmp_path / "log.tsv", "\t", rows))
+    assert log.item_ids.tolist() == ["x", "y"] and log.timestamp.tolist() == [3, 1, 2]
+
+
+def test_quoted_fields_may_hold_the_delimiter(tmp_path):
+    rows = [ROWS[0]] + [row[:4] + (f'"{row[4]}; the film"',) for row in ROWS[1:]]
+    log = load(write_log(tmp_path / "log.csv", ";", rows), columns=MAPPING)
+    assert log.item_features["title"].tolist() == ["Toy Story; the film", "Heat; the film"]
+    assert log.rating.tolist() == [4.5, 2, 5]
+
+
+def test_decimal_commas_in_a_file_not_separated_by_commas(tmp_path):
+    commas = load(write_log(tmp_path / "commas.csv"), columns=MAPPING)
+    rows = [row[:3] + (row[3].replace(".", ","),) + row[4:] for row in ROWS]
+    assert_same_log(load(write_log(tmp_path / "semicolons.csv", ";", rows), columns=MAPPING),
+                    commas)
+    quoted = [row[:3] + (f'"{row[3]}"',) + row[4:] for row in rows]
+    message = load_error(write_log(tmp_path / "quoted.csv", ",", quoted))
+    assert message.endswith("column 'rating' is not numeric (first bad value '4,5'; write "
+                            "numbers with a decimal point)")
+
+
+def test_the_run_scripts_record_the_delimiter():
+    parser = argparse.ArgumentParser()
+    cli.add_run_arguments(parser)
+    given = cli.source_of(parser.parse_args(["--data", "log.csv", "--delimiter", ";",
+                                             "--out", "run"]))
+    assert given == {"data": "log.csv", "columns": {}, "delimiter": ";"}
+    assert cli.source_of(parser.parse_args(["--out", "run"]))["delimiter"] is None
+
+
+@pytest.mark.parametrize("make, options, expected", [
+    (lambda path: path.write_bytes(gzip.compress(b"user_id,item_id,timestamp\na,x,1\n")), [],
+     "not a text CSV"),
+    (lambda path: write_log(path, ";"), ["--delimiter", ","], "--delimiter ',' does not split"),
+])
+def test_describe_data_stops_with_one_line_and_exit_code_2(tmp_path, make, options, expected):
+    path = tmp_path / "bad.csv"
+    make(path)
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "describe_data.py"),
+                           "--data", str(path), *options], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith(f"error: {path}: ") and expected in done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+
+
+def test_reading_a_log_needs_no_tensorflow():
+    code = "import sys, tworec.features.sources; sys.exit('tensorflow' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
