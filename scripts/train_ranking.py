@@ -29,7 +29,9 @@ def main(argv=None) -> int:
                              "keeps its own)")
     args = parser.parse_args(argv)
     kept = [flag for flag, value in (("--data", args.data), ("--split", args.split),
-                                     ("--preset", args.preset), ("--top-k", args.top_k))
+                                     ("--preset", args.preset), ("--top-k", args.top_k),
+                                     ("--columns", args.columns or None),
+                                     ("--delimiter", args.delimiter))
             if value is not None]
     if args.out and args.out != args.retrieval_run:
         kept.append("--out")

@@ -226,6 +226,10 @@ def test_train_ranking_reuses_a_retrieval_run_and_matches_the_pipeline(run, retr
     ("pipeline.py", ["--split", "global:2", "--out", "OUT/new"], "0 < Q < 1"),
     ("train_ranking.py", ["--retrieval-run", "OUT/a-run", "--split", "random"],
      "leave out --split"),
+    ("train_ranking.py", ["--retrieval-run", "OUT/a-run", "--delimiter", ";"],
+     "leave out --delimiter"),
+    ("pipeline.py", ["--data", "OUT/semicolons.csv", "--delimiter", ",", "--out", "OUT/new"],
+     "does not split the header"),
     ("pipeline.py", ["--top-k", "0", "--out", "OUT/new"], "candidates must be positive"),
     ("pipeline.py", ["--top-n", "0", "--out", "OUT/new"], "top_n must be positive"),
     ("train_ranking.py", ["--data", "synthetic:tiny", "--epochs", "0", "--out", "OUT/new"],
@@ -237,6 +241,7 @@ def test_script_mistakes_fail_before_training_with_one_line(tmp_path, name, args
     (tmp_path / "a-run" / "config.json").write_text("{}")
     (tmp_path / "a-folder").mkdir()
     (tmp_path / "a-folder" / "notes.txt").write_text("mine")
+    (tmp_path / "semicolons.csv").write_text("user_id;item_id;timestamp\nu1;i1;1\nu1;i2;2\n")
     done = script(name, *(arg.replace("OUT", str(tmp_path)) for arg in args), timeout=60)
     assert done.returncode == 2, done.stderr[-2000:]
     assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
