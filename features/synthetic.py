@@ -7,7 +7,10 @@ Planted structure:
   favourite cluster, bucketed);
 - sessions: with probability `sequential_prob` the next item is one of the `num_successors`
   items that follow the previous item in its cluster's fixed order, so history matters;
-- ratings are higher for items of the user's favourite cluster.
+- ratings are higher for items of the user's favourite cluster;
+- popularity drift (`popularity_drift` > 0): the popular items of every cluster change over the
+  year, the power-law ranks rotating through the cluster's order with the user's start day, so
+  what is popular late in the log differs from what was popular early.
 
 Generation runs one vectorised step per position in the longest user sequence, over all users
 at once; 10 million interactions take well under a minute.
@@ -36,12 +39,15 @@ class SyntheticConfig:
     user_concentration: float = 0.3    # Dirichlet alpha of cluster preferences: smaller is sharper
     sequential_prob: float = 0.6
     num_successors: int = 3
+    popularity_drift: float = 0.0      # share of a cluster the popular ranks rotate over a year
     start_time: int = 1_600_000_000
 
 
 PRESETS = {
     "tiny": SyntheticConfig(num_users=200, num_items=150, num_interactions=6_000, num_clusters=5),
     "default": SyntheticConfig(),
+    # Another structure: weak sessions, broader tastes, and what is popular drifts over the year.
+    "drift": SyntheticConfig(sequential_prob=0.25, user_concentration=0.6, popularity_drift=1.0),
     "1m": SyntheticConfig(num_users=20_000, num_items=10_000, num_interactions=1_000_000,
                           num_clusters=20),
     "10m": SyntheticConfig(num_users=100_000, num_items=50_000, num_interactions=10_000_000,
@@ -58,10 +64,12 @@ def generate(config: SyntheticConfig = SyntheticConfig(), seed: int = 0,
     preference = rng.dirichlet(np.full(config.num_clusters, config.user_concentration),
                                size=config.num_users).astype(np.float32)   # [users, clusters]
     lengths = _sequence_lengths(config, rng)
+    start_day = (np.random.default_rng([seed, 1]).integers(0, 365, config.num_users)
+                 if config.popularity_drift else None)      # its own stream: default unchanged
     users, items = _sequences(config, rng, lengths, preference, cluster, position_in_cluster,
-                              cluster_items)
+                              cluster_items, start_day)
     users, items = _first_occurrences(users, items, config.num_items)
-    timestamp = _timestamps(config, rng, users)
+    timestamp = _timestamps(config, rng, users, start_day)
     favourite = preference.argmax(1)
     affinity = preference[users, cluster[items]]                            # [n]
     rating = np.clip(np.rint(2.2 + 4.0 * affinity + rng.normal(0, 0.7, len(users))), 1, 5)
@@ -101,8 +109,11 @@ def _sequence_lengths(config: SyntheticConfig, rng: np.random.Generator) -> np.n
     return np.minimum(lengths, max(3, config.num_items // 2))
 
 
-def _sequences(config, rng, lengths, preference, cluster, position_in_cluster, cluster_items):
-    """Walks every user's sequence one step at a time, all users at once.
+def _sequences(config, rng, lengths, preference, cluster, position_in_cluster, cluster_items,
+               start_day=None):
+    """Walks every user's sequence one step at a time, all users at once. With `start_day`
+    [users] the popular ranks of each cluster are rotated by `popularity_drift` of its size per
+    year of the user's start day.
 
     Returns:
         users [n] and items [n] in (user, step) order.
@@ -119,7 +130,9 @@ def _sequences(config, rng, lengths, preference, cluster, position_in_cluster, c
         draw = np.where(sizes[draw] > 0, draw, cluster[rng.integers(0, config.num_items,
                                                                     config.num_users)])
         rank = np.floor(sizes[draw] * rng.random(config.num_users) ** config.popularity_exponent)
-        item = ordered[offsets[draw] + rank.astype(np.int64)]
+        if start_day is not None:
+            rank = rank + np.floor(sizes[draw] * config.popularity_drift * start_day / 365)
+        item = ordered[offsets[draw] + rank.astype(np.int64) % sizes[draw]]
         if previous is not None:
             follow = rng.random(config.num_users) < config.sequential_prob
             c = cluster[previous]
@@ -141,9 +154,11 @@ def _first_occurrences(users, items, num_items):
     return users[first], items[first]
 
 
-def _timestamps(config, rng, users):
-    """[n] int64: each user starts on a random day of a year and rates in sessions."""
-    start = config.start_time + rng.integers(0, 365 * DAY, users.max() + 1)
+def _timestamps(config, rng, users, start_day=None):
+    """[n] int64: each user starts on a random day of a year (`start_day` [users] when given)
+    and rates in sessions."""
+    start = config.start_time + (rng.integers(0, 365 * DAY, users.max() + 1) if start_day is None
+                                 else start_day * DAY + rng.integers(0, DAY, len(start_day)))
     gaps = np.where(rng.random(len(users)) < 0.1, rng.exponential(3 * DAY, len(users)),
                     rng.exponential(120, len(users))).astype(np.int64) + 1
     boundaries = np.flatnonzero(np.diff(users, prepend=-1))

@@ -314,6 +314,32 @@ def test_describe_data_prints_one_json_object(tmp_path):
     assert done.returncode == 2 and "no such file" in done.stderr
 
 
+PINNED = (80105, 499732, 1624789569)      # rows, sum of the first 1000 items, last timestamp
+
+
+def top_items_early_and_late(log, top: int = 50) -> int:
+    """How many of the `top` most frequent items of the first quarter of time are also among
+    the `top` of the last quarter."""
+    early, late = np.quantile(log.timestamp, [0.25, 0.75])
+    count = lambda rows: np.bincount(log.item[rows], minlength=log.num_items)   # noqa: E731
+    first = np.argsort(-count(log.timestamp < early))[:top]
+    last = np.argsort(-count(log.timestamp > late))[:top]
+    return len(np.intersect1d(first, last))
+
+
+def test_the_drift_preset_changes_what_is_popular_and_leaves_the_default_alone():
+    small = dict(num_users=600, num_items=400, num_interactions=20_000)
+    steady = generate(SyntheticConfig(**small), seed=0)
+    drifting = generate(SyntheticConfig(**small, popularity_drift=1.0), seed=0)
+    assert top_items_early_and_late(steady) >= 20 and top_items_early_and_late(drifting) <= 5
+    assert np.array_equal(steady.user, generate(SyntheticConfig(**small), seed=0).user)
+    assert {"drift", "default", "tiny"} <= set(PRESETS)
+    assert PRESETS["drift"].popularity_drift > 0 and PRESETS["default"].popularity_drift == 0
+    # the default log is the one every README figure was measured on: pinned
+    default = generate(PRESETS["default"], seed=0)
+    assert (len(default), int(default.item[:1000].sum()), int(default.timestamp[-1])) == PINNED
+
+
 def test_synthetic_config_sizes():
     small = generate(SyntheticConfig(num_users=50, num_items=400, num_interactions=1000), seed=0)
     assert 0.8 * 1000 < len(small) <= 1000 + 50 * 3

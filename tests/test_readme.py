@@ -1,0 +1,138 @@
+"""The README is true for a stranger: every command in it names a make target, script or module
+that exists with the flags it shows, each is run by a test (or is an outside tool, said why),
+and its library snippets run as printed."""
+import ast
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+
+# What runs each command: "make TARGET", "scripts/NAME.py" or "-m MODULE" -> the tests that run
+# it as the README shows it (file::function), or why no test can.
+EXERCISED = {
+    "make test": "CI itself runs `make test`",
+    "make demo": "tests/test_pipeline.py::test_the_run_is_quiet_and_says_each_step_and_where_the_report_is",
+    "make serve": "tests/test_pipeline.py::test_make_serve_serves_the_run_folder",
+    "make bench": "tests/test_readme.py::test_benchmark_script_runs_every_part_small",
+    "scripts/describe_data.py": "tests/test_features.py::test_describe_data_prints_one_json_object",
+    "scripts/pipeline.py": "tests/test_pipeline.py::test_report_follows_the_schema",
+    "scripts/train_retrieval.py":
+        "tests/test_pipeline.py::test_train_retrieval_script_writes_its_part_of_the_run",
+    "scripts/train_ranking.py":
+        "tests/test_pipeline.py::test_train_ranking_reuses_a_retrieval_run_and_matches_the_pipeline",
+    "scripts/serve.py": "tests/test_serving_abuse.py",
+    "scripts/recommend.py": "tests/test_pipeline.py::test_recommend_reads_titles_from_a_grouplens_movies_file",
+    "scripts/benchmark.py": "tests/test_readme.py::test_benchmark_script_runs_every_part_small",
+    "-m tworec.serving.soak": "tests/test_readme.py::test_soak_runs_briefly",
+}
+OUTSIDE = {                      # commands of other tools: not runnable on a machine without them
+    "curl": "a download from GroupLens; the loader reads the release's .zip (tests/test_features.py)",
+    "tensorflow_model_server": "the TF Serving binary is not installable here; the conformance "
+                               "tests run against it when TFSERVING_REST is set",
+    "docker": "no Docker engine here",
+}
+
+
+def readme_commands() -> list[str]:
+    """Every shell command of the README: lines of its plain code blocks (an indented line
+    continues the one before; a trailing backslash too) and inline `python ...` commands."""
+    commands = []
+    for language, block in re.findall(r"```(\w*)\n(.*?)```", README, re.S):
+        if language or block.split()[0].endswith("/"):      # a snippet, or the folder tree
+            continue
+        for line in block.splitlines():
+            if line.startswith((" ", "\t")) and commands and commands[-1].endswith("\\"):
+                commands[-1] = commands[-1][:-1] + line.strip()
+            elif line.startswith((" ", "\t")) and commands and line.strip().startswith("["):
+                commands[-1] += " " + line.strip()
+            elif line and not line.startswith((" ", "\t")):
+                commands.append(line.split("  #")[0].strip())
+    inline = re.findall(r"`(python (?:scripts/\w|-m )[^`]*|make \w+)`", README)
+    return commands + [" ".join(command.split()) for command in inline]
+
+
+def key_of(command: str) -> str:
+    words = command.split()
+    if words[0] == "make":
+        return " ".join(words[:2])
+    if words[0] == "python" and words[1] == "-m":
+        return " ".join(words[1:3])
+    if words[0] == "python":
+        return words[1]
+    return words[0]
+
+
+def flags_of(command: str) -> set[str]:
+    return set(re.findall(r"(?<![\w-])--[a-z][\w-]*", command))
+
+
+def help_text(key: str) -> str:
+    target = key.split() if key.startswith("-m ") else [os.path.join(ROOT, key)]
+    done = subprocess.run([sys.executable, *target, "--help"], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_the_readme_has_the_commands_we_expect():
+    keys = {key_of(command) for command in readme_commands()}
+    assert {"make test", "make demo", "scripts/pipeline.py", "scripts/serve.py",
+            "scripts/recommend.py", "curl"} <= keys, keys
+
+
+@pytest.mark.parametrize("key", sorted({key_of(c) for c in readme_commands()}))
+def test_every_readme_command_is_run_by_a_test_or_is_an_outside_tool(key):
+    if key in OUTSIDE:
+        return
+    assert key in EXERCISED, f"README command {key!r}: name the test that runs it in EXERCISED"
+    where = EXERCISED[key]
+    if where.startswith("tests/"):
+        path, _, function = where.partition("::")
+        source = open(os.path.join(ROOT, path), encoding="utf-8").read()
+        names = {node.name for node in ast.walk(ast.parse(source))
+                 if isinstance(node, ast.FunctionDef)}
+        assert not function or function in names, f"{where} does not exist"
+
+
+@pytest.mark.parametrize("key", sorted({key_of(c) for c in readme_commands()
+                                        if c.startswith("python")}))
+def test_readme_flags_exist(key):
+    """Each flag the README shows for a script or module is one its --help lists."""
+    shown = set().union(*(flags_of(c) for c in readme_commands() if key_of(c) == key))
+    missing = sorted(flag for flag in shown if flag not in help_text(key))
+    assert not missing, f"README shows {missing} for {key}, which its --help does not list"
+
+
+def test_make_targets_exist():
+    targets = set(re.findall(r"^([\w-]+):", open(os.path.join(ROOT, "Makefile")).read(), re.M))
+    for command in readme_commands():
+        if command.startswith("make "):
+            assert command.split()[1] in targets, command
+
+
+def test_the_data_snippet_runs_as_printed():
+    """The first library snippet, on the generator instead of a downloaded release."""
+    snippet = next(block for language, block in re.findall(r"```(\w*)\n(.*?)```", README, re.S)
+                   if language == "python" and "features.load" in block)
+    namespace = {}
+    exec(snippet.replace('"path/to/ml-latest-small"', '"synthetic:tiny"'), namespace)
+    batch = next(iter(namespace["train"]))
+    assert batch["history"].shape == (min(4096, len(namespace["parts"].train)), 20)
+
+
+def test_soak_runs_briefly():
+    """The README's soak, shortened: valid and malformed requests both sent, no valid one failed
+    or answered wrongly, no malformed one answered 200 or 5xx."""
+    done = subprocess.run([sys.executable, "-m", "tworec.serving.soak", "--seconds", "3",
+                           "--clients", "2"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    report = json.loads(done.stdout)
+    assert report["problems"] == 0, report["problem_examples"]
+    assert report["valid_requests"] > 0 and report["malformed_requests"] > 0
+    assert report["server_exit_code"] == 0
