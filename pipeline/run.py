@@ -19,8 +19,10 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from tworec.evaluation import KS, baselines, eval_set, evaluate_ranks
+from tworec.evaluation import KS, baselines, eval_set, evaluate_ranks, rank_metrics
+from tworec.evaluation.metrics import paired_bootstrap, row_metrics
 from tworec.features import Interactions, load, split
+from tworec.features.history import latest_history
 from tworec.features.inputs import EMPTY_SLOT, ModelInputs, prepare
 from tworec.features.layers import STATE_FILE
 from tworec.pipeline import config as run_config, report as run_report, served, store
@@ -51,6 +53,17 @@ DOCKER_FOLDER = "/models/{}"
 RETRAINED_WITH_RANKING = ("ranking", "two_stage", "serving")
 STEP_OF_SECTION = {"ranking": "train ranking", "two_stage": "train ranking",
                    "serving": "serve and check"}
+# The report's example users: how many, and how many of each one's last items it shows.
+EXAMPLE_USERS, EXAMPLE_HISTORY = 5, 5
+# The cut-off of the two-stage gain's bootstrap (Recall@K and NDCG@K at this K).
+GAIN_AT = 10
+
+
+def seeded_sample(users: np.ndarray, most: int) -> np.ndarray:
+    """[min(u, most)] of `users` [u] (increasing): all of them, or a sample drawn with seed 0,
+    increasing."""
+    return users if len(users) <= most else \
+        np.sort(np.random.default_rng(0).choice(users, most, replace=False))
 
 
 class StepFailed(RuntimeError):
@@ -64,6 +77,10 @@ class Run:
         out: the run folder. log: the interaction log. configs: the resolved configs.
         parts: the split. inputs: the model inputs both stages read.
         report: the run's results, section by section (written as report.json).
+        offline_test: model ("retrieval", "recommender") -> the offline ranks and target
+            scores of every test row, computed once (`offline`).
+        served_lists: after the served check, {"users": [c] user codes asked for,
+            "lists": model -> its REST answers {"item_ids": [c, n], "scores": [c, n]}}.
     """
 
     def __init__(self, out: str, log: Interactions, configs: Configs, source: dict,
@@ -76,6 +93,7 @@ class Run:
         self.report["data"] = {"source": source["data"], "users": log.num_users,
                                "items": log.num_items, "interactions": len(log),
                                "split": self.parts.kind, "test_users": len(self.test_users()),
+                               "test_rows": len(self.parts.test),
                                "dropped": dict(log.dropped),
                                "exclude_seen": configs.data.exclude_seen,
                                "state": self.inputs.state()}
@@ -83,6 +101,8 @@ class Run:
         self.retrieval_model, self.retrieval_trained = None, False
         self.signals = self.ranking_model = None
         self.test_candidates = self.tuning = None
+        self.offline_test: dict[str, served.Offline] = {}
+        self.served_lists: dict | None = None
         self.evaluating = len(self.parts.test) > 0      # split `none` holds nothing out
 
     # ------------------------------------------------------------------ helpers
@@ -108,9 +128,7 @@ class Run:
     def checked_users(self) -> np.ndarray:
         """[c] codes of the test users the served check asks for: all, or a seeded sample of
         `checked_users`, increasing."""
-        users, most = self.test_users(), self.configs.run.checked_users
-        return users if len(users) <= most else \
-            np.sort(np.random.default_rng(0).choice(users, most, replace=False))
+        return seeded_sample(self.test_users(), self.configs.run.checked_users)
 
     def warmup_user_ids(self) -> np.ndarray:
         """[w] string ids of the users whose requests warm the exports up: test users, or
@@ -133,8 +151,7 @@ class Run:
         store.save_retrieval(self.out, model)
         self.retrieval_model, self.retrieval_trained = model, True
         self.report["retrieval"] = {
-            "test": retrieval.evaluate_model(model, self.inputs, "test", evalset=self.test_set())
-            if self.evaluating else None,
+            "test": rank_metrics(self.offline("retrieval").ranks) if self.evaluating else None,
             "train": {k: summary[k] for k in ("seconds", "epochs", "best_epoch",
                                               "examples_per_second")},
             "loss": summary["loss"]}
@@ -188,9 +205,18 @@ class Run:
             "train": {k: summary[k] for k in ("seconds", "epochs", "best_epoch",
                                               "examples_per_second")}}
         if self.evaluating:
-            self.report["two_stage"] = {"test": ranking.two_stage_metrics(
-                self.ranking_model, self.inputs, self.signals, "test", self.test_candidates,
-                ks=KS)}
+            self.report["two_stage"] = {"test": rank_metrics(self.offline("recommender").ranks),
+                                        "gain_over_retrieval": self.gain_over_retrieval()}
+
+    def gain_over_retrieval(self) -> dict[str, dict]:
+        """Recall@10 and NDCG@10 of the two-stage lists against retrieval's on the same test
+        rows: the difference and ratio of the means with paired bootstrap 95% intervals over
+        test users (a user's rows are drawn together; `evaluation.metrics.paired_bootstrap`)."""
+        two_stage = row_metrics(self.offline("recommender").ranks, GAIN_AT)
+        alone = row_metrics(self.offline("retrieval").ranks, GAIN_AT)
+        users = self.log.user[self.parts.test]
+        return {name: paired_bootstrap(two_stage[name], alone[name], groups=users)
+                for name in two_stage}
 
     def export(self) -> None:
         """Exports the models this run trained (the retrieval export a continued run already
@@ -272,8 +298,10 @@ class Run:
                               answers["recommender"]["grpc"]["item_ids"][:len(sample)]):
             raise served.ServedMismatch("recommender: serving.Recommender over gRPC and the "
                                         "composed SavedModel served different lists")
-        offline = {"retrieval": self.offline_retrieval(rows),
-                   "recommender": self.offline_two_stage(rows)} if self.evaluating else {}
+        self.served_lists = {"users": users, "lists": {name: by_transport["rest"]
+                                                       for name, by_transport in answers.items()}}
+        offline = {name: self.offline(name).at(rows) for name in answers} \
+            if self.evaluating else {}
         for name, by_transport in answers.items():
             rest_lists, grpc_lists = by_transport["rest"], by_transport["grpc"]
             if not np.array_equal(rest_lists["item_ids"], grpc_lists["item_ids"]):
@@ -291,31 +319,43 @@ class Run:
                                         f"ranker's by up to {ranking_gap:.2e}")
         self.report["serving"] = result
 
-    def offline_retrieval(self, rows: np.ndarray) -> served.Offline:
-        """Offline ranks and target scores of retrieval for the test `rows` (positions)."""
-        evalset = self.test_set()
-        subset = dataclasses.replace(
-            evalset, rows=evalset.rows[rows], users=evalset.users[rows],
-            targets=evalset.targets[rows], history=evalset.history[rows],
-            last_item=evalset.last_item[rows], known=evalset.known[rows])
-        score = retrieval.catalogue_scorer(self.retrieval_model, self.inputs, "test", evalset)
-        ranks = evaluate_ranks(lambda positions: score(rows[positions]), subset, "retrieval")
-        scores = np.concatenate([score(rows[chunk])[np.arange(len(chunk)), subset.targets[chunk]]
-                                 for chunk in np.array_split(np.arange(len(rows)),
-                                                             max(1, len(rows) // 512))])
-        return served.Offline(ranks=ranks, target_scores=scores)
+    def offline(self, model: str) -> served.Offline:
+        """The offline ranks and target scores of every test row under `model`: "retrieval"
+        or "recommender" (retrieval's candidates re-ranked), computed once and kept for the
+        report's metrics, the gain's bootstrap and the served check."""
+        if model not in self.offline_test:
+            compute = {"retrieval": self.offline_retrieval,
+                       "recommender": self.offline_two_stage}[model]
+            self.offline_test[model] = compute()
+        return self.offline_test[model]
 
-    def offline_two_stage(self, rows: np.ndarray) -> served.Offline:
-        """Offline positions and ranking scores of the targets in the re-ranked candidates."""
+    def offline_retrieval(self) -> served.Offline:
+        """Every test row's rank over the full catalogue as the retrieval export scores it
+        (`evaluation.target_ranks`: ties count against the target), and the target's score."""
+        evalset = self.test_set()
+        score = retrieval.catalogue_scorer(self.retrieval_model, self.inputs, "test", evalset)
+        target_scores = np.zeros(len(evalset), np.float32)
+
+        def score_keeping_targets(positions: np.ndarray) -> np.ndarray:
+            scores = score(positions)                                          # [b, num_items]
+            target_scores[positions] = scores[np.arange(len(positions)),
+                                              evalset.targets[positions]]
+            return scores
+        ranks = evaluate_ranks(score_keeping_targets, evalset, "retrieval")
+        return served.Offline(ranks=ranks, target_scores=target_scores)
+
+    def offline_two_stage(self) -> served.Offline:
+        """Every test row's position in its retrieval candidates re-ranked by the ranker (ties
+        keep retrieval's order, as served), and the ranker's score there; a target missing
+        from the candidates is a miss past every K of the report."""
         scores = ranking.score_lists(self.ranking_model, self.inputs, self.signals, "test",
-                                     self.test_candidates)[rows]                  # [m, K]
-        candidates = self.test_candidates[rows]
-        order = np.argsort(-scores, axis=1, kind="stable")
-        found = np.take_along_axis(candidates, order, 1) == \
-            self.inputs.examples["test"]["item"][rows][:, None]
-        ranks = np.where(found.any(1), found.argmax(1), candidates.shape[1])
-        target_scores = np.take_along_axis(np.take_along_axis(scores, order, 1),
-                                           found.argmax(1)[:, None], 1)[:, 0]
+                                     self.test_candidates)                        # [m, C]
+        order = np.argsort(-scores, axis=1, kind="stable")                         # [m, C]
+        found = np.take_along_axis(self.test_candidates, order, 1) == \
+            self.inputs.examples["test"]["item"][:, None]                          # [m, C]
+        position = found.argmax(1)                                                 # [m]
+        ranks = np.where(found.any(1), position, scores.shape[1] + max(KS))
+        target_scores = np.take_along_axis(scores, order, 1)[np.arange(len(scores)), position]
         return served.Offline(ranks=ranks, target_scores=target_scores)
 
     def ranking_export_gap(self, client: Client, rows: np.ndarray) -> float:
@@ -331,7 +371,60 @@ class Run:
         answer = client.predict("ranking", {"user_id": users, "item_ids": items})["scores"]
         return float(np.abs(answer - keras).max())
 
+    def examples(self) -> dict:
+        """`EXAMPLE_USERS` test users drawn with seed 0, each with their last items as the
+        exports know them (up to `EXAMPLE_HISTORY`, most recent last), the top-n list they are
+        served, and their held-out items in time order with their 1-based positions in it
+        (None: absent). Users the exports know are drawn first, the others (who all get the
+        same popular list) only to make up the number.
+
+        The list is the served check's two-stage list as it came over REST (not asked again);
+        in a run that served nothing, retrieval's list as its export serves it.
+        """
+        top_n = self.configs.run.top_n
+        candidates = self.served_lists["users"] if self.served_lists is not None else \
+            self.test_users()
+        known = self.inputs.known[candidates]
+        users = seeded_sample(candidates[known], EXAMPLE_USERS)
+        users = np.concatenate([users, seeded_sample(candidates[~known],
+                                                     EXAMPLE_USERS - len(users))])
+        if self.served_lists is not None:
+            served_ids = self.served_lists["lists"]["recommender"]["item_ids"]     # [c, n]
+            lists = served.catalogue_codes(served_ids[np.searchsorted(candidates, users), :top_n],
+                                           self.log.item_ids)                     # [e, n]
+            source = "served two-stage"
+        else:
+            first_rows = (self.log.user[self.parts.test][None, :] == users[:, None]).argmax(1)
+            lists = retrieval.top_candidates(self.retrieval_model, self.inputs, "test", top_n,
+                                             evalset=self.test_set())[first_rows]  # [e, n]
+            source = "retrieval"
+        last = latest_history(self.log.take(self.parts.fit), EXAMPLE_HISTORY)[users]  # [e, H]
+        held_out = self.log.take(self.parts.test)
+        by_time = held_out.time_order()                            # [m] by user, then time
+        held_users, held_items = held_out.user[by_time], held_out.item[by_time]
+        shown = []
+        for user, history, listed in zip(users, last, lists):       # -1: a pad, an empty slot
+            listed = listed[listed >= 0]
+            targets = [{**self.describe_items([item])[0],
+                        "position": int(np.argmax(listed == item)) + 1
+                        if (listed == item).any() else None}
+                       for item in held_items[held_users == user]]
+            shown.append({"user": str(self.log.user_ids[user]),
+                          "known": bool(self.inputs.known[user]),
+                          "last_items": self.describe_items(history[history >= 0]),
+                          "list": self.describe_items(listed), "held_out": targets})
+        return {"list": source, "drawn_from": len(candidates), "users": shown}
+
+    def describe_items(self, codes) -> list[dict]:
+        """[{"id": ..., "title": ...}] of catalogue codes [c]; "title" where the log has one."""
+        titles = self.log.item_features.get("title")
+        return [{"id": str(self.log.item_ids[code]),
+                 **({"title": str(titles[code])} if titles is not None and titles[code] else {})}
+                for code in codes]
+
     def write_report(self) -> None:
+        if self.evaluating:
+            self.report["examples"] = self.examples()
         run_report.write(self.out, self.report)
 
 

@@ -35,6 +35,10 @@ class Offline:
     ranks: np.ndarray
     target_scores: np.ndarray
 
+    def at(self, rows: np.ndarray) -> Offline:
+        """The figures of `rows` ([c] positions) only."""
+        return Offline(ranks=self.ranks[rows], target_scores=self.target_scores[rows])
+
 
 def strings(values) -> np.ndarray:
     """[...] bytes or str -> [...] str."""
@@ -91,12 +95,19 @@ def compare(name: str, served: dict[str, np.ndarray], offline: Offline,
     return {**rank_metrics(ranks, ks), "rows": int(len(targets)), "float_ties": int(len(differ))}
 
 
-def seen_served(item_ids: np.ndarray, catalogue: np.ndarray, seen: sp.csr_matrix) -> int:
-    """How many served items [u, n] (ids; "" for an empty slot) are among the users' seen
-    items ([u, num_items] CSR over the catalogue ids [num_items])."""
+def catalogue_codes(item_ids: np.ndarray, catalogue: np.ndarray) -> np.ndarray:
+    """[...] catalogue code of every served item id [...] (ids [num_items]); -1 for an id the
+    catalogue lacks ("" for an empty slot)."""
     order = np.argsort(catalogue)
     position = np.searchsorted(catalogue, item_ids, sorter=order)
     codes = order[np.minimum(position, len(catalogue) - 1)]
-    real = catalogue[codes] == item_ids
+    return np.where(catalogue[codes] == item_ids, codes, -1)
+
+
+def seen_served(item_ids: np.ndarray, catalogue: np.ndarray, seen: sp.csr_matrix) -> int:
+    """How many served items [u, n] (ids; "" for an empty slot) are among the users' seen
+    items ([u, num_items] CSR over the catalogue ids [num_items])."""
+    codes = catalogue_codes(item_ids, catalogue)
+    real = codes >= 0
     rows = np.repeat(np.arange(len(item_ids)), item_ids.shape[1]).reshape(item_ids.shape)
     return int((np.asarray(seen[rows[real], codes[real]]).ravel() > 0).sum())
