@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 
 from tworec.evaluation import KS
 
@@ -55,13 +56,13 @@ def write(out: str, report: dict) -> None:
 
 def html(text: str, out: str, plots: list[str]) -> str:
     """report.md as one self-contained HTML page: Python-Markdown's rendering, the plots
-    embedded as data URIs, no external resource."""
+    embedded where report.md shows them, as data URIs; no external resource."""
     import markdown as markdown_library
     body = markdown_library.markdown(text, extensions=["tables"])
-    for name in plots:
+    for name in plots:                         # where report.md shows them: in their section
         with open(os.path.join(out, "plots", name), "rb") as f:
             data = base64.b64encode(f.read()).decode()
-        body += f'<figure><img alt="{name}" src="data:image/png;base64,{data}"></figure>\n'
+        body = body.replace(f'src="plots/{name}"', f'src="data:image/png;base64,{data}"')
     return ("<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>tworec run report"
             "</title><style>body{font-family:sans-serif;max-width:60em;margin:2em auto;"
             "line-height:1.4}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
@@ -70,13 +71,14 @@ def html(text: str, out: str, plots: list[str]) -> str:
 
 
 def _training_summaries(out: str) -> dict[str, dict]:
-    """stage -> its per-epoch logs, from the RUN/STAGE_train.json files present."""
+    """stage -> its training summary (per-epoch logs in "history", "best_epoch"), from the
+    RUN/STAGE_train.json files present."""
     summaries = {}
     for stage in ("retrieval", "ranking"):
         path = os.path.join(out, f"{stage}_train.json")
         if os.path.exists(path):
             with open(path) as f:
-                summaries[stage] = json.load(f)["history"]
+                summaries[stage] = json.load(f)
     return summaries
 
 
@@ -99,7 +101,8 @@ def plot(out: str, report: dict) -> list[str]:
     if summaries:
         figure, axes = plt.subplots(1, len(summaries), figsize=(5 * len(summaries), 4),
                                     squeeze=False)
-        for axis, (name, history) in zip(axes[0], summaries.items()):
+        for axis, (name, summary) in zip(axes[0], summaries.items()):
+            history = summary["history"]
             for key in ("loss", "val_loss"):
                 if key in history:
                     axis.plot(range(1, len(history[key]) + 1), history[key], marker="o", label=key)
@@ -114,7 +117,12 @@ def plot(out: str, report: dict) -> list[str]:
                 twin.set_ylabel("validation recall@10")
                 more = twin.get_legend_handles_labels()
                 handles = (handles[0] + more[0], handles[1] + more[1])
-            axis.legend(*handles, loc="best")
+            if "best_epoch" in summary:                # the epoch whose weights are kept
+                kept = axis.axvline(summary["best_epoch"], color="grey", linestyle=":")
+                handles = (handles[0] + [kept],
+                           handles[1] + [f"weights kept (epoch {summary['best_epoch']})"])
+            axis.legend(*handles, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2,
+                        fontsize=8, frameon=False)      # below the axes, never over a curve
         save(figure, "training.png")
 
     curves = {name: report[section]["test"] for name, section in
@@ -133,7 +141,7 @@ def plot(out: str, report: dict) -> list[str]:
 
     if "index" in report:
         index = report["index"]
-        figure, axis = plt.subplots(figsize=(6, 4))
+        figure, axis = plt.subplots(figsize=(8, 4))
         axis.scatter([r["latency_ms_p50"] for r in index["table"]],
                      [r["recall"] for r in index["table"]], label="ScaNN settings")
         axis.axvline(index["exact_latency_ms_p50"], color="grey", linestyle="--",
@@ -150,22 +158,31 @@ def plot(out: str, report: dict) -> list[str]:
                           textcoords="offset points", xytext=(8, -14), fontsize=8)
         axis.set(title="ScaNN recall against latency", xlabel="single-query latency p50 (ms)",
                  ylabel="recall vs exact")
-        axis.legend()
+        axis.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0))    # beside the points
         save(figure, "index.png")
     return written
 
 
 PROTOCOLS = {
     "temporal": "per user, the last interaction is held out (test) and the one before it is "
-                "validation; other users' later rows stay in training",
+                "validation. It leaks: other users' later rows train the models and the "
+                "baselines",
     "random": "an 80/20 shuffle of the rows (seed 42), as in the TFRS tutorials; several "
-              "held-out rows per user, each scored from the user's training rows",
-    "global": "every row after a quantile of time is held out (test), and the same quantile "
-              "of the earlier rows is validation; each user is scored from their state frozen "
-              "at the cut, users first seen after it get the popular items, and nothing after "
-              "the cut reaches any fitted statistic",
+              "held-out rows per user, each scored from the user's training rows. It leaks "
+              "the future most: training rows can be later than held-out ones",
+    "global": "every row after the {quantile} quantile of time is held out (test), and the "
+              "same quantile of the earlier rows is validation; each user is scored from their "
+              "state frozen at the cut, users first seen after it get the popular items, and "
+              "nothing after the cut reaches any fitted statistic",
     "none": "every row trains; nothing is held out, so nothing is evaluated (the deployment run)",
 }
+METRIC_NAMES = {"recall@10": "Recall@10", "ndcg@10": "NDCG@10"}
+
+
+def protocol_sentence(split: str) -> str:
+    """What a split holds out and what it leaks, in words (`global:0.8` names its 0.8)."""
+    name, _, quantile = split.partition(":")
+    return PROTOCOLS[name].format(quantile=quantile or "0.9")
 
 
 def scann_sentence(params: dict) -> str:
@@ -175,88 +192,229 @@ def scann_sentence(params: dict) -> str:
             f"{params['num_reordering_candidates']} exactly")
 
 
+def escape(text: str) -> str:
+    """`text` (a title, an id) shown as it is in markdown and in a table cell."""
+    return re.sub(r"([\\`*_\[\]|])", r"\\\1", text).replace("<", "&lt;")
+
+
+def image(name: str, plots: list[str], alt: str) -> list[str]:
+    """The markdown lines showing plots/`name`, when it was drawn (html() inlines it)."""
+    return ["", f"![{alt}](plots/{name})"] if name in plots else []
+
+
 def markdown(report: dict, out: str, plots: list[str]) -> str:
-    """report.md: data, metrics against the baselines, ranking, index, serving, timings."""
+    """report.md: the data and protocol, test metrics against the baselines with the two-stage
+    gain, training, ranking, the index, the served check, example users, how to serve, and
+    timings; each plot inside the section it illustrates."""
+    sections = (data_section(report), metrics_section(report, plots),
+                training_section(report, plots), ranking_section(report),
+                index_section(report, plots), served_section(report),
+                examples_section(report), serve_section(report, out), timings_section(report))
+    return "\n".join(line for section in sections for line in section) + "\n"
+
+
+def data_section(report: dict) -> list[str]:
+    data = report["data"]
+    state, split = data.get("state", {}), data["split"]
+    dropped = ", ".join(f"{count:,} ({reason.replace('_', ' ')})"
+                        for reason, count in data["dropped"].items()) or "none"
+    if split == "none":
+        held_out = "nothing held out"
+        known = (f"The exports know all {state.get('rows', 0):,} rows of "
+                 f"{state.get('users', 0):,} users.")
+    else:
+        rows = data.get("test_rows", data["test_users"])
+        held_out = (f"{data['test_users']:,} test users" if rows == data["test_users"] else
+                    f"{rows:,} held-out rows of {data['test_users']:,} users")
+        fit = "training" if split == "random" else "training and validation"
+        known = (f"The exports know the {state.get('rows', 0):,} {fit} rows of "
+                 f"{state.get('users', 0):,} users, never the test rows.")
+    return [f"# Run report: {data['source']}", "",
+            f"{data['users']:,} users, {data['items']:,} items, {data['interactions']:,} "
+            f"interactions; split `{split}`, {held_out}; dropped rows: {dropped}.", "",
+            f"Protocol `{split}`: {protocol_sentence(split)}. {known}"]
+
+
+def metrics_section(report: dict, plots: list[str]) -> list[str]:
+    """The test metrics table, the two-stage gain over retrieval, warnings, Recall@K plot."""
     def row(name, metrics):
         return f"| {name} | {metrics['recall@10']:.4f} | {metrics['ndcg@10']:.4f} |"
-    data = report["data"]
-    state = data.get("state", {})
+    models = [(name, report[section]["test"]) for name, section in
+              (("retrieval (two-tower)", "retrieval"),
+               ("two-stage (retrieval + ranking)", "two_stage"))
+              if (report.get(section) or {}).get("test")]
+    models += [(name, metrics) for name, metrics in report.get("baselines", {}).items() if metrics]
+    if not models:
+        return []
     excluded = ("each user's known items excluded, as the exports serve"
-                if data.get("exclude_seen", True) else "nothing excluded (repeats allowed)")
-    lines = [f"# Run report: {data['source']}", "",
-             f"{data['users']} users, {data['items']} items, {data['interactions']} interactions; "
-             f"split `{data['split']}` with {data['test_users']} test users; dropped rows: "
-             f"{data['dropped'] or 'none'}.", "",
-             f"Protocol `{data['split']}`: {PROTOCOLS[data['split'].partition(':')[0]]}. "
-             f"The exports know the "
-             f"{state.get('rows', '?')} training and validation rows of {state.get('users', '?')} "
-             f"users, never the test rows.", "",
-             "## Test Recall@10 and NDCG@10", "",
+                if report["data"].get("exclude_seen", True) else
+                "nothing excluded (repeats allowed)")
+    lines = ["", "## Test Recall@10 and NDCG@10", "",
              f"Full catalogue, {excluded}. Over the full catalogue a tie counts against the "
              "held-out item; where the order is the one served (retrieval's candidates "
              "re-ranked, the popular order for users the exports do not know) ties keep the "
              "served order. The baselines are fit on the same training rows.", "",
              "| model | Recall@10 | NDCG@10 |", "| --- | --- | --- |"]
-    for name, section in (("retrieval (two-tower)", "retrieval"),
-                          ("two-stage (retrieval + ranking)", "two_stage")):
-        if (report.get(section) or {}).get("test"):
-            lines.append(row(name, report[section]["test"]))
-    lines += [row(name, metrics) for name, metrics in report.get("baselines", {}).items() if metrics]
-    lines += [""] + [f"- **Warning:** {line}." for line in report.get("warnings", [])]
-    if (report.get("ranking") or {}).get("test"):
-        ranking = report["ranking"]["test"]
-        rmse = "none (no ratings)" if ranking["rmse"] is None else f"{ranking['rmse']:.3f}"
-        auc = "not computed" if ranking["auc"] is None else f"{ranking['auc']:.3f}"
-        lines += ["", "## Ranking on its own", "",
-                  f"RMSE of the rating head: {rmse}. AUC of each held-out item against "
-                  f"retrieval's top candidates for its user (the items it must beat when "
-                  f"served): {auc}."]
-    if "index" in report:
-        index = report["index"]
-        recall = next(value for key, value in index.items()
-                      if key.endswith("_vs_exact") and not key.startswith("test_"))
-        test = next((value for key, value in index.items() if key.startswith("test_")), None)
-        lines += ["", "## Candidate index", ""]
-        if index["params"] is None:
-            lines.append("No ScaNN setting reached the recall target; only the brute-force "
-                         "export is written.")
-        else:
-            lines.append(
-                f"{scann_sentence(index['params'])}, tuned on {index['tuned_on']} queries, finds "
-                f"{recall:.1%} of the exact top 10 there"
-                + (f" and {test:.1%} on test queries" if test is not None else "")
-                + f"; one query takes {index['latency_ms_p50']:.2f} ms (p50) against "
-                f"{index['exact_latency_ms_p50']:.2f} ms for brute force.")
-        if "exported" in index:
-            exported = index["exported"]
-            lines.append(f"The `retrieval_scann` export fetches {exported['fetch']} items per "
-                         f"query so that k unseen ones remain, so it searches with "
-                         f"{scann_sentence(exported)[len('ScaNN with '):]}.")
-    if "serving" in report:
-        serving = report["serving"]
-        lines += ["", "## Served", "",
-                  f"The exports were served by the embedded server and asked for "
-                  f"{serving['users']} test users over REST and gRPC (identical answers). "
-                  "Recall@10 and NDCG@10 of the served lists:", "",
-                  "| served model | Recall@10 | NDCG@10 | seen items served |",
+    lines += [row(name, metrics) for name, metrics in models]
+    gain = (report.get("two_stage") or {}).get("gain_over_retrieval") or {}
+    lines += [""] + [f"- {gain_sentence(METRIC_NAMES[metric], figures)}"
+                     for metric, figures in gain.items()]
+    lines += [f"- **Warning:** {line}." for line in report.get("warnings", [])]
+    return lines + image("recall_at_k.png", plots, "test Recall@K of every model")
+
+
+def gain_sentence(metric: str, gain: dict) -> str:
+    """One line: the two-stage gain over retrieval on `metric` with its 95% interval."""
+    ratio = "" if gain["ratio"] is None else f" (×{gain['ratio']:.2f})"
+    lo, hi = gain["ci95"]
+    units = (f"{gain['units']:,} users" if gain["units"] == gain["rows"] else
+             f"{gain['units']:,} users, each drawn with all their {gain['rows']:,} held-out rows")
+    return (f"Two-stage against retrieval: {metric} {gain['difference']:+.3f}{ratio}, 95% "
+            f"interval {lo:+.3f} to {hi:+.3f} (paired bootstrap over {units}).")
+
+
+def training_section(report: dict, plots: list[str]) -> list[str]:
+    stages = [(name, report[name]["train"]) for name in ("retrieval", "ranking")
+              if (report.get(name) or {}).get("train")]
+    if not stages:
+        return []
+    lines = ["", "## Training", "",
+             "The best epoch is the one whose weights the model keeps: early stopping's best on "
+             "validation (Recall@10 for retrieval, the loss for ranking), else the last.", "",
+             "| stage | epochs | best epoch | seconds | examples per second |",
+             "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {name} | {train['epochs']} | {train.get('best_epoch', train['epochs'])} | "
+              f"{train['seconds']:.1f} | {train['examples_per_second']:,.0f} |"
+              for name, train in stages]
+    return lines + image("training.png", plots, "loss and validation metric per epoch")
+
+
+def ranking_section(report: dict) -> list[str]:
+    ranking = (report.get("ranking") or {}).get("test")
+    if not ranking:
+        return []
+    rmse = "none (no ratings)" if ranking["rmse"] is None else f"{ranking['rmse']:.3f}"
+    auc = "not computed" if ranking["auc"] is None else f"{ranking['auc']:.3f}"
+    return ["", "## Ranking on its own", "",
+            f"RMSE of the rating head: {rmse}. AUC of each held-out item against retrieval's "
+            f"top candidates for its user (the items it must beat when served): {auc}."]
+
+
+def index_section(report: dict, plots: list[str]) -> list[str]:
+    if "index" not in report:
+        return []
+    index = report["index"]
+    recall = next(value for key, value in index.items()
+                  if key.endswith("_vs_exact") and not key.startswith("test_"))
+    test = next((value for key, value in index.items() if key.startswith("test_")), None)
+    lines = ["", "## Candidate index", ""]
+    if index["params"] is None:
+        lines.append("No ScaNN setting reached the recall target; only the brute-force export "
+                     "is written.")
+    else:
+        lines.append(
+            f"{scann_sentence(index['params'])}, tuned on {index['tuned_on']} queries, finds "
+            f"{recall:.1%} of the exact top 10 there"
+            + (f" and {test:.1%} on test queries" if test is not None else "")
+            + f"; one query takes {index['latency_ms_p50']:.2f} ms (p50) against "
+            f"{index['exact_latency_ms_p50']:.2f} ms for brute force.")
+    if "exported" in index:
+        exported = index["exported"]
+        lines.append(f"The `retrieval_scann` export fetches {exported['fetch']} items per "
+                     f"query so that k unseen ones remain, so it searches with "
+                     f"{scann_sentence(exported)[len('ScaNN with '):]}.")
+    return lines + image("index.png", plots, "ScaNN recall against latency")
+
+
+def served_section(report: dict) -> list[str]:
+    if "serving" not in report:
+        return []
+    serving = report["serving"]
+    scored = all("recall@10" in figures for figures in serving["served"].values())
+    asked = (f"{serving['users']:,} test users" if scored else
+             f"{serving['users']:,} users the exports know (nothing is held out to score)")
+    lines = ["", "## Served", "",
+             f"The exports were served by the embedded server and asked for {asked} over REST "
+             "and gRPC (identical answers)."
+             + (" Recall@10 and NDCG@10 of the served lists:" if scored else ""), ""]
+    if scored:
+        lines += ["| served model | Recall@10 | NDCG@10 | seen items served |",
                   "| --- | --- | --- | --- |"]
-        lines += [f"| {name} | {figures.get('recall@10', float('nan')):.4f} | "
-                  f"{figures.get('ndcg@10', float('nan')):.4f} | {figures['seen_items_served']} |"
+        lines += [f"| {name} | {figures['recall@10']:.4f} | {figures['ndcg@10']:.4f} | "
+                  f"{figures['seen_items_served']} |"
                   for name, figures in serving["served"].items()]
-        lines += ["", f"The ranking export's scores differ from the Keras ranker's by at most "
-                  f"{serving['ranking_export_max_abs_diff']:.1e}."]
-    if "exports" in report:
-        root = os.path.abspath(out)
-        lines += ["", "## Serve", "",
-                  "With the embedded server (every model, `retrieval_scann` included):", "",
-                  f"    python scripts/serve.py --model_config_file={root}/export/models_scann.config",
-                  "", "With TF Serving (every model but `retrieval_scann`, which needs ScaNN's ops):",
-                  "", f"    tensorflow_model_server --port=8500 --rest_api_port=8501 "
-                  f"--model_config_file={root}/export/models.config", "",
-                  "or its Docker image, with the config written for the container's `/models`:",
-                  "", f"    docker run -p 8500:8500 -p 8501:8501 -v {root}/export:/models "
-                  "tensorflow/serving --model_config_file=/models/models.docker.config"]
-    lines += ["", "## Timings (seconds)", "", "| step | seconds |", "| --- | --- |"]
-    lines += [f"| {name} | {seconds:.1f} |" for name, seconds in report["timings"].items()]
-    lines += ["", "Plots: " + ", ".join(f"`plots/{name}`" for name in plots) + ".", ""]
-    return "\n".join(lines)
+    else:
+        lines += ["| served model | seen items served |", "| --- | --- |"]
+        lines += [f"| {name} | {figures['seen_items_served']} |"
+                  for name, figures in serving["served"].items()]
+    return lines + ["", f"The ranking export's scores differ from the Keras ranker's by at "
+                        f"most {serving['ranking_export_max_abs_diff']:.1e}."]
+
+
+def examples_section(report: dict) -> list[str]:
+    """Per example user: their last items, the list they are served with the held-out items
+    in bold, and where the held-out items are."""
+    examples = report.get("examples")
+    if not examples or not examples["users"]:
+        return []
+    served = examples["list"] == "served two-stage"
+    n = max(len(user["list"]) for user in examples["users"])
+    column = f"served two-stage top {n}" if served else f"retrieval's top {n}"
+    source = ("the two-stage list the served check received over REST" if served else
+              "retrieval's list as its export serves it (this run served nothing)")
+    lines = ["", "## Example users", "",
+             f"{len(examples['users'])} of the {examples['drawn_from']:,} test users"
+             f"{' the served check asked for' if served else ''}, drawn with seed 0 (users "
+             "the exports know first): the last items the exports know for each (most recent "
+             f"last), {source}, and what the user did next (the held-out items), in bold where "
+             "the list holds them."]
+    for user in examples["users"]:
+        targets = {item["id"] for item in user["held_out"]}
+        last = " · ".join(escape(label(item)) for item in user["last_items"]) if user["known"] \
+            else "none (the exports do not know this user; they serve the popular items)"
+        held = held_out_sentence(user["held_out"])
+        lines += ["", f"### User `{user['user']}`", "",
+                  f"Last items: {last}.  ", f"Held out: {held}.", "",
+                  f"| # | {column} |", "| ---: | :--- |"]
+        lines += [f"| {position} | " + (f"**{escape(label(item))}** (held out)"
+                                        if item["id"] in targets else escape(label(item))) + " |"
+                  for position, item in enumerate(user["list"], 1)]
+    return lines
+
+
+def held_out_sentence(items: list[dict], named: int = 3) -> str:
+    """The held-out items of a user: where the list holds them, and the first `named` of the
+    others (a user may have many under the random and global protocols)."""
+    found = [f"{escape(label(item))} at position {item['position']}"
+             for item in items if item["position"] is not None]
+    missed = [escape(label(item)) for item in items if item["position"] is None]
+    if len(items) == 1:
+        return found[0] if found else f"{missed[0]}, not in the list"
+    others = ", ".join(missed[:named]) + (", …" if len(missed) > named else "")
+    return (f"{len(items)} items; " + "; ".join(found + ([f"{len(missed)} not in the list "
+                                                         f"({others})"] if missed else [])))
+
+
+def label(item: dict) -> str:
+    """An item as people read it: its title, else its id."""
+    return item.get("title") or item["id"]
+
+
+def serve_section(report: dict, out: str) -> list[str]:
+    if "exports" not in report:
+        return []
+    root = os.path.abspath(out)
+    return ["", "## Serve", "",
+            "With the embedded server (every model, `retrieval_scann` included):", "",
+            f"    python scripts/serve.py --model_config_file={root}/export/models_scann.config",
+            "", "With TF Serving (every model but `retrieval_scann`, which needs ScaNN's ops):",
+            "", f"    tensorflow_model_server --port=8500 --rest_api_port=8501 "
+            f"--model_config_file={root}/export/models.config", "",
+            "or its Docker image, with the config written for the container's `/models`:",
+            "", f"    docker run -p 8500:8500 -p 8501:8501 -v {root}/export:/models "
+            "tensorflow/serving --model_config_file=/models/models.docker.config"]
+
+
+def timings_section(report: dict) -> list[str]:
+    return (["", "## Timings (seconds)", "", "| step | seconds |", "| --- | --- |"]
+            + [f"| {name} | {seconds:.1f} |" for name, seconds in report["timings"].items()])

@@ -3,6 +3,7 @@ hand-made report dict, and the report the tiny pipeline writes (example users, t
 retrieval, the protocol and the numbers' precision)."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -69,3 +70,210 @@ def test_the_bootstrap_refuses_unpaired_inputs():
         paired_bootstrap(np.zeros(3), np.zeros(2))
     with pytest.raises(ValueError, match=r"groups must be \[m\]"):
         paired_bootstrap(np.zeros(3), np.zeros(3), groups=np.zeros(2))
+
+
+# ------------------------------------------------------------------ report.md from a report dict
+
+def report_of(split: str, **sections) -> dict:
+    """The smallest report `markdown` reads, for a `split`, with `sections` added."""
+    data = {"source": "log.csv", "users": 1200, "items": 300, "interactions": 45678,
+            "split": split, "test_users": 0 if split == "none" else 600,
+            "test_rows": {"none": 0, "temporal": 600}.get(split, 9000),
+            "dropped": {"duplicate_row": 3, "item_not_in_catalogue": 1200}, "exclude_seen": True,
+            "state": {"rows": 36000, "users": 1100}}
+    return {"data": data, "timings": {"report": 0.123}, **sections}
+
+
+@pytest.mark.parametrize("split, says", [
+    ("temporal", "per user, the last interaction is held out (test) and the one before it is "
+                 "validation. It leaks: other users' later rows train the models"),
+    ("random", "an 80/20 shuffle of the rows (seed 42)"),
+    ("global:0.8", "every row after the 0.8 quantile of time is held out (test)"),
+    ("global", "every row after the 0.9 quantile of time is held out (test)"),
+    ("none", "every row trains; nothing is held out"),
+])
+def test_report_md_states_the_protocol_of_its_split(split, says):
+    from tworec.pipeline.report import markdown
+    text = markdown(report_of(split), "RUN", [])
+    assert f"Protocol `{split}`: {says}" in text
+    if split != "temporal":
+        assert "temporal" not in text
+    assert "dropped rows: 3 (duplicate row), 1,200 (item not in catalogue)." in text
+    held_out = {"none": "nothing held out", "temporal": "600 test users"}.get(
+        split, "9,000 held-out rows of 600 users")
+    assert f"45,678 interactions; split `{split}`, {held_out};" in text
+    assert "{" not in text and "0.123" not in text and "| report | 0.1 |" in text
+
+
+def test_the_gain_line_reads_as_the_issue_asks():
+    from tworec.pipeline.report import gain_sentence
+    gain = {"difference": 0.0123, "ratio": 1.1849, "ci95": [0.00351, 0.0204], "rows": 672,
+            "units": 672}
+    assert gain_sentence("NDCG@10", gain) == (
+        "Two-stage against retrieval: NDCG@10 +0.012 (×1.18), 95% interval +0.004 to +0.020 "
+        "(paired bootstrap over 672 users).")
+    several = {**gain, "difference": -0.0051, "ratio": None, "ci95": [-0.019, 0.0043],
+               "rows": 781, "units": 42}
+    assert gain_sentence("Recall@10", several) == (
+        "Two-stage against retrieval: Recall@10 -0.005, 95% interval -0.019 to +0.004 "
+        "(paired bootstrap over 42 users, each drawn with all their 781 held-out rows).")
+
+
+def test_example_users_show_titles_and_mark_the_held_out_item():
+    from tworec.pipeline.report import markdown
+    items = [{"id": f"m{k}", "title": f"Film {k} (1999)"} for k in range(10)]
+    examples = {"list": "served two-stage", "drawn_from": 600, "users": [
+        {"user": "7", "known": True, "held_out": [{**items[2], "position": 3}],
+         "last_items": [{"id": "m20", "title": "*batteries not included (1987)"},
+                        {"id": "m21"}], "list": items},
+        {"user": "8", "known": False, "list": items[:2], "last_items": [],
+         "held_out": [{"id": "m30", "position": None}, {**items[1], "position": 2}]}]}
+    text = markdown(report_of("temporal", examples=examples), "RUN", [])
+    section = text[text.index("## Example users"):]
+    assert ("2 of the 600 test users the served check asked for, drawn with seed 0 (users the "
+            "exports know first)") in section
+    first, second = section.split("### User ")[1:]
+    assert first.splitlines()[2:12] == [
+        r"Last items: \*batteries not included (1987) · m21.  ",
+        "Held out: Film 2 (1999) at position 3.", "",
+        "| # | served two-stage top 10 |", "| ---: | :--- |",
+        "| 1 | Film 0 (1999) |", "| 2 | Film 1 (1999) |", "| 3 | **Film 2 (1999)** (held out) |",
+        "| 4 | Film 3 (1999) |", "| 5 | Film 4 (1999) |"]
+    assert "Last items: none (the exports do not know this user" in second
+    assert ("Held out: 2 items; Film 1 (1999) at position 2; 1 not in the list (m30)."
+            in second)
+
+
+# ------------------------------------------------------------------ the report of a tiny run
+
+def pipeline_script(name: str, out, *args: str) -> dict:
+    """Runs scripts/`name` on the tiny synthetic log into `out`; returns its report.json."""
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", name), "--data",
+                           "synthetic:tiny", "--preset", "tiny", "--out", str(out), *args],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return json.load(open(out / "report.json"))
+
+
+@pytest.fixture(scope="module")
+def global_run(tmp_path_factory):
+    """The whole pipeline under `global:0.8`: several held-out rows per user, and test users
+    the exports do not know."""
+    out = tmp_path_factory.mktemp("global_run")
+    return out, pipeline_script("pipeline.py", out, "--split", "global:0.8")
+
+
+@pytest.fixture(scope="module")
+def retrieval_only_run(tmp_path_factory):
+    """train_retrieval.py: no ranking, nothing served."""
+    out = tmp_path_factory.mktemp("retrieval_only_run")
+    return out, pipeline_script("train_retrieval.py", out)
+
+
+def split_log(split: str):
+    from tworec.features import load, split as split_of
+    log = load("synthetic:tiny")
+    return log, split_of(log, split)
+
+
+def by_user_in_time(log, rows) -> dict[str, list[str]]:
+    """user id -> item ids of `rows` in time order (ties in log order), a plain loop."""
+    items = {}
+    for row in sorted(rows, key=lambda row: (log.timestamp[row], row)):
+        user, item = str(log.user_ids[log.user[row]]), str(log.item_ids[log.item[row]])
+        items.setdefault(user, []).append(item)
+    return items
+
+
+def answers_of(export: str, user_ids: list[str]) -> np.ndarray:
+    """[u, n] item ids a SavedModel export serves to `user_ids`."""
+    import tensorflow as tf
+    import tworec.serving  # noqa: F401  (the environment the exports are loaded in)
+    signature = tf.saved_model.load(export).signatures["serving_default"]
+    return signature(user_id=tf.constant(user_ids))["item_ids"].numpy().astype(str)
+
+
+def test_example_users_show_what_the_served_recommender_answered(global_run):
+    """Five test users of the served check, those the exports know first (four, here); their
+    last items are the fit rows' last five, their list the recommender export's answer, their
+    held-out items the test rows'."""
+    out, report = global_run
+    examples = report["examples"]
+    assert examples["list"] == "served two-stage"
+    assert report["serving"]["users"] == report["data"]["test_users"]        # all were asked
+    log, parts = split_log("global:0.8")
+    fit, test = by_user_in_time(log, parts.fit), by_user_in_time(log, parts.test)
+    assert examples["drawn_from"] == len(test)
+    users = [user["user"] for user in examples["users"]]
+    assert len(users) == 5 == len(set(users))
+    known = sorted(set(fit) & set(test))
+    assert len(known) == 4 and sorted(users[:4]) == known and users[4] not in fit
+    served = answers_of(report["exports"]["recommender"], users)
+    for user, answer in zip(examples["users"], served):
+        assert [item["id"] for item in user["last_items"]] == fit.get(user["user"], [])[-5:]
+        assert user["known"] == (user["user"] in fit)
+        assert [item["id"] for item in user["list"]] == [i for i in answer[:10] if i]
+        ids = [item["id"] for item in user["list"]]
+        assert [(item["id"], item["position"]) for item in user["held_out"]] == [
+            (item, ids.index(item) + 1 if item in ids else None) for item in test[user["user"]]]
+        assert all(item["title"] == "Item " + item["id"][1:]
+                   for item in user["list"] + user["last_items"])
+
+
+def test_the_gain_over_retrieval_is_paired_over_users(global_run):
+    out, report = global_run
+    two_stage, alone = report["two_stage"]["test"], report["retrieval"]["test"]
+    for metric in ("recall@10", "ndcg@10"):
+        gain = report["two_stage"]["gain_over_retrieval"][metric]
+        assert gain["difference"] == pytest.approx(two_stage[metric] - alone[metric], abs=1e-12)
+        assert gain["ratio"] == pytest.approx(two_stage[metric] / alone[metric])
+        assert gain["ci95"][0] <= gain["ci95"][1] and gain["samples"] == 2000
+        assert (gain["units"], gain["rows"]) == (report["data"]["test_users"],
+                                                report["data"]["test_rows"])
+        assert gain["rows"] > gain["units"]                   # users, not rows, resampled
+        text = (out / "report.md").read_text()
+        lo, hi = gain["ci95"]
+        name = {"recall@10": "Recall@10", "ndcg@10": "NDCG@10"}[metric]
+        assert (f"- Two-stage against retrieval: {name} {gain['difference']:+.3f} "
+                f"(×{gain['ratio']:.2f}), 95% interval {lo:+.3f} to {hi:+.3f} (paired "
+                f"bootstrap over {gain['units']} users, each drawn with all their "
+                f"{gain['rows']} held-out rows).") in text
+
+
+def test_the_report_says_its_protocol_and_rounds_its_numbers(global_run):
+    out, _ = global_run
+    text = (out / "report.md").read_text()
+    assert "Protocol `global:0.8`: every row after the 0.8 quantile of time" in text
+    assert "temporal" not in text
+    assert not re.findall(r"\d\.\d{5,}", text) and "{" not in text and "nan" not in text
+    page = (out / "report.html").read_text()
+    assert page.count('src="data:image/png;base64,') == 3
+    sections = ["<h2>Test Recall@10", 'alt="test Recall@K', "<h2>Training", 'alt="loss and',
+                "<h2>Candidate index", 'alt="ScaNN', "<h2>Served", "<h2>Example users",
+                "<strong>Item", "<h2>Serve</h2>"]
+    assert [page.index(mark) for mark in sections] == sorted(page.index(m) for m in sections)
+
+
+def test_a_run_that_served_nothing_shows_retrievals_list(retrieval_only_run):
+    out, report = retrieval_only_run
+    examples = report["examples"]
+    assert examples["list"] == "retrieval" and len(examples["users"]) == 5
+    users = [user["user"] for user in examples["users"]]
+    served = answers_of(report["exports"]["retrieval"], users)
+    assert [[item["id"] for item in user["list"]] for user in examples["users"]] == \
+        [list(answer[:10]) for answer in served]
+    text = (out / "report.md").read_text()
+    assert "| # | retrieval's top 10 |" in text and "Two-stage against" not in text
+    assert "Protocol `temporal`: per user, the last interaction is held out" in text
+
+
+def test_a_deployment_run_reports_what_it_served_without_metrics():
+    from tworec.pipeline.report import markdown
+    serving = {"users": 40, "rows": 0, "exclude_seen": True, "ranking_export_max_abs_diff": 2e-7,
+               "served": {"retrieval": {"seen_items_served": 0},
+                          "recommender": {"seen_items_served": 0}}}
+    text = markdown(report_of("none", serving=serving), "RUN", [])
+    assert "## Test Recall@10" not in text and "nan" not in text
+    assert ("asked for 40 users the exports know (nothing is held out to score) over REST and "
+            "gRPC (identical answers).") in text
+    assert "| served model | seen items served |\n| --- | --- |\n| retrieval | 0 |" in text
