@@ -443,7 +443,8 @@ def prepare_run(out: str, source: dict, configs: Configs, verbose: int = 1,
     Args:
         out: the run folder: new (or empty) for a fresh run, a run folder to replace with
             `overwrite`, or for `continue_run` the run whose retrieval model is reused.
-        source: {"data": a `features.load` source, "columns": role -> column name}.
+        source: {"data": a `features.load` source, "columns": role -> column name, and
+            optionally "delimiter" of a text log (detected when absent)}.
         configs: the resolved configs (for a continued run, resolved from `read_run(out)`).
     """
     if continue_run:
@@ -456,7 +457,8 @@ def prepare_run(out: str, source: dict, configs: Configs, verbose: int = 1,
                 f"and run configs; these differ: {changed or ['source']}")
     else:
         store.check_fresh(out, overwrite)
-    log = load(source["data"], columns=source.get("columns") or {})
+    log = load(source["data"], columns=source.get("columns") or {},
+               delimiter=source.get("delimiter"))
     configs.validate(has_ratings=log.rating is not None)
     fingerprint = store.fingerprint(log)
     if continue_run and source.get("fingerprint") != fingerprint:
