@@ -20,6 +20,10 @@ from tworec.evaluation.sets import EvalSet
 KS = (10, 20, 50, 100)
 
 
+# The rank of a target that is never served: larger than any K.
+MISS = np.iinfo(np.int64).max
+
+
 def target_ranks(scores: np.ndarray, targets: np.ndarray, excluded: sp.csr_matrix,
                  name: str = "model") -> np.ndarray:
     """Rank of each target among the items not excluded (0 is best), ties counting against it.
@@ -27,7 +31,8 @@ def target_ranks(scores: np.ndarray, targets: np.ndarray, excluded: sp.csr_matri
     Args:
         scores: [b, num_items] float. targets: [b] item codes.
         excluded: [b, num_items] CSR of items not ranked (the user's seen items); an excluded
-            target is never served, so it is a miss (rank num_items).
+            target is never served, so it is a miss at every K (rank `MISS`), even a K larger
+            than the catalogue.
         name: the scorer, named in errors.
 
     Returns:
@@ -47,7 +52,7 @@ def target_ranks(scores: np.ndarray, targets: np.ndarray, excluded: sp.csr_matri
     excluded_rows, excluded_cols = excluded.nonzero()
     scores[excluded_rows, excluded_cols] = -np.inf
     ranks = (scores >= target_scores[:, None]).sum(1) - 1                 # the target itself
-    return np.where(target_excluded, scores.shape[1], ranks)
+    return np.where(target_excluded, MISS, ranks)
 
 
 def top_k_rows(scores: np.ndarray, k: int) -> np.ndarray:

@@ -19,7 +19,11 @@ def test_rank_metrics_by_hand():
 def test_target_ranks_exclude_seen_items_and_a_seen_target_is_a_miss():
     scores = np.array([[0.9, 0.8, 0.7, 0.1], [0.1, 0.2, 0.3, 0.4], [0.1, 0.2, 0.3, 0.4]])
     seen = sp.csr_matrix(np.array([[1, 0, 0, 0], [0, 0, 0, 1], [0, 1, 0, 0]], dtype=np.float32))
-    assert target_ranks(scores, np.array([2, 2, 1]), seen).tolist() == [1, 0, 4]
+    ranks = target_ranks(scores, np.array([2, 2, 1]), seen)
+    assert ranks[:2].tolist() == [1, 0]
+    # a seen target misses even at a K beyond the catalogue (4 items): it is never served
+    assert rank_metrics(ranks, ks=(10,)) == {"recall@10": pytest.approx(2 / 3),
+                                             "ndcg@10": pytest.approx((1 / np.log2(3) + 1) / 3)}
 
 
 def test_ties_count_against_the_target():
