@@ -21,6 +21,17 @@ def read(out: str) -> dict:
         return json.load(f)
 
 
+# How the report names each baseline of `evaluation.baselines`.
+BASELINE_NAMES = {"popularity": "popularity", "ease": "EASE",
+                  "item_transition": "item transitions"}
+
+
+def baselines_of(report: dict) -> list[tuple[str, dict]]:
+    """[(display name, test metrics)] of the baselines the report holds figures for."""
+    return [(BASELINE_NAMES.get(key, key), metrics)
+            for key, metrics in (report.get("baselines") or {}).items() if metrics]
+
+
 def warnings_of(report: dict) -> list[str]:
     """A line for every model that does worse than a baseline on test Recall@10 or NDCG@10,
     and for a two-stage list that does worse than retrieval alone."""
@@ -28,9 +39,9 @@ def warnings_of(report: dict) -> list[str]:
         return (report.get(section) or {}).get("test") or {}
     lines = []
     comparisons = [("retrieval", test("retrieval"), name, metrics)
-                   for name, metrics in (report.get("baselines") or {}).items() if metrics]
+                   for name, metrics in baselines_of(report)]
     comparisons += [("two-stage", test("two_stage"), name, metrics)
-                    for name, metrics in (report.get("baselines") or {}).items() if metrics]
+                    for name, metrics in baselines_of(report)]
     comparisons.append(("two-stage", test("two_stage"), "retrieval alone", test("retrieval")))
     for model, ours, name, theirs in comparisons:
         for metric in ("recall@10", "ndcg@10"):
@@ -128,7 +139,7 @@ def plot(out: str, report: dict) -> list[str]:
     curves = {name: report[section]["test"] for name, section in
               (("retrieval", "retrieval"), ("two-stage", "two_stage"))
               if (report.get(section) or {}).get("test")}
-    curves.update({name: metrics for name, metrics in report.get("baselines", {}).items() if metrics})
+    curves.update(dict(baselines_of(report)))
     if curves:
         figure, axis = plt.subplots(figsize=(8, 4))
         for name, metrics in curves.items():
@@ -243,7 +254,7 @@ def metrics_section(report: dict, plots: list[str]) -> list[str]:
               (("retrieval (two-tower)", "retrieval"),
                ("two-stage (retrieval + ranking)", "two_stage"))
               if (report.get(section) or {}).get("test")]
-    models += [(name, metrics) for name, metrics in report.get("baselines", {}).items() if metrics]
+    models += baselines_of(report)
     if not models:
         return []
     excluded = ("each user's known items excluded, as the exports serve"
