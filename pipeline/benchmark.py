@@ -1,6 +1,7 @@
 """Side-by-side performance figures (`scripts/benchmark.py`, `make bench`): each part compares
 ours with a fair reference in one process; a part that compares two things carries `ratio`
-(ours over the reference)."""
+(ours over the reference). TensorFlow is imported by the parts, not with the module, so that
+`scripts/benchmark.py --help` answers at once."""
 from __future__ import annotations
 
 import json
@@ -8,14 +9,13 @@ import sys
 import time
 
 import numpy as np
-import tensorflow as tf
 
-from tworec.features.batches import batches
 from tworec.features.synthetic import PRESETS, generate
 
 
 def examples_per_second(dataset: tf.data.Dataset, min_seconds: float = 3.0) -> float:
     """Iterates a dataset (one warm-up batch excluded) and returns its examples per second."""
+    import tensorflow as tf
     iterator = iter(dataset)
     next(iterator)
     examples, start = 0, time.perf_counter()
@@ -29,6 +29,8 @@ def examples_per_second(dataset: tf.data.Dataset, min_seconds: float = 3.0) -> f
 def bench_input(batch_size: int = 4096) -> dict:
     """Tutorial pipeline (per-example dicts, map, shuffle buffer, batch) against ours (a fresh
     permutation of all rows each epoch, whole-batch gathers) on a 1M-row log."""
+    import tensorflow as tf
+    from tworec.features.batches import batches
     log = generate(PRESETS["1m"], seed=0)
     columns = {"user_id": log.user_ids[log.user], "item_id": log.item_ids[log.item],
                "timestamp": log.timestamp, "rating": log.rating}
@@ -49,6 +51,7 @@ def bench_input(batch_size: int = 4096) -> dict:
 def bench_train_retrieval(epochs: int = 1) -> dict:
     """Our two-tower training against the TFRS-tutorial way of training the same towers:
     per-example pipeline and `FactorizedTopK` metrics computed at every training step."""
+    import tensorflow as tf
     import tensorflow_recommenders as tfrs
     from tworec.features import split
     from tworec.features.inputs import prepare
@@ -83,6 +86,7 @@ def bench_train_ranking(epochs: int = 2) -> dict:
     """Our ranking training (batch-first lists) against the same model fed by a per-example
     pipeline (`from_tensor_slices`, `map`, `shuffle`, `batch`), on the same lists; two epochs,
     so that one-off tracing weighs less than the per-epoch work."""
+    import tensorflow as tf
     from tworec.features import split
     from tworec.features.inputs import prepare
     from tworec.ranking.config import preset
@@ -114,6 +118,7 @@ def bench_train_ranking(epochs: int = 2) -> dict:
 def bench_index(num_items: int = 1_000_000, dim: int = 64, num_queries: int = 200) -> dict:
     """ScaNN against brute force on a clustered 1M x 64 catalogue: single-query latency
     through the TF path and recall@10 against exact search."""
+    import tensorflow as tf
     from tworec.retrieval.index import (ScannParams, build_index, exact_top_k, recall_against,
                                  single_query_latency_ms)
     rng = np.random.default_rng(0)

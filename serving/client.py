@@ -8,6 +8,9 @@ Both transports take and return dicts of NumPy arrays (strings as bytes), raise 
 with the TF error code, and retry UNAVAILABLE (HTTP 503, refused connections) with exponential
 backoff. A predict with more rows than `max_rows_per_request` is sent in parts (servers bound
 the rows of one request) and the answers are joined along dimension 0.
+
+TensorFlow and the TF Serving protos are imported by the calls that need them, so that
+importing the client (a script's `--help`) does not load TensorFlow.
 """
 from __future__ import annotations
 
@@ -18,11 +21,7 @@ import urllib.parse
 import grpc
 import numpy as np
 import requests
-import tensorflow as tf
 from google.protobuf import json_format
-from tensorflow_serving.apis import (get_model_metadata_pb2, get_model_status_pb2,
-                                     model_service_pb2_grpc, predict_pb2,
-                                     prediction_service_pb2_grpc)
 
 from tworec.serving.errors import CODE_OF_HTTP_STATUS, ServingError
 from tworec.serving.protocol import DEFAULT_SIGNATURE, INT32_MAX
@@ -99,6 +98,7 @@ class GrpcTransport:
     """`PredictionService` and `ModelService` stubs on one channel."""
 
     def __init__(self, target: str, timeout: float):
+        from tensorflow_serving.apis import model_service_pb2_grpc, prediction_service_pb2_grpc
         self.timeout = timeout
         self.channel = grpc.insecure_channel(target, options=[
             ("grpc.max_receive_message_length", INT32_MAX),
@@ -108,6 +108,8 @@ class GrpcTransport:
 
     def predict(self, model: str, inputs: dict[str, np.ndarray], signature_name: str,
                 version: int | None) -> dict[str, np.ndarray]:
+        import tensorflow as tf
+        from tensorflow_serving.apis import predict_pb2
         request = predict_pb2.PredictRequest()
         _fill_spec(request.model_spec, model, version, signature_name)
         for name, value in inputs.items():
@@ -116,11 +118,13 @@ class GrpcTransport:
         return {name: tf.make_ndarray(proto) for name, proto in response.outputs.items()}
 
     def status(self, model: str, version: int | None):
+        from tensorflow_serving.apis import get_model_status_pb2
         request = get_model_status_pb2.GetModelStatusRequest()
         _fill_spec(request.model_spec, model, version)
         return self._call(self.models.GetModelStatus, request)
 
     def metadata(self, model: str, version: int | None):
+        from tensorflow_serving.apis import get_model_metadata_pb2
         request = get_model_metadata_pb2.GetModelMetadataRequest(metadata_field=["signature_def"])
         _fill_spec(request.model_spec, model, version)
         response = self._call(self.prediction.GetModelMetadata, request)
@@ -155,6 +159,7 @@ class RestTransport:
 
     def predict(self, model: str, inputs: dict[str, np.ndarray], signature_name: str,
                 version: int | None) -> dict[str, np.ndarray]:
+        import tensorflow as tf
         signature = self._signature(model, version, signature_name)
         body = {"signature_name": signature_name,
                 "inputs": {name: _json_of_array(value) for name, value in inputs.items()}}
@@ -165,11 +170,13 @@ class RestTransport:
                 for name, value in outputs.items()}
 
     def status(self, model: str, version: int | None):
+        from tensorflow_serving.apis import get_model_status_pb2
         answer = self._request("GET", _model_path(model, version))
         return json_format.ParseDict(answer, get_model_status_pb2.GetModelStatusResponse(),
                                      ignore_unknown_fields=True)
 
     def metadata(self, model: str, version: int | None):
+        from tensorflow_serving.apis import get_model_metadata_pb2
         answer = self._request("GET", _model_path(model, version) + "/metadata")
         return json_format.ParseDict(answer["metadata"]["signature_def"],
                                      get_model_metadata_pb2.SignatureDefMap(),
@@ -239,6 +246,7 @@ def _json_of_string(item):
 
 def _array_of_json(value, dtype: tf.DType) -> np.ndarray:
     """An output of the JSON response as an array of the signature's dtype."""
+    import tensorflow as tf
     if dtype != tf.string:
         return np.asarray(value, dtype=dtype.as_numpy_dtype)
     strings = np.asarray(value, dtype=object)
