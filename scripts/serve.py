@@ -13,17 +13,17 @@
          [--enable_large_batch_splitting]]
 
 SIGTERM or Ctrl-C stops accepting requests and lets those in flight finish for the grace period.
+A model with no version yet is served anyway (its requests answer NOT_FOUND) and its base path
+polled until one appears, as in TF Serving; a warning at start names the path.
 """
 import argparse
 import logging
+import os
 import sys
 
-
-from tworec.serving.batching import Batcher
 from tworec.serving.errors import ServingError
+from tworec.serving.layout import list_versions
 from tworec.serving.limits import default_max_elements, default_max_rows
-from tworec.serving.manager import ModelConfig, ModelManager, parse_config
-from tworec.serving.server import ModelServer
 
 
 def parse_args(argv):
@@ -92,25 +92,44 @@ def _bool(text: str) -> bool:
     return text.lower() in ("true", "1")
 
 
-def batcher(args) -> Batcher | None:
-    """The batcher the batching flags ask for; None without --enable_batching."""
+def batcher(args):
+    """The `Batcher` the batching flags ask for; None without --enable_batching."""
     if not args.enable_batching:
         return None
+    from tworec.serving.batching import Batcher
     return Batcher(args.max_batch_size, args.batch_timeout_micros,
                    args.num_batch_threads or None, args.max_enqueued_batches,
                    args.enable_large_batch_splitting)
 
 
-def model_configs(args) -> list[ModelConfig]:
+def model_configs(args) -> list:
+    """The `ModelConfig`s of --model_config_file, or of --model_name and --model_base_path."""
+    from tworec.serving.manager import ModelConfig, parse_config
     if not args.model_base_path:
         with open(args.model_config_file) as f:
             return parse_config(f.read())
     return [ModelConfig(args.model_name, args.model_base_path)]
 
 
+def no_versions_warning(name: str, base_path: str, poll_seconds: float) -> str | None:
+    """The warning for a model whose base path holds no version yet; None when it has one."""
+    if list_versions(base_path):
+        return None
+    reason = ("the folder does not exist" if not os.path.isdir(base_path) else
+              f"a version is a folder named by an integer, e.g. {os.path.join(base_path, '1')}")
+    polling = (f"polling every {poll_seconds:g} s for one" if poll_seconds > 0 else
+               "not polling (--file_system_poll_wait_seconds=0)")
+    return (f"warning: no versions of model {name} found under {base_path} ({reason}); "
+            f"the server starts without it, {polling}")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # Before TensorFlow loads: it gives its own logger a handler of its own when the root
+    # logger has none yet, and every TensorFlow warning was then printed twice.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    from tworec.serving.manager import ModelManager
+    from tworec.serving.server import ModelServer
     try:
         configs = model_configs(args)
     except (OSError, ServingError) as error:
@@ -137,6 +156,10 @@ def main(argv=None) -> int:
                                          args.model_config_file_poll_wait_seconds)
     for config in configs:
         print(f"model {config.name}: {config.base_path}")
+        warning = no_versions_warning(config.name, config.base_path,
+                                      args.file_system_poll_wait_seconds)
+        if warning:
+            print(warning, file=sys.stderr)
     server.handle_signals()                  # before the readiness line: a SIGTERM on it stops
     rest = f", REST on http://{args.host}:{server.rest_port}" if server.rest_port else ""
     print(f"serving gRPC on {args.host}:{server.grpc_port}{rest}; Ctrl-C or SIGTERM stops",
