@@ -1,34 +1,98 @@
-"""Prints a user's recommendations from served `retrieval` and `ranking` models.
+"""Prints a user's recommendations from served models, or writes every user's from an export.
 
     python scripts/recommend.py --user ID [--url http://127.0.0.1:8501 | --grpc HOST:PORT]
         [--n 10] [--movies items.csv] [--seen ID,ID,...]
+    python scripts/recommend.py --all --export RUN/export/recommender [--version V]
+        --out recs.parquet [--n 10] [--movies items.csv] [--batch-size 1024]
+
+--user asks the served `retrieval` and `ranking` models. --all loads an export (recommender,
+retrieval or retrieval_scann) and writes the top n of every user it knows to a Parquet file,
+a batch at a time: columns user_id, rank (1-based), item_id, score, and title with --movies.
 
 `--movies` is a CSV with an item id column (`item_id`, GroupLens's `movieId`, or another name
 the loader knows) and a `title` column, for titles beside the ids: a GroupLens `movies.csv`
 works as it is.
+
+A mistake in the arguments stops with one line, `error: ...`, and exit code 2, before any
+model loads; a failure later exits with 1.
 """
 import argparse
 import csv
+import os
 import sys
 
 from tworec.features.sources import DEFAULT_COLUMNS
-from tworec.serving.client import Client
-from tworec.serving.errors import ServingError
-from tworec.serving.recommender import PAD_ID, Recommender
+
+# The flags of each way of running, to refuse those the other one would ignore.
+SERVER_FLAGS = {"--url": "url", "--grpc": "grpc", "--seen": "seen",
+                "--retrieval_model": "retrieval_model", "--ranking_model": "ranking_model"}
+EXPORT_FLAGS = {"--export": "export", "--version": "version", "--out": "out",
+                "--batch-size": "batch_size"}
 
 
-def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--user", required=True, help="the user id")
-    parser.add_argument("--url", default="http://127.0.0.1:8501", help="REST address")
-    parser.add_argument("--grpc", default="", help="gRPC HOST:PORT (instead of --url)")
-    parser.add_argument("--n", type=int, default=10, help="how many items")
-    parser.add_argument("--seen", default="", help="comma-separated item ids to leave out")
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose mistakes end with one line, `error: ...`, and exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def parse_args(argv) -> argparse.Namespace:
+    parser = OneLineParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--user", help="the user id, for one user's recommendations")
+    parser.add_argument("--all", action="store_true",
+                        help="every user an export knows, into --out (with --export)")
+    parser.add_argument("--n", type=int, default=10, help="how many items per user")
     parser.add_argument("--movies", default="",
                         help="CSV with an item id column (item_id, movieId, ...) and title")
-    parser.add_argument("--retrieval_model", default="retrieval")
-    parser.add_argument("--ranking_model", default="ranking")
+    parser.add_argument("--url", help="--user: REST address (default http://127.0.0.1:8501)")
+    parser.add_argument("--grpc", help="--user: gRPC HOST:PORT (instead of --url)")
+    parser.add_argument("--seen", help="--user: comma-separated item ids to leave out")
+    parser.add_argument("--retrieval_model", help="--user: served name (default retrieval)")
+    parser.add_argument("--ranking_model", help="--user: served name (default ranking)")
+    parser.add_argument("--export", help="--all: an export folder, e.g. RUN/export/recommender")
+    parser.add_argument("--version", type=int, help="--all: the version (default the latest)")
+    parser.add_argument("--out", help="--all: the Parquet file to write")
+    parser.add_argument("--batch-size", type=int, help="--all: users per batch (default 1024)")
     return parser.parse_args(argv)
+
+
+def mistake(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments, in one line naming the flag; None when nothing is."""
+    if args.user and args.all:
+        return ("--user and --all exclude each other: --user ID asks a server for one user, "
+                "--all scores every user of --export")
+    if not (args.user or args.all):
+        return ("give --user ID (one user, from a server) or --all --export DIR --out FILE "
+                "(every user of an export)")
+    mode, other, flags = (("--all", "--user", SERVER_FLAGS) if args.all else
+                          ("--user", "--all", EXPORT_FLAGS))
+    ignored = [flag for flag, name in flags.items() if getattr(args, name) is not None]
+    if ignored:
+        verb = "goes" if len(ignored) == 1 else "go"
+        return f"{', '.join(ignored)} {verb} with {other}, not {mode}"
+    if args.n < 1:
+        return f"--n must be at least 1, got {args.n}"
+    if not args.all:
+        return None
+    if not args.export:
+        return "--all needs --export, an export folder such as RUN/export/recommender"
+    if not args.out:
+        return "--all needs --out, the Parquet file to write, e.g. --out recs.parquet"
+    if os.path.isdir(args.out):
+        return (f"--out {args.out} is a folder; give a file in it, e.g. "
+                f"{os.path.join(args.out, 'recs.parquet')}")
+    folder = os.path.dirname(args.out)
+    if folder and not os.path.isdir(folder):
+        return f"--out {args.out}: the folder {folder} does not exist"
+    if args.batch_size is not None and args.batch_size < 1:
+        return f"--batch-size must be at least 1, got {args.batch_size}"
+    from tworec.serving.batch import saved_model_dir
+    try:
+        saved_model_dir(args.export, args.version)
+    except ValueError as error:
+        return f"--export {error}"
+    return None
 
 
 def read_titles(path: str) -> dict[str, str]:
@@ -40,29 +104,72 @@ def read_titles(path: str) -> dict[str, str]:
         names = rows.fieldnames or ()
         ids = next((name for name in DEFAULT_COLUMNS["item"] if name in names), None)
         if ids is None or "title" not in names:
-            raise ValueError(f"{path} needs an item id column (one of "
+            raise ValueError(f"--movies {path} needs an item id column (one of "
                              f"{', '.join(DEFAULT_COLUMNS['item'])}) and a title column; "
                              f"it has {', '.join(names)}")
         return {row[ids]: row["title"] for row in rows}
 
 
+def fail(message: str, code: int = 2) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return code
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    client = Client(grpc_target=args.grpc) if args.grpc else Client(url=args.url)
-    seen = [args.seen.split(",")] if args.seen else None
+    problem = mistake(args)
+    if problem:
+        return fail(problem)
     try:
         titles = read_titles(args.movies)
-        result = Recommender(client, args.retrieval_model, args.ranking_model).recommend(
+    except ValueError as error:
+        return fail(str(error))
+    except OSError as error:
+        return fail(str(error), code=1)
+    if args.all:
+        return recommend_all(args, titles if args.movies else None)
+    return recommend_one(args, titles)
+
+
+def recommend_one(args: argparse.Namespace, titles: dict[str, str]) -> int:
+    """Prints one user's top n from the served models."""
+    from tworec.serving.client import Client
+    from tworec.serving.errors import ServingError
+    from tworec.serving.recommender import PAD_ID, Recommender
+    client = (Client(grpc_target=args.grpc) if args.grpc else
+              Client(url=args.url or "http://127.0.0.1:8501"))
+    seen = [args.seen.split(",")] if args.seen else None
+    try:
+        result = Recommender(client, args.retrieval_model or "retrieval",
+                             args.ranking_model or "ranking").recommend(
             [args.user], n=args.n, seen=seen)
     except (OSError, ValueError, ServingError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+        return fail(str(error), code=1)
     print(f"recommendations for user {args.user}:")
     for rank, (item, score) in enumerate(zip(result["item_ids"][0], result["scores"][0]), 1):
         if item == PAD_ID:
             break
         item = item.decode("utf-8")
         print(f"{rank:3d}. {item:>12s}  {score:8.4f}  {titles.get(item, '')}")
+    return 0
+
+
+def recommend_all(args: argparse.Namespace, titles: dict[str, str] | None) -> int:
+    """Writes every known user's top n of an export to --out."""
+    import tworec
+    from tworec import console
+    if not tworec.verbose_requested():
+        console.filter_native_logs()
+    from tworec.serving.batch import Progress, score_all
+    from tworec.serving.errors import ServingError
+    try:
+        rows = score_all(args.export, args.out, n=args.n, batch_size=args.batch_size or 1024,
+                         titles=titles, version=args.version, progress=Progress())
+    except ValueError as error:                          # the export cannot be scored
+        return fail(f"--export {error}")
+    except (OSError, ServingError) as error:
+        return fail(str(error), code=1)
+    print(f"wrote {rows:,} rows to {args.out}")
     return 0
 
 
