@@ -20,6 +20,7 @@ import argparse
 import csv
 import os
 import sys
+import warnings
 
 from tworec.features.sources import DEFAULT_COLUMNS
 
@@ -124,8 +125,8 @@ def main(argv=None) -> int:
         titles = read_titles(args.movies)
     except ValueError as error:
         return fail(str(error))
-    except OSError as error:
-        return fail(str(error), code=1)
+    except OSError as error:                             # --movies cannot be read
+        return fail(str(error))
     if args.all:
         return recommend_all(args, titles if args.movies else None)
     return recommend_one(args, titles)
@@ -163,12 +164,17 @@ def recommend_all(args: argparse.Namespace, titles: dict[str, str] | None) -> in
     from tworec.serving.batch import Progress, score_all
     from tworec.serving.errors import ServingError
     try:
-        rows = score_all(args.export, args.out, n=args.n, batch_size=args.batch_size or 1024,
-                         titles=titles, version=args.version, progress=Progress())
+        with warnings.catch_warnings(record=True) as notes:
+            warnings.simplefilter("always", UserWarning)
+            rows = score_all(args.export, args.out, n=args.n,
+                             batch_size=args.batch_size or 1024, titles=titles,
+                             version=args.version, progress=Progress())
     except ValueError as error:                          # the export cannot be scored
         return fail(f"--export {error}")
     except (OSError, ServingError) as error:
         return fail(str(error), code=1)
+    for note in notes:
+        print(f"note: {note.message}")
     print(f"wrote {rows:,} rows to {args.out}")
     return 0
 

@@ -20,6 +20,7 @@ import functools
 import json
 import os
 import sys
+import warnings
 from typing import Callable
 
 import numpy as np
@@ -99,7 +100,7 @@ def score_all(export: str, out: str, n: int = 10, batch_size: int = 1024,
     Args:
         export: an export's base path (e.g. RUN/export/recommender) or a version folder.
         out: the Parquet file to write (replaced if it exists).
-        n: items per user at most (the export may return fewer).
+        n: items per user at most (the export may return fewer: a UserWarning says so).
         batch_size: users per model run, and rows of users per row group.
         titles: item id -> title; adds the `title` column.
         version: the version to load; the latest when None.
@@ -135,6 +136,9 @@ def _write_batches(model, users: np.ndarray, path: str, n: int, batch_size: int,
         for start in range(0, len(users), batch_size):
             batch = users[start:start + batch_size]                                     # [b]
             outputs = model.run({"user_id": batch})
+            if start == 0 and outputs["item_ids"].shape[1] < n:
+                warnings.warn(f"the export returns {outputs['item_ids'].shape[1]} items per "
+                              f"user, fewer than the {n} asked for; the file holds those")
             table = batch_table(batch, outputs["item_ids"][:, :n], outputs["scores"][:, :n],
                                 titles)
             writer.write_table(table, row_group_size=max(len(table), 1))

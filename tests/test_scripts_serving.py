@@ -245,7 +245,7 @@ def expected_rows(users: np.ndarray, item_ids: np.ndarray, scores: np.ndarray, n
     return rows
 
 
-@pytest.mark.parametrize("name, n", [("retrieval", 30), ("retrieval", 3), ("recommender", 10)])
+@pytest.mark.parametrize("name, n", [("retrieval", 30), ("retrieval", 3), ("recommender", 8)])
 def test_score_all_writes_what_the_signature_answers_a_batch_per_row_group(exports, tmp_path,
                                                                            name, n):
     """Exactly the signature's answers on the same batches; the same ids as one call on
@@ -294,6 +294,18 @@ def test_recommend_all_script_writes_the_file_and_says_where(exports, tmp_path):
     lines = done.stdout.splitlines()
     assert lines[-1] == f"wrote {table.num_rows:,} rows to {out}"
     assert all(line.startswith("scored ") for line in lines[:-1]) and len(lines) <= 10
+
+
+def test_recommend_all_says_when_the_export_returns_fewer_items_than_asked(exports, tmp_path):
+    out = tmp_path / "recs.parquet"
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "recommend.py"),
+                           "--all", "--export", exports["recommender"], "--out", str(out),
+                           "--n", "1000"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    width = max(pq.read_table(out)["rank"].to_pylist())
+    assert width < 1000
+    assert f"note: the export returns {width} items per user, fewer than the 1000 asked for; " \
+        "the file holds those" in done.stdout.splitlines()
 
 
 class Terminal(io.StringIO):

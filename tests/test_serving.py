@@ -859,7 +859,7 @@ def test_recommend_prints_titles(embedded, tmp_path, capsys):
     assert lines[0] == "recommendations for user u2:" and len(lines) == 4
     assert all("Film i" in line for line in lines[1:])
     assert recommend.main(["--user", "u2", "--grpc", embedded[1], "--movies",
-                           str(tmp_path / "missing.csv")]) == 1
+                           str(tmp_path / "missing.csv")]) == 2
 
 
 def test_reload_config_replaces_the_models_and_labels_resolve(swap_server):
