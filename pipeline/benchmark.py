@@ -26,12 +26,12 @@ def examples_per_second(dataset: tf.data.Dataset, min_seconds: float = 3.0) -> f
     return examples / (time.perf_counter() - start)
 
 
-def bench_input(batch_size: int = 4096) -> dict:
+def bench_input(smoke: bool = False, batch_size: int = 4096) -> dict:
     """Tutorial pipeline (per-example dicts, map, shuffle buffer, batch) against ours (a fresh
     permutation of all rows each epoch, whole-batch gathers) on a 1M-row log."""
     import tensorflow as tf
     from tworec.features.batches import batches
-    log = generate(PRESETS["1m"], seed=0)
+    log = generate(PRESETS["tiny" if smoke else "1m"], seed=0)
     columns = {"user_id": log.user_ids[log.user], "item_id": log.item_ids[log.item],
                "timestamp": log.timestamp, "rating": log.rating}
     tutorial = (tf.data.Dataset.from_tensor_slices(columns)
@@ -41,14 +41,15 @@ def bench_input(batch_size: int = 4096) -> dict:
                 .batch(batch_size))
     ours = batches({"user": log.user, "item": log.item, "timestamp": log.timestamp,
                     "rating": log.rating}, batch_size, shuffle=True, epochs=None)
-    reference_rate = examples_per_second(tutorial.repeat())
-    our_rate = examples_per_second(ours)
+    seconds = 0.2 if smoke else 3.0
+    reference_rate = examples_per_second(tutorial.repeat(), seconds)
+    our_rate = examples_per_second(ours, seconds)
     return {"interactions": len(log), "batch_size": batch_size,
             "tutorial_examples_per_second": round(reference_rate),
             "ours_examples_per_second": round(our_rate), "ratio": round(our_rate / reference_rate, 1)}
 
 
-def bench_train_retrieval(epochs: int = 1) -> dict:
+def bench_train_retrieval(smoke: bool = False, epochs: int = 1) -> dict:
     """Our two-tower training against the TFRS-tutorial way of training the same towers:
     per-example pipeline and `FactorizedTopK` metrics computed at every training step."""
     import tensorflow as tf
@@ -57,9 +58,10 @@ def bench_train_retrieval(epochs: int = 1) -> dict:
     from tworec.features.inputs import prepare
     from tworec.retrieval.config import preset
     from tworec.retrieval.train import build_model, fit
-    log = generate(PRESETS["default"], seed=0)
+    log = generate(PRESETS["tiny" if smoke else "default"], seed=0)
     data = prepare(log, split(log, "temporal"), history_length=20)
-    config = preset("default", epochs=epochs, early_stopping_patience=0, batch_size=1024)
+    config = preset("tiny" if smoke else "default", epochs=epochs, early_stopping_patience=0,
+                    batch_size=256 if smoke else 1024)
     _, ours = fit(data, config, verbose=0)
 
     reference = build_model(config, data)
@@ -82,7 +84,7 @@ def bench_train_retrieval(epochs: int = 1) -> dict:
             "ratio": round(ours["examples_per_second"] / reference_rate, 2)}
 
 
-def bench_train_ranking(epochs: int = 2) -> dict:
+def bench_train_ranking(smoke: bool = False, epochs: int = 2) -> dict:
     """Our ranking training (batch-first lists) against the same model fed by a per-example
     pipeline (`from_tensor_slices`, `map`, `shuffle`, `batch`), on the same lists; two epochs,
     so that one-off tracing weighs less than the per-epoch work."""
@@ -92,8 +94,8 @@ def bench_train_ranking(epochs: int = 2) -> dict:
     from tworec.ranking.config import preset
     from tworec.ranking.features import list_examples, signals
     from tworec.ranking.train import build_model, candidate_lists, fit
-    log = generate(PRESETS["default"], seed=0)
-    config = preset("default", epochs=epochs, early_stopping_patience=0)
+    log = generate(PRESETS["tiny" if smoke else "default"], seed=0)
+    config = preset("tiny" if smoke else "default", epochs=epochs, early_stopping_patience=0)
     inputs = prepare(log, split(log, "temporal"), history_length=20)
     given = signals(inputs, config.use_transitions)
     _, ours = fit(inputs, config, given, verbose=0)
@@ -115,9 +117,10 @@ def bench_train_ranking(epochs: int = 2) -> dict:
             "ratio": round(ours["examples_per_second"] / reference_rate, 2)}
 
 
-def bench_index(num_items: int = 1_000_000, dim: int = 64, num_queries: int = 200) -> dict:
+def bench_index(smoke: bool = False, dim: int = 64, num_queries: int = 200) -> dict:
     """ScaNN against brute force on a clustered 1M x 64 catalogue: single-query latency
     through the TF path and recall@10 against exact search."""
+    num_items = 20_000 if smoke else 1_000_000
     import tensorflow as tf
     from tworec.retrieval.index import (ScannParams, build_index, exact_top_k, recall_against,
                                  single_query_latency_ms)
@@ -128,7 +131,9 @@ def bench_index(num_items: int = 1_000_000, dim: int = 64, num_queries: int = 20
     queries = centres[rng.integers(0, 1000, num_queries)] + \
         0.5 * rng.normal(size=(num_queries, dim)).astype(np.float32)
     exact = exact_top_k(candidates, queries, 10)
-    params = ScannParams(num_leaves=2000, num_leaves_to_search=200, num_reordering_candidates=1000)
+    params = (ScannParams(num_leaves=100, num_leaves_to_search=20, num_reordering_candidates=200)
+              if smoke else ScannParams(num_leaves=2000, num_leaves_to_search=200,
+                                        num_reordering_candidates=1000))
     start = time.perf_counter()
     scann = build_index(candidates, 10, params)
     build_seconds = time.perf_counter() - start
@@ -143,7 +148,7 @@ def bench_index(num_items: int = 1_000_000, dim: int = 64, num_queries: int = 20
             "ratio": round(brute_ms / scann_ms, 1)}
 
 
-def bench_serving(num_items: int = 1_000_000, seconds: float = 3.0) -> dict:
+def bench_serving(smoke: bool = False) -> dict:
     """p50/p99 latency and requests/s of retrieval (1M items, brute force and ScaNN) and the
     composed recommender, over REST and gRPC with 1, 8 and 16 clients, without and with
     batching, and in-process (the same SavedModel in a TF-Serving-style session) as the floor
@@ -164,7 +169,9 @@ def bench_serving(num_items: int = 1_000_000, seconds: float = 3.0) -> dict:
     from tworec.serving.layout import write_version
     from tworec.serving.loadtest import serving_figures
 
-    log = generate(SyntheticConfig(num_users=2_000, num_items=num_items, num_interactions=60_000), seed=0)
+    num_items, seconds = (5_000, 0.2) if smoke else (1_000_000, 3.0)
+    log = generate(SyntheticConfig(num_users=2_000, num_items=num_items, num_interactions=60_000),
+                   seed=0)
     inputs = prepare(log, split(log, "temporal"), history_length=5)
     retrieval_model, _ = fit_retrieval(inputs, retrieval_preset("tiny", epochs=1), verbose=0)
     ranking_signals = signals(inputs, use_transitions=True,
@@ -175,7 +182,8 @@ def bench_serving(num_items: int = 1_000_000, seconds: float = 3.0) -> dict:
     paths = {"retrieval": export_retrieval(retrieval_model, inputs, f"{root}/retrieval", k=100),
              "retrieval_scann": export_retrieval(
                  retrieval_model, inputs, f"{root}/retrieval_scann", k=100,
-                 scann=ScannParams(num_leaves=2000, num_leaves_to_search=200,
+                 scann=ScannParams(num_leaves=100 if smoke else 2000,
+                                   num_leaves_to_search=20 if smoke else 200,
                                    num_reordering_candidates=1000)),
              "ranking": export_ranking(ranking_model, inputs, ranking_signals, f"{root}/ranking")}
     paths["recommender"] = write_version(f"{root}/recommender", lambda path: compose_recommender(
@@ -190,14 +198,15 @@ PARTS = {"input": bench_input, "train_retrieval": bench_train_retrieval,
          "train_ranking": bench_train_ranking, "index": bench_index, "serving": bench_serving}
 
 
-def run(names: list[str]) -> dict:
-    """Runs the named parts in order, logging each to stderr; returns {part: figures}."""
+def run(names: list[str], smoke: bool = False) -> dict:
+    """Runs the named parts in order, logging each to stderr; returns {part: figures}. With
+    `smoke`, every part runs on small data for seconds: a check that it works, not figures."""
     unknown = [name for name in names if name not in PARTS]
     if unknown:
         raise ValueError(f"unknown part(s) {unknown}; known: {list(PARTS)}")
     results = {}
     for name in names:
         print(f"[benchmark] {name} ...", file=sys.stderr, flush=True)
-        results[name] = PARTS[name]()
+        results[name] = PARTS[name](smoke=smoke)
         print(f"[benchmark] {name}: {json.dumps(results[name])}", file=sys.stderr, flush=True)
     return results

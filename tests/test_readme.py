@@ -28,7 +28,8 @@ EXERCISED = {
     "scripts/train_ranking.py":
         "tests/test_pipeline.py::test_train_ranking_reuses_a_retrieval_run_and_matches_the_pipeline",
     "scripts/serve.py": "tests/test_serving_abuse.py",
-    "scripts/recommend.py": "tests/test_pipeline.py::test_recommend_reads_titles_from_a_grouplens_movies_file",
+    "scripts/recommend.py":
+        "tests/test_scripts_serving.py::test_recommend_all_script_writes_the_file_and_says_where",
     "scripts/benchmark.py": "tests/test_readme.py::test_benchmark_script_runs_every_part_small",
     "-m tworec.serving.soak": "tests/test_readme.py::test_soak_runs_briefly",
 }
@@ -136,3 +137,23 @@ def test_soak_runs_briefly():
     assert report["problems"] == 0, report["problem_examples"]
     assert report["valid_requests"] > 0 and report["malformed_requests"] > 0
     assert report["server_exit_code"] == 0
+
+
+def test_benchmark_script_runs_every_part_small():
+    """`make bench` runs scripts/benchmark.py; here every part on small data (--smoke): each
+    ends with its figures, the serving part with no failed request, and nothing but the
+    benchmark's own lines on stderr."""
+    from tworec.pipeline.benchmark import PARTS
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "benchmark.py"),
+                           "--smoke", "--json"], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.splitlines()[-1])
+    assert list(results) == list(PARTS)
+    for name in ("input", "train_retrieval", "train_ranking", "index"):
+        assert results[name]["ratio"] > 0, (name, results[name])
+    for model in ("retrieval", "retrieval_scann", "recommender"):
+        figures = results["serving"][model]
+        assert all(run["errors"] == 0 and run["requests"] > 0 for run in figures.values()), model
+    assert all(line.startswith("[benchmark] ") for line in done.stderr.splitlines()), \
+        done.stderr[-2000:]
