@@ -124,7 +124,7 @@ def train(model: tf.keras.Model, dataset: tf.data.Dataset, *, stage: str, config
     seconds = time.perf_counter() - start
     epochs = len(history.history.get("loss", []))
     summary = {"seconds": seconds, "epochs": epochs,
-               "best_epoch": best_epoch(callbacks, epochs, stage, verbose),
+               "best_epoch": best_epoch(callbacks, config.epochs, stage, verbose),
                "examples_per_second": epochs * examples_per_epoch / max(seconds, 1e-9),
                "history": {k: [float(v) for v in vs] for k, vs in history.history.items()}}
     if run_dir:
