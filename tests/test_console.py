@@ -1,5 +1,7 @@
 """What a run and a library user see: native log lines dropped, everything else kept."""
 import os
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -14,7 +16,7 @@ NOISE = (b"I0000 00:00:1796246462.994831   25985 partitioner_factory_base.cc:58]
 @pytest.fixture
 def library_user(monkeypatch):
     """A process without the scripts' fd filter and without TWOREC_VERBOSE."""
-    monkeypatch.setattr(console.filter_native_logs, "installed", False, raising=False)
+    monkeypatch.setattr(console, "_process_filter", None)
     monkeypatch.delenv("TWOREC_VERBOSE", raising=False)
 
 
@@ -37,6 +39,46 @@ def test_quiet_native_logs_passes_output_on_when_the_block_fails(library_user, c
             os.write(2, NOISE + b"said before failing\n")
             raise RuntimeError("boom")
     assert capfd.readouterr().err == "said before failing\n"
+
+
+def test_quiet_native_logs_passes_other_output_on_as_it_is_written(library_user, capfd):
+    with console.quiet_native_logs():
+        os.write(2, NOISE + b"an error, now\n")
+        deadline = time.monotonic() + 5
+        said = ""
+        while "an error, now" not in said and time.monotonic() < deadline:
+            said += capfd.readouterr().err
+            time.sleep(0.01)
+        assert said == "an error, now\n"              # before the block ends
+
+
+def test_overlapping_blocks_in_two_threads_leave_stderr_as_it_was(library_user, capfd):
+    before = os.fstat(2).st_ino
+    first_entered, second_entered = threading.Event(), threading.Event()
+
+    def first():
+        with console.quiet_native_logs():
+            first_entered.set()
+            second_entered.wait(5)
+            os.write(2, NOISE + b"first\n")
+        # the second block is still open: its lines are still filtered
+        os.write(2, NOISE.splitlines(keepends=True)[0])
+
+    def second():
+        first_entered.wait(5)
+        with console.quiet_native_logs():
+            second_entered.set()
+            time.sleep(0.2)
+            os.write(2, b"second\n")
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert os.fstat(2).st_ino == before
+    os.write(2, b"after\n")
+    assert sorted(capfd.readouterr().err.splitlines()) == ["after", "first", "second"]
 
 
 def test_building_a_scann_index_prints_nothing(library_user, capfd):

@@ -9,7 +9,6 @@ import contextlib
 import os
 import re
 import sys
-import tempfile
 import threading
 
 # `I1202 18:28:05.56 123 file.cc:42] ...` (absl/glog INFO or WARNING), and absl's banner.
@@ -17,58 +16,75 @@ NATIVE_NOISE = re.compile(rb"^([IW]\d{4} [\d:.]+ +\d+ [\w./-]+:\d+\]|"
                           rb"WARNING: All log messages before absl::InitializeLog\(\))")
 
 
-def filter_native_logs() -> None:
-    """Routes file descriptor 2 through a thread that drops native INFO and WARNING log lines
-    and passes everything else (Python's stderr, errors, crashes' messages) on unchanged."""
-    if getattr(filter_native_logs, "installed", False):
-        return
-    original = os.dup(2)
-    read_end, write_end = os.pipe()
-    os.dup2(write_end, 2)
-    os.close(write_end)
+class NativeLogFilter:
+    """Routes file descriptor 2 through a pipe and a thread that drops native INFO and WARNING
+    log lines and passes everything else (Python's stderr, errors, crashes' messages) on as it
+    arrives. `stop` puts file descriptor 2 back and ends the thread."""
 
-    def forward() -> None:
+    def __init__(self):
+        self.original = os.dup(2)
+        read_end, write_end = os.pipe()
+        os.dup2(write_end, 2)
+        os.close(write_end)                  # file descriptor 2 is now the pipe's only writer
+        self.thread = threading.Thread(target=self._forward, args=(read_end,),
+                                       name="native-log-filter", daemon=True)
+        self.thread.start()
+
+    def _forward(self, read_end: int) -> None:
         with os.fdopen(read_end, "rb", buffering=0) as pipe:
             for line in iter(pipe.readline, b""):
                 if not NATIVE_NOISE.match(line):
-                    os.write(original, line)
+                    os.write(self.original, line)
 
-    thread = threading.Thread(target=forward, name="native-log-filter", daemon=True)
-    thread.start()
+    def stop(self) -> None:
+        if sys.stderr is not None:
+            sys.stderr.flush()
+        os.dup2(self.original, 2)            # the pipe's last writer closes: the thread ends
+        self.thread.join(timeout=2)
+        os.close(self.original)
 
-    def restore() -> None:
-        sys.stderr.flush()
-        os.dup2(original, 2)                 # the pipe's last writer closes: the thread ends
-        thread.join(timeout=2)
 
-    atexit.register(restore)
-    filter_native_logs.installed = True
+_process_filter: NativeLogFilter | None = None       # a script's, for the whole process
+_block_filter: NativeLogFilter | None = None         # `quiet_native_logs`', while a block runs
+_blocks = 0
+_lock = threading.Lock()
+
+
+def filter_native_logs() -> None:
+    """Filters native log lines out of file descriptor 2 for the rest of the process (the
+    scripts call it unless verbose)."""
+    global _process_filter
+    with _lock:
+        if _process_filter is None:
+            _process_filter = NativeLogFilter()
+            atexit.register(_process_filter.stop)
 
 
 @contextlib.contextmanager
 def quiet_native_logs():
     """Within the block, drops the native INFO and WARNING lines (ScaNN's partitioner, absl's
     banner) that C++ code writes to file descriptor 2, for library users who have no
-    `filter_native_logs`; anything else written meanwhile is passed on when the block ends.
-    A no-op when verbose or when the process-wide filter is on."""
+    `filter_native_logs`; everything else passes as it is written. Blocks may overlap across
+    threads (the filter stays until the last ends). A no-op when verbose, when the process-wide
+    filter is on, or when file descriptor 2 is closed."""
     import tworec
-    if tworec.verbose_requested() or getattr(filter_native_logs, "installed", False):
+    global _block_filter, _blocks
+    with _lock:
+        active = not (tworec.verbose_requested() or _process_filter is not None)
+        if active and _blocks == 0:
+            try:
+                _block_filter = NativeLogFilter()
+            except OSError:                  # no file descriptor 2 to filter
+                active = False
+        _blocks += active
+    try:
         yield
-        return
-    sys.stderr.flush()
-    original = os.dup(2)
-    with tempfile.TemporaryFile() as captured:
-        os.dup2(captured.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(original, 2)
-            os.close(original)
-            captured.seek(0)
-            kept = b"".join(line for line in captured if not NATIVE_NOISE.match(line))
-            if kept:
-                os.write(2, kept)
+    finally:
+        with _lock:
+            _blocks -= active
+            if active and _blocks == 0:
+                _block_filter.stop()
+                _block_filter = None
 
 
 def is_terminal() -> bool:
