@@ -279,7 +279,8 @@ def gain_sentence(metric: str, gain: dict) -> str:
     ratio = "" if gain["ratio"] is None else f" (×{gain['ratio']:.2f})"
     lo, hi = gain["ci95"]
     units = (f"{gain['units']:,} users" if gain["units"] == gain["rows"] else
-             f"{gain['units']:,} users, each drawn with all their {gain['rows']:,} held-out rows")
+             f"{gain['units']:,} users holding {gain['rows']:,} held-out rows, a user's rows "
+             "drawn together")
     return (f"Two-stage against retrieval: {metric} {gain['difference']:+.3f}{ratio}, 95% "
             f"interval {lo:+.3f} to {hi:+.3f} (paired bootstrap over {units}).")
 
