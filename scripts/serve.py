@@ -21,6 +21,7 @@ import logging
 import os
 import sys
 
+import tworec
 from tworec.serving.errors import ServingError
 from tworec.serving.layout import list_versions
 from tworec.serving.limits import default_max_elements, default_max_rows
@@ -128,6 +129,8 @@ def main(argv=None) -> int:
     # Before TensorFlow loads: it gives its own logger a handler of its own when the root
     # logger has none yet, and every TensorFlow warning was then printed twice.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if not tworec.verbose_requested():       # gRPC's C core logs what serve.py reports itself
+        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     from tworec.serving.manager import ModelManager
     from tworec.serving.server import ModelServer
     try:
@@ -150,7 +153,15 @@ def main(argv=None) -> int:
                          body_timeout_seconds=args.http_body_timeout_seconds,
                          grace_seconds=args.shutdown_grace_seconds,
                          max_elements=args.max_elements_per_request)
-    server.start()
+    try:
+        server.start()                       # stops what it started when a port fails
+    except (OSError, RuntimeError) as error:
+        ports = f"--port={args.port}" + (f", --rest_api_port={args.rest_api_port}"
+                                         if args.rest_api_port else "")
+        reason = str(error).splitlines()[0].split(";")[0]
+        print(f"error: cannot open {ports} on {args.host} ({reason}): is another server "
+              "using it? pass free ports (0 picks one)", file=sys.stderr)
+        return 1
     if args.model_config_file and args.model_config_file_poll_wait_seconds > 0:
         server.manager.watch_config_file(args.model_config_file,
                                          args.model_config_file_poll_wait_seconds)

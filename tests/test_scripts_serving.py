@@ -9,6 +9,7 @@ import io
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -149,6 +150,23 @@ def test_serve_warns_about_a_folder_without_integer_versions(tmp_path):
         pass
     assert f"a version is a folder named by an integer, e.g. {base / '1'}" in log_of(tmp_path)
     assert "not polling (--file_system_poll_wait_seconds=0)" in log_of(tmp_path)
+
+
+@pytest.mark.parametrize("busy", ["--port", "--rest_api_port"])
+def test_serve_says_in_one_line_that_a_port_is_taken(tmp_path, busy):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = {"--port": 0, "--rest_api_port": 0, busy: taken.getsockname()[1]}
+        done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "serve.py"),
+                               *(f"{flag}={port}" for flag, port in ports.items()),
+                               "--model_name=x", f"--model_base_path={tmp_path}"],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.startswith(f"error: cannot open --port={ports['--port']}")
+    assert f"{busy}={ports[busy]} on 127.0.0.1 (" in done.stderr
+    assert done.stderr.endswith("is another server using it? pass free ports (0 picks one)\n")
+    assert len(done.stderr.splitlines()) == 1, done.stderr
 
 
 def test_serve_prints_each_tensorflow_log_line_once(tmp_path):
