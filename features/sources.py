@@ -456,6 +456,32 @@ NOT_TEXT = {b"\x1f\x8b": "it is gzip-compressed: rename it {path}.gz and pass th
             b"\xfe\xff": "it is UTF-16 text: save it as UTF-8"}
 
 
+def read_titles(path: str) -> dict[str, str]:
+    """item id -> title from a text table with an item id column (any name the loader knows,
+    e.g. GroupLens's `movieId`) and a `title` column: a GroupLens `movies.csv` as it is, or
+    any other delimiter the loader detects.
+
+    Raises:
+        DataError: one line naming the file and what it lacks.
+    """
+    head = _text_head(path)
+    delimiter = _detect_delimiter(path, head)
+    names = _header_names(path, head, delimiter)
+    ids = next((name for name in DEFAULT_COLUMNS["item"] if name in names), None)
+    if ids is None or "title" not in names:
+        raise DataError(f"{path}: needs an item id column (one of "
+                        f"{', '.join(DEFAULT_COLUMNS['item'])}) and a title column; it has "
+                        f"{', '.join(names)}")
+    try:
+        table = pacsv.read_csv(path, parse_options=pacsv.ParseOptions(delimiter=delimiter),
+                               convert_options=pacsv.ConvertOptions(
+                                   include_columns=[ids, "title"],
+                                   column_types={ids: pa.string(), "title": pa.string()}))
+    except (pa.ArrowInvalid, OSError) as error:
+        raise DataError(f"{path}: cannot parse: {_one_line(error)}") from None
+    return dict(zip(table.column(ids).to_pylist(), table.column("title").to_pylist()))
+
+
 def _text_head(path: str) -> bytes:
     """The first 64 KiB of a text log (decompressed if `.gz`); a DataError saying what would
     work when its first KB is not UTF-8 text or it is empty."""

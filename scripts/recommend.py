@@ -17,12 +17,12 @@ A mistake in the arguments stops with one line, `error: ...`, and exit code 2, b
 model loads; a failure later exits with 1.
 """
 import argparse
-import csv
 import os
 import sys
 import warnings
 
-from tworec.features.sources import DEFAULT_COLUMNS
+from tworec.features.interactions import DataError
+from tworec.features.sources import read_titles
 
 # The flags of each way of running, to refuse those the other one would ignore.
 SERVER_FLAGS = {"--url": "url", "--grpc": "grpc", "--seen": "seen",
@@ -88,27 +88,12 @@ def mistake(args: argparse.Namespace) -> str | None:
         return f"--out {args.out}: the folder {folder} does not exist"
     if args.batch_size is not None and args.batch_size < 1:
         return f"--batch-size must be at least 1, got {args.batch_size}"
-    from tworec.serving.batch import saved_model_dir
+    from tworec.serving.batch import ExportError, saved_model_dir
     try:
         saved_model_dir(args.export, args.version)
-    except ValueError as error:
+    except ExportError as error:
         return f"--export {error}"
     return None
-
-
-def read_titles(path: str) -> dict[str, str]:
-    """item id -> title from a CSV whose item id column has any name the loader knows."""
-    if not path:
-        return {}
-    with open(path, newline="", encoding="utf-8") as f:
-        rows = csv.DictReader(f)
-        names = rows.fieldnames or ()
-        ids = next((name for name in DEFAULT_COLUMNS["item"] if name in names), None)
-        if ids is None or "title" not in names:
-            raise ValueError(f"--movies {path} needs an item id column (one of "
-                             f"{', '.join(DEFAULT_COLUMNS['item'])}) and a title column; "
-                             f"it has {', '.join(names)}")
-        return {row[ids]: row["title"] for row in rows}
 
 
 def fail(message: str, code: int = 2) -> int:
@@ -122,11 +107,9 @@ def main(argv=None) -> int:
     if problem:
         return fail(problem)
     try:
-        titles = read_titles(args.movies)
-    except ValueError as error:
-        return fail(str(error))
-    except OSError as error:                             # --movies cannot be read
-        return fail(str(error))
+        titles = read_titles(args.movies) if args.movies else {}
+    except DataError as error:
+        return fail(f"--movies {error}")
     if args.all:
         return recommend_all(args, titles if args.movies else None)
     return recommend_one(args, titles)
@@ -141,9 +124,10 @@ def recommend_one(args: argparse.Namespace, titles: dict[str, str]) -> int:
               Client(url=args.url or "http://127.0.0.1:8501"))
     seen = [args.seen.split(",")] if args.seen else None
     try:
-        result = Recommender(client, args.retrieval_model or "retrieval",
-                             args.ranking_model or "ranking").recommend(
-            [args.user], n=args.n, seen=seen)
+        with client:
+            result = Recommender(client, args.retrieval_model or "retrieval",
+                                 args.ranking_model or "ranking").recommend(
+                [args.user], n=args.n, seen=seen)
     except (OSError, ValueError, ServingError) as error:
         return fail(str(error), code=1)
     print(f"recommendations for user {args.user}:")
@@ -161,18 +145,20 @@ def recommend_all(args: argparse.Namespace, titles: dict[str, str] | None) -> in
     from tworec import console
     if not tworec.verbose_requested():
         console.filter_native_logs()
-    from tworec.serving.batch import Progress, score_all
+    from tworec.serving.batch import ExportError, Progress, score_all
     from tworec.serving.errors import ServingError
     try:
         with warnings.catch_warnings(record=True) as notes:
-            warnings.simplefilter("always", UserWarning)
+            warnings.simplefilter("ignore")              # only score_all's own notes
+            warnings.filterwarnings("always", category=UserWarning,
+                                    module=r"tworec\.serving\.batch")
             rows = score_all(args.export, args.out, n=args.n,
                              batch_size=args.batch_size or 1024, titles=titles,
                              version=args.version, progress=Progress())
-    except ValueError as error:                          # the export cannot be scored
+    except ExportError as error:                         # the export cannot be scored
         return fail(f"--export {error}")
-    except (OSError, ServingError) as error:
-        return fail(str(error), code=1)
+    except (OSError, ValueError, ServingError) as error:
+        return fail(str(error).splitlines()[0], code=1)
     for note in notes:
         print(f"note: {note.message}")
     print(f"wrote {rows:,} rows to {args.out}")

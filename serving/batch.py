@@ -36,27 +36,31 @@ STATE_FILE = os.path.join("assets.extra", "state.json")        # written by feat
 USER_TABLES = ("users.user_positions", "retrieval.users.user_positions")
 
 
+class ExportError(ValueError):
+    """An export that cannot be scored; the message names it and what would work."""
+
+
 def saved_model_dir(export: str, version: int | None = None) -> str:
     """The SavedModel folder of an export: version `version` of the base path `export` (the
     latest when None), or `export` itself when it is a SavedModel folder.
 
     Raises:
-        ValueError: naming the export and what would work.
+        ExportError: naming the export and what would work.
     """
     if os.path.isfile(os.path.join(export, "saved_model.pb")):
         if version is not None:
-            raise ValueError(f"{export} is a SavedModel folder itself, not a folder of versions; "
+            raise ExportError(f"{export} is a SavedModel folder itself, not a folder of versions; "
                              "leave out the version or give its parent")
         return export
     versions = [v for v in list_versions(export)
                 if os.path.isfile(os.path.join(export, str(v), "saved_model.pb"))]
     if not versions:
-        raise ValueError(f"{export} holds no SavedModel (no VERSION/saved_model.pb in it); "
+        raise ExportError(f"{export} holds no SavedModel (no VERSION/saved_model.pb in it); "
                          "give an export folder such as RUN/export/recommender")
     if version is None:
         return os.path.join(export, str(versions[-1]))
     if version not in versions:
-        raise ValueError(f"{export} has no version {version}; its versions are "
+        raise ExportError(f"{export} has no version {version}; its versions are "
                          f"{', '.join(map(str, versions))}")
     return os.path.join(export, str(version))
 
@@ -65,7 +69,7 @@ def known_user_ids(path: str) -> np.ndarray:
     """[U] bytes: the users a SavedModel folder knows, in the order of their codes.
 
     Raises:
-        ValueError: when the export holds no table of known users, or one whose size differs
+        ExportError: when the export holds no table of known users, or one whose size differs
             from the count in its `state.json`.
     """
     import tensorflow as tf
@@ -76,7 +80,7 @@ def known_user_ids(path: str) -> np.ndarray:
     tables = [_attribute(root, name) for name in USER_TABLES]
     table = next((table for table in tables if table is not None), None)
     if table is None:
-        raise ValueError(f"{path} has no table of known users ({' or '.join(USER_TABLES)}); "
+        raise ExportError(f"{path} has no table of known users ({' or '.join(USER_TABLES)}); "
                          "every user is scored only for the exports tworec writes "
                          "(retrieval, retrieval_scann, recommender)")
     keys, positions = tf.raw_ops.LookupTableExportV2(
@@ -87,7 +91,7 @@ def known_user_ids(path: str) -> np.ndarray:
         with open(state_path) as f:
             counted = json.load(f).get("users")
         if counted is not None and counted != len(users):
-            raise ValueError(f"{path}: its table of known users holds {len(users)} users but "
+            raise ExportError(f"{path}: its table of known users holds {len(users)} users but "
                              f"{STATE_FILE} counts {counted}")
     return users
 
@@ -182,7 +186,7 @@ def _check_signature(model, path: str) -> None:
     signature = model.signature("")
     inputs, outputs = sorted(signature.inputs), sorted(signature.outputs)
     if inputs != ["user_id"] or not {"item_ids", "scores"} <= set(outputs):
-        raise ValueError(f"{path}: serving_default takes {', '.join(inputs)} and "
+        raise ExportError(f"{path}: serving_default takes {', '.join(inputs)} and "
                          f"returns {', '.join(outputs)}; scoring every user needs user_id -> "
                          "item_ids, scores (a retrieval, retrieval_scann or recommender export)")
 

@@ -344,3 +344,22 @@ def test_synthetic_config_sizes():
     small = generate(SyntheticConfig(num_users=50, num_items=400, num_interactions=1000), seed=0)
     assert 0.8 * 1000 < len(small) <= 1000 + 50 * 3
     assert small.item_features["genres"].shape == (400, 12)
+
+
+def test_read_titles_reads_a_grouplens_movies_file_or_any_delimiter(tmp_path):
+    from tworec.features.sources import read_titles
+    (tmp_path / "movies.csv").write_text('movieId,title,genres\n1,Toy Story (1995),Animation\n'
+                                         '2,"Heat, (1995)",Action\n')
+    assert read_titles(str(tmp_path / "movies.csv")) == \
+        {"1": "Toy Story (1995)", "2": "Heat, (1995)"}
+    (tmp_path / "semicolons.csv").write_text("item_id;title\n007;Dr. No; or not\n")
+    with pytest.raises(DataError, match="semicolons.csv: needs .* it has item_id;title$"):
+        read_titles(str(tmp_path / "semicolons.csv"))     # a stray ; in a title: not detected
+    (tmp_path / "semicolons.csv").write_text('item_id;title\n007;"Dr. No; or not"\n')
+    assert read_titles(str(tmp_path / "semicolons.csv")) == {"007": "Dr. No; or not"}
+    (tmp_path / "bad.csv").write_text("id,name\n1,x\n")
+    with pytest.raises(DataError, match="bad.csv: needs an item id column .*movieId.* it has "
+                                        "id, name$"):
+        read_titles(str(tmp_path / "bad.csv"))
+    with pytest.raises(DataError, match="missing.csv"):
+        read_titles(str(tmp_path / "missing.csv"))

@@ -301,18 +301,3 @@ def test_seen_items_served_are_counted():
     seen = sp.csr_matrix(np.array([[1, 0, 0, 0], [0, 0, 1, 1]], np.float32))
     assert served.seen_served(np.array([["y", "z"], ["x", ""]]), catalogue, seen) == 0
     assert served.seen_served(np.array([["x", "z"], ["w", "z"]]), catalogue, seen) == 3
-
-
-def test_recommend_reads_titles_from_a_grouplens_movies_file(tmp_path):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("recommend", os.path.join(ROOT, "scripts",
-                                                                             "recommend.py"))
-    recommend = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recommend)
-    (tmp_path / "movies.csv").write_text('movieId,title,genres\n1,Toy Story (1995),Animation\n'
-                                         '2,"Heat, (1995)",Action\n')
-    assert recommend.read_titles(str(tmp_path / "movies.csv")) == \
-        {"1": "Toy Story (1995)", "2": "Heat, (1995)"}
-    (tmp_path / "bad.csv").write_text("id,name\n1,x\n")
-    with pytest.raises(ValueError, match="needs an item id column .*movieId.* it has id, name"):
-        recommend.read_titles(str(tmp_path / "bad.csv"))

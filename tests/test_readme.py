@@ -107,7 +107,7 @@ def test_every_readme_command_is_run_by_a_test_or_is_an_outside_tool(key):
 def test_readme_flags_exist(key):
     """Each flag the README shows for a script or module is one its --help lists."""
     shown = set().union(*(flags_of(c) for c in readme_commands() if key_of(c) == key))
-    missing = sorted(flag for flag in shown if flag not in help_text(key))
+    missing = sorted(shown - flags_of(help_text(key)))
     assert not missing, f"README shows {missing} for {key}, which its --help does not list"
 
 
