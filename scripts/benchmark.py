@@ -5,17 +5,16 @@
 With --json the last line is one JSON object keyed by part; a part that compares two things
 carries `ratio` (ours over the reference). The parts live in `tworec.pipeline.benchmark`.
 """
-import argparse
 import json
 import sys
 
 import tworec
 from tworec import console
-from tworec.pipeline import benchmark
+from tworec.pipeline import benchmark, cli
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.parser_for(__doc__)
     parser.add_argument("--only", default=",".join(benchmark.PARTS),
                         help=f"parts: {','.join(benchmark.PARTS)}")
     parser.add_argument("--json", action="store_true", help="end with one JSON line")

@@ -3,17 +3,16 @@
     python scripts/describe_data.py --data SOURCE [--split temporal|random] [--columns user=..,item=..,time=..]
         [--delimiter ';']
 """
-import argparse
 import json
 import sys
 
-
 from tworec.features import DataError, load, split
 from tworec.features.sources import DELIMITER_HELP, parse_columns
+from tworec.pipeline import cli
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.parser_for(__doc__)
     parser.add_argument("--data", default="synthetic",
                         help="synthetic[:PRESET], tfds:NAME, a GroupLens folder or .zip, or a "
                              ".csv/.tsv/.parquet log")

@@ -8,14 +8,13 @@ train ranking on retrieval's candidates, export every model with `models.config`
 with the embedded server on free ports, query test users over REST and gRPC against the
 in-process models, and write RUN/report.json, RUN/report.md and RUN/plots/.
 """
-import argparse
 import sys
 
 from tworec.pipeline import cli
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.parser_for(__doc__)
     cli.add_run_arguments(parser, out_required=False)
     parser.add_argument("--top-k", type=int, default=100, help="retrieval candidates to re-rank")
     parser.add_argument("--top-n", type=int, default=10, help="items the recommender returns")

@@ -23,6 +23,7 @@ import warnings
 
 from tworec.features.interactions import DataError
 from tworec.features.sources import read_titles
+from tworec.pipeline import cli
 
 # The flags of each way of running, to refuse those the other one would ignore.
 SERVER_FLAGS = {"--url": "url", "--grpc": "grpc", "--seen": "seen",
@@ -31,15 +32,8 @@ EXPORT_FLAGS = {"--export": "export", "--version": "version", "--out": "out",
                 "--batch-size": "batch_size"}
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """An argument parser whose mistakes end with one line, `error: ...`, and exit code 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
 def parse_args(argv) -> argparse.Namespace:
-    parser = OneLineParser(description=__doc__.splitlines()[0])
+    parser = cli.parser_for(__doc__)
     parser.add_argument("--user", help="the user id, for one user's recommendations")
     parser.add_argument("--all", action="store_true",
                         help="every user an export knows, into --out (with --export)")

@@ -25,10 +25,11 @@ import tworec
 from tworec.serving.errors import ServingError
 from tworec.serving.layout import list_versions
 from tworec.serving.limits import default_max_elements, default_max_rows
+from tworec.pipeline import cli
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.parser_for(__doc__)
     parser.add_argument("--port", type=int, default=8500, help="gRPC port (0: a free one)")
     parser.add_argument("--rest_api_port", type=int, default=8501,
                         help="REST port; 0 turns REST off, as in TF Serving")

@@ -10,7 +10,6 @@ With --retrieval-run, the retrieval model trained in RUN (by train_retrieval.py 
 pipeline) is reloaded, with RUN's own data source and configs, and ranking is trained into RUN;
 otherwise retrieval is trained first, into the same new run folder.
 """
-import argparse
 import sys
 
 from tworec.pipeline import cli
@@ -18,7 +17,7 @@ from tworec.pipeline.config import MODELS, TASKS
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.parser_for(__doc__)
     cli.add_run_arguments(parser, out_required=False)
     parser.add_argument("--retrieval-run", metavar="RUN",
                         help="a run folder with a trained retrieval model to reuse")

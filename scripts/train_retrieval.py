@@ -6,7 +6,6 @@ and exports `retrieval` (brute force) and `retrieval_scann` SavedModels.
 
 The run folder can then be given to `train_ranking.py --retrieval-run RUN`.
 """
-import argparse
 import sys
 
 from tworec.pipeline import cli
@@ -14,7 +13,7 @@ from tworec.pipeline.config import ENCODERS, STRATEGIES
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.parser_for(__doc__)
     cli.add_run_arguments(parser)
     parser.add_argument("--top-k", type=int, default=100, help="items the exports return")
     parser.add_argument("--batch-size", type=int)

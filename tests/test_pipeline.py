@@ -247,6 +247,15 @@ def test_script_mistakes_fail_before_training_with_one_line(tmp_path, name, args
     assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
+@pytest.mark.parametrize("name", ["pipeline.py", "train_retrieval.py", "train_ranking.py",
+                                  "describe_data.py", "benchmark.py", "recommend.py", "serve.py"])
+def test_every_script_answers_an_argument_mistake_in_one_line(name):
+    done = script(name, "--no-such-flag", timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: ") and done.stderr.endswith(" (see --help)\n")
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+
+
 def test_train_ranking_script_on_the_random_protocol(tmp_path):
     """The TFRS tutorials' protocol: random 80/20 split, rating regression, RMSE reported."""
     done = script("train_ranking.py", "--data", "synthetic:tiny", "--preset", "tiny", "--split",
