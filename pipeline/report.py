@@ -187,7 +187,10 @@ PROTOCOLS = {
               "nothing after the cut reaches any fitted statistic",
     "none": "every row trains; nothing is held out, so nothing is evaluated (the deployment run)",
 }
-METRIC_NAMES = {"recall@10": "Recall@10", "ndcg@10": "NDCG@10"}
+def metric_name(key: str) -> str:
+    """"recall@10" -> "Recall@10", "ndcg@10" -> "NDCG@10"."""
+    name, _, k = key.partition("@")
+    return {"recall": "Recall", "ndcg": "NDCG"}.get(name, name) + f"@{k}"
 
 
 def protocol_sentence(split: str) -> str:
@@ -221,7 +224,12 @@ def markdown(report: dict, out: str, plots: list[str]) -> str:
                 training_section(report, plots), ranking_section(report),
                 index_section(report, plots), served_section(report),
                 examples_section(report), serve_section(report, out), timings_section(report))
-    return "\n".join(line for section in sections for line in section) + "\n"
+    lines = [line for section in sections for line in section]
+    placed = "\n".join(lines)
+    for name in plots:                          # a plot no section showed still reaches the page
+        if f"(plots/{name})" not in placed:
+            lines += image(name, plots, name)
+    return "\n".join(lines) + "\n"
 
 
 def data_section(report: dict) -> list[str]:
@@ -268,7 +276,7 @@ def metrics_section(report: dict, plots: list[str]) -> list[str]:
              "| model | Recall@10 | NDCG@10 |", "| --- | --- | --- |"]
     lines += [row(name, metrics) for name, metrics in models]
     gain = (report.get("two_stage") or {}).get("gain_over_retrieval") or {}
-    lines += [""] + [f"- {gain_sentence(METRIC_NAMES[metric], figures)}"
+    lines += [""] + [f"- {gain_sentence(metric_name(metric), figures)}"
                      for metric, figures in gain.items()]
     lines += [f"- **Warning:** {line}." for line in report.get("warnings", [])]
     return lines + image("recall_at_k.png", plots, "test Recall@K of every model")
