@@ -1,6 +1,11 @@
 """What both stages' training shares: distribution strategy, optimizer, precision policy, the
 run-folder callbacks and the run summary. Each stage's `fit` builds its model and its batches,
-then calls `train`."""
+then calls `train`.
+
+    python -m tworec.features.training
+
+serves the ps or worker task that TF_CONFIG names, for a chief training with
+`strategy="parameter_server"`."""
 from __future__ import annotations
 
 import contextlib
@@ -15,15 +20,68 @@ OPTIMIZERS = {"adam": tf.keras.optimizers.Adam, "adagrad": tf.keras.optimizers.A
               "sgd": tf.keras.optimizers.SGD}
 
 
-def make_strategy(name: str) -> tf.distribute.Strategy:
-    """`default`, `mirrored` (all local devices) or `multi_worker` (reads TF_CONFIG)."""
+def make_strategy(name: str, partitioner: str = "min_size") -> tf.distribute.Strategy:
+    """`default`, `mirrored` (all local devices), `multi_worker` or `parameter_server` (both
+    read TF_CONFIG; the parameter-server strategy splits variables across the ps tasks with
+    `variable_partitioner(partitioner, num_ps)`)."""
     if name == "mirrored":
         return tf.distribute.MirroredStrategy()
     if name == "multi_worker":
         return tf.distribute.MultiWorkerMirroredStrategy()
+    if name == "parameter_server":
+        os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")   # a lost task fails its RPCs
+        resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        num_ps = len(resolver.cluster_spec().as_dict().get("ps", []))
+        if resolver.task_type != "chief" or not num_ps:
+            raise ValueError("strategy 'parameter_server' runs on the chief of a TF_CONFIG "
+                             "cluster with ps tasks; ps and worker tasks run "
+                             "`python -m tworec.features.training` instead")
+        return tf.distribute.ParameterServerStrategy(
+            resolver, variable_partitioner=variable_partitioner(partitioner, num_ps))
     if name == "default":
         return tf.distribute.get_strategy()
-    raise ValueError(f"unknown strategy {name!r}; use default, mirrored or multi_worker")
+    raise ValueError(f"unknown strategy {name!r}; use default, mirrored, multi_worker or "
+                     "parameter_server")
+
+
+def variable_partitioner(spec: str, num_ps: int):
+    """How the parameter-server strategy splits a variable along its first axis:
+    `min_size` (shards of at least 256 KiB, at most one per ps: large embedding tables are
+    split, small dense layers are not), `min_size:BYTES` (another minimum) or `fixed:N` (every
+    variable with at least N rows in N shards)."""
+    kind, _, value = spec.partition(":")
+    partitioners = tf.distribute.experimental.partitioners
+    if kind == "min_size" and (not value or value.isdigit() and int(value) > 0):
+        return partitioners.MinSizePartitioner(min_shard_bytes=int(value or 256 << 10),
+                                               max_shards=num_ps)
+    if kind == "fixed" and value.isdigit() and int(value) > 0:
+        return partitioners.FixedShardsPartitioner(int(value))
+    raise ValueError(f"partitioner {spec!r}: use min_size, min_size:BYTES or fixed:N")
+
+
+def worker_seed() -> tf.Tensor:
+    """A scalar int64 seed drawn when the op runs, so different on every worker that runs the
+    same function (seed and seed2 0 ask the kernel for a random seed; `tf.random.uniform`
+    would derive the same op seed on every worker from the global seed)."""
+    low, high = tf.constant(0, tf.int64), tf.constant(2**62, tf.int64)
+    return tf.raw_ops.RandomUniformInt(shape=tf.constant([], tf.int32), minval=low, maxval=high,
+                                       seed=0, seed2=0)
+
+
+def serve_task() -> None:
+    """Runs this process's ps or worker task of the TF_CONFIG cluster until it is killed; the
+    chief's training program sends them its variables and steps."""
+    os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    if resolver.task_type not in ("ps", "worker"):
+        raise SystemExit(f"TF_CONFIG task type {resolver.task_type!r}: this entry point serves "
+                         "ps and worker tasks; the chief runs the training command")
+    server = tf.distribute.Server(resolver.cluster_spec(), job_name=resolver.task_type,
+                                  task_index=resolver.task_id,
+                                  protocol=resolver.rpc_layer or "grpc", start=True)
+    print(f"serving /job:{resolver.task_type}/task:{resolver.task_id} at {server.target}",
+          flush=True)
+    server.join()
 
 
 def make_optimizer(name: str, learning_rate: float, mixed_precision: bool = False):
@@ -112,10 +170,12 @@ def train(model: tf.keras.Model, dataset: tf.data.Dataset, *, stage: str, config
     """Runs `model.fit` for `config.epochs` and returns the run summary, also written to
     RUN/STAGE_train.json: per-epoch logs (`history`), `seconds`, `epochs`, `best_epoch` and
     `examples_per_second`. With `verbose`, a terminal gets Keras's progress bar and any other
-    output one line per epoch."""
+    output (and the parameter-server strategy, where Keras has no progress bar) one line per
+    epoch."""
     callbacks = list(callbacks) + run_callbacks(run_dir, stage, config.to_json())
     keras_verbose = verbose
-    if verbose and not sys.stdout.isatty():
+    coordinated = isinstance(model.distribute_strategy, tf.distribute.ParameterServerStrategy)
+    if verbose and (coordinated or not sys.stdout.isatty()):
         callbacks.append(EpochLog(stage, config.epochs))
         keras_verbose = 0
     start = time.perf_counter()
@@ -131,3 +191,7 @@ def train(model: tf.keras.Model, dataset: tf.data.Dataset, *, stage: str, config
         with open(os.path.join(run_dir, f"{stage}_train.json"), "w") as f:
             json.dump(summary, f, indent=2)
     return summary
+
+
+if __name__ == "__main__":
+    serve_task()

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 ENCODERS = ("none", "mean", "gru", "transformer")
-STRATEGIES = ("default", "mirrored", "multi_worker")
+STRATEGIES = ("default", "mirrored", "multi_worker", "parameter_server")
+PARTITIONER = re.compile(r"min_size(:0*[1-9][0-9]*)?|fixed:0*[1-9][0-9]*")   # positive N
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +31,8 @@ class RetrievalConfig:
     early_stopping_patience: int = 2      # epochs without validation recall@10 gain; 0 disables
     mixed_precision: bool = False
     jit_compile: bool = False
-    strategy: str = "default"             # default | mirrored | multi_worker (reads TF_CONFIG)
+    strategy: str = "default"             # default | mirrored | multi_worker | parameter_server
+    partitioner: str = "min_size"         # parameter_server: min_size[:BYTES] | fixed:N
     seed: int = 0
 
     def validate(self, history_length: int | None = None) -> None:
@@ -42,6 +45,9 @@ class RetrievalConfig:
                              f"got {history_length}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy {self.strategy!r}: choose one of {STRATEGIES}")
+        if not PARTITIONER.fullmatch(self.partitioner):
+            raise ValueError(f"partitioner {self.partitioner!r}: use min_size, min_size:BYTES "
+                             "or fixed:N")
         for name in ("embedding_dim", "batch_size", "epochs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

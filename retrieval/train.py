@@ -7,7 +7,8 @@ import tensorflow as tf
 from tworec.evaluation import KS, EvalSet, eval_set, evaluate, top_k_rows
 from tworec.features.batches import batches, steps_per_epoch
 from tworec.features.inputs import EMPTY_SLOT, ModelInputs
-from tworec.features.training import make_optimizer, make_strategy, mixed_precision, train
+from tworec.features.training import (make_optimizer, make_strategy, mixed_precision, train,
+                                      worker_seed)
 from tworec.retrieval.config import RetrievalConfig
 from tworec.retrieval.model import TwoTower
 
@@ -140,15 +141,25 @@ def fit(data: ModelInputs, config: RetrievalConfig, run_dir: str | None = None,
     """
     config.validate(history_length=data.history_length)
     tf.keras.utils.set_random_seed(config.seed)
-    with make_strategy(config.strategy).scope(), mixed_precision(config.mixed_precision):
+    strategy = make_strategy(config.strategy, config.partitioner)
+    with strategy.scope(), mixed_precision(config.mixed_precision):
         model = build_model(config, data)
     train_rows = data.examples["train"]
     steps = steps_per_epoch(len(train_rows["user"]), config.batch_size, drop_remainder=True)
     if steps == 0:
         raise ValueError(f"batch_size {config.batch_size} is larger than the training split "
                          f"({len(train_rows['user'])} rows)")
-    dataset = batches(train_rows, config.batch_size, shuffle=True, seed=config.seed, epochs=None,
-                      drop_remainder=True)
+
+    def dataset(seed) -> tf.data.Dataset:
+        return batches(train_rows, config.batch_size, shuffle=True, seed=seed, epochs=None,
+                       drop_remainder=True)
+    if isinstance(strategy, tf.distribute.ParameterServerStrategy):
+        # Keras asks a dataset function of this strategy; every worker runs the same one, so
+        # each draws its seed when it makes the dataset and reads its own shuffle of all rows.
+        train_data = tf.keras.utils.experimental.DatasetCreator(
+            lambda context: dataset(worker_seed()))
+    else:
+        train_data = dataset(config.seed)
     callbacks = []
     if len(data.split.validation):
         callbacks.append(ValidationRecall(data))
@@ -156,7 +167,7 @@ def fit(data: ModelInputs, config: RetrievalConfig, run_dir: str | None = None,
             callbacks.append(tf.keras.callbacks.EarlyStopping(
                 "val_recall@10", mode="max", patience=config.early_stopping_patience,
                 restore_best_weights=True))
-    summary = train(model, dataset, stage="retrieval", config=config, steps_per_epoch=steps,
+    summary = train(model, train_data, stage="retrieval", config=config, steps_per_epoch=steps,
                     examples_per_epoch=steps * config.batch_size, callbacks=callbacks,
                     run_dir=run_dir, verbose=verbose)
     summary["loss"] = {"logq_correction": config.logq_correction,

@@ -2,7 +2,8 @@
 and exports `retrieval` (brute force) and `retrieval_scann` SavedModels.
 
     python scripts/train_retrieval.py --data SOURCE --out RUN [--split temporal|random]
-        [--preset tiny|default] [--epochs N] [--strategy default|mirrored|multi_worker]
+        [--preset tiny|default] [--epochs N]
+        [--strategy default|mirrored|multi_worker|parameter_server]
 
 The run folder can then be given to `train_ranking.py --retrieval-run RUN`.
 """
