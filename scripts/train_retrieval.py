@@ -3,7 +3,7 @@ and exports `retrieval` (brute force) and `retrieval_scann` SavedModels.
 
     python scripts/train_retrieval.py --data SOURCE --out RUN [--split temporal|random]
         [--preset tiny|default] [--epochs N]
-        [--strategy default|mirrored|multi_worker|parameter_server]
+        [--strategy default|mirrored|multi_worker|parameter_server] [--partitioner min_size]
 
 The run folder can then be given to `train_ranking.py --retrieval-run RUN`.
 """
@@ -20,12 +20,16 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--history-encoder", choices=ENCODERS)
     parser.add_argument("--strategy", choices=STRATEGIES)
+    parser.add_argument("--partitioner",
+                        help="--strategy parameter_server: how the embedding tables split "
+                             "across the ps tasks: min_size (default), min_size:BYTES, fixed:N")
     parser.add_argument("--mixed-precision", action="store_true", default=None)
     parser.add_argument("--jit-compile", action="store_true", default=None)
     args = parser.parse_args(argv)
     retrieval = {name: value for name, value in (
         ("batch_size", args.batch_size), ("history_encoder", args.history_encoder),
-        ("strategy", args.strategy), ("mixed_precision", args.mixed_precision),
+        ("strategy", args.strategy), ("partitioner", args.partitioner),
+        ("mixed_precision", args.mixed_precision),
         ("jit_compile", args.jit_compile)) if value is not None}
     from tworec.pipeline.run import RETRIEVAL_ONLY
     return cli.run(args, RETRIEVAL_ONLY, retrieval=retrieval, run={"candidates": args.top_k})
