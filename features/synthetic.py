@@ -60,35 +60,60 @@ def generate(config: SyntheticConfig = SyntheticConfig(), seed: int = 0,
     """Generates a log of about `config.num_interactions` rows (repeats of a user-item pair
     are removed, so a few percent fewer), deterministic for a seed."""
     rng = np.random.default_rng(seed)
-    cluster, position_in_cluster, cluster_items = _items(config, rng)
+    items = _items(config, rng)
+    start_day = (np.random.default_rng([seed, 1]).integers(0, 365, config.num_users)
+                 if config.popularity_drift else None)      # its own stream: default unchanged
+    users, chosen, timestamp, rating, favourite = _rows(config, rng, items, start_day)
+    item_features = _item_features(config, rng, *items[:2])
+    user_ids = np.char.add("u", np.arange(config.num_users).astype(str))
+    return Interactions(
+        user_ids=user_ids, item_ids=_item_ids(config), user=users.astype(np.int32),
+        item=chosen.astype(np.int32), timestamp=timestamp, rating=rating,
+        item_features=item_features,
+        user_features={"segment": np.char.add("s", (favourite % 8).astype(str)),
+                       "age": np.char.add("a", rng.integers(0, 6, config.num_users).astype(str))},
+        genre_names=_genre_names(config), source=f"{name}(seed={seed})")
+
+
+def _rows(config: SyntheticConfig, rng: np.random.Generator, items, start_day=None):
+    """The rows of `config.num_users` users drawn from `rng` over the shared `items` (as
+    `_items` returns them).
+
+    Returns:
+        users [n] int in 0..num_users-1, items [n] int, timestamp [n] int64, rating [n] float32
+        in (user, step) order, and each user's favourite cluster [num_users].
+    """
+    cluster, position_in_cluster, cluster_items = items
     preference = rng.dirichlet(np.full(config.num_clusters, config.user_concentration),
                                size=config.num_users).astype(np.float32)   # [users, clusters]
     lengths = _sequence_lengths(config, rng)
-    start_day = (np.random.default_rng([seed, 1]).integers(0, 365, config.num_users)
-                 if config.popularity_drift else None)      # its own stream: default unchanged
-    users, items = _sequences(config, rng, lengths, preference, cluster, position_in_cluster,
-                              cluster_items, start_day)
-    users, items = _first_occurrences(users, items, config.num_items)
+    users, chosen = _sequences(config, rng, lengths, preference, cluster, position_in_cluster,
+                               cluster_items, start_day)
+    users, chosen = _first_occurrences(users, chosen, config.num_items)
     timestamp = _timestamps(config, rng, users, start_day)
-    favourite = preference.argmax(1)
-    affinity = preference[users, cluster[items]]                            # [n]
+    affinity = preference[users, cluster[chosen]]                           # [n]
     rating = np.clip(np.rint(2.2 + 4.0 * affinity + rng.normal(0, 0.7, len(users))), 1, 5)
+    return users, chosen, timestamp, rating.astype(np.float32), preference.argmax(1)
+
+
+def _item_features(config: SyntheticConfig, rng: np.random.Generator, cluster: np.ndarray,
+                   position_in_cluster: np.ndarray) -> dict[str, np.ndarray]:
+    """genres [items, num_genres] float32 multi-hot (the cluster's, and a second one for 30%
+    of items), year [items] int32 and title [items] str."""
     genres = np.zeros((config.num_items, config.num_genres), dtype=np.float32)
     genres[np.arange(config.num_items), cluster % config.num_genres] = 1.0
     secondary = rng.random(config.num_items) < 0.3
     genres[np.flatnonzero(secondary), rng.integers(0, config.num_genres, secondary.sum())] = 1.0
-    item_ids = np.char.add("i", np.arange(config.num_items).astype(str))
-    user_ids = np.char.add("u", np.arange(config.num_users).astype(str))
-    return Interactions(
-        user_ids=user_ids, item_ids=item_ids, user=users.astype(np.int32),
-        item=items.astype(np.int32), timestamp=timestamp, rating=rating.astype(np.float32),
-        item_features={"genres": genres,
-                       "year": (1950 + position_in_cluster % 70).astype(np.int32),
-                       "title": np.char.add("Item ", np.arange(config.num_items).astype(str))},
-        user_features={"segment": np.char.add("s", (favourite % 8).astype(str)),
-                       "age": np.char.add("a", rng.integers(0, 6, config.num_users).astype(str))},
-        genre_names=tuple(f"genre{g}" for g in range(config.num_genres)),
-        source=f"{name}(seed={seed})")
+    return {"genres": genres, "year": (1950 + position_in_cluster % 70).astype(np.int32),
+            "title": np.char.add("Item ", np.arange(config.num_items).astype(str))}
+
+
+def _item_ids(config: SyntheticConfig) -> np.ndarray:
+    return np.char.add("i", np.arange(config.num_items).astype(str))
+
+
+def _genre_names(config: SyntheticConfig) -> tuple[str, ...]:
+    return tuple(f"genre{g}" for g in range(config.num_genres))
 
 
 def _items(config: SyntheticConfig, rng: np.random.Generator):
@@ -165,3 +190,4 @@ def _timestamps(config, rng, users, start_day=None):
     elapsed = np.cumsum(gaps)
     elapsed -= np.repeat(elapsed[boundaries] - gaps[boundaries], np.diff(np.append(boundaries, len(users))))
     return start[users] + elapsed
+
