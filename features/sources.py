@@ -2,9 +2,10 @@
 
 Sources: `synthetic`, `tfds:NAME` (MovieLens configs of TensorFlow Datasets), a GroupLens release
 (folder or `.zip`; ml-100k, ml-1m, ml-latest(-small), ml-20m, ml-25m, detected from file names),
-or a generic CSV / Parquet log with a column mapping. Files are parsed by Arrow in blocks;
-no code here loops over rows in Python. A text log's delimiter is detected from its header
-unless given; a file that is not UTF-8 text is refused before it is parsed.
+a generic CSV / Parquet log with a column mapping, or Parquet shards (`features.shards`). Files
+are parsed by Arrow in blocks; no code here loops over rows in Python. A text log's delimiter is
+detected from its header unless given; a file that is not UTF-8 text is refused before it is
+parsed.
 """
 from __future__ import annotations
 
@@ -44,8 +45,9 @@ def load(source: str, columns: dict[str, str] | None = None, data_dir: str | Non
 
     Args:
         source: `synthetic`, `synthetic:PRESET`, `tfds:NAME` (e.g. `tfds:movielens/100k-ratings`),
-            a GroupLens folder or `.zip`, or a `.csv` / `.tsv` / `.txt` (each also as `.gz`) or
-            `.parquet` file.
+            a GroupLens folder or `.zip`, a `.csv` / `.tsv` / `.txt` (each also as `.gz`) or
+            `.parquet` file, or Parquet shards: a folder of `.parquet` files or a glob such as
+            `logs/part-*.parquet` (`features.shards`).
         columns: for generic files, role -> column name: `user`, `item`, `time`, optional
             `rating`, and side features as `user.NAME` or `item.NAME`.
         data_dir: TFDS data directory holding an already prepared copy.
@@ -62,9 +64,14 @@ def load(source: str, columns: dict[str, str] | None = None, data_dir: str | Non
         return generate(PRESETS[preset], seed=seed, name=f"synthetic:{preset}")
     if source.startswith("tfds:"):
         return load_tfds(source[len("tfds:"):], data_dir=data_dir)
+    from tworec.features import shards
+    found = shards.find(source)                          # a folder or glob of Parquet shards
+    if found is not None:
+        return shards.read(found, columns or {})
     if not os.path.exists(source):
         raise DataError(f"{source}: no such file or folder (expected a GroupLens release folder "
-                        "or .zip, a .csv/.tsv/.parquet log, 'synthetic' or 'tfds:NAME')")
+                        "or .zip, a .csv/.tsv/.parquet log, a folder or glob of .parquet "
+                        "shards, 'synthetic' or 'tfds:NAME')")
     if os.path.isdir(source) or source.endswith(".zip"):
         return load_grouplens(source)
     return load_table(source, columns or {}, delimiter)
@@ -257,7 +264,11 @@ def _ratings(release: _Release, name: str, table: pa.Table, roles: tuple[str, st
 
 
 def _to_numpy(where: str, table: pa.Table, name: str) -> np.ndarray:
-    column = table.column(name)
+    return _column_numpy(where, name, table.column(name))
+
+
+def _column_numpy(where: str, name: str, column: pa.ChunkedArray) -> np.ndarray:
+    """[n] NumPy values of a column without missing values; timestamps as whole seconds."""
     if column.null_count:
         raise DataError(f"{where}: column {name!r} has {column.null_count} missing values")
     if pa.types.is_timestamp(column.type):
@@ -387,6 +398,20 @@ def load_table(path: str, columns: dict[str, str], delimiter: str | None = None)
         if delimiter != "," and "rating" in mapping:
             table = _with_decimal_commas(table, mapping["rating"])
     values = {role: _to_numpy(path, table, name) for role, name in mapping.items()}
+    return _log_from_roles(path, values)
+
+
+def _log_from_roles(source: str, values: dict[str, np.ndarray], items: dict | None = None,
+                    ) -> Interactions:
+    """`Interactions` from role -> [n] column (`user`, `item`, `time`, optional `rating`,
+    `user.NAME` and `item.NAME` side features, each id's last value in file order).
+
+    Args:
+        items: the catalogue, item features and genre names of an item table (as
+            `from_columns` takes them), or None for the log's own items. Side features read
+            from the log add to its features; items the log lacks get '' or 0.
+    """
+    values = dict(values)
     user, item = values.pop("user"), values.pop("item")
     rating = values.pop("rating", None)
     timestamp = values.pop("time")
@@ -395,9 +420,13 @@ def load_table(path: str, columns: dict[str, str], delimiter: str | None = None)
     for role, column in values.items():
         kind, _, name = role.partition(".")
         (user_features if kind == "user" else item_features)[name] = column
-    interactions = from_columns(path, user, item, timestamp, rating,
-                                user_table=_last_per_id(user, user_features))
-    if item_features:
+    interactions = from_columns(source, user, item, timestamp, rating,
+                                user_table=_last_per_id(user, user_features), **(items or {}))
+    if item_features and items is not None:
+        aligned = _align_user_features(interactions.item_ids, _last_per_id(item, item_features))
+        interactions = dataclasses.replace(
+            interactions, item_features={**interactions.item_features, **aligned})
+    elif item_features:
         ids, features = _last_per_id(item, item_features)
         position, _ = _positions(ids, interactions.item_ids)
         interactions = dataclasses.replace(

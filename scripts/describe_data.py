@@ -1,12 +1,16 @@
 """Prints one JSON object describing a log: counts, split sizes and dropped rows by reason.
 
     python scripts/describe_data.py --data SOURCE [--split temporal|random] [--columns user=..,item=..,time=..]
-        [--delimiter ';']
+        [--delimiter ';'] [--summary-only] [--memory-limit 1GB]
+
+Parquet shards (a folder or a glob) are always summarised without loading them (counts, time
+range, rows per shard, by DuckDB under --memory-limit) and without the split, which needs the
+whole log; --summary-only does the same for one .parquet file and skips the split elsewhere.
 """
 import json
 import sys
 
-from tworec.features import DataError, load, split
+from tworec.features import DataError, load, shards, split
 from tworec.features.sources import DELIMITER_HELP, parse_columns
 from tworec.pipeline import cli
 
@@ -14,25 +18,51 @@ from tworec.pipeline import cli
 def main(argv=None) -> int:
     parser = cli.parser_for(__doc__)
     parser.add_argument("--data", default="synthetic",
-                        help="synthetic[:PRESET], tfds:NAME, a GroupLens folder or .zip, or a "
-                             ".csv/.tsv/.parquet log")
-    parser.add_argument("--split", default="temporal", choices=["temporal", "random"])
+                        help="synthetic[:PRESET], tfds:NAME, a GroupLens folder or .zip, a "
+                             ".csv/.tsv/.parquet log, or Parquet shards (a folder of .parquet "
+                             "files or a glob such as 'logs/part-*.parquet')")
+    parser.add_argument("--split", default=None, choices=["temporal", "random"],
+                        help="the split whose sizes to count (default: temporal)")
     parser.add_argument("--columns", default="", help="column mapping for generic logs, "
                         "e.g. user=uid,item=sku,time=ts,rating=stars")
     parser.add_argument("--delimiter", default=None, help=DELIMITER_HELP)
     parser.add_argument("--data-dir", default=None, help="TFDS data directory")
+    parser.add_argument("--summary-only", action="store_true",
+                        help="counts and time range without the split; a .parquet log is then "
+                             "counted by DuckDB without loading it (always so for shards)")
+    parser.add_argument("--memory-limit", default="1GB",
+                        help="DuckDB's memory limit when it counts Parquet files (default 1GB; "
+                             "beyond it DuckDB spills to a temporary folder)")
     args = parser.parse_args(argv)
     try:
-        interactions = load(args.data, columns=parse_columns(args.columns), data_dir=args.data_dir,
+        shards.memory_bytes(args.memory_limit)
+    except ValueError as error:
+        return cli.fail(f"--memory-limit: {error}")
+    try:
+        columns = parse_columns(args.columns)
+        found = shards.find(args.data)
+        summary_only = args.summary_only or found is not None
+        if summary_only and args.split:
+            return cli.fail(f"--split: {args.data} is summarised without the split (it needs "
+                            "the whole log in memory); leave out --split"
+                            + ("" if found is not None else " or --summary-only"))
+        if summary_only and (found is not None or args.data.endswith(".parquet")):
+            if args.delimiter is not None:
+                return cli.fail(f"--delimiter: {args.data} is Parquet; the option applies only "
+                                "to .csv/.tsv/.txt logs")
+            print(json.dumps(shards.describe(args.data, columns, args.memory_limit)))
+            return 0
+        interactions = load(args.data, columns=columns, data_dir=args.data_dir,
                             delimiter=args.delimiter)
-        parts = split(interactions, args.split)
+        parts = None if summary_only else split(interactions, args.split or "temporal")
     except DataError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return cli.fail(str(error))
     summary = interactions.summary()
-    summary.update(split=args.split, split_sizes=parts.sizes(),
-                   test_users=int(len(set(interactions.user[parts.test].tolist()))),
-                   short_users=parts.short_users)
+    summary["time_range"] = [int(interactions.timestamp.min()), int(interactions.timestamp.max())]
+    if parts is not None:
+        summary.update(split=args.split or "temporal", split_sizes=parts.sizes(),
+                       test_users=int(len(set(interactions.user[parts.test].tolist()))),
+                       short_users=parts.short_users)
     print(json.dumps(summary))
     return 0
 

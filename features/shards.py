@@ -1,0 +1,374 @@
+"""Logs stored as Parquet shards: a folder of `.parquet` files or a glob matching them.
+
+A shard set is read exactly as the same rows in one Parquet file would be (the same column
+resolution, checks and encoding), the shards concatenated in the order of their paths. Reading
+goes through Arrow's dataset API one column at a time, a batch at a time, only the needed
+columns. A file named `items.parquet` among the shards is not a shard but the item table: the
+log's item column, then one column per item feature (a fixed-size list column is a
+[num_items, k] matrix, e.g. `genres`, whose names the file's metadata may carry).
+
+`describe` summarises a shard set without loading it: DuckDB reads the Parquet files with a
+memory limit, spilling to a temporary folder, so a log larger than memory is counted exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import re
+import tempfile
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from tworec.features.interactions import DataError, Interactions
+from tworec.features.sources import (_column_numpy, _log_from_roles, _one_line,
+                                     _resolve_columns)
+
+ITEM_TABLE = "items.parquet"
+GENRE_NAMES_KEY = b"tworec.genre_names"      # item-table metadata: JSON list, one per column
+BATCH_ROWS = 1 << 20
+DISTINCT_ROW_BYTES = 64     # memory limit per row of one DISTINCT pass (see `describe`)
+GLOB_CHARACTERS = "*?["
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSet:
+    """The files of a shard source.
+
+    Attributes:
+        source: the folder or glob as given.
+        files: the log shards, sorted by path.
+        items: the item table among them, or None.
+    """
+
+    source: str
+    files: tuple[str, ...]
+    items: str | None = None
+
+
+def find(source: str) -> ShardSet | None:
+    """The shards a folder or glob names; None for a source that is neither (a file, or a
+    folder without `.parquet` files such as a GroupLens release).
+
+    Raises:
+        DataError: one line for an empty folder, a glob matching nothing or matching files that
+            are not Parquet, or two item tables.
+    """
+    if not os.path.exists(source) and any(c in source for c in GLOB_CHARACTERS):
+        matches = sorted(p for p in glob.glob(source, recursive=True) if os.path.isfile(p))
+        if not matches:
+            raise DataError(f"{source}: no file matches the pattern; pass a glob that matches "
+                            "Parquet shards, e.g. logs/part-*.parquet, or their folder")
+        other = next((p for p in matches if not p.endswith(".parquet")), None)
+        if other is not None:
+            raise DataError(f"{source}: the pattern matches {other}, which is not a .parquet "
+                            "file; make it match only the shards, e.g. "
+                            f"{os.path.join(os.path.dirname(source) or '.', '*.parquet')}")
+        return _with_item_table(source, matches)
+    if not os.path.isdir(source):
+        return None
+    files, anything = [], False
+    for folder, subfolders, names in os.walk(source):
+        subfolders[:] = sorted(d for d in subfolders if not d.startswith((".", "_")))
+        anything |= bool(names)
+        files += [os.path.join(folder, n) for n in names
+                  if n.endswith(".parquet") and not n.startswith((".", "_"))]
+    if not anything:
+        raise DataError(f"{source}: the folder is empty; pass a folder of .parquet shards, a "
+                        f"glob such as {os.path.join(source, 'part-*.parquet')}, or a GroupLens "
+                        "release folder")
+    return _with_item_table(source, sorted(files)) if files else None
+
+
+def _with_item_table(source: str, files: list[str]) -> ShardSet:
+    items = [p for p in files if os.path.basename(p) == ITEM_TABLE]
+    if len(items) > 1:
+        raise DataError(f"{source}: {len(items)} item tables ({', '.join(items)}); keep one "
+                        f"{ITEM_TABLE} beside the shards")
+    shards = tuple(p for p in files if os.path.basename(p) != ITEM_TABLE)
+    if not shards:
+        raise DataError(f"{source}: only the item table {items[0]}, no log shards; write the "
+                        "log's rows as .parquet files beside it")
+    return ShardSet(source, shards, items[0] if items else None)
+
+
+def needed_columns(shards: ShardSet, columns: dict[str, str]) -> tuple[dict[str, str], pa.Schema]:
+    """The role -> column mapping (resolved on the first shard as for one Parquet log) and the
+    schema of the needed columns, which every shard must share.
+
+    Raises:
+        DataError: one line naming the first shard that lacks a needed column or holds it with
+            another type, and the shard it differs from.
+    """
+    first = shards.files[0]
+    schema = _schema(first)
+    mapping = _resolve_columns(first, schema.names, columns)
+    needed = pa.schema([schema.field(name) for name in sorted(set(mapping.values()))])
+    for path in shards.files[1:]:
+        other = _schema(path)
+        for field in needed:
+            if field.name not in other.names:
+                raise DataError(f"{path}: no column {field.name!r}, which {first} has; every "
+                                "shard needs the same columns (found: "
+                                f"{', '.join(other.names)})")
+            found = other.field(field.name).type
+            if found != field.type:
+                raise DataError(f"{path}: column {field.name!r} is {found}, but {field.type} "
+                                f"in {first}; write every shard with the same schema")
+    return mapping, needed
+
+
+def _schema(path: str) -> pa.Schema:
+    try:
+        return pq.read_schema(path)
+    except (pa.ArrowInvalid, OSError) as error:
+        raise DataError(f"{path}: not a readable Parquet file: {_one_line(error)}") from None
+
+
+def load(source: str, columns: dict[str, str] | None = None) -> Interactions:
+    """Reads a folder or glob of Parquet shards into `Interactions`: the same log as the
+    shards' rows in one Parquet file, with the catalogue and item features of an
+    `items.parquet` among them.
+
+    Args:
+        source: a folder of `.parquet` files or a glob such as `logs/part-*.parquet`.
+        columns: role -> column name, as for one Parquet log.
+    """
+    shards = find(source)
+    if shards is None:
+        raise DataError(f"{source}: no .parquet files; pass a folder of Parquet shards or a "
+                        "glob matching them")
+    return read(shards, columns or {})
+
+
+def read(shards: ShardSet, columns: dict[str, str]) -> Interactions:
+    """`load` of the shards `find` found."""
+    mapping, schema = needed_columns(shards, columns)
+    arrays = read_columns(shards.files, schema)
+    items = None if shards.items is None else read_item_table(shards.items, mapping["item"])
+    return _log_from_roles(shards.source, {role: arrays[name] for role, name in mapping.items()},
+                           items)
+
+
+def read_columns(files, schema: pa.Schema, batch_rows: int = BATCH_ROWS) -> dict[str, np.ndarray]:
+    """name -> [n] NumPy column of the shards concatenated in order, read one column at a time
+    and a batch of `batch_rows` at a time with Arrow's dataset scanner."""
+    dataset = ds.dataset(list(files), schema=schema, format="parquet")
+    columns = {}
+    for field in schema:
+        chunks = []
+        for tagged in dataset.scanner(columns=[field.name], batch_size=batch_rows).scan_batches():
+            column = tagged.record_batch.column(0)
+            if column.null_count:          # the whole shard's count, for the message
+                column = pq.read_table(tagged.fragment.path, columns=[field.name]).column(0)
+            chunks.append(_column_numpy(tagged.fragment.path, field.name,
+                                        pa.chunked_array([column])))
+        columns[field.name] = (np.concatenate(chunks) if chunks else _column_numpy(
+            files[0], field.name, pa.chunked_array([], type=field.type)))
+    return columns
+
+
+# ---------------------------------------------------------------- the item table
+
+
+def read_item_table(path: str, id_column: str) -> dict:
+    """The catalogue, item features and genre names of an `items.parquet` whose id column is
+    the log's item column, as `sources.from_columns` takes them."""
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as error:
+        raise DataError(f"{path}: not a readable Parquet file: {_one_line(error)}") from None
+    if id_column not in table.column_names:
+        raise DataError(f"{path}: the item table needs the log's item column {id_column!r}; it "
+                        f"has {', '.join(table.column_names)}")
+    ids = _column_numpy(path, id_column, table.column(id_column)).astype(str)
+    distinct, counts = np.unique(ids, return_counts=True)
+    if (counts > 1).any():
+        raise DataError(f"{path}: item {distinct[counts > 1][0]!r} appears "
+                        f"{counts[counts > 1][0]} times; the item table has one row per item")
+    features = {name: _feature(path, name, table.column(name))
+                for name in table.column_names if name != id_column}
+    genre_names = ()
+    if "genres" in features:
+        width = features["genres"].shape[1] if features["genres"].ndim == 2 else 1
+        stored = (table.schema.metadata or {}).get(GENRE_NAMES_KEY)
+        genre_names = tuple(json.loads(stored)) if stored else tuple(
+            f"genre_{g}" for g in range(width))
+        if len(genre_names) != width:
+            raise DataError(f"{path}: {len(genre_names)} genre names in its metadata for "
+                            f"{width} genre columns")
+    return dict(catalogue=ids, item_features=features, genre_names=genre_names)
+
+
+def _feature(path: str, name: str, column: pa.ChunkedArray) -> np.ndarray:
+    """[num_items] values, or [num_items, k] for a fixed-size list column."""
+    if pa.types.is_fixed_size_list(column.type):
+        flat = _column_numpy(path, name, pa.chunked_array(
+            [chunk.flatten() for chunk in column.chunks], type=column.type.value_type))
+        return flat.reshape(len(column), column.type.list_size)
+    if pa.types.is_nested(column.type):
+        raise DataError(f"{path}: column {name!r} is {column.type}; an item feature is a "
+                        "number, a string or a fixed-size list")
+    values = _column_numpy(path, name, column)
+    return values.astype(str) if values.dtype == object else values
+
+
+def write_item_table(path: str, item_ids: np.ndarray, features: dict[str, np.ndarray],
+                     genre_names: tuple[str, ...] = (), id_column: str = "item_id") -> None:
+    """Writes the item table `read_item_table` reads: ids, features ([items] or
+    [items, k], the latter as a fixed-size list) and the genre names in its metadata."""
+    columns = {id_column: pa.array(np.asarray(item_ids).astype(str))}
+    for name, values in features.items():
+        values = np.asarray(values)
+        columns[name] = (pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)),
+                                                            values.shape[1])
+                         if values.ndim == 2 else pa.array(values))
+    table = pa.table(columns).replace_schema_metadata(
+        {GENRE_NAMES_KEY: json.dumps(list(genre_names))} if genre_names else None)
+    pq.write_table(table, path)
+
+
+# ---------------------------------------------------------------- summary without loading
+
+
+def describe(source: str, columns: dict[str, str] | None = None,
+             memory_limit: str = "1GB") -> dict:
+    """The counts of the log a shard set (or one `.parquet` file) loads as, computed by DuckDB
+    over the files without loading them: the keys of `Interactions.summary()` with the same
+    values, the time range, the rows of every shard (from the files' footers), and how DuckDB
+    ran.
+
+    DuckDB rather than Arrow's scanner: the exact counts need distinct values and distinct rows
+    (duplicates are dropped on loading), which DuckDB computes out of core under
+    `memory_limit`, spilling to a temporary folder; Arrow's scanner has no distinct at all.
+    Distinct rows are counted in passes over disjoint sets of users (`hash(user) % passes`;
+    duplicates share their user), about `limit / DISTINCT_ROW_BYTES` rows each: DuckDB's
+    spilling DISTINCT still needs memory that grows with the rows (one pass over 100M rows ran
+    out of 500MB; so did, now and then, a pass over 25M), and a pass that fits its limit is
+    the surest not to. Peak resident memory is then about the limit plus ~200MB, whatever the
+    log's size.
+
+    Args:
+        source: a folder or glob of Parquet shards, or one `.parquet` file.
+        columns: role -> column name, as for `load`.
+        memory_limit: DuckDB's memory limit, e.g. '1GB' or '500MiB'.
+    """
+    import duckdb
+    limit = memory_bytes(memory_limit)
+    shards = find(source) or ShardSet(source, (source,))
+    mapping, schema = needed_columns(shards, columns or {})
+    catalogue = None if shards.items is None else read_item_table(shards.items, mapping["item"])
+    shard_rows = [pq.ParquetFile(path).metadata.num_rows for path in shards.files]
+    rows = sum(shard_rows)
+    if rows == 0:
+        raise DataError(f"{source}: the log is empty")
+    files = _sql_list(shards.files)
+    log = (f"SELECT CAST({_name(mapping['user'])} AS VARCHAR) AS u, "
+           f"CAST({_name(mapping['item'])} AS VARCHAR) AS i, "
+           f"{_time_sql(schema.field(mapping['time']))} AS t, "
+           f"{_rating_sql(mapping.get('rating'))} AS r FROM read_parquet({files})")
+    known = ("TRUE" if catalogue is None else
+             f"i IN (SELECT CAST({_name(mapping['item'])} AS VARCHAR) "
+             f"FROM read_parquet({_sql_list([shards.items])}))")
+    passes = -(-rows // max(1, limit // DISTINCT_ROW_BYTES))
+    with tempfile.TemporaryDirectory(prefix="tworec-duckdb-") as spill:
+        connection = duckdb.connect()
+        try:
+            for setting in (f"memory_limit='{limit}B'", f"temp_directory='{spill}'",
+                            "preserve_insertion_order=false"):
+                connection.execute(f"SET {setting}")
+            _check_values(connection, source, mapping, schema, files)
+            distinct_rows = kept = 0
+            for part in range(passes):
+                some_users = "" if passes == 1 else f"WHERE hash(u) % {passes} = {part}"
+                counts = connection.execute(
+                    f"SELECT COUNT(*), COUNT(*) FILTER (WHERE {known}) "
+                    f"FROM (SELECT DISTINCT * FROM ({log}) {some_users})").fetchone()
+                distinct_rows, kept = distinct_rows + counts[0], kept + counts[1]
+            users, items, first, last = connection.execute(
+                f"SELECT COUNT(DISTINCT u), COUNT(DISTINCT i), MIN(t), MAX(t) "
+                f"FROM ({log}) WHERE {known}").fetchone()
+        except duckdb.ConversionException as error:
+            raise DataError(f"{source}: a time or rating value is not numeric: "
+                            f"{_one_line(error)}") from None
+        except duckdb.OutOfMemoryException as error:
+            raise DataError(f"{source}: DuckDB needs more than its memory limit of "
+                            f"{memory_limit}; raise the limit ({_one_line(error)})") from None
+        finally:
+            connection.close()
+    if kept == 0:
+        raise DataError(f"{source}: no interaction's item is in the item table")
+    dropped = {reason: number for reason, number in (
+        ("duplicate_row", rows - distinct_rows), ("item_not_in_catalogue", distinct_rows - kept))
+        if number}
+    sides = {kind: sorted(role.partition(".")[2] for role in mapping
+                          if role.startswith(kind + ".")) for kind in ("user", "item")}
+    item_features = sorted({*sides["item"], *(catalogue["item_features"] if catalogue else ())})
+    return {"source": source, "users": users,
+            "items": items if catalogue is None else len(catalogue["catalogue"]),
+            "interactions": kept, "has_ratings": "rating" in mapping,
+            "item_features": item_features, "user_features": sides["user"], "dropped": dropped,
+            "time_range": [first, last],
+            "shards": [{"path": path, "rows": count}
+                       for path, count in zip(shards.files, shard_rows)],
+            "duckdb": {"memory_limit": memory_limit, "distinct_passes": passes}}
+
+
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def memory_bytes(text: str) -> int:
+    """Bytes of a memory size as DuckDB writes it: '1GB' (10**9), '512MiB' (2**29), '2e9'."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:e\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match and match.group(2).lower()
+    if not match or unit not in UNITS or float(match.group(1)) * UNITS[unit] < 1 << 20:
+        raise ValueError(f"{text!r} is not a memory size of at least 1MiB, such as 1GB or "
+                         "512MiB")
+    return int(float(match.group(1)) * UNITS[unit])
+
+
+def _check_values(connection, source: str, mapping: dict[str, str], schema: pa.Schema,
+                  files: str) -> None:
+    """The missing (null, or NaN in a float column) values `load` refuses, counted by DuckDB."""
+    checks = []
+    for role in ("user", "item", "time", "rating"):
+        if role in mapping:
+            name = mapping[role]
+            nan = (f" OR isnan({_name(name)})" if role in ("time", "rating")
+                   and pa.types.is_floating(schema.field(name).type) else "")
+            checks.append((name, f"COUNT(*) FILTER (WHERE {_name(name)} IS NULL{nan})"))
+    counts = connection.execute(f"SELECT {', '.join(sql for _, sql in checks)} "
+                                f"FROM read_parquet({files})").fetchone()
+    for (name, _), count in zip(checks, counts):
+        if count:
+            raise DataError(f"{source}: column {name!r} has {count} missing or NaN values")
+
+
+def _time_sql(field: pa.Field) -> str:
+    """SQL for the int64 seconds `load` makes of the time column: integers as they are,
+    timestamps as whole seconds since the epoch, anything else through float64, truncated."""
+    name = _name(field.name)
+    if pa.types.is_integer(field.type):
+        return f"CAST({name} AS BIGINT)"
+    if pa.types.is_timestamp(field.type):
+        return f"epoch_ns({name}) // 1000000000"        # truncated, as Arrow divides
+    return f"CAST(trunc(CAST({name} AS DOUBLE)) AS BIGINT)"
+
+
+def _rating_sql(name: str | None) -> str:
+    """SQL for the float32 rating `load` makes, or NULL without a rating column."""
+    return "NULL" if name is None else f"CAST(CAST({_name(name)} AS DOUBLE) AS FLOAT)"
+
+
+def _name(column: str) -> str:
+    return '"' + column.replace('"', '""') + '"'
+
+
+def _sql_list(paths) -> str:
+    return "[" + ", ".join("'" + p.replace("'", "''") + "'" for p in paths) + "]"
+

@@ -1,0 +1,173 @@
+"""Logs as Parquet shards: a folder or glob reads as the same rows in one file would, mistakes
+are one line, and DuckDB's summary counts exactly what loading gives."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tworec.features import DataError, load
+from tworec.features import shards
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOG_NAMES = ("user_ids", "item_ids", "user", "item", "timestamp", "rating")
+
+
+def a_log(rows: int = 120, seed: int = 0) -> pa.Table:
+    """A log with duplicate rows, string and integer ids, a timestamp-typed time, a float
+    rating, an item side feature, a user side feature and a column no role reads."""
+    rng = np.random.default_rng(seed)
+    table = pa.table({
+        "uid": pa.array(np.char.add("user", rng.integers(0, 15, rows).astype(str))),
+        "sku": pa.array(rng.integers(0, 30, rows), pa.int64()),
+        "ts": pa.array(1_600_000_000_000 + rng.integers(-5_000, 90_000_000, rows) * 997,
+                       pa.timestamp("ms")),
+        "stars": pa.array(rng.integers(1, 11, rows) / 2.0),
+        "note": pa.array(rng.integers(0, 3, rows).astype(str))})
+    table = pa.concat_tables([table, table.slice(10, 7), table.slice(100, 3)])   # duplicates
+    colour = pc_colour(table.column("sku"))
+    return table.append_column("colour", colour).append_column(
+        "age", pa.array(np.char.add("a", (np.arange(table.num_rows) % 4).astype(str))))
+
+
+def pc_colour(sku: pa.ChunkedArray) -> pa.Array:
+    return pa.array(np.array(["red", "green", "blue"])[sku.to_numpy() % 3])
+
+
+MAPPING = {"user": "uid", "item": "sku", "time": "ts", "rating": "stars",
+           "item.colour": "colour", "user.age": "age"}
+
+
+def write_split(table: pa.Table, folder, cuts=(0, 31, 31, 95), row_group_size=9) -> list[str]:
+    """`table` as shards cut at `cuts` (an empty shard included), small row groups so that a
+    shard is read in several batches; returns their paths."""
+    os.makedirs(folder, exist_ok=True)
+    bounds = list(cuts) + [table.num_rows]
+    paths = []
+    for index, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:])):
+        paths.append(os.path.join(folder, f"part-{index:03d}.parquet"))
+        pq.write_table(table.slice(start, stop - start), paths[-1], row_group_size=row_group_size)
+    return paths
+
+
+def assert_same_log(got, want):
+    for name in LOG_NAMES:
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+        assert (getattr(got, name) is None) == (getattr(want, name) is None), name
+        if getattr(want, name) is not None:
+            assert getattr(got, name).dtype == getattr(want, name).dtype, name
+    for table in ("item_features", "user_features"):
+        assert getattr(got, table).keys() == getattr(want, table).keys(), table
+        for name, values in getattr(want, table).items():
+            np.testing.assert_array_equal(getattr(got, table)[name], values, err_msg=name)
+    assert got.dropped == want.dropped and got.genre_names == want.genre_names
+
+
+def one_line(call) -> str:
+    with pytest.raises(DataError) as error:
+        call()
+    message = str(error.value)
+    assert "\n" not in message, message
+    return message
+
+
+# ------------------------------------------------------------------ reading
+
+
+@pytest.mark.parametrize("columns", [MAPPING, None], ids=["mapped", "common-names"])
+def test_a_folder_and_a_glob_read_as_the_log_in_one_file(tmp_path, columns):
+    table = a_log()
+    if columns is None:                  # user_id, item_id, timestamp, rating found by name
+        table = table.rename_columns(["user_id", "item_id", "timestamp", "rating", "note",
+                                      "colour", "age"])
+    pq.write_table(table, tmp_path / "log.parquet")
+    write_split(table, tmp_path / "shards")
+    whole = load(str(tmp_path / "log.parquet"), columns=columns)
+    assert whole.dropped == {"duplicate_row": 10} and len(whole) == 120
+    assert_same_log(load(str(tmp_path / "shards"), columns=columns), whole)
+    assert_same_log(load(str(tmp_path / "shards" / "part-*.parquet"), columns=columns), whole)
+
+
+def test_shards_are_read_in_path_order_and_may_nest(tmp_path):
+    table = a_log()
+    pq.write_table(table, tmp_path / "log.parquet")
+    write_split(table.slice(0, 50), tmp_path / "shards" / "a")
+    write_split(table.slice(50), tmp_path / "shards" / "b", cuts=(0, 20))
+    (tmp_path / "shards" / "_SUCCESS").write_text("")
+    assert_same_log(load(str(tmp_path / "shards"), columns=MAPPING),
+                    load(str(tmp_path / "log.parquet"), columns=MAPPING))
+
+
+def test_shard_mistakes_are_one_line_naming_the_path_and_what_works(tmp_path):
+    (tmp_path / "empty").mkdir()
+    message = one_line(lambda: load(str(tmp_path / "empty")))
+    assert "the folder is empty" in message and "part-*.parquet" in message
+    pattern = str(tmp_path / "logs" / "part-*.parquet")
+    message = one_line(lambda: load(pattern))
+    assert message.startswith(f"{pattern}: no file matches")
+
+    paths = write_split(a_log(), tmp_path / "mixed")
+    (tmp_path / "mixed" / "readme.txt").write_text("not a shard")
+    message = one_line(lambda: load(str(tmp_path / "mixed" / "*"), columns=MAPPING))
+    assert "readme.txt, which is not a .parquet file" in message and "*.parquet" in message
+
+    retyped = a_log().set_column(0, "uid", pa.array(np.arange(a_log().num_rows)))
+    pq.write_table(retyped.slice(0, 5), paths[2])
+    message = one_line(lambda: load(str(tmp_path / "mixed"), columns=MAPPING))
+    assert message.startswith(f"{paths[2]}: column 'uid' is int64, but string in {paths[0]}")
+    assert "same schema" in message
+    pq.write_table(a_log().drop_columns(["stars"]).slice(0, 5), paths[2])
+    message = one_line(lambda: load(str(tmp_path / "mixed"), columns=MAPPING))
+    assert message.startswith(f"{paths[2]}: no column 'stars'")
+
+    holes = a_log().set_column(3, "stars", pa.array([None, 2.0] * (a_log().num_rows // 2)))
+    pq.write_table(holes, paths[2], row_group_size=9)
+    message = one_line(lambda: load(str(tmp_path / "mixed" / "*.parquet"), columns=MAPPING))
+    assert message == f"{paths[2]}: column 'stars' has {a_log().num_rows // 2} missing values"
+    message = one_line(lambda: shards.describe(str(tmp_path / "mixed" / "*.parquet"), MAPPING))
+    assert "column 'stars' has" in message
+
+
+# ------------------------------------------------------------------ the summary
+
+
+@pytest.mark.parametrize("passes", [1, 5])
+def test_describe_counts_exactly_what_loading_gives(tmp_path, monkeypatch, passes):
+    if passes > 1:                 # distinct rows counted over 5 disjoint sets of users
+        monkeypatch.setattr(shards, "DISTINCT_ROW_BYTES", 10**9 // 100)
+    table = a_log(rows=400, seed=3)
+    write_split(table, tmp_path / "shards", cuts=(0, 120, 300))
+    shards.write_item_table(str(tmp_path / "shards" / "items.parquet"),
+                            np.arange(0, 30, 2), {"size": np.arange(15, dtype=np.int32)},
+                            id_column="sku")
+    for source in (str(tmp_path / "shards"), str(tmp_path / "shards" / "*.parquet")):
+        log = load(source, columns=MAPPING)
+        assert set(log.dropped) == {"duplicate_row", "item_not_in_catalogue"}
+        summary = shards.describe(source, MAPPING)
+        assert {k: summary[k] for k in log.summary()} == log.summary()
+        assert summary["time_range"] == [log.timestamp.min(), log.timestamp.max()]
+        assert [s["rows"] for s in summary["shards"]] == [120, 180, table.num_rows - 300]
+        assert summary["duckdb"]["distinct_passes"] == passes
+    pq.write_table(table, tmp_path / "log.parquet")
+    log = load(str(tmp_path / "log.parquet"), columns=MAPPING)
+    summary = shards.describe(str(tmp_path / "log.parquet"), MAPPING)
+    assert {k: summary[k] for k in log.summary()} == log.summary()
+
+
+def test_describe_data_summarises_shards_without_the_split(tmp_path):
+    write_split(a_log().rename_columns(["user_id", "item_id", "timestamp", "rating", "note",
+                                        "colour", "age"]), tmp_path / "shards")
+    script = os.path.join(ROOT, "scripts", "describe_data.py")
+    done = subprocess.run([sys.executable, script, "--data", str(tmp_path / "shards"),
+                           "--memory-limit", "200MB"], capture_output=True, text=True, timeout=120)
+    summary = json.loads(done.stdout)
+    assert summary["interactions"] == len(load(str(tmp_path / "shards"))) and "split" not in summary
+    assert len(summary["shards"]) == 4
+    done = subprocess.run([sys.executable, script, "--data", str(tmp_path / "shards"), "--split",
+                           "random"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "--split" in done.stderr
+
