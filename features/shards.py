@@ -9,15 +9,23 @@ log's item column, then one column per item feature (a fixed-size list column is
 
 `describe` summarises a shard set without loading it: DuckDB reads the Parquet files with a
 memory limit, spilling to a temporary folder, so a log larger than memory is counted exactly.
+
+Run as a module, it writes a synthetic log of any size as shards in bounded memory
+(`synthetic.write_shards`) and prints one JSON line with the rows and rows per second:
+
+    python -m tworec.features.shards --synthetic 100m --out logs/synthetic-100m
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import glob
 import json
 import os
 import re
+import sys
 import tempfile
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -372,3 +380,51 @@ def _name(column: str) -> str:
 def _sql_list(paths) -> str:
     return "[" + ", ".join("'" + p.replace("'", "''") + "'" for p in paths) + "]"
 
+
+# ---------------------------------------------------------------- writing synthetic shards
+
+
+class _Parser(argparse.ArgumentParser):
+    """Mistakes end with one line and exit code 2, as in the scripts (`pipeline.cli`, which
+    `features` may not import)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def main(argv=None) -> int:
+    """Writes a synthetic preset's log as Parquet shards; one JSON line with rows and rows/s."""
+    from tworec.features.synthetic import PRESETS, ROWS_PER_SHARD, write_shards
+    parser = _Parser(description="Writes a synthetic log as Parquet shards in bounded memory.")
+    parser.add_argument("--synthetic", default="default", choices=sorted(PRESETS),
+                        metavar="PRESET", help="the generator's sizes: "
+                        f"{', '.join(sorted(PRESETS))} (100m: about 100 million rows)")
+    parser.add_argument("--out", required=True, help="a new or empty folder for the shards")
+    parser.add_argument("--seed", type=int, default=0, help="the generator's seed (default 0)")
+    parser.add_argument("--rows-per-shard", type=int, default=ROWS_PER_SHARD,
+                        help=f"rows of one shard, a chunk of users (default {ROWS_PER_SHARD:,})")
+    args = parser.parse_args(argv)
+    if args.rows_per_shard < 1:
+        parser.error(f"--rows-per-shard must be at least 1, got {args.rows_per_shard}")
+    started = time.perf_counter()
+    rows = []
+
+    def progress(path: str, count: int) -> None:
+        rows.append(count)
+        print(f"[shards] {path}: {count:,} rows", file=sys.stderr, flush=True)
+
+    try:
+        paths = write_shards(PRESETS[args.synthetic], args.out, seed=args.seed,
+                             rows_per_shard=args.rows_per_shard, progress=progress)
+    except FileExistsError as error:
+        print(f"error: --out {error}", file=sys.stderr)
+        return 2
+    seconds = time.perf_counter() - started
+    print(json.dumps({"out": args.out, "synthetic": args.synthetic, "seed": args.seed,
+                      "shards": len(paths), "rows": sum(rows), "seconds": round(seconds, 1),
+                      "rows_per_second": round(sum(rows) / seconds)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -57,10 +57,14 @@ def load(source: str, columns: dict[str, str] | None = None, data_dir: str | Non
     """
     delimiter = _delimiter_option(source, delimiter)
     if source == "synthetic" or source.startswith("synthetic:"):
-        from tworec.features.synthetic import PRESETS, generate
+        from tworec.features.synthetic import PRESETS, SHARDS_ONLY, generate
         preset = source.partition(":")[2] or "default"
         if preset not in PRESETS:
             raise DataError(f"unknown synthetic preset {preset!r}; known: {sorted(PRESETS)}")
+        if preset in SHARDS_ONLY:
+            raise DataError(f"{source}: too large to generate in memory; write it to Parquet "
+                            f"shards (python -m tworec.features.shards --synthetic {preset} --out "
+                            "DIR, or features.synthetic.write_shards) and pass the folder")
         return generate(PRESETS[preset], seed=seed, name=f"synthetic:{preset}")
     if source.startswith("tfds:"):
         return load_tfds(source[len("tfds:"):], data_dir=data_dir)

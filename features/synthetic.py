@@ -13,13 +13,22 @@ Planted structure:
   what is popular late in the log differs from what was popular early.
 
 Generation runs one vectorised step per position in the longest user sequence, over all users
-at once; 10 million interactions take well under a minute.
+at once; 10 million interactions take well under a minute. `write_shards` writes a log of any
+size to Parquet shards in bounded memory, a chunk of users at a time:
+
+    python -m tworec.features.shards --synthetic 100m --out logs/synthetic-100m
 """
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
+import tempfile
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from tworec.features.interactions import Interactions
 
@@ -52,7 +61,11 @@ PRESETS = {
                           num_clusters=20),
     "10m": SyntheticConfig(num_users=100_000, num_items=50_000, num_interactions=10_000_000,
                            num_clusters=50, num_genres=20),
+    "100m": SyntheticConfig(num_users=1_000_000, num_items=200_000,
+                            num_interactions=100_000_000, num_clusters=100, num_genres=20),
 }
+SHARDS_ONLY = frozenset({"100m"})     # written by `write_shards`, too large for `generate`
+ROWS_PER_SHARD = 1_000_000
 
 
 def generate(config: SyntheticConfig = SyntheticConfig(), seed: int = 0,
@@ -106,6 +119,90 @@ def _item_features(config: SyntheticConfig, rng: np.random.Generator, cluster: n
     genres[np.flatnonzero(secondary), rng.integers(0, config.num_genres, secondary.sum())] = 1.0
     return {"genres": genres, "year": (1950 + position_in_cluster % 70).astype(np.int32),
             "title": np.char.add("Item ", np.arange(config.num_items).astype(str))}
+
+
+def write_shards(config: SyntheticConfig, folder: str, seed: int = 0,
+                 rows_per_shard: int = ROWS_PER_SHARD, progress=None) -> list[str]:
+    """Writes a log of about `config.num_interactions` rows to Parquet shards, a chunk of users
+    at a time, in memory bounded by the chunk: `part-NNNNN.parquet` per chunk (user_id,
+    item_id, timestamp, rating) and `items.parquet` (item_id, genres, year, title), which
+    `features.load(folder)` reads back. Deterministic for a seed: the items and clusters are
+    drawn from `seed` and shared, each chunk's users from its own seed derived from (seed,
+    chunk index) by `chunk_table`. Not the log `generate` draws for the same seed.
+
+    Args:
+        config: the sizes; `num_users` is split into chunks of about `rows_per_shard` rows.
+        folder: a new or empty folder; the shards appear in it only once all are written.
+        rows_per_shard: rows of a chunk before repeats of a user-item pair are removed.
+        progress: called as progress(path, rows) after each shard, or None.
+
+    Returns:
+        The paths of the shards, in order.
+    """
+    if rows_per_shard < 1:
+        raise ValueError(f"rows_per_shard must be at least 1, got {rows_per_shard}")
+    if os.path.exists(folder) and (not os.path.isdir(folder) or os.listdir(folder)):
+        raise FileExistsError(f"{folder}: already exists and is not an empty folder; write the "
+                              "shards into a new one")
+    from tworec.features.shards import ITEM_TABLE, write_item_table
+    parent = os.path.dirname(os.path.abspath(folder))
+    os.makedirs(parent, exist_ok=True)
+    partial = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}.partial-", dir=parent)
+    try:
+        rng = np.random.default_rng(seed)
+        items = _items(config, rng)
+        write_item_table(os.path.join(partial, ITEM_TABLE), _item_ids(config),
+                         _item_features(config, rng, *items[:2]), _genre_names(config))
+        users_per_chunk = users_per_shard(config, rows_per_shard)
+        names = []
+        for chunk in range(-(-config.num_users // users_per_chunk)):
+            table = chunk_table(config, seed, chunk, users_per_chunk, items)
+            names.append(f"part-{chunk:05d}.parquet")
+            pq.write_table(table, os.path.join(partial, names[-1]))
+            if progress is not None:
+                progress(os.path.join(folder, names[-1]), table.num_rows)
+            del table
+        if os.path.isdir(folder):
+            os.rmdir(folder)
+        os.replace(partial, folder)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return [os.path.join(folder, name) for name in names]
+
+
+def users_per_shard(config: SyntheticConfig, rows_per_shard: int) -> int:
+    """Users of a chunk of about `rows_per_shard` rows."""
+    return max(1, rows_per_shard * config.num_users // config.num_interactions)
+
+
+def chunk_table(config: SyntheticConfig, seed: int, chunk: int, users_per_chunk: int,
+                items=None) -> pa.Table:
+    """The rows of users `chunk * users_per_chunk` up to the next chunk's first (or
+    `config.num_users`), drawn from a seed derived from (seed, chunk) over the items drawn
+    from `seed`: a function of its own chunk only, whatever the number of chunks.
+
+    Returns:
+        user_id string, item_id string, timestamp int64 and rating float32 columns, [rows].
+    """
+    items = _items(config, np.random.default_rng(seed)) if items is None else items
+    first = chunk * users_per_chunk
+    size = min(users_per_chunk, config.num_users - first)
+    if size <= 0:
+        raise ValueError(f"chunk {chunk} of {users_per_chunk} users is past the "
+                         f"{config.num_users} users")
+    local = dataclasses.replace(config, num_users=size, num_interactions=round(
+        config.num_interactions * size / config.num_users))
+    rng, days = (np.random.default_rng(s) for s in np.random.SeedSequence([seed, chunk]).spawn(2))
+    start_day = days.integers(0, 365, size) if config.popularity_drift else None
+    users, chosen, timestamp, rating, _ = _rows(local, rng, items, start_day)
+    return pa.table({"user_id": _prefixed("u", users + first), "item_id": _prefixed("i", chosen),
+                     "timestamp": timestamp, "rating": rating})
+
+
+def _prefixed(prefix: str, codes: np.ndarray) -> pa.Array:
+    """[n] strings `prefix` + code, the ids `generate` gives."""
+    return pc.binary_join_element_wise(prefix, pc.cast(pa.array(codes), pa.string()), "")
 
 
 def _item_ids(config: SyntheticConfig) -> np.ndarray:

@@ -1,9 +1,12 @@
 """Logs as Parquet shards: a folder or glob reads as the same rows in one file would, mistakes
-are one line, and DuckDB's summary counts exactly what loading gives."""
+are one line, DuckDB's summary counts exactly what loading gives, and the synthetic generator
+writes shards a chunk at a time, deterministically, that load back with their item table."""
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+import tracemalloc
 
 import numpy as np
 import pyarrow as pa
@@ -11,10 +14,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from tworec.features import DataError, load
-from tworec.features import shards
+from tworec.features import shards, synthetic
+from tworec.features.synthetic import (SyntheticConfig, _item_features, _items, chunk_table,
+                                       users_per_shard, write_shards)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOG_NAMES = ("user_ids", "item_ids", "user", "item", "timestamp", "rating")
+SMALL = SyntheticConfig(num_users=300, num_items=200, num_interactions=9_000, num_clusters=5)
 
 
 def a_log(rows: int = 120, seed: int = 0) -> pa.Table:
@@ -171,3 +177,84 @@ def test_describe_data_summarises_shards_without_the_split(tmp_path):
                            "random"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "--split" in done.stderr
 
+
+# ------------------------------------------------------------------ writing synthetic shards
+
+
+def shard_tables(folder) -> list[pa.Table]:
+    return [pq.read_table(os.path.join(folder, name)) for name in sorted(os.listdir(folder))
+            if name.startswith("part-")]
+
+
+def test_write_shards_is_deterministic_and_each_chunk_its_own(tmp_path):
+    upc = users_per_shard(SMALL, 3_000)
+    paths = write_shards(SMALL, str(tmp_path / "a"), seed=5, rows_per_shard=3_000)
+    assert len(paths) == 3 and upc == 100
+    written = shard_tables(tmp_path / "a")
+    for chunk, table in enumerate(written):
+        assert table.equals(chunk_table(SMALL, 5, chunk, upc))
+    assert written[0].column("item_id") != written[1].column("item_id")     # seeds of their own
+    write_shards(SMALL, str(tmp_path / "again"), seed=5, rows_per_shard=3_000)
+    assert all(a.equals(b) for a, b in zip(shard_tables(tmp_path / "again"), written))
+    write_shards(SMALL, str(tmp_path / "other"), seed=6, rows_per_shard=3_000)
+    assert not shard_tables(tmp_path / "other")[0].equals(written[0])
+    # A 2-chunk log is the first two chunks of the 3-chunk one: a chunk depends on itself only.
+    two = dataclasses.replace(SMALL, num_users=200, num_interactions=6_000)
+    write_shards(two, str(tmp_path / "two"), seed=5, rows_per_shard=3_000)
+    assert pa.concat_tables(shard_tables(tmp_path / "two")).equals(pa.concat_tables(written[:2]))
+    with pytest.raises(FileExistsError, match="not an empty folder"):
+        write_shards(SMALL, str(tmp_path / "a"), seed=5)
+
+
+def test_write_shards_holds_one_chunk_at_a_time(tmp_path):
+    config = SyntheticConfig(num_users=4_000, num_items=2_000, num_interactions=200_000)
+
+    def peak(rows_per_shard: int, folder: str) -> int:
+        tracemalloc.start()
+        write_shards(config, str(tmp_path / folder), rows_per_shard=rows_per_shard)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return peak
+
+    whole, chunked = peak(200_000, "whole"), peak(25_000, "chunked")
+    assert len(shard_tables(tmp_path / "chunked")) == 8
+    assert chunked < 0.3 * whole, (chunked, whole)
+
+
+def test_written_shards_load_back_with_their_item_table(tmp_path):
+    write_shards(SMALL, str(tmp_path / "log"), seed=2, rows_per_shard=4_000)
+    log = load(str(tmp_path / "log"))
+    rows = pa.concat_tables(shard_tables(tmp_path / "log"))
+    assert len(log) == rows.num_rows and log.dropped == {}
+    np.testing.assert_array_equal(log.user_ids[log.user], rows.column("user_id").to_numpy())
+    np.testing.assert_array_equal(log.item_ids[log.item], rows.column("item_id").to_numpy())
+    np.testing.assert_array_equal(log.timestamp, rows.column("timestamp").to_numpy())
+    np.testing.assert_array_equal(log.rating, rows.column("rating").to_numpy())
+    assert log.user_ids.tolist() == [f"u{u}" for u in range(SMALL.num_users)]
+    assert log.item_ids.tolist() == [f"i{i}" for i in range(SMALL.num_items)]
+    rng = np.random.default_rng(2)
+    features = _item_features(SMALL, rng, *_items(SMALL, rng)[:2])
+    assert log.item_features.keys() == features.keys()
+    for name, values in features.items():
+        np.testing.assert_array_equal(log.item_features[name], values, err_msg=name)
+        assert log.item_features[name].dtype.kind == values.dtype.kind, name
+    assert log.genre_names == tuple(f"genre{g}" for g in range(SMALL.num_genres))
+
+
+def test_the_module_writes_a_preset_and_100m_is_for_shards_only(tmp_path, monkeypatch):
+    out = str(tmp_path / "tiny")
+    command = [sys.executable, "-m", "tworec.features.shards", "--synthetic", "tiny", "--out",
+               out, "--rows-per-shard", "2000"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["shards"] == 4 and result["rows"] == len(load(out)) > 0    # 66 users each
+    assert sorted(os.listdir(tmp_path)) == ["tiny"]                 # no partial folder left
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "--out" in done.stderr
+    def in_memory(*args, **kwargs):
+        raise AssertionError("synthetic:100m was generated in memory")
+
+    monkeypatch.setattr(synthetic, "generate", in_memory)
+    message = one_line(lambda: load("synthetic:100m"))
+    assert "--synthetic 100m --out DIR" in message
