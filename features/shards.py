@@ -17,7 +17,6 @@ Run as a module, it writes a synthetic log of any size as shards in bounded memo
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import glob
 import json
@@ -32,6 +31,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from tworec.console import OneLineParser
 from tworec.features.interactions import DataError, Interactions
 from tworec.features.sources import (_column_numpy, _log_from_roles, _one_line,
                                      _resolve_columns)
@@ -384,18 +384,11 @@ def _sql_list(paths) -> str:
 # ---------------------------------------------------------------- writing synthetic shards
 
 
-class _Parser(argparse.ArgumentParser):
-    """Mistakes end with one line and exit code 2, as in the scripts (`pipeline.cli`, which
-    `features` may not import)."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
 def main(argv=None) -> int:
     """Writes a synthetic preset's log as Parquet shards; one JSON line with rows and rows/s."""
     from tworec.features.synthetic import PRESETS, ROWS_PER_SHARD, write_shards
-    parser = _Parser(description="Writes a synthetic log as Parquet shards in bounded memory.")
+    parser = OneLineParser(description="Writes a synthetic log as Parquet shards in bounded "
+                                       "memory.")
     parser.add_argument("--synthetic", default="default", choices=sorted(PRESETS),
                         metavar="PRESET", help="the generator's sizes: "
                         f"{', '.join(sorted(PRESETS))} (100m: about 100 million rows)")

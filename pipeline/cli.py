@@ -8,22 +8,11 @@ import os
 import sys
 import time
 
+from tworec.console import parser_for  # noqa: F401  (every script's parser, from here)
 from tworec.features.inputs import PROTOCOLS
 from tworec.features.interactions import DataError
 from tworec.features.sources import DELIMITER_HELP, parse_columns
 from tworec.pipeline.config import PRESETS
-
-class OneLineParser(argparse.ArgumentParser):
-    """An argument parser whose mistakes end with one line, `error: ...`, and exit code 2
-    (argparse's own prints the usage first)."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
-def parser_for(doc: str) -> OneLineParser:
-    """A script's parser, described by the first line of its docstring."""
-    return OneLineParser(description=doc.splitlines()[0])
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, out_required: bool = True) -> None:

@@ -32,6 +32,8 @@ EXERCISED = {
         "tests/test_scripts_serving.py::test_recommend_all_script_writes_the_file_and_says_where",
     "scripts/benchmark.py": "tests/test_readme.py::test_benchmark_script_runs_every_part_small",
     "-m tworec.serving.soak": "tests/test_readme.py::test_soak_runs_briefly",
+    "-m tworec.features.shards":
+        "tests/test_shards.py::test_the_module_writes_a_preset_and_100m_is_for_shards_only",
     "-m tworec.features.training":
         "tests/test_parameter_server.py::test_embedding_tables_are_split_across_the_two_ps_tasks",
 }

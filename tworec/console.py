@@ -4,6 +4,7 @@ dropped unless verbose, and Keras progress is one line per epoch when output is 
 """
 from __future__ import annotations
 
+import argparse
 import atexit
 import contextlib
 import os
@@ -89,3 +90,16 @@ def quiet_native_logs():
 
 def is_terminal() -> bool:
     return sys.stdout.isatty()
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose mistakes end with one line, `error: ...`, and exit code 2
+    (argparse's own prints the usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def parser_for(doc: str) -> OneLineParser:
+    """A command's parser, described by the first line of its docstring."""
+    return OneLineParser(description=doc.splitlines()[0])
