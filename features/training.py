@@ -147,19 +147,25 @@ class EpochLog(tf.keras.callbacks.Callback):
 
 
 def best_epoch(callbacks: list, epochs: int, stage: str, verbose: int) -> int:
-    """The epoch (1-based) whose weights the model ends with: early stopping's best when it
-    stopped the run (announced when verbose), else the last."""
+    """The epoch (1-based) whose weights the model ends with: with an `EarlyStopping` that
+    restores the best weights, its best epoch (Keras restores them when training ends,
+    stopped early or not; announced when verbose and not the last), else the last."""
     for callback in callbacks:
-        if isinstance(callback, tf.keras.callbacks.EarlyStopping) and callback.stopped_epoch:
-            best = callback.best_epoch + 1
-            if verbose:
-                stopped = callback.stopped_epoch + 1
-                why = (f"early stopping after epoch {stopped}: no {callback.monitor} gain for "
-                       f"{callback.patience} epochs" if stopped < epochs else
-                       f"no {callback.monitor} gain in the last {callback.patience} epochs")
-                print(f"[{stage}] {why}; the weights of epoch {best} ({callback.monitor} "
-                      f"{callback.best:.4f}) are kept", flush=True)
+        if not (isinstance(callback, tf.keras.callbacks.EarlyStopping)
+                and callback.restore_best_weights and callback.best_weights is not None):
+            continue
+        best, stopped = callback.best_epoch + 1, callback.stopped_epoch + 1
+        if callback.stopped_epoch and stopped < epochs:
+            why = (f"early stopping after epoch {stopped}: no {callback.monitor} gain for "
+                   f"{callback.patience} epochs")
+        elif best < epochs:
+            why = f"no {callback.monitor} gain after epoch {best}"
+        else:
             return best
+        if verbose:
+            print(f"[{stage}] {why}; the weights of epoch {best} ({callback.monitor} "
+                  f"{callback.best:.4f}) are kept", flush=True)
+        return best
     return epochs
 
 
