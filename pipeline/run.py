@@ -19,7 +19,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from tworec.evaluation import KS, baselines, eval_set, evaluate_ranks, rank_metrics
+from tworec.evaluation import baselines, eval_set, evaluate_ranks, rank_metrics
 from tworec.evaluation.metrics import paired_bootstrap, row_metrics
 from tworec.features import Interactions, load, split
 from tworec.features.history import latest_history
@@ -350,12 +350,8 @@ class Run:
         from the candidates is a miss past every K of the report."""
         scores = ranking.score_lists(self.ranking_model, self.inputs, self.signals, "test",
                                      self.test_candidates)                        # [m, C]
-        order = np.argsort(-scores, axis=1, kind="stable")                         # [m, C]
-        found = np.take_along_axis(self.test_candidates, order, 1) == \
-            self.inputs.examples["test"]["item"][:, None]                          # [m, C]
-        position = found.argmax(1)                                                 # [m]
-        ranks = np.where(found.any(1), position, scores.shape[1] + max(KS))
-        target_scores = np.take_along_axis(scores, order, 1)[np.arange(len(scores)), position]
+        ranks, target_scores = ranking.reranked_ranks(scores, self.test_candidates,
+                                                      self.inputs.examples["test"]["item"])
         return served.Offline(ranks=ranks, target_scores=target_scores)
 
     def ranking_export_gap(self, client: Client, rows: np.ndarray) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from tworec.evaluation import rank_metrics
+from tworec.evaluation import MISS, rank_metrics
 from tworec.features.batches import batches, steps_per_epoch
 from tworec.features.inputs import EMPTY_SLOT, ModelInputs
 from tworec.features.interactions import interaction_matrix
@@ -181,12 +181,26 @@ def rerank(model: RankingModel, data: ModelInputs, signals: RankingSignals, part
     return np.take_along_axis(candidates, order, axis=1)
 
 
+def reranked_ranks(scores: np.ndarray, candidates: np.ndarray, targets: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Where each row's target lands when its candidates [m, C] are ordered by the ranker's
+    scores [m, C] (ties keep the candidates' order, as served).
+
+    Returns:
+        ([m] 0-based positions, `MISS` for a target not among the candidates; [m] the score
+        at that position, the target's own where it was found).
+    """
+    order = np.argsort(-scores, axis=1, kind="stable")                             # [m, C]
+    found = np.take_along_axis(candidates, order, 1) == targets[:, None]             # [m, C]
+    position = found.argmax(1)                                                       # [m]
+    ranks = np.where(found.any(1), position, MISS)
+    return ranks, np.take_along_axis(scores, order, 1)[np.arange(len(scores)), position]
+
+
 def two_stage_metrics(model: RankingModel, data: ModelInputs, signals: RankingSignals, part: str,
                       candidates: np.ndarray, ks=(10,)) -> dict[str, float]:
     """Recall@K and NDCG@K of the re-ranked candidate lists; a target missing from the
     candidates is a miss."""
-    ranked = rerank(model, data, signals, part, candidates, top_n=candidates.shape[1])
-    targets = data.examples[part]["item"]
-    found = ranked == targets[:, None]
-    ranks = np.where(found.any(1), found.argmax(1), candidates.shape[1] + max(ks))
+    scores = score_lists(model, data, signals, part, candidates)
+    ranks, _ = reranked_ranks(scores, candidates, data.examples[part]["item"])
     return rank_metrics(ranks, ks)
