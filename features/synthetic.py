@@ -88,6 +88,40 @@ def generate(config: SyntheticConfig = SyntheticConfig(), seed: int = 0,
         genre_names=_genre_names(config), source=f"{name}(seed={seed})")
 
 
+def planted_scores(config: SyntheticConfig, seed: int, log: Interactions,
+                   rows: np.ndarray) -> np.ndarray:
+    """[len(rows), num_items] the generator's own probability of each item being the next for
+    the user of each row of `log` (= `generate(config, seed)`), given the user's previous row:
+    a successor of the previous item with `sequential_prob`, else a draw from the user's
+    cluster preferences and the (drifting) popularity law. The Bayes scorer of the planted
+    structure, up to the repeats `generate` removes: no model can expect to rank better, so it
+    is the ceiling any model's figures on this log should be read against."""
+    from tworec.features.history import previous_items
+    rng = np.random.default_rng(seed)
+    cluster, position, cluster_items = _items(config, rng)
+    preference = rng.dirichlet(np.full(config.num_clusters, config.user_concentration),
+                               size=config.num_users)                     # [users, clusters]
+    sizes = np.bincount(cluster, minlength=config.num_clusters)[cluster]    # [items]
+    users = log.user[rows]
+    rank = position[None, :].astype(np.float64)                               # [1, items]
+    if config.popularity_drift:                   # ranks rotated by the user's start day
+        start_day = np.random.default_rng([seed, 1]).integers(0, 365, config.num_users)
+        shift = np.floor(sizes * config.popularity_drift * start_day[users][:, None] / 365)
+        rank = (rank - shift) % sizes
+    power = 1.0 / config.popularity_exponent     # P(rank <= r) = ((r + 1) / size) ** power
+    popularity = ((rank + 1) / sizes) ** power - (rank / sizes) ** power    # [m or 1, items]
+    follow = config.sequential_prob
+    scores = (1 - follow) * preference[users][:, cluster] * popularity       # [m, items]
+    previous = previous_items(log, np.arange(len(log)))[rows]                 # [m], -1: none
+    has = np.flatnonzero(previous >= 0)
+    for hop in range(1, config.num_successors + 1):
+        members = [cluster_items[c] for c in cluster[previous[has]]]
+        successor = np.array([m[(position[p] + hop) % len(m)]
+                              for m, p in zip(members, previous[has])], dtype=np.int64)
+        scores[has, successor] += follow / config.num_successors
+    return scores.astype(np.float32)
+
+
 def _rows(config: SyntheticConfig, rng: np.random.Generator, items, start_day=None):
     """The rows of `config.num_users` users drawn from `rng` over the shared `items` (as
     `_items` returns them).

@@ -363,3 +363,25 @@ def test_read_titles_reads_a_grouplens_movies_file_or_any_delimiter(tmp_path):
         read_titles(str(tmp_path / "bad.csv"))
     with pytest.raises(DataError, match="missing.csv"):
         read_titles(str(tmp_path / "missing.csv"))
+
+
+@pytest.mark.parametrize("preset", ["tiny", "drift"])
+def test_planted_scores_are_the_generators_next_item_distribution(preset):
+    """Each row's scores are a probability distribution over the catalogue: the successors'
+    share plus the preference draw's sum to 1 (a user's first row has only the draw), and they
+    rank the held-out items far better than popularity does."""
+    from tworec.features.synthetic import planted_scores
+    config = SyntheticConfig(**{**PRESETS[preset].__dict__, "num_users": 300,
+                                "num_interactions": 9_000})
+    log = generate(config, seed=1)
+    parts = split(log, "temporal")
+    scores = planted_scores(config, 1, log, np.arange(len(log)))
+    first = log.time_order()[np.r_[0, np.flatnonzero(np.diff(log.user[log.time_order()])) + 1]]
+    totals = scores.sum(1)
+    np.testing.assert_allclose(np.delete(totals, first), 1.0, rtol=1e-4)
+    np.testing.assert_allclose(totals[first], 1 - config.sequential_prob, rtol=1e-4)
+    test = parts.test
+    popular = np.bincount(log.item[parts.train], minlength=log.num_items)
+    def hits(rows_scores):
+        return np.mean([s[t] >= np.sort(s)[-10] for s, t in zip(rows_scores, log.item[test])])
+    assert hits(scores[test]) > 2 * hits(np.tile(popular, (len(test), 1)))

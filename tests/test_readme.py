@@ -161,3 +161,12 @@ def test_benchmark_script_runs_every_part_small():
         assert all(run["errors"] == 0 and run["requests"] > 0 for run in figures.values()), model
     assert all(line.startswith("[benchmark] ") for line in done.stderr.splitlines()), \
         done.stderr[-2000:]
+
+
+def test_the_ceiling_snippet_runs_as_printed(capsys):
+    """The planted-scores snippet, on the tiny preset instead of the default."""
+    snippet = next(block for language, block in re.findall(r"```(\w*)\n(.*?)```", README, re.S)
+                   if language == "python" and "planted_scores" in block)
+    exec(snippet.replace('PRESETS["default"]', 'PRESETS["tiny"]'), {})
+    printed = capsys.readouterr().out
+    assert printed.startswith("{'recall@10': ") and "'ndcg@10': " in printed
