@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tworec.evaluation.metrics import KS, evaluate
+from tworec.evaluation.metrics import KS, evaluate_ranks, rank_metrics
 from tworec.evaluation.sets import EvalSet
 from tworec.features.history import transition_counts
 from tworec.features.interactions import Interactions, interaction_matrix
@@ -55,13 +55,21 @@ def transition_scorer(interactions: Interactions, train: np.ndarray, evalset: Ev
     return score
 
 
-def baselines(interactions: Interactions, parts: Split, evalset: EvalSet, ks=KS) -> dict:
-    """Metrics of popularity, EASE (None past EASE_MAX_ITEMS items) and item transitions."""
+def baseline_ranks(interactions: Interactions, parts: Split, evalset: EvalSet
+                   ) -> dict[str, np.ndarray | None]:
+    """[m] rank of every held-out row's target (`evaluate_ranks`) under popularity, EASE (None
+    past EASE_MAX_ITEMS items) and item transitions."""
     results = {}
     for name, make in (("popularity", popularity_scorer), ("ease", ease_scorer),
                        ("item_transition", transition_scorer)):
         if name == "ease" and interactions.num_items > EASE_MAX_ITEMS:
             results[name] = None
             continue
-        results[name] = evaluate(make(interactions, parts.train, evalset), evalset, ks, name=name)
+        results[name] = evaluate_ranks(make(interactions, parts.train, evalset), evalset, name)
     return results
+
+
+def baselines(interactions: Interactions, parts: Split, evalset: EvalSet, ks=KS) -> dict:
+    """Metrics of popularity, EASE (None past EASE_MAX_ITEMS items) and item transitions."""
+    return {name: None if ranks is None else rank_metrics(ranks, ks)
+            for name, ranks in baseline_ranks(interactions, parts, evalset).items()}

@@ -34,20 +34,30 @@ def baselines_of(report: dict) -> list[tuple[str, dict]]:
 
 def warnings_of(report: dict) -> list[str]:
     """A line for every model that does worse than a baseline on test Recall@10 or NDCG@10,
-    and for a two-stage list that does worse than retrieval alone."""
-    def test(section):
-        return (report.get(section) or {}).get("test") or {}
+    and for a two-stage list that does worse than retrieval alone, with the 95% interval of
+    the difference where the run computed it."""
+    def section(name):
+        return report.get(name) or {}
+    baselines = [(key, BASELINE_NAMES.get(key, key), metrics)
+                 for key, metrics in (report.get("baselines") or {}).items() if metrics]
+    comparisons = [(model, section(name), display, metrics,
+                    section(name).get("against_baselines", {}).get(key))
+                   for model, name in (("retrieval", "retrieval"), ("two-stage", "two_stage"))
+                   for key, display, metrics in baselines]
+    comparisons.append(("two-stage", section("two_stage"), "retrieval alone",
+                        section("retrieval").get("test") or {},
+                        section("two_stage").get("gain_over_retrieval")))
     lines = []
-    comparisons = [("retrieval", test("retrieval"), name, metrics)
-                   for name, metrics in baselines_of(report)]
-    comparisons += [("two-stage", test("two_stage"), name, metrics)
-                    for name, metrics in baselines_of(report)]
-    comparisons.append(("two-stage", test("two_stage"), "retrieval alone", test("retrieval")))
-    for model, ours, name, theirs in comparisons:
+    for model, ours, name, theirs, paired in comparisons:
+        ours = ours.get("test") or {}
         for metric in ("recall@10", "ndcg@10"):
             if metric in ours and metric in theirs and ours[metric] < theirs[metric]:
+                interval = (paired or {}).get(metric)
                 lines.append(f"{model} does worse than {name} on test {metric}: "
-                             f"{ours[metric]:.4f} against {theirs[metric]:.4f}")
+                             f"{ours[metric]:.4f} against {theirs[metric]:.4f}"
+                             + ("" if not interval else
+                                " (difference {:+.4f}, 95% interval {:+.4f} to {:+.4f})".format(
+                                    interval["difference"], *interval["ci95"])))
     return lines
 
 

@@ -19,7 +19,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from tworec.evaluation import baselines, eval_set, evaluate_ranks, rank_metrics
+from tworec.evaluation import baseline_ranks, eval_set, evaluate_ranks, rank_metrics
 from tworec.evaluation.metrics import paired_bootstrap, row_metrics
 from tworec.features import Interactions, load, split
 from tworec.features.history import latest_history
@@ -102,6 +102,7 @@ class Run:
         self.signals = self.ranking_model = None
         self.test_candidates = self.tuning = None
         self.offline_test: dict[str, served.Offline] = {}
+        self.baseline_ranks: dict[str, np.ndarray | None] = {}
         self.served_lists: dict | None = None
         self.evaluating = len(self.parts.test) > 0      # split `none` holds nothing out
 
@@ -162,7 +163,9 @@ class Run:
 
     def baselines(self) -> None:
         if self.evaluating:
-            self.report["baselines"] = baselines(self.log, self.parts, self.test_set())
+            self.baseline_ranks = baseline_ranks(self.log, self.parts, self.test_set())
+            self.report["baselines"] = {name: None if ranks is None else rank_metrics(ranks)
+                                        for name, ranks in self.baseline_ranks.items()}
 
     def tune_index(self) -> None:
         """Tunes ScaNN on validation queries (training queries when the split has no
@@ -212,11 +215,24 @@ class Run:
         """Recall@10 and NDCG@10 of the two-stage lists against retrieval's on the same test
         rows: the difference and ratio of the means with paired bootstrap 95% intervals over
         test users (a user's rows are drawn together; `evaluation.metrics.paired_bootstrap`)."""
-        two_stage = row_metrics(self.offline("recommender").ranks, GAIN_AT)
-        alone = row_metrics(self.offline("retrieval").ranks, GAIN_AT)
+        return self.paired(self.offline("recommender").ranks, self.offline("retrieval").ranks)
+
+    def paired(self, ranks: np.ndarray, reference: np.ndarray) -> dict[str, dict]:
+        """Recall@10 and NDCG@10 of test ranks [m] against a reference's on the same rows, with
+        paired bootstrap 95% intervals over test users (`evaluation.metrics.paired_bootstrap`)."""
+        ours, theirs = row_metrics(ranks, GAIN_AT), row_metrics(reference, GAIN_AT)
         users = self.log.user[self.parts.test]
-        return {name: paired_bootstrap(two_stage[name], alone[name], groups=users)
-                for name in two_stage}
+        return {name: paired_bootstrap(ours[name], theirs[name], groups=users) for name in ours}
+
+    def against_baselines(self) -> None:
+        """Each model's test figures against every baseline's, with intervals (report.json's
+        `retrieval.against_baselines` and `two_stage.against_baselines`), when this run
+        computed the baselines."""
+        for section, model in (("retrieval", "retrieval"), ("two_stage", "recommender")):
+            if self.baseline_ranks and (self.report.get(section) or {}).get("test"):
+                self.report[section]["against_baselines"] = {
+                    name: self.paired(self.offline(model).ranks, ranks)
+                    for name, ranks in self.baseline_ranks.items() if ranks is not None}
 
     def export(self) -> None:
         """Exports the models this run trained (the retrieval export a continued run already
@@ -420,6 +436,7 @@ class Run:
 
     def write_report(self) -> None:
         if self.evaluating:
+            self.against_baselines()
             self.report["examples"] = self.examples()
         run_report.write(self.out, self.report)
 

@@ -15,10 +15,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEMA = {
     "data": {"source", "users", "items", "interactions", "split", "test_users", "dropped",
              "state", "exclude_seen"},
-    "retrieval": {"test", "train"},
+    "retrieval": {"test", "train", "against_baselines"},
     "index": {"kind", "params", "tuned_on", "recall@10_vs_exact", "test_recall@10_vs_exact",
               "latency_ms_p50", "exact_latency_ms_p50"},
-    "ranking": {"test", "train"}, "two_stage": {"test"},
+    "ranking": {"test", "train"}, "two_stage": {"test", "against_baselines"},
     "baselines": {"popularity", "ease", "item_transition"},
     "serving": {"users", "rows", "served", "exclude_seen", "ranking_export_max_abs_diff"},
     "exports": {"retrieval", "ranking", "recommender"},
@@ -61,6 +61,10 @@ def test_report_follows_the_schema(run):
     assert {"recall@10", "ndcg@10"} <= set(report["two_stage"]["test"])
     assert report["index"]["kind"] == "scann" and report["index"]["recall@10_vs_exact"] >= 0.95
     assert report["index"]["tuned_on"] == "validation"
+    against = report["retrieval"]["against_baselines"]["popularity"]["ndcg@10"]
+    assert against["difference"] == pytest.approx(
+        report["retrieval"]["test"]["ndcg@10"] - report["baselines"]["popularity"]["ndcg@10"])
+    assert against["ci95"][0] <= against["difference"] <= against["ci95"][1]
 
 
 def test_served_lists_score_what_the_report_says(run):

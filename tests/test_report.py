@@ -279,3 +279,17 @@ def test_a_deployment_run_reports_what_it_served_without_metrics():
     assert ("asked for 40 users the exports know (nothing is held out to score) over REST and "
             "gRPC (identical answers).") in text
     assert "| served model | seen items served |\n| --- | --- |\n| retrieval | 0 |" in text
+
+
+def test_a_model_below_a_baseline_is_warned_with_the_interval_of_the_difference():
+    from tworec.pipeline.report import warnings_of
+    interval = {"difference": -0.0004, "ci95": [-0.0121, 0.0113]}
+    report = {"retrieval": {"test": {"recall@10": 0.60, "ndcg@10": 0.4071},
+                            "against_baselines": {"item_transition": {"ndcg@10": interval}}},
+              "two_stage": {"test": {"recall@10": 0.59, "ndcg@10": 0.43}},
+              "baselines": {"item_transition": {"recall@10": 0.50, "ndcg@10": 0.4075},
+                            "ease": None}}
+    assert warnings_of(report) == [
+        "retrieval does worse than item transitions on test ndcg@10: 0.4071 against 0.4075 "
+        "(difference -0.0004, 95% interval -0.0121 to +0.0113)",
+        "two-stage does worse than retrieval alone on test recall@10: 0.5900 against 0.6000"]
