@@ -1,0 +1,225 @@
+"""Out-of-core preparation of a Parquet log into training-ready shards, computed by DuckDB.
+
+`prepare_shards` reads a log given as Parquet shards (a folder, a glob or one file, resolved
+as `features.shards` resolves them) and computes, in SQL under a memory limit with spilling to
+a temporary folder, what the in-memory path (`splits.temporal_split` then `inputs.prepare`)
+computes with NumPy:
+
+- the temporal split: per user, rows in time order with ties in log order; the last row is
+  test, the one before validation, the rest train; users with fewer than 3 rows wholly train;
+- the vocabularies of the training rows as `Vocabulary.from_codes` lays them out: index 0
+  padding, 1 OOV, ids from 2 most frequent first, ties by first appearance in the log;
+- each row's history: the vocabulary indexes of its user's previous `history_length` items,
+  oldest first, left-padded with 0 (for the temporal split this is what `inputs.prepare`
+  gives every part: a training row's earlier training rows, a held-out row's state as of the
+  rows before it);
+- the per-item training counts (popularity, logQ).
+
+The query's shape (`f` the file's position among the shards, `r` the row's in its file):
+
+    WITH raw   AS (SELECT user u, item i, time t, rating, offset[f] + r AS row
+                   FROM read_parquet(files)),
+         log   AS (SELECT * FROM raw                        -- duplicates dropped, first kept
+                   QUALIFY ROW_NUMBER() OVER (PARTITION BY u, i, t, rating ORDER BY row) = 1)
+    labelled:      SELECT *, ROW_NUMBER() OVER (PARTITION BY u ORDER BY t, row) AS k,
+                             COUNT(*) OVER (PARTITION BY u) AS n FROM log
+                   split = 0 if n < 3 or k <= n - 2, 1 if k = n - 1, else 2
+    items/users:   SELECT i, COUNT(*) c, MIN(row) first FROM labelled WHERE split = 0
+                   GROUP BY i; index = 1 + ROW_NUMBER() OVER (ORDER BY c DESC, first)
+    shards:        SELECT row, user index, item index, [LAG(item index, L, 0) OVER w, ...,
+                   LAG(item index, 1, 0) OVER w] AS history, t, rating, split
+                   FROM labelled LEFT JOIN users LEFT JOIN items  -- unknown: OOV
+                   WINDOW w AS (PARTITION BY u ORDER BY t, row)
+
+Only window functions, GROUP BY and joins: the same query runs unchanged in spirit on Spark
+SQL or BigQuery for a cluster-sized log (`LAG`, `ROW_NUMBER`, `QUALIFY`/a filtered subquery,
+an array constructor for the history), writing the same shards.
+
+Written to `out_folder`: `shards/part-NNNNN.parquet` (columns `row` int64, the row's position
+in the log; `user`, `item` int32 vocabulary indexes; `history` fixed-size list<int32>[L];
+`timestamp` int64; `rating` float32, NaN without ratings; `split` int8: 0 train,
+1 validation, 2 test), `users.parquet` and `items.parquet` (`index` int32, `id` string, `count`
+int64 training rows, ordered by index) and `manifest.json` with the counts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tworec.features.interactions import DataError
+from tworec.features.shards import (ShardSet, _name, _rating_sql, _sql_list, _time_sql, find,
+                                    memory_bytes, needed_columns)
+from tworec.features.sources import _one_line
+from tworec.features.vocab import FIRST, OOV
+
+SPLIT_CODES = {"train": 0, "validation": 1, "test": 2}
+ROWS_PER_SHARD = 1 << 22
+ROW_GROUP_ROWS = 1 << 17
+
+
+def prepare_shards(source: str, out_folder: str, history_length: int = 20,
+                   memory_limit: str = "1GB", columns: dict[str, str] | None = None,
+                   rows_per_shard: int = ROWS_PER_SHARD) -> dict:
+    """Prepares a Parquet log out of core into training-ready shards (see the module docstring).
+
+    Args:
+        source: a folder or glob of Parquet shards, or one `.parquet` file.
+        out_folder: a new or empty folder for the shards, vocabularies and manifest.
+        history_length: L, previous items per row (at least 1 slot, as in `inputs.prepare`).
+        memory_limit: DuckDB's memory limit, e.g. '1GB' or '500MiB'.
+        columns: role -> column name, as for `shards.load`.
+        rows_per_shard: rows of one output shard (written in row groups of ROW_GROUP_ROWS).
+
+    Returns:
+        The manifest also written as `manifest.json`: rows, users, items, rows per split,
+        short users, the shards and DuckDB's memory limit as its connection reports it.
+    """
+    import duckdb
+    limit = memory_bytes(memory_limit)
+    if os.path.isdir(out_folder) and os.listdir(out_folder):
+        raise DataError(f"{out_folder}: not empty; pass a new or empty folder")
+    shards = find(source) or ShardSet(source, (source,))
+    mapping, schema = needed_columns(shards, columns or {})
+    shard_rows = [pq.ParquetFile(path).metadata.num_rows for path in shards.files]
+    offsets = np.concatenate([[0], np.cumsum(shard_rows)[:-1]]).astype(int).tolist()
+    length = max(history_length, 1)
+    started = time.perf_counter()
+    os.makedirs(os.path.join(out_folder, "shards"), exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="tworec-prepare-") as spill:
+        connection = duckdb.connect(os.path.join(spill, "prepare.duckdb"))
+        try:
+            for setting in (f"memory_limit='{limit}B'", f"temp_directory='{spill}'",
+                            "preserve_insertion_order=false"):
+                connection.execute(f"SET {setting}")
+            setting = connection.execute("SELECT current_setting('memory_limit')").fetchone()[0]
+            connection.execute(_labelled_sql(shards, mapping, schema, offsets))
+            for table, column in (("users", "u"), ("items", "i")):
+                connection.execute(_vocabulary_sql(table, column))
+                _write_vocabulary(connection, table, os.path.join(out_folder, f"{table}.parquet"))
+            paths = _write_shards(connection.sql(_shards_sql(length)).to_arrow_reader(
+                ROW_GROUP_ROWS), os.path.join(out_folder, "shards"), length, rows_per_shard)
+            counts = dict(connection.execute(
+                "SELECT split, COUNT(*) FROM labelled GROUP BY split").fetchall())
+            rows, users, short = connection.execute(
+                "SELECT COUNT(*), COUNT(DISTINCT u), COUNT(DISTINCT u) FILTER (WHERE n < 3) "
+                "FROM labelled").fetchone()
+            vocabulary = {table: connection.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
+                          for table in ("users", "items")}
+        except duckdb.ConversionException as error:
+            raise DataError(f"{source}: a time or rating value is not numeric: "
+                            f"{_one_line(error)}") from None
+        except duckdb.OutOfMemoryException as error:
+            raise DataError(f"{source}: DuckDB needs more than its memory limit of "
+                            f"{memory_limit}; raise the limit ({_one_line(error)})") from None
+        finally:
+            connection.close()
+    seconds = time.perf_counter() - started
+    manifest = {"source": source, "rows": rows, "users": users,
+                "vocabulary": {"users": vocabulary["users"], "items": vocabulary["items"],
+                               "padding": 0, "oov": OOV, "first": FIRST},
+                "split": {part: int(counts.get(code, 0)) for part, code in SPLIT_CODES.items()},
+                "short_users": short, "history_length": length,
+                "shards": [{"path": os.path.relpath(path, out_folder), "rows": count}
+                           for path, count in paths],
+                "seconds": round(seconds, 3), "rows_per_second": round(rows / max(seconds, 1e-9)),
+                "duckdb": {"memory_limit": setting}}
+    with open(os.path.join(out_folder, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+    return manifest
+
+
+def _labelled_sql(shards: ShardSet, mapping: dict[str, str], schema: pa.Schema,
+                  offsets: list[int]) -> str:
+    """The log without duplicate rows, each row with its position, rank in its user's time
+    order (k, from 1), its user's row count (n) and split label, as a table."""
+    known = ""
+    if shards.items is not None:
+        known = (f"WHERE i IN (SELECT CAST({_name(mapping['item'])} AS VARCHAR) "
+                 f"FROM read_parquet({_sql_list([shards.items])}))")
+    return f"""
+        CREATE TABLE labelled AS
+        WITH raw AS (
+            SELECT CAST({_name(mapping['user'])} AS VARCHAR) AS u,
+                   CAST({_name(mapping['item'])} AS VARCHAR) AS i,
+                   {_time_sql(schema.field(mapping['time']))} AS t,
+                   {_rating_sql(mapping.get('rating'))} AS r,
+                   {offsets}[list_position({_sql_list(shards.files)}, filename)]
+                       + file_row_number AS row
+            FROM read_parquet({_sql_list(shards.files)}, filename=true, file_row_number=true)),
+        log AS (
+            SELECT * FROM raw {known}
+            QUALIFY ROW_NUMBER() OVER (PARTITION BY u, i, t, r ORDER BY row) = 1),
+        ordered AS (
+            SELECT *, ROW_NUMBER() OVER (PARTITION BY u ORDER BY t, row) AS k,
+                      COUNT(*) OVER (PARTITION BY u) AS n
+            FROM log)
+        SELECT *, CAST(CASE WHEN n < 3 OR k <= n - 2 THEN 0 WHEN k = n - 1 THEN 1 ELSE 2 END
+                       AS TINYINT) AS split
+        FROM ordered"""
+
+
+def _vocabulary_sql(table: str, column: str) -> str:
+    """A vocabulary of the training rows: most frequent first, ties by first appearance."""
+    return f"""
+        CREATE TABLE {table} AS
+        SELECT CAST({FIRST - 1} + ROW_NUMBER() OVER (ORDER BY count DESC, first) AS INTEGER)
+                   AS index, id, count
+        FROM (SELECT {column} AS id, COUNT(*) AS count, MIN(row) AS first
+              FROM labelled WHERE split = 0 GROUP BY {column})"""
+
+
+def _shards_sql(length: int) -> str:
+    """The rows of the shards: codes, history of the previous `length` item indexes."""
+    lags = ", ".join(f"LAG(item, {back}, 0) OVER w" for back in range(length, 0, -1))
+    return f"""
+        WITH coded AS (
+            SELECT l.row, l.u, l.t, l.r, l.split,
+                   COALESCE(users.index, {OOV}) AS user, COALESCE(items.index, {OOV}) AS item
+            FROM labelled l LEFT JOIN users ON l.u = users.id LEFT JOIN items ON l.i = items.id)
+        SELECT row, user, item, [{lags}] AS history, t AS timestamp,
+               COALESCE(CAST(r AS FLOAT), CAST('NaN' AS FLOAT)) AS rating, split
+        FROM coded
+        WINDOW w AS (PARTITION BY u ORDER BY t, row)"""
+
+
+def _write_vocabulary(connection, table: str, path: str) -> None:
+    pq.write_table(connection.sql(
+        f"SELECT index, id, count FROM {table} ORDER BY index").to_arrow_table(), path)
+
+
+def _write_shards(reader: pa.RecordBatchReader, folder: str, length: int,
+                  rows_per_shard: int) -> list[tuple[str, int]]:
+    """Writes the query's batches as shards of at most `rows_per_shard` rows; (path, rows)."""
+    schema = pa.schema([("row", pa.int64()), ("user", pa.int32()), ("item", pa.int32()),
+                        ("history", pa.list_(pa.int32(), length)), ("timestamp", pa.int64()),
+                        ("rating", pa.float32()), ("split", pa.int8())])
+    written, writer = [], None
+    for batch in reader:
+        while len(batch):
+            if writer is None or written[-1][1] == rows_per_shard:
+                if writer is not None:
+                    writer.close()
+                path = os.path.join(folder, f"part-{len(written):05d}.parquet")
+                writer, written = pq.ParquetWriter(path, schema), written + [(path, 0)]
+            take = min(len(batch), rows_per_shard - written[-1][1])
+            writer.write_batch(_typed(batch.slice(0, take), schema, length),
+                                row_group_size=ROW_GROUP_ROWS)
+            written[-1] = (written[-1][0], written[-1][1] + take)
+            batch = batch.slice(take)
+    if writer is not None:
+        writer.close()
+    return written
+
+
+def _typed(batch: pa.RecordBatch, schema: pa.Schema, length: int) -> pa.RecordBatch:
+    """The batch in the shards' types; the history list becomes a [rows, L] fixed-size list."""
+    history = batch.column("history").flatten().cast(pa.int32())       # [rows * L]
+    columns = [batch.column(field.name).cast(field.type) if field.name != "history" else
+               pa.FixedSizeListArray.from_arrays(history, length) for field in schema]
+    return pa.RecordBatch.from_arrays(columns, schema=schema)
