@@ -90,35 +90,58 @@ def generate(config: SyntheticConfig = SyntheticConfig(), seed: int = 0,
 
 def planted_scores(config: SyntheticConfig, seed: int, log: Interactions,
                    rows: np.ndarray) -> np.ndarray:
-    """[len(rows), num_items] the generator's own probability of each item being the next for
-    the user of each row of `log` (= `generate(config, seed)`), given the user's previous row:
-    a successor of the previous item with `sequential_prob`, else a draw from the user's
-    cluster preferences and the (drifting) popularity law. The Bayes scorer of the planted
-    structure, up to the repeats `generate` removes: no model can expect to rank better, so it
-    is the ceiling any model's figures on this log should be read against."""
-    from tworec.features.history import previous_items
+    """[len(rows), num_items] the generator's own probability of each item being the user's
+    next logged item at each row of `log` (= `generate(config, seed)`): the Bayes scorer of the
+    planted structure, the ceiling a model's figures on this log can be read against.
+
+    One step of the generator draws a successor of the previous item (`sequential_prob`) or an
+    item from the user's cluster preferences times the (drifting) popularity law; the log keeps
+    first occurrences only, so the next logged item is the first item outside the user's seen
+    set S that the chain reaches from the latest item x: e_x' (I - T_SS)^-1 T over the items
+    outside S (T: the user's one-step matrix). A user's first row is one draw. Over the items
+    the user has not had, every row sums to 1.
+    """
     rng = np.random.default_rng(seed)
     cluster, position, cluster_items = _items(config, rng)
     preference = rng.dirichlet(np.full(config.num_clusters, config.user_concentration),
                                size=config.num_users)                     # [users, clusters]
     sizes = np.bincount(cluster, minlength=config.num_clusters)[cluster]    # [items]
-    users = log.user[rows]
-    rank = position[None, :].astype(np.float64)                               # [1, items]
-    if config.popularity_drift:                   # ranks rotated by the user's start day
-        start_day = np.random.default_rng([seed, 1]).integers(0, 365, config.num_users)
-        shift = np.floor(sizes * config.popularity_drift * start_day[users][:, None] / 365)
-        rank = (rank - shift) % sizes
+    following = np.stack([np.concatenate([np.roll(members, -hop) for members in cluster_items])
+                          for hop in range(1, config.num_successors + 1)], 1)  # [items, hops]
+    successors = np.empty_like(following)       # by item code (`following`: cluster order)
+    successors[np.concatenate(cluster_items)] = following
+    start_day = (np.random.default_rng([seed, 1]).integers(0, 365, config.num_users)
+                 if config.popularity_drift else None)
     power = 1.0 / config.popularity_exponent     # P(rank <= r) = ((r + 1) / size) ** power
-    popularity = ((rank + 1) / sizes) ** power - (rank / sizes) ** power    # [m or 1, items]
-    follow = config.sequential_prob
-    scores = (1 - follow) * preference[users][:, cluster] * popularity       # [m, items]
-    previous = previous_items(log, np.arange(len(log)))[rows]                 # [m], -1: none
-    has = np.flatnonzero(previous >= 0)
-    for hop in range(1, config.num_successors + 1):
-        members = [cluster_items[c] for c in cluster[previous[has]]]
-        successor = np.array([m[(position[p] + hop) % len(m)]
-                              for m, p in zip(members, previous[has])], dtype=np.int64)
-        scores[has, successor] += follow / config.num_successors
+    order = log.time_order()
+    place = np.empty(len(log), np.int64)
+    place[order] = np.arange(len(log))
+    first_of_user = np.searchsorted(log.user[order], log.user[order], side="left")
+    follow, hops = config.sequential_prob, config.num_successors
+    scores = np.zeros((len(rows), config.num_items))
+    for out, row in enumerate(rows):
+        user = log.user[row]
+        rank = position.astype(np.float64)
+        if start_day is not None:                # ranks rotated by the user's start day
+            rank = (rank - np.floor(sizes * config.popularity_drift * start_day[user] / 365)) \
+                % sizes
+        draw = preference[user][cluster] * (((rank + 1) / sizes) ** power - (rank / sizes) ** power)
+        seen = log.item[order[first_of_user[place[row]]:place[row]]]           # [S], in time
+        if not len(seen):
+            scores[out] = draw
+            continue
+        step = np.tile((1 - follow) * draw[seen], (len(seen), 1))             # T_SS [S, S]
+        index = {item: i for i, item in enumerate(seen)}
+        for i, item in enumerate(seen):
+            for successor in successors[item]:
+                if successor in index:
+                    step[i, index[successor]] += follow / hops
+        start = np.zeros(len(seen))
+        start[-1] = 1.0
+        visits = np.linalg.solve((np.eye(len(seen)) - step).T, start)        # [S]
+        scores[out] = visits.sum() * (1 - follow) * draw
+        np.add.at(scores[out], successors[seen].ravel(), np.repeat(visits, hops) * follow / hops)
+        scores[out, seen] = 0.0                   # never the next logged item
     return scores.astype(np.float32)
 
 

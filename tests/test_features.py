@@ -1,4 +1,5 @@
 """The data layer: sources, validation, splits, vocabularies, history and batches."""
+import dataclasses
 import os
 import subprocess
 import sys
@@ -367,21 +368,26 @@ def test_read_titles_reads_a_grouplens_movies_file_or_any_delimiter(tmp_path):
 
 @pytest.mark.parametrize("preset", ["tiny", "drift"])
 def test_planted_scores_are_the_generators_next_item_distribution(preset):
-    """Each row's scores are a probability distribution over the catalogue: the successors'
-    share plus the preference draw's sum to 1 (a user's first row has only the draw), and they
-    rank the held-out items far better than popularity does."""
+    """Each row's scores are a probability distribution over the items the user has not had
+    (the chain leaves the seen set with probability 1), they rank the held-out items far
+    better than popularity, and the drift is part of them: ignoring it makes the held-out
+    items less likely."""
     from tworec.features.synthetic import planted_scores
     config = SyntheticConfig(**{**PRESETS[preset].__dict__, "num_users": 300,
                                 "num_interactions": 9_000})
     log = generate(config, seed=1)
     parts = split(log, "temporal")
-    scores = planted_scores(config, 1, log, np.arange(len(log)))
-    first = log.time_order()[np.r_[0, np.flatnonzero(np.diff(log.user[log.time_order()])) + 1]]
-    totals = scores.sum(1)
-    np.testing.assert_allclose(np.delete(totals, first), 1.0, rtol=1e-4)
-    np.testing.assert_allclose(totals[first], 1 - config.sequential_prob, rtol=1e-4)
+    rows = np.concatenate([parts.train[::7], parts.test])
+    scores = planted_scores(config, 1, log, rows)
+    np.testing.assert_allclose(scores.sum(1), 1.0, rtol=1e-4)
     test = parts.test
+    targets = log.item[test]
+    planted = scores[-len(test):]
     popular = np.bincount(log.item[parts.train], minlength=log.num_items)
     def hits(rows_scores):
-        return np.mean([s[t] >= np.sort(s)[-10] for s, t in zip(rows_scores, log.item[test])])
-    assert hits(scores[test]) > 2 * hits(np.tile(popular, (len(test), 1)))
+        return np.mean([s[t] >= np.sort(s)[-10] for s, t in zip(rows_scores, targets)])
+    assert hits(planted) > 2 * hits(np.tile(popular, (len(test), 1)))
+    if config.popularity_drift:
+        steady = planted_scores(dataclasses.replace(config, popularity_drift=0.0), 1, log, test)
+        likelihood = lambda s: np.log(s[np.arange(len(test)), targets]).sum()   # noqa: E731
+        assert likelihood(planted) > likelihood(steady) + 100
