@@ -87,3 +87,34 @@ def test_building_a_scann_index_prints_nothing(library_user, capfd):
     build_index(candidates, 10, ScannParams(num_leaves=10, num_leaves_to_search=3,
                                             num_reordering_candidates=20))
     assert capfd.readouterr().err == ""
+
+
+def test_a_child_process_holding_the_pipe_never_writes_into_a_reused_descriptor(library_user,
+                                                                                tmp_path):
+    """A child started inside a block keeps the pipe open past the block: its later output
+    must still reach the real stderr, never a file that took the freed descriptor number."""
+    import subprocess
+    import sys
+    with console.quiet_native_logs():
+        child = subprocess.Popen([sys.executable, "-c", "import time, os; time.sleep(2.5); "
+                                  "os.write(2, b'child line\\n')"])
+    victim = open(tmp_path / "victim.txt", "wb")             # may get a freed descriptor
+    child.wait(timeout=30)
+    time.sleep(0.2)
+    victim.close()
+    assert (tmp_path / "victim.txt").read_bytes() == b""
+
+
+def test_the_process_filter_installed_inside_a_block_stays(library_user, capfd, monkeypatch):
+    monkeypatch.setattr(console, "_block_filter", None)
+    with console.quiet_native_logs():
+        console.filter_native_logs()
+    os.write(2, NOISE + b"kept\n")
+    deadline = time.monotonic() + 5
+    said = ""
+    while "kept" not in said and time.monotonic() < deadline:
+        said += capfd.readouterr().err
+        time.sleep(0.01)
+    assert said == "kept\n"
+    console._process_filter.stop()
+    monkeypatch.setattr(console, "_process_filter", None)

@@ -24,6 +24,7 @@ class NativeLogFilter:
 
     def __init__(self):
         self.original = os.dup(2)
+        self.stopped = False
         read_end, write_end = os.pipe()
         os.dup2(write_end, 2)
         os.close(write_end)                  # file descriptor 2 is now the pipe's only writer
@@ -32,17 +33,24 @@ class NativeLogFilter:
         self.thread.start()
 
     def _forward(self, read_end: int) -> None:
-        with os.fdopen(read_end, "rb", buffering=0) as pipe:
-            for line in iter(pipe.readline, b""):
-                if not NATIVE_NOISE.match(line):
-                    os.write(self.original, line)
+        try:
+            with os.fdopen(read_end, "rb", buffering=0) as pipe:
+                for line in iter(pipe.readline, b""):
+                    if not NATIVE_NOISE.match(line):
+                        os.write(self.original, line)
+        finally:                             # only once nothing can write to the pipe any more
+            os.close(self.original)
 
     def stop(self) -> None:
+        """Puts file descriptor 2 back. The thread ends when the pipe's last writer closes: at
+        once, or when a child process that inherited it exits."""
+        if self.stopped:
+            return
+        self.stopped = True
         if sys.stderr is not None:
             sys.stderr.flush()
-        os.dup2(self.original, 2)            # the pipe's last writer closes: the thread ends
+        os.dup2(self.original, 2)
         self.thread.join(timeout=2)
-        os.close(self.original)
 
 
 _process_filter: NativeLogFilter | None = None       # a script's, for the whole process
@@ -56,8 +64,8 @@ def filter_native_logs() -> None:
     scripts call it unless verbose)."""
     global _process_filter
     with _lock:
-        if _process_filter is None:
-            _process_filter = NativeLogFilter()
+        if _process_filter is None:          # inside a `quiet_native_logs` block: keep its filter
+            _process_filter = _block_filter or NativeLogFilter()
             atexit.register(_process_filter.stop)
 
 
@@ -84,7 +92,8 @@ def quiet_native_logs():
         with _lock:
             _blocks -= active
             if active and _blocks == 0:
-                _block_filter.stop()
+                if _block_filter is not _process_filter:
+                    _block_filter.stop()
                 _block_filter = None
 
 
