@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 import scipy.sparse as sp
 
-from tworec.evaluation import KS, rank_metrics
+from tworec.evaluation import KS, MISS, rank_metrics
 from tworec.serving.client import Client
 
 REQUEST_USERS = 200          # users per request: well inside the server's row limit
@@ -62,6 +62,10 @@ def served_ranks(item_ids: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return np.where(found.any(1), found.argmax(1), item_ids.shape[1])
 
 
+def describe_rank(rank: int) -> str:
+    return "a miss" if rank == MISS else str(rank)
+
+
 def compare(name: str, served: dict[str, np.ndarray], offline: Offline,
             targets: np.ndarray) -> dict:
     """Served against offline metrics of one model on the same rows.
@@ -90,7 +94,7 @@ def compare(name: str, served: dict[str, np.ndarray], offline: Offline,
         raise ServedMismatch(
             f"{name}: {len(rows)} of {len(targets)} served lists rank the held-out item "
             f"otherwise than the offline evaluation (first row {rows[0]}: served rank "
-            f"{ranks[rows[0]]}, offline {offline.ranks[rows[0]]})")
+            f"{ranks[rows[0]]}, offline {describe_rank(offline.ranks[rows[0]])})")
     ks = [k for k in KS if k <= length] or [length]
     return {**rank_metrics(ranks, ks), "rows": int(len(targets)), "float_ties": int(len(differ))}
 

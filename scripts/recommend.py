@@ -14,7 +14,8 @@ the loader knows) and a `title` column, for titles beside the ids: a GroupLens `
 works as it is.
 
 A mistake in the arguments stops with one line, `error: ...`, and exit code 2, before any
-model loads; a failure later exits with 1.
+model loads; so does an export that turns out not to be scorable once loaded (no table of
+known users, another signature). Any other failure exits with 1.
 """
 import argparse
 import os
@@ -152,7 +153,7 @@ def recommend_all(args: argparse.Namespace, titles: dict[str, str] | None) -> in
     except ExportError as error:                         # the export cannot be scored
         return fail(f"--export {error}")
     except (OSError, ValueError, ServingError) as error:
-        return fail(str(error).splitlines()[0], code=1)
+        return fail((str(error) or type(error).__name__).splitlines()[0], code=1)
     for note in notes:
         print(f"note: {note.message}")
     print(f"wrote {rows:,} rows to {args.out}")

@@ -17,6 +17,7 @@ A model with no version yet is served anyway (its requests answer NOT_FOUND) and
 polled until one appears, as in TF Serving; a warning at start names the path.
 """
 import argparse
+import errno
 import logging
 import os
 import sys
@@ -159,9 +160,11 @@ def main(argv=None) -> int:
     except (OSError, RuntimeError) as error:
         ports = f"--port={args.port}" + (f", --rest_api_port={args.rest_api_port}"
                                          if args.rest_api_port else "")
-        reason = str(error).splitlines()[0].split(";")[0]
-        print(f"error: cannot open {ports} on {args.host} ({reason}): is another server "
-              "using it? pass free ports (0 picks one)", file=sys.stderr)
+        reason = (str(error) or type(error).__name__).splitlines()[0].split(";")[0]
+        in_use = getattr(error, "errno", None) == errno.EADDRINUSE or "Failed to bind" in reason
+        print(f"error: cannot open {ports} on {args.host} ({reason})"
+              + (": is another server using it? pass free ports (0 picks one)" if in_use else ""),
+              file=sys.stderr)
         return 1
     if args.model_config_file and args.model_config_file_poll_wait_seconds > 0:
         server.manager.watch_config_file(args.model_config_file,

@@ -26,6 +26,9 @@ def main(argv=None) -> int:
     parser.add_argument("--mixed-precision", action="store_true", default=None)
     parser.add_argument("--jit-compile", action="store_true", default=None)
     args = parser.parse_args(argv)
+    if args.partitioner and args.strategy != "parameter_server":
+        return cli.fail("--partitioner splits tables across parameter servers: it goes with "
+                        "--strategy parameter_server")
     retrieval = {name: value for name, value in (
         ("batch_size", args.batch_size), ("history_encoder", args.history_encoder),
         ("strategy", args.strategy), ("partitioner", args.partitioner),

@@ -150,7 +150,8 @@ class ModelServer:
 
     def _start_grpc(self) -> None:
         options = [("grpc.max_receive_message_length", self._max_request_bytes),
-                   ("grpc.max_send_message_length", INT32_MAX)]
+                   ("grpc.max_send_message_length", INT32_MAX),
+                   ("grpc.so_reuseport", 0)]   # a port another server holds is an error, not shared
         # One thread per call in flight: handlers only wait for the scheduler, and a status
         # call always finds a thread.
         self._grpc = grpc.server(futures.ThreadPoolExecutor(self._max_concurrent),

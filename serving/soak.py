@@ -32,6 +32,7 @@ from tensorflow.core.framework import tensor_pb2, tensor_shape_pb2, types_pb2
 from tensorflow_serving.apis import (model_management_pb2, model_service_pb2_grpc, predict_pb2,
                                      prediction_service_pb2_grpc)
 
+from tworec.console import parser_for
 from tworec.serving.layout import write_models_config, write_version
 from tworec.serving.model import LoadedModel
 
@@ -291,7 +292,7 @@ def soak(seconds: float = 30.0, clients: int = 16, warmup_seconds: float = 5.0) 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = parser_for(__doc__)
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--serve", help=argparse.SUPPRESS)   # the child process

@@ -397,6 +397,16 @@ def test_a_port_that_cannot_be_opened_stops_what_was_started(models):
         server.manager.status("scale")
 
 
+def test_a_second_server_on_the_same_grpc_port_is_refused(models):
+    """gRPC shares a port between servers (SO_REUSEPORT) unless told not to: two servers would
+    split one port's traffic."""
+    with _serve(models, names=("scale",)) as first:
+        second = _serve(models, names=("scale",))
+        second.grpc_port = first.grpc_port
+        with pytest.raises(RuntimeError, match="Failed to bind"):
+            second.start()
+
+
 # ------------------------------------------------------------------ 7. slow clients
 
 
