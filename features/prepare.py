@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 
 import numpy as np
@@ -53,9 +52,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tworec.features.interactions import DataError
-from tworec.features.shards import (ShardSet, _name, _rating_sql, _sql_list, _time_sql, find,
-                                    memory_bytes, needed_columns)
-from tworec.features.sources import _one_line
+from tworec.features.shards import (ShardSet, _name, _rating_sql, _sql_list, _time_sql,
+                                    duckdb_session, find, needed_columns)
 from tworec.features.vocab import FIRST, OOV
 
 SPLIT_CODES = {"train": 0, "validation": 1, "test": 2}
@@ -80,8 +78,6 @@ def prepare_shards(source: str, out_folder: str, history_length: int = 20,
         The manifest also written as `manifest.json`: rows, users, items, rows per split,
         short users, the shards and DuckDB's memory limit as its connection reports it.
     """
-    import duckdb
-    limit = memory_bytes(memory_limit)
     if os.path.isdir(out_folder) and os.listdir(out_folder):
         raise DataError(f"{out_folder}: not empty; pass a new or empty folder")
     shards = find(source) or ShardSet(source, (source,))
@@ -91,34 +87,21 @@ def prepare_shards(source: str, out_folder: str, history_length: int = 20,
     length = max(history_length, 1)
     started = time.perf_counter()
     os.makedirs(os.path.join(out_folder, "shards"), exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="tworec-prepare-") as spill:
-        connection = duckdb.connect(os.path.join(spill, "prepare.duckdb"))
-        try:
-            for setting in (f"memory_limit='{limit}B'", f"temp_directory='{spill}'",
-                            "preserve_insertion_order=false"):
-                connection.execute(f"SET {setting}")
-            setting = connection.execute("SELECT current_setting('memory_limit')").fetchone()[0]
-            connection.execute(_labelled_sql(shards, mapping, schema, offsets))
-            for table, column in (("users", "u"), ("items", "i")):
-                connection.execute(_vocabulary_sql(table, column))
-                _write_vocabulary(connection, table, os.path.join(out_folder, f"{table}.parquet"))
-            paths = _write_shards(connection.sql(_shards_sql(length)).to_arrow_reader(
-                ROW_GROUP_ROWS), os.path.join(out_folder, "shards"), length, rows_per_shard)
-            counts = dict(connection.execute(
-                "SELECT split, COUNT(*) FROM labelled GROUP BY split").fetchall())
-            rows, users, short = connection.execute(
-                "SELECT COUNT(*), COUNT(DISTINCT u), COUNT(DISTINCT u) FILTER (WHERE n < 3) "
-                "FROM labelled").fetchone()
-            vocabulary = {table: connection.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
-                          for table in ("users", "items")}
-        except duckdb.ConversionException as error:
-            raise DataError(f"{source}: a time or rating value is not numeric: "
-                            f"{_one_line(error)}") from None
-        except duckdb.OutOfMemoryException as error:
-            raise DataError(f"{source}: DuckDB needs more than its memory limit of "
-                            f"{memory_limit}; raise the limit ({_one_line(error)})") from None
-        finally:
-            connection.close()
+    with duckdb_session(source, memory_limit, "prepare.duckdb") as connection:
+        setting = connection.execute("SELECT current_setting('memory_limit')").fetchone()[0]
+        connection.execute(_labelled_sql(shards, mapping, schema, offsets))
+        for table, column in (("users", "u"), ("items", "i")):
+            connection.execute(_vocabulary_sql(table, column))
+            _write_vocabulary(connection, table, os.path.join(out_folder, f"{table}.parquet"))
+        paths = _write_shards(connection.sql(_shards_sql(length)).to_arrow_reader(
+            ROW_GROUP_ROWS), os.path.join(out_folder, "shards"), length, rows_per_shard)
+        counts = dict(connection.execute(
+            "SELECT split, COUNT(*) FROM labelled GROUP BY split").fetchall())
+        rows, users, short = connection.execute(
+            "SELECT COUNT(*), COUNT(DISTINCT u), COUNT(DISTINCT u) FILTER (WHERE n < 3) "
+            "FROM labelled").fetchone()
+        vocabulary = {table: connection.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
+                      for table in ("users", "items")}
     seconds = time.perf_counter() - started
     manifest = {"source": source, "rows": rows, "users": users,
                 "vocabulary": {"users": vocabulary["users"], "items": vocabulary["items"],

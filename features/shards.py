@@ -17,6 +17,7 @@ Run as a module, it writes a synthetic log of any size as shards in bounded memo
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import json
@@ -243,6 +244,31 @@ def write_item_table(path: str, item_ids: np.ndarray, features: dict[str, np.nda
 # ---------------------------------------------------------------- summary without loading
 
 
+@contextlib.contextmanager
+def duckdb_session(source: str, memory_limit: str, database: str = ":memory:"):
+    """A DuckDB connection under `memory_limit` that spills to a temporary folder (created
+    beside `database` when it is a file) and turns DuckDB's conversion and out-of-memory errors
+    into one-line DataErrors naming `source`."""
+    import duckdb
+    limit = memory_bytes(memory_limit)
+    with tempfile.TemporaryDirectory(prefix="tworec-duckdb-") as spill:
+        connection = duckdb.connect(database if database == ":memory:"
+                                    else os.path.join(spill, database))
+        try:
+            for setting in (f"memory_limit='{limit}B'", f"temp_directory='{spill}'",
+                            "preserve_insertion_order=false"):
+                connection.execute(f"SET {setting}")
+            yield connection
+        except duckdb.ConversionException as error:
+            raise DataError(f"{source}: a time or rating value is not numeric: "
+                            f"{_one_line(error)}") from None
+        except duckdb.OutOfMemoryException as error:
+            raise DataError(f"{source}: DuckDB needs more than its memory limit of "
+                            f"{memory_limit}; raise the limit ({_one_line(error)})") from None
+        finally:
+            connection.close()
+
+
 def describe(source: str, columns: dict[str, str] | None = None,
              memory_limit: str = "1GB") -> dict:
     """The counts of the log a shard set (or one `.parquet` file) loads as, computed by DuckDB
@@ -265,7 +291,6 @@ def describe(source: str, columns: dict[str, str] | None = None,
         columns: role -> column name, as for `load`.
         memory_limit: DuckDB's memory limit, e.g. '1GB' or '500MiB'.
     """
-    import duckdb
     limit = memory_bytes(memory_limit)
     shards = find(source) or ShardSet(source, (source,))
     mapping, schema = needed_columns(shards, columns or {})
@@ -283,31 +308,18 @@ def describe(source: str, columns: dict[str, str] | None = None,
              f"i IN (SELECT CAST({_name(mapping['item'])} AS VARCHAR) "
              f"FROM read_parquet({_sql_list([shards.items])}))")
     passes = -(-rows // max(1, limit // DISTINCT_ROW_BYTES))
-    with tempfile.TemporaryDirectory(prefix="tworec-duckdb-") as spill:
-        connection = duckdb.connect()
-        try:
-            for setting in (f"memory_limit='{limit}B'", f"temp_directory='{spill}'",
-                            "preserve_insertion_order=false"):
-                connection.execute(f"SET {setting}")
-            _check_values(connection, source, mapping, schema, files)
-            distinct_rows = kept = 0
-            for part in range(passes):
-                some_users = "" if passes == 1 else f"WHERE hash(u) % {passes} = {part}"
-                counts = connection.execute(
-                    f"SELECT COUNT(*), COUNT(*) FILTER (WHERE {known}) "
-                    f"FROM (SELECT DISTINCT * FROM ({log}) {some_users})").fetchone()
-                distinct_rows, kept = distinct_rows + counts[0], kept + counts[1]
-            users, items, first, last = connection.execute(
-                f"SELECT COUNT(DISTINCT u), COUNT(DISTINCT i), MIN(t), MAX(t) "
-                f"FROM ({log}) WHERE {known}").fetchone()
-        except duckdb.ConversionException as error:
-            raise DataError(f"{source}: a time or rating value is not numeric: "
-                            f"{_one_line(error)}") from None
-        except duckdb.OutOfMemoryException as error:
-            raise DataError(f"{source}: DuckDB needs more than its memory limit of "
-                            f"{memory_limit}; raise the limit ({_one_line(error)})") from None
-        finally:
-            connection.close()
+    with duckdb_session(source, memory_limit) as connection:
+        _check_values(connection, source, mapping, schema, files)
+        distinct_rows = kept = 0
+        for part in range(passes):
+            some_users = "" if passes == 1 else f"WHERE hash(u) % {passes} = {part}"
+            counts = connection.execute(
+                f"SELECT COUNT(*), COUNT(*) FILTER (WHERE {known}) "
+                f"FROM (SELECT DISTINCT * FROM ({log}) {some_users})").fetchone()
+            distinct_rows, kept = distinct_rows + counts[0], kept + counts[1]
+        users, items, first, last = connection.execute(
+            f"SELECT COUNT(DISTINCT u), COUNT(DISTINCT i), MIN(t), MAX(t) "
+            f"FROM ({log}) WHERE {known}").fetchone()
     if kept == 0:
         raise DataError(f"{source}: no interaction's item is in the item table")
     dropped = {reason: number for reason, number in (
