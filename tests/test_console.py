@@ -13,6 +13,15 @@ NOISE = (b"I0000 00:00:1796246462.994831   25985 partitioner_factory_base.cc:58]
          b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n")
 
 
+def stderr_once_it_holds(capfd, text: str, seconds: float = 5.0) -> str:
+    """What reached stderr by the time it holds `text` (the filter forwards from a thread)."""
+    deadline, said = time.monotonic() + seconds, ""
+    while text not in said and time.monotonic() < deadline:
+        said += capfd.readouterr().err
+        time.sleep(0.01)
+    return said
+
+
 @pytest.fixture
 def library_user(monkeypatch):
     """A process without the scripts' fd filter and without TWOREC_VERBOSE."""
@@ -44,12 +53,7 @@ def test_quiet_native_logs_passes_output_on_when_the_block_fails(library_user, c
 def test_quiet_native_logs_passes_other_output_on_as_it_is_written(library_user, capfd):
     with console.quiet_native_logs():
         os.write(2, NOISE + b"an error, now\n")
-        deadline = time.monotonic() + 5
-        said = ""
-        while "an error, now" not in said and time.monotonic() < deadline:
-            said += capfd.readouterr().err
-            time.sleep(0.01)
-        assert said == "an error, now\n"              # before the block ends
+        assert stderr_once_it_holds(capfd, "an error, now") == "an error, now\n"   # in the block
 
 
 def test_overlapping_blocks_in_two_threads_leave_stderr_as_it_was(library_user, capfd):
@@ -110,11 +114,6 @@ def test_the_process_filter_installed_inside_a_block_stays(library_user, capfd, 
     with console.quiet_native_logs():
         console.filter_native_logs()
     os.write(2, NOISE + b"kept\n")
-    deadline = time.monotonic() + 5
-    said = ""
-    while "kept" not in said and time.monotonic() < deadline:
-        said += capfd.readouterr().err
-        time.sleep(0.01)
-    assert said == "kept\n"
+    assert stderr_once_it_holds(capfd, "kept") == "kept\n"
     console._process_filter.stop()
     monkeypatch.setattr(console, "_process_filter", None)
