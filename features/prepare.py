@@ -38,32 +38,37 @@ an array constructor for the history), writing the same shards.
 Written to `out_folder`: `shards/part-NNNNN.parquet` (columns `row` int64, the row's position
 in the log; `user`, `item` int32 vocabulary indexes; `history` fixed-size list<int32>[L];
 `timestamp` int64; `rating` float32, NaN without ratings; `split` int8: 0 train,
-1 validation, 2 test), `users.parquet` and `items.parquet` (`index` int32, `id` string, `count`
-int64 training rows, ordered by index) and `manifest.json` with the counts.
+1 validation, 2 test); the training rows again as `train/part-NNNNN.tfrecord`, blocks that
+TensorFlow streams (`features.stream`); `users.parquet` and `items.parquet` (`index` int32,
+`id` string, `count` int64 training rows, ordered by index) and `manifest.json` with the
+counts.
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 import pyarrow.parquet as pq
 
 from tworec.features.interactions import DataError
 from tworec.features.shards import (ShardSet, _name, _rating_sql, _sql_list, _time_sql,
                                     duckdb_session, find, needed_columns)
+from tworec.features.stream import BLOCK_ROWS, SPLIT_CODES, BlockWriter
 from tworec.features.vocab import FIRST, OOV
 
-SPLIT_CODES = {"train": 0, "validation": 1, "test": 2}
 ROWS_PER_SHARD = 1 << 22
 ROW_GROUP_ROWS = 1 << 17
 
 
 def prepare_shards(source: str, out_folder: str, history_length: int = 20,
                    memory_limit: str = "1GB", columns: dict[str, str] | None = None,
-                   rows_per_shard: int = ROWS_PER_SHARD) -> dict:
+                   rows_per_shard: int = ROWS_PER_SHARD, block_rows: int = BLOCK_ROWS,
+                   progress=None) -> dict:
     """Prepares a Parquet log out of core into training-ready shards (see the module docstring).
 
     Args:
@@ -73,6 +78,8 @@ def prepare_shards(source: str, out_folder: str, history_length: int = 20,
         memory_limit: DuckDB's memory limit, e.g. '1GB' or '500MiB'.
         columns: role -> column name, as for `shards.load`.
         rows_per_shard: rows of one output shard (written in row groups of ROW_GROUP_ROWS).
+        block_rows: training rows of one TFRecord block.
+        progress: called with (path, rows) as each shard is complete.
 
     Returns:
         The manifest also written as `manifest.json`: rows, users, items, rows per split,
@@ -80,21 +87,26 @@ def prepare_shards(source: str, out_folder: str, history_length: int = 20,
     """
     if os.path.isdir(out_folder) and os.listdir(out_folder):
         raise DataError(f"{out_folder}: not empty; pass a new or empty folder")
-    shards = find(source) or ShardSet(source, (source,))
+    shards = find(source)
+    if shards is None and not os.path.isfile(source):
+        raise DataError(f"{source}: no such file or folder; pass a folder or glob of Parquet "
+                        "shards, or one .parquet file")
+    shards = shards or ShardSet(source, (source,))
     mapping, schema = needed_columns(shards, columns or {})
     shard_rows = [pq.ParquetFile(path).metadata.num_rows for path in shards.files]
     offsets = np.concatenate([[0], np.cumsum(shard_rows)[:-1]]).astype(int).tolist()
     length = max(history_length, 1)
     started = time.perf_counter()
-    os.makedirs(os.path.join(out_folder, "shards"), exist_ok=True)
+    for folder in ("shards", "train"):
+        os.makedirs(os.path.join(out_folder, folder), exist_ok=True)
     with duckdb_session(source, memory_limit, "prepare.duckdb") as connection:
         setting = connection.execute("SELECT current_setting('memory_limit')").fetchone()[0]
         connection.execute(_labelled_sql(shards, mapping, schema, offsets))
         for table, column in (("users", "u"), ("items", "i")):
             connection.execute(_vocabulary_sql(table, column))
             _write_vocabulary(connection, table, os.path.join(out_folder, f"{table}.parquet"))
-        paths = _write_shards(connection.sql(_shards_sql(length)).to_arrow_reader(
-            ROW_GROUP_ROWS), os.path.join(out_folder, "shards"), length, rows_per_shard)
+        paths, blocks = _write_shards(connection.sql(_shards_sql(length)).to_arrow_reader(
+            ROW_GROUP_ROWS), out_folder, length, rows_per_shard, block_rows, progress)
         counts = dict(connection.execute(
             "SELECT split, COUNT(*) FROM labelled GROUP BY split").fetchall())
         rows, users, short = connection.execute(
@@ -110,6 +122,9 @@ def prepare_shards(source: str, out_folder: str, history_length: int = 20,
                 "short_users": short, "history_length": length,
                 "shards": [{"path": os.path.relpath(path, out_folder), "rows": count}
                            for path, count in paths],
+                "block_rows": block_rows,
+                "train_blocks": [{"path": os.path.relpath(path, out_folder), "rows": count}
+                                 for path, count in blocks],
                 "seconds": round(seconds, 3), "rows_per_second": round(rows / max(seconds, 1e-9)),
                 "duckdb": {"memory_limit": setting}}
     with open(os.path.join(out_folder, "manifest.json"), "w") as f:
@@ -176,28 +191,43 @@ def _write_vocabulary(connection, table: str, path: str) -> None:
         f"SELECT index, id, count FROM {table} ORDER BY index").to_arrow_table(), path)
 
 
-def _write_shards(reader: pa.RecordBatchReader, folder: str, length: int,
-                  rows_per_shard: int) -> list[tuple[str, int]]:
-    """Writes the query's batches as shards of at most `rows_per_shard` rows; (path, rows)."""
+def _write_shards(reader: pa.RecordBatchReader, out_folder: str, length: int,
+                  rows_per_shard: int, block_rows: int, progress=None) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """Writes the query's batches as Parquet shards of at most `rows_per_shard` rows, and
+    each shard's training rows as a TFRecord file of blocks beside; [(path, rows)] of both."""
     schema = pa.schema([("row", pa.int64()), ("user", pa.int32()), ("item", pa.int32()),
                         ("history", pa.list_(pa.int32(), length)), ("timestamp", pa.int64()),
                         ("rating", pa.float32()), ("split", pa.int8())])
-    written, writer = [], None
+    written, blocks, writer, train_writer = [], [], None, None
+
+    def close() -> None:
+        writer.close()
+        train_writer.close()
+        blocks.append((train_writer.path, train_writer.rows))
+        if progress:
+            progress(*written[-1])
+
     for batch in reader:
         while len(batch):
             if writer is None or written[-1][1] == rows_per_shard:
                 if writer is not None:
-                    writer.close()
-                path = os.path.join(folder, f"part-{len(written):05d}.parquet")
-                writer, written = pq.ParquetWriter(path, schema), written + [(path, 0)]
+                    close()
+                name = f"part-{len(written):05d}"
+                written.append((os.path.join(out_folder, "shards", f"{name}.parquet"), 0))
+                writer = pq.ParquetWriter(written[-1][0], schema)
+                train_writer = BlockWriter(os.path.join(out_folder, "train", f"{name}.tfrecord"),
+                                           block_rows)
             take = min(len(batch), rows_per_shard - written[-1][1])
-            writer.write_batch(_typed(batch.slice(0, take), schema, length),
-                                row_group_size=ROW_GROUP_ROWS)
+            typed = _typed(batch.slice(0, take), schema, length)
+            writer.write_batch(typed, row_group_size=ROW_GROUP_ROWS)
+            train = typed.filter(pa.compute.equal(typed.column("split"), SPLIT_CODES["train"]))
+            train_writer.write(train.column("user").to_numpy(), train.column("item").to_numpy(),
+                               train.column("history").flatten().to_numpy().reshape(-1, length))
             written[-1] = (written[-1][0], written[-1][1] + take)
             batch = batch.slice(take)
     if writer is not None:
-        writer.close()
-    return written
+        close()
+    return written, blocks
 
 
 def _typed(batch: pa.RecordBatch, schema: pa.Schema, length: int) -> pa.RecordBatch:
@@ -206,3 +236,48 @@ def _typed(batch: pa.RecordBatch, schema: pa.Schema, length: int) -> pa.RecordBa
     columns = [batch.column(field.name).cast(field.type) if field.name != "history" else
                pa.FixedSizeListArray.from_arrays(history, length) for field in schema]
     return pa.RecordBatch.from_arrays(columns, schema=schema)
+
+
+def main(argv=None) -> int:
+    """Prepares Parquet shards out of core; progress on stderr, then the manifest's counts as
+    one JSON line."""
+    from tworec.console import OneLineParser
+    from tworec.features.shards import memory_bytes
+    from tworec.features.sources import parse_columns
+    parser = OneLineParser(description="Prepares a Parquet log (a folder or glob of shards, or "
+                                       "one .parquet file) out of core into training-ready "
+                                       "shards, with DuckDB.")
+    parser.add_argument("--data", required=True, help="a folder or glob of Parquet shards, or "
+                                                      "one .parquet file")
+    parser.add_argument("--out", required=True, help="a new or empty folder for the prepared "
+                                                     "shards")
+    parser.add_argument("--history-length", type=int, default=20,
+                        help="previous items per row (default 20)")
+    parser.add_argument("--memory-limit", default="1GB",
+                        help="DuckDB's memory limit (default 1GB); beyond it DuckDB spills to a "
+                             "temporary folder")
+    parser.add_argument("--columns", default="", help="column mapping, "
+                                                      "user=..,item=..,time=..,rating=..")
+    args = parser.parse_args(argv)
+    if args.history_length < 0:
+        parser.error(f"--history-length must be at least 0, got {args.history_length}")
+    try:
+        memory_bytes(args.memory_limit)
+    except ValueError as error:
+        parser.error(f"--memory-limit: {error}")
+
+    def progress(path: str, rows: int) -> None:
+        print(f"[prepare] {path}: {rows:,} rows", file=sys.stderr, flush=True)
+
+    try:
+        manifest = prepare_shards(args.data, args.out, args.history_length, args.memory_limit,
+                                  parse_columns(args.columns), progress=progress)
+    except DataError as error:
+        parser.error(str(error))
+    print(json.dumps({key: manifest[key] for key in (
+        "rows", "users", "vocabulary", "split", "seconds", "rows_per_second")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,7 +5,12 @@ ours with a fair reference in one process; a part that compares two things carri
 from __future__ import annotations
 
 import json
+import os
+import resource
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -205,8 +210,112 @@ def bench_serving(smoke: bool = False) -> dict:
     return {"items": num_items, **serving_figures(served, seconds=seconds)}
 
 
+SCALE_SIZES = ("1m", "10m", "100m")
+# Today's in-memory path peaks at ~3.7 GiB preparing 10M rows and grows linearly, so 100M rows
+# (~37 GiB) do not fit this 24 GiB machine; it is measured where it fits.
+IN_MEMORY_SIZES = ("1m", "10m")
+
+
+def bench_scale(smoke: bool = False, steps: int = 2000, batch_size: int = 4096) -> dict:
+    """Out-of-core preparation and streamed training against today's in-memory path, on
+    synthetic logs of 1M, 10M and 100M rows written as Parquet shards. Each side runs in a
+    fresh process (so its peak resident memory is its own): the streaming side prepares the
+    shards with DuckDB (`prepare_shards`, memory limit 1GB), measures the stream of training
+    batches alone, then trains the default two-tower model for `steps` steps of `batch_size`
+    from the stream (`fit_prepared`); the in-memory side loads the shards, splits and prepares
+    them in NumPy and trains the same steps (`fit`). `input_ratio` is the stream's examples/s
+    over the training step's, the smallest over the sizes."""
+    sizes, steps, batch_size = (("tiny",), 5, 256) if smoke else (SCALE_SIZES, steps, batch_size)
+    root = tempfile.mkdtemp(prefix="bench-scale-")
+    rows = []
+    try:
+        for name in sizes:
+            source = os.path.join(root, f"{name}-log")
+            _log(f"scale {name}: writing the shards")
+            _run_quietly([sys.executable, "-m", "tworec.features.shards", "--synthetic", name,
+                          "--out", source])
+            job = {"source": source, "steps": steps, "batch_size": batch_size}
+            _log(f"scale {name}: preparing and training {steps} steps from the stream")
+            row = {"preset": name, **scale_job(
+                {**job, "kind": "stream", "out": os.path.join(root, f"{name}-prepared")})}
+            if smoke or name in IN_MEMORY_SIZES:
+                _log(f"scale {name}: the same in memory")
+                row["in_memory"] = scale_job({**job, "kind": "in_memory"})
+            shutil.rmtree(root, ignore_errors=True)
+            os.makedirs(root, exist_ok=True)
+            rows.append(row)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    result = {"steps": steps, "batch_size": batch_size, "sizes": rows,
+              "input_ratio": min(row["input_ratio"] for row in rows)}
+    if len(rows) > 1:
+        result["peak_rss_ratio_largest_to_previous"] = round(
+            rows[-1]["peak_rss_gib"] / rows[-2]["peak_rss_gib"], 2)
+    return result
+
+
+def scale_job(job: dict) -> dict:
+    """Runs one side of `bench_scale` in a fresh Python process and returns its figures."""
+    done = _run_quietly([sys.executable, "-m", "tworec.pipeline.benchmark", json.dumps(job)])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _run_quietly(command: list[str]) -> subprocess.CompletedProcess:
+    """Runs a command, its output kept; raises with its last lines when it fails."""
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
+        raise RuntimeError(f"{' '.join(command[:4])} ... failed ({done.returncode}):\n{tail}")
+    return done
+
+
+def _scale_side(kind: str, source: str, steps: int, batch_size: int, out: str = "") -> dict:
+    """In this process: prepare `source` and train `steps` steps, as `kind` ('stream' or
+    'in_memory') does; figures and this process's peak resident memory."""
+    import tensorflow as tf  # noqa: F401  (loaded before the clock starts, as on both sides)
+    from tworec.retrieval.config import preset
+    config = preset("default", batch_size=batch_size, epochs=1, early_stopping_patience=0)
+    seconds = 0.5 if steps < 100 else 3.0
+    start = time.perf_counter()
+    if kind == "stream":
+        from tworec.features.prepare import prepare_shards
+        from tworec.features.stream import PreparedLog
+        from tworec.retrieval.train import fit_prepared
+        rows = prepare_shards(source, out)["rows"]
+        prepare_seconds = time.perf_counter() - start
+        prepared = PreparedLog.load(out)
+        input_rate = examples_per_second(prepared.training_batches(batch_size), seconds)
+        _, summary = fit_prepared(prepared, config, steps_per_epoch=steps, verbose=0)
+    else:
+        from tworec.features import split
+        from tworec.features.batches import batches
+        from tworec.features.inputs import prepare
+        from tworec.features.shards import load
+        from tworec.retrieval.train import fit
+        log = load(source)
+        data = prepare(log, split(log, "temporal"), history_length=20)
+        rows, prepare_seconds = len(log), time.perf_counter() - start
+        input_rate = examples_per_second(batches(
+            data.examples["train"], batch_size, shuffle=True, epochs=None, drop_remainder=True),
+            seconds)
+        _, summary = fit(data, config, verbose=0, steps_per_epoch=steps, validate=False)
+    train_rate = summary["examples_per_second"]
+    return {"rows": rows, "peak_rss_gib": round(
+                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+            "prepare_seconds": round(prepare_seconds, 1),
+            "prepare_rows_per_second": round(rows / prepare_seconds),
+            "train_examples_per_second": round(train_rate),
+            "input_examples_per_second": round(input_rate),
+            "input_ratio": round(input_rate / train_rate, 1)}
+
+
+def _log(message: str) -> None:
+    print(f"[benchmark] {message}", file=sys.stderr, flush=True)
+
+
 PARTS = {"input": bench_input, "train_retrieval": bench_train_retrieval,
-         "train_ranking": bench_train_ranking, "index": bench_index, "serving": bench_serving}
+         "train_ranking": bench_train_ranking, "index": bench_index, "serving": bench_serving,
+         "scale": bench_scale}
 
 
 def run(names: list[str], smoke: bool = False) -> dict:
@@ -217,7 +326,13 @@ def run(names: list[str], smoke: bool = False) -> dict:
         raise ValueError(f"unknown part(s) {unknown}; known: {list(PARTS)}")
     results = {}
     for name in names:
-        print(f"[benchmark] {name} ...", file=sys.stderr, flush=True)
+        _log(f"{name} ...")
         results[name] = PARTS[name](smoke=smoke)
-        print(f"[benchmark] {name}: {json.dumps(results[name])}", file=sys.stderr, flush=True)
+        _log(f"{name}: {json.dumps(results[name])}")
     return results
+
+
+if __name__ == "__main__":     # one side of `bench_scale`: python -m ... '{"kind": ...}'
+    from tworec import console
+    console.filter_native_logs()
+    print(json.dumps(_scale_side(**json.loads(sys.argv[1]))))

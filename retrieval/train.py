@@ -4,21 +4,34 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from tworec.evaluation import KS, EvalSet, eval_set, evaluate, top_k_rows
-from tworec.features.batches import batches, steps_per_epoch
+from tworec.evaluation import KS, MISS, EvalSet, eval_set, evaluate, top_k_rows
+from tworec.evaluation.metrics import rank_metrics, target_ranks
+from tworec.features.batches import batches, steps_per_epoch as one_pass
 from tworec.features.inputs import EMPTY_SLOT, ModelInputs
+from tworec.features.stream import SCORES_BYTES, PreparedLog
+from tworec.features.vocab import FIRST
 from tworec.features.training import (make_optimizer, make_strategy, mixed_precision, train,
                                       worker_seed)
 from tworec.retrieval.config import RetrievalConfig
 from tworec.retrieval.model import TwoTower
 
 
-def build_model(config: RetrievalConfig, data: ModelInputs) -> TwoTower:
-    model = TwoTower(config, num_users=data.users.size, item_index=data.item_index,
+def build_model(config: RetrievalConfig, data: ModelInputs | PreparedLog) -> TwoTower:
+    """A compiled two-tower model for the vocabularies and item features of in-memory inputs,
+    or of a prepared log (its catalogue is its item vocabulary; no item or user features)."""
+    if isinstance(data, PreparedLog):
+        num_items = data.num_items
+        sizes = dict(num_users=data.num_users, item_index=data.item_index(),
+                     item_vocab_size=num_items + FIRST,
+                     item_genres=np.zeros((num_items, 0), np.float32),
+                     item_year=np.zeros(num_items, np.int32), user_feature_sizes={})
+    else:
+        sizes = dict(num_users=data.users.size, item_index=data.item_index,
                      item_vocab_size=data.items.size, item_genres=data.item_genres,
-                     item_year=data.item_year, history_length=data.history_length,
-                     user_feature_sizes={n: v.size for n, v in data.user_feature_vocabs.items()},
-                     item_probability=data.item_probability)
+                     item_year=data.item_year,
+                     user_feature_sizes={n: v.size for n, v in data.user_feature_vocabs.items()})
+    model = TwoTower(config, history_length=data.history_length,
+                     item_probability=data.item_probability, **sizes)
     model.compile(optimizer=make_optimizer(config.optimizer, config.learning_rate,
                                            config.mixed_precision),
                   jit_compile=config.jit_compile)
@@ -56,7 +69,7 @@ def embeddings_for_ranking(model: TwoTower, data: ModelInputs) -> dict:
             "items": candidate_embeddings(model, data.num_items)}
 
 
-def popular_order(data: ModelInputs) -> np.ndarray:
+def popular_order(data: ModelInputs | PreparedLog) -> np.ndarray:
     """[num_items] float32 scores that order the catalogue as the exports serve users they do
     not know: by training popularity, ties to the lower code (the served order, not a tie)."""
     scores = np.empty(data.num_items, np.float32)
@@ -85,6 +98,27 @@ def evaluate_model(model: TwoTower, data: ModelInputs, part: str = "test", ks=KS
     evalset = evalset or eval_set(data.interactions, data.split, part,
                                   exclude_seen=data.exclude_seen)
     return evaluate(catalogue_scorer(model, data, part, evalset), evalset, ks, name="retrieval")
+
+
+def evaluate_prepared(model: TwoTower, prepared: PreparedLog, part: str = "test", ks=KS,
+                      memory_limit: str = "1GB") -> dict[str, float]:
+    """`evaluate_model` for a prepared log, in bounded memory: held-out rows arrive in batches
+    with their users' known items (`PreparedLog.heldout_batches`), and each batch is scored
+    against the whole catalogue ([b, num_items], at most SCORES_BYTES) as the export scores
+    it. A held-out item outside the catalogue is a miss."""
+    candidates = candidate_embeddings(model, prepared.num_items)                  # [I, d]
+    popular = popular_order(prepared)
+    batch_rows = max(1, SCORES_BYTES // (4 * prepared.num_items))
+    ranks = []
+    for rows in prepared.heldout_batches(part, batch_rows, memory_limit):
+        scores = model.query({"user": rows["user"], "history": rows["history"]}).numpy() \
+            @ candidates.T                                                        # [b, I]
+        scores[~rows["known"]] = popular
+        outside = rows["target"] < 0
+        found = target_ranks(scores, np.where(outside, 0, rows["target"]), rows["excluded"],
+                             "retrieval")
+        ranks.append(np.where(outside, MISS, found))
+    return rank_metrics(np.concatenate(ranks) if ranks else np.zeros(0, np.int64), ks)
 
 
 def top_candidates(model: TwoTower, data: ModelInputs, part: str, k: int,
@@ -128,31 +162,62 @@ class ValidationRecall(tf.keras.callbacks.Callback):
 
 
 def fit(data: ModelInputs, config: RetrievalConfig, run_dir: str | None = None,
-        verbose: int = 1) -> tuple[TwoTower, dict]:
-    """Trains a two-tower model.
+        verbose: int = 1, steps_per_epoch: int | None = None,
+        validate: bool = True) -> tuple[TwoTower, dict]:
+    """Trains a two-tower model on in-memory inputs.
 
     Args:
         data: the model inputs (`features.inputs.prepare`); validation drives early stopping.
         config: the stage's configuration, checked before anything trains.
         run_dir: where the config, TensorBoard logs and resumable checkpoints go.
+        steps_per_epoch: steps of an epoch; default one pass over the training rows.
+        validate: score the validation rows after every epoch (and stop early on them).
 
     Returns:
         (model, summary) with summary holding per-epoch logs, seconds and examples/s.
     """
     config.validate(history_length=data.history_length)
+    train_rows = data.examples["train"]
+    steps = steps_per_epoch or one_pass(len(train_rows["user"]), config.batch_size,
+                                        drop_remainder=True)
+    if steps == 0:
+        raise ValueError(f"batch_size {config.batch_size} is larger than the training split "
+                         f"({len(train_rows['user'])} rows)")
+    callbacks = []
+    if validate and len(data.split.validation):
+        callbacks.append(ValidationRecall(data))
+        if config.early_stopping_patience:
+            callbacks.append(tf.keras.callbacks.EarlyStopping(
+                "val_recall@10", mode="max", patience=config.early_stopping_patience,
+                restore_best_weights=True))
+    return _fit(data, config, steps, callbacks, run_dir, verbose,
+                lambda seed: batches(train_rows, config.batch_size, shuffle=True, seed=seed,
+                                     epochs=None, drop_remainder=True))
+
+
+def fit_prepared(prepared: PreparedLog, config: RetrievalConfig, steps_per_epoch: int | None = None,
+                 run_dir: str | None = None, verbose: int = 1) -> tuple[TwoTower, dict]:
+    """Trains a two-tower model on a prepared log streamed from its shards
+    (`PreparedLog.training_batches`), for `config.epochs` epochs of `steps_per_epoch` steps
+    (default: one pass over the training rows). No validation runs between epochs
+    (`evaluate_prepared` scores a part afterwards)."""
+    config.validate(history_length=prepared.history_length)
+    steps = steps_per_epoch or prepared.train_rows // config.batch_size
+    if steps <= 0:
+        raise ValueError(f"batch_size {config.batch_size} is larger than the training split "
+                         f"({prepared.train_rows} rows)")
+    return _fit(prepared, config, steps, [], run_dir, verbose,
+                lambda seed: prepared.training_batches(config.batch_size, seed))
+
+
+def _fit(data: ModelInputs | PreparedLog, config: RetrievalConfig, steps: int, callbacks: list,
+         run_dir: str | None, verbose: int, dataset) -> tuple[TwoTower, dict]:
+    """Builds the model under the config's strategy and trains it on `dataset(seed)`, an
+    endless dataset of batches."""
     tf.keras.utils.set_random_seed(config.seed)
     strategy = make_strategy(config.strategy, config.partitioner)
     with strategy.scope(), mixed_precision(config.mixed_precision):
         model = build_model(config, data)
-    train_rows = data.examples["train"]
-    steps = steps_per_epoch(len(train_rows["user"]), config.batch_size, drop_remainder=True)
-    if steps == 0:
-        raise ValueError(f"batch_size {config.batch_size} is larger than the training split "
-                         f"({len(train_rows['user'])} rows)")
-
-    def dataset(seed) -> tf.data.Dataset:
-        return batches(train_rows, config.batch_size, shuffle=True, seed=seed, epochs=None,
-                       drop_remainder=True)
     if isinstance(strategy, tf.distribute.ParameterServerStrategy):
         # Keras asks a dataset function of this strategy; every worker runs the same one, so
         # each draws its seed when it makes the dataset and reads its own shuffle of all rows.
@@ -160,13 +225,6 @@ def fit(data: ModelInputs, config: RetrievalConfig, run_dir: str | None = None,
             lambda context: dataset(worker_seed()))
     else:
         train_data = dataset(config.seed)
-    callbacks = []
-    if len(data.split.validation):
-        callbacks.append(ValidationRecall(data))
-        if config.early_stopping_patience:
-            callbacks.append(tf.keras.callbacks.EarlyStopping(
-                "val_recall@10", mode="max", patience=config.early_stopping_patience,
-                restore_best_weights=True))
     summary = train(model, train_data, stage="retrieval", config=config, steps_per_epoch=steps,
                     examples_per_epoch=steps * config.batch_size, callbacks=callbacks,
                     run_dir=run_dir, verbose=verbose)

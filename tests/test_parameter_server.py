@@ -7,16 +7,19 @@ import subprocess
 import sys
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import tensorflow as tf
 
 from test_retrieval_distributed import ROOT, free_ports, result_of
 from tworec.features import generate, split
 from tworec.features.inputs import prepare
+from tworec.features.prepare import prepare_shards
+from tworec.features.stream import PreparedLog
 from tworec.features.synthetic import PRESETS
 from tworec.features.training import make_strategy, variable_partitioner, worker_seed
 from tworec.retrieval.config import preset
-from tworec.retrieval.train import evaluate_model, fit
+from tworec.retrieval.train import evaluate_model, evaluate_prepared, fit, fit_prepared
 
 EPOCHS = 3
 # 8 KiB shards: the user (202 x 16 float32) and item (152 x 16) tables split in two, the dense
@@ -57,6 +60,25 @@ print("RESULT", json.dumps({
 """
 
 
+# The same cluster trained from a prepared log: every worker streams the TFRecord blocks itself.
+CHIEF_PREPARED = """
+import json, sys
+from tworec.features.stream import PreparedLog
+from tworec.retrieval.config import preset
+from tworec.retrieval.train import evaluate_prepared, fit_prepared
+prepared = PreparedLog.load(sys.argv[2])
+model, summary = fit_prepared(prepared, preset("tiny", epochs=%(epochs)d, batch_size=64,
+                                               strategy="parameter_server",
+                                               partitioner="%(partitioner)s"),
+                              steps_per_epoch=%(steps)d, run_dir=sys.argv[1], verbose=0)
+print("RESULT", json.dumps({
+    "user_table_shards": len(model.user_embedding.embeddings.variables),
+    "history": summary["history"],
+    "metrics": evaluate_prepared(model, prepared, "test", ks=(10, 50))}))
+"""
+PREPARED_STEPS = 40
+
+
 def start(task: str, index: int, cluster: dict, argv: list[str], log_path: str):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_CONFIG=json.dumps(
         {"cluster": cluster, "task": {"type": task, "index": index}}))
@@ -70,10 +92,8 @@ def tail(path: str, chars: int = 2000) -> str:
         return f.read()[-chars:]
 
 
-@pytest.fixture(scope="module")
-def cluster_run(tmp_path_factory):
-    """The chief's RESULT and its run folder, from one chief, two ps and two workers."""
-    out = tmp_path_factory.mktemp("ps_run")
+def run_cluster(out, code: str, *argv: str) -> dict:
+    """The chief's RESULT from one chief, two ps and two workers running on this machine."""
     ports = [f"localhost:{port}" for port in free_ports(5)]
     cluster = {"chief": ports[:1], "ps": ports[1:3], "worker": ports[3:]}
     tasks = [("ps", 0), ("ps", 1), ("worker", 0), ("worker", 1)]
@@ -82,8 +102,7 @@ def cluster_run(tmp_path_factory):
         for (task, index), log in zip(tasks, logs):
             processes.append(start(task, index, cluster, ["-m", "tworec.features.training"], log))
         chief_log = str(out / "chief.log")
-        code = CHIEF % {"epochs": EPOCHS, "partitioner": PARTITIONER}
-        chief = start("chief", 0, cluster, ["-c", code, str(out / "run")], chief_log)
+        chief = start("chief", 0, cluster, ["-c", code, *argv], chief_log)
         processes.append(chief)
         chief.wait(timeout=150)
         assert all(p.poll() is None for p in processes[:-1]), \
@@ -93,7 +112,26 @@ def cluster_run(tmp_path_factory):
         for process in processes:
             process.kill()
             process.wait()
-    return result_of(open(chief_log).read()), out / "run"
+    return result_of(open(chief_log).read())
+
+
+@pytest.fixture(scope="module")
+def cluster_run(tmp_path_factory):
+    """The chief's RESULT and its run folder, training on the tiny log in memory."""
+    out = tmp_path_factory.mktemp("ps_run")
+    code = CHIEF % {"epochs": EPOCHS, "partitioner": PARTITIONER}
+    return run_cluster(out, code, str(out / "run")), out / "run"
+
+
+@pytest.fixture(scope="module")
+def prepared_log(tmp_path_factory):
+    """The tiny log written as Parquet and prepared into shards and training blocks."""
+    from test_prepare import _log_table
+    root = tmp_path_factory.mktemp("ps_prepared")
+    pq.write_table(_log_table(), root / "log.parquet")
+    prepare_shards(str(root / "log.parquet"), str(root / "prepared"), history_length=5,
+                   rows_per_shard=1000, block_rows=100)
+    return PreparedLog.load(str(root / "prepared"))
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +176,22 @@ def test_export_of_sharded_tables_loads_without_the_cluster(cluster_run):
             result["keras_top10"]
     finally:
         served.close()
+
+
+def test_workers_stream_a_prepared_log_into_sharded_tables(prepared_log, tmp_path):
+    """Trained from the TFRecord blocks that each worker reads itself, the sharded model
+    learns, and scores within tolerance of one device trained on the same stream."""
+    code = CHIEF_PREPARED % {"epochs": 2, "partitioner": PARTITIONER, "steps": PREPARED_STEPS}
+    result = run_cluster(tmp_path, code, str(tmp_path / "run"), prepared_log.folder)
+    assert result["user_table_shards"] == 2
+    losses = result["history"]["loss"]
+    assert len(losses) == 2 and losses[1] < losses[0]
+    model, _ = fit_prepared(prepared_log, preset("tiny", epochs=2, batch_size=64),
+                            steps_per_epoch=PREPARED_STEPS, verbose=0)
+    one_device = evaluate_prepared(model, prepared_log, "test", ks=(10, 50))
+    for metric in ("recall@10", "recall@50"):
+        assert abs(one_device[metric] - result["metrics"][metric]) < 0.1, \
+            (one_device, result["metrics"])
 
 
 @pytest.mark.parametrize("spec", ["min_size:0", "fixed", "fixed:0", "round_robin", "min_size:1k"])

@@ -34,6 +34,8 @@ EXERCISED = {
     "-m tworec.serving.soak": "tests/test_readme.py::test_soak_runs_briefly",
     "-m tworec.features.shards":
         "tests/test_shards.py::test_the_module_writes_a_preset_and_100m_is_for_shards_only",
+    "-m tworec.features.prepare": "tests/test_stream.py::test_the_prepare_module_says_progress_"
+                                  "and_one_json_line",
     "-m tworec.features.training":
         "tests/test_parameter_server.py::test_embedding_tables_are_split_across_the_two_ps_tasks",
 }
@@ -161,6 +163,26 @@ def test_benchmark_script_runs_every_part_small():
         assert all(run["errors"] == 0 and run["requests"] > 0 for run in figures.values()), model
     assert all(line.startswith("[benchmark] ") for line in done.stderr.splitlines()), \
         done.stderr[-2000:]
+    scale = results["scale"]["sizes"][0]
+    for side in (scale, scale["in_memory"]):
+        assert side["rows"] > 0 and side["peak_rss_gib"] > 0 and side["input_ratio"] > 0, side
+    assert results["scale"]["input_ratio"] == scale["input_ratio"]
+
+
+def test_the_prepared_log_snippet_runs_as_printed(tmp_path, capsys):
+    """The training-from-shards snippet, on the tiny log prepared, for 5 small steps."""
+    import pyarrow.parquet as pq
+    from test_prepare import _log_table
+    from tworec.features.prepare import prepare_shards
+    pq.write_table(_log_table(), tmp_path / "log.parquet")
+    prepare_shards(str(tmp_path / "log.parquet"), str(tmp_path / "prepared"), history_length=5)
+    snippet = next(block for language, block in re.findall(r"```(\w*)\n(.*?)```", README, re.S)
+                   if language == "python" and "fit_prepared" in block)
+    exec(snippet.replace('"PREPARED"', repr(str(tmp_path / "prepared")))
+         .replace("batch_size=4096", "batch_size=64").replace("2000", "5"), {})
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("[retrieval] epoch 1/1: loss ") and len(printed) == 2
+    assert printed[-1].startswith("{'recall@10': ")
 
 
 def test_the_ceiling_snippet_runs_as_printed(capsys):

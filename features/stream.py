@@ -1,0 +1,229 @@
+"""Prepared shards as a training stream and as held-out batches, in bounded memory.
+
+`features.prepare.prepare_shards` writes, beside its Parquet shards, the training rows as
+TFRecord files of blocks (`train/part-NNNNN.tfrecord`): each record is one block of up to
+`BLOCK_ROWS` rows, a `tf.train.Example` whose features `user`, `item` and `history` hold the
+columns as raw little-endian int32 bytes ([n], [n], [n * L]). TFRecord and `tf.io.decode_raw`
+are stock TensorFlow: every worker of a cluster (`ParameterServerStrategy`) reads the files
+itself, from a local disk or a shared file system, and a block is parsed with one op, never
+row by row.
+
+`PreparedLog.training_batches` streams them: each epoch shuffles the file order, interleaves
+blocks from several files, shuffles blocks in a bounded buffer, gathers `window_rows` rows into
+a window and hands the windows to `batches.window_batches`, the same function that cuts an
+in-memory log (one window per epoch) into batches. Memory holds the block buffer and two
+windows, whatever the log's size; rows are shuffled within a window, not across the whole log.
+
+The catalogue of a prepared log is its item vocabulary: catalogue code c is vocabulary index
+c + FIRST (items that occur only in held-out rows are out of vocabulary and cannot be served).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import scipy.sparse as sp
+
+from tworec.features.interactions import DataError
+from tworec.features.shards import duckdb_session
+from tworec.features.vocab import FIRST, OOV
+
+SPLIT_CODES = {"train": 0, "validation": 1, "test": 2}
+BLOCK_ROWS = 8192           # rows of one TFRecord block (~0.7 MB at L = 20)
+WINDOW_ROWS = 1 << 18       # rows shuffled together
+SHUFFLE_BLOCKS = 64         # blocks buffered for shuffling before they form windows
+CYCLE_LENGTH = 4            # files read at once
+SCORES_BYTES = 64 << 20     # [rows, num_items] float32 scores of one evaluation batch
+SEEN_ROWS_PER_PASS = 8 << 20  # known rows read per held-out pass
+
+
+class BlockWriter:
+    """Writes rows to a TFRecord file as blocks of `block_rows` rows (the last one shorter):
+    each a serialized `tf.train.Example` of raw little-endian int32 columns."""
+
+    def __init__(self, path: str, block_rows: int = BLOCK_ROWS):
+        import tensorflow as tf
+        self.path, self.block_rows, self.rows = path, block_rows, 0
+        self._writer = tf.io.TFRecordWriter(path)
+        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def write(self, user: np.ndarray, item: np.ndarray, history: np.ndarray) -> None:
+        """Appends [n] user, [n] item and [n, L] history vocabulary indexes."""
+        self._pending.append((user, item, history))
+        self.rows += len(user)
+        if sum(len(part[0]) for part in self._pending) >= self.block_rows:
+            self._flush(final=False)
+
+    def close(self) -> None:
+        self._flush(final=True)
+        self._writer.close()
+
+    def _flush(self, final: bool) -> None:
+        import tensorflow as tf
+        if not self._pending:
+            return
+        user, item, history = (np.concatenate(column) for column in zip(*self._pending))
+        full = len(user) if final else len(user) // self.block_rows * self.block_rows
+        for start in range(0, full, self.block_rows):
+            block = slice(start, min(start + self.block_rows, full))
+            feature = {name: tf.train.Feature(bytes_list=tf.train.BytesList(
+                value=[np.ascontiguousarray(values[block], "<i4").tobytes()]))
+                for name, values in (("user", user), ("item", item), ("history", history))}
+            self._writer.write(tf.train.Example(
+                features=tf.train.Features(feature=feature)).SerializeToString())
+        self._pending = [(user[full:], item[full:], history[full:])] if full < len(user) else []
+
+
+def parse_block(record, history_length: int) -> dict:
+    """One serialized block -> {"user": [n] int32, "item": [n] int64 catalogue code,
+    "history": [n, L] int32}."""
+    import tensorflow as tf
+    spec = {name: tf.io.FixedLenFeature([], tf.string) for name in ("user", "item", "history")}
+    raw = tf.io.parse_single_example(record, spec)
+    column = {name: tf.io.decode_raw(value, tf.int32, little_endian=True)
+              for name, value in raw.items()}
+    return {"user": column["user"], "item": tf.cast(column["item"] - FIRST, tf.int64),
+            "history": tf.reshape(column["history"], [-1, history_length])}
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedLog:
+    """A folder written by `prepare_shards`, what a model needs of it, and its streams.
+
+    Attributes:
+        folder: the prepared folder. manifest: its `manifest.json`.
+        num_users: rows of the user vocabulary (padding and OOV included).
+        item_probability: [num_items] float32 share of training rows (logQ correction).
+        train_files: the TFRecord files of the training rows.
+    """
+
+    folder: str
+    manifest: dict
+    num_users: int
+    item_probability: np.ndarray
+    train_files: tuple[str, ...]
+
+    @classmethod
+    def load(cls, folder: str) -> "PreparedLog":
+        path = os.path.join(folder, "manifest.json")
+        if not os.path.isfile(path):
+            raise DataError(f"{folder}: no manifest.json; pass a folder written by "
+                            "prepare_shards (python -m tworec.features.prepare)")
+        with open(path) as f:
+            manifest = json.load(f)
+        if "train_blocks" not in manifest:
+            raise DataError(f"{folder}: prepared without training blocks (an older version); "
+                            "prepare it again into a new folder")
+        counts = pq.read_table(os.path.join(folder, "items.parquet"),
+                               columns=["count"]).column("count").to_numpy()
+        return cls(folder=folder, manifest=manifest,
+                   num_users=manifest["vocabulary"]["users"] + FIRST,
+                   item_probability=(counts / max(counts.sum(), 1)).astype(np.float32),
+                   train_files=tuple(os.path.join(folder, block["path"])
+                                     for block in manifest["train_blocks"]))
+
+    @property
+    def num_items(self) -> int:
+        return len(self.item_probability)
+
+    @property
+    def history_length(self) -> int:
+        return self.manifest["history_length"]
+
+    @property
+    def train_rows(self) -> int:
+        return self.manifest["split"]["train"]
+
+    def item_index(self) -> np.ndarray:
+        """[num_items] vocabulary index of every catalogue code."""
+        return np.arange(self.num_items) + FIRST
+
+    def training_batches(self, batch_size: int, seed=0, window_rows: int = WINDOW_ROWS,
+                         shuffle_blocks: int = SHUFFLE_BLOCKS, cycle_length: int = CYCLE_LENGTH):
+        """An endless dataset of shuffled {"user", "item", "history"} batches of the training
+        rows (module docstring); every batch holds `batch_size` rows. `seed` may be a tensor."""
+        import tensorflow as tf
+        from tworec.features.batches import window_batches
+        files = tf.constant(self.train_files)
+        # tf.data's shuffle takes no symbolic seed (a worker's seed, drawn in its dataset
+        # function): there the block order is the worker's own random one
+        block_seed = seed if isinstance(seed, int) else None
+        seed = tf.cast(seed, tf.int64)
+        length = self.history_length
+
+        def epoch_blocks(epoch: tf.Tensor) -> tf.data.Dataset:
+            order = tf.random.experimental.stateless_shuffle(
+                tf.range(tf.size(files)), seed=tf.stack([seed, -1 - epoch]))
+            return tf.data.Dataset.from_tensor_slices(tf.gather(files, order)).interleave(
+                tf.data.TFRecordDataset, cycle_length=min(cycle_length, len(self.train_files)),
+                num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+        blocks = (tf.data.Dataset.counter().flat_map(epoch_blocks)
+                  .map(lambda record: parse_block(record, length),
+                       num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+                  .shuffle(shuffle_blocks, seed=block_seed))
+        block_rows = self.manifest["block_rows"]
+        windows = blocks.ragged_batch(max(1, window_rows // block_rows)).map(
+            lambda window: {name: values.values for name, values in window.items()})
+        numbered = tf.data.Dataset.zip((tf.data.Dataset.counter(), windows))
+        return window_batches(numbered, batch_size, shuffle=True, seed=seed,
+                              drop_remainder=True)
+
+    def heldout_batches(self, part: str = "test", batch_rows: int = 1024,
+                        memory_limit: str = "1GB"):
+        """The held-out rows of `part` in batches, each with what the model knew of its user.
+
+        Rows are read in passes over disjoint sets of users (`user % passes`, about
+        SEEN_ROWS_PER_PASS known rows each) by DuckDB from the Parquet shards: a pass holds its
+        held-out rows and their users' known rows (training rows for validation, training and
+        validation rows for test), never the whole log.
+
+        Yields:
+            dicts of "user" [b] int32 and "history" [b, L] int32 (the query features),
+            "target" [b] int64 catalogue code (-1 when the item is not in the catalogue, a
+            miss), "known" [b] bool (the user is in the vocabulary) and "excluded", a
+            [b, num_items] CSR of the user's known items.
+        """
+        if part not in ("validation", "test"):
+            raise DataError(f"unknown evaluation part {part!r}; use 'test' or 'validation'")
+        code = SPLIT_CODES[part]
+        shards = os.path.join(self.folder, "shards", "*.parquet")
+        passes = max(1, -(-self.manifest["rows"] // SEEN_ROWS_PER_PASS))
+        length = self.history_length
+        with duckdb_session(self.folder, memory_limit) as connection:
+            for number in range(passes):
+                where = f"FROM read_parquet('{shards}') WHERE user % {passes} = {number}"
+                held = connection.sql(f"SELECT user, item, history {where} AND split = {code} "
+                                      "ORDER BY row").to_arrow_table()
+                seen = connection.sql(f"SELECT user, item {where} AND split < {code} "
+                                      f"AND item >= {FIRST}").to_arrow_table()
+                users = held.column("user").to_numpy()
+                excluded = self._seen_matrix(users, seen.column("user").to_numpy(),
+                                             seen.column("item").to_numpy() - FIRST)
+                history = pa.concat_arrays(held.column("history").chunks).flatten()
+                history = history.to_numpy().reshape(len(held), length)
+                items = held.column("item").to_numpy().astype(np.int64)
+                for start in range(0, len(held), batch_rows):
+                    rows = slice(start, start + batch_rows)
+                    yield {"user": users[rows], "history": history[rows],
+                           "target": np.where(items[rows] >= FIRST, items[rows] - FIRST, -1),
+                           "known": users[rows] != OOV, "excluded": excluded[rows]}
+
+    def _seen_matrix(self, users: np.ndarray, seen_users: np.ndarray,
+                     seen_items: np.ndarray) -> sp.csr_matrix:
+        """[len(users), num_items] CSR 0/1: row r holds the items of (seen_users, seen_items)
+        pairs whose user is users[r]."""
+        unique, inverse = np.unique(users, return_inverse=True)
+        position = np.searchsorted(unique, seen_users)
+        position = np.minimum(position, max(len(unique) - 1, 0))
+        mine = (unique[position] == seen_users) if len(unique) else np.zeros(0, bool)
+        matrix = sp.csr_matrix((np.ones(int(mine.sum()), np.float32),
+                                (position[mine], seen_items[mine])),
+                               shape=(len(unique), self.num_items))
+        matrix.sum_duplicates()
+        matrix.data[:] = 1
+        return matrix[inverse]
