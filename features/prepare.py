@@ -45,14 +45,15 @@ counts.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import sys
 import time
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute  # noqa: F401  (pa.compute)
 import pyarrow.parquet as pq
 
 from tworec.features.interactions import DataError
@@ -68,7 +69,7 @@ ROW_GROUP_ROWS = 1 << 17
 def prepare_shards(source: str, out_folder: str, history_length: int = 20,
                    memory_limit: str = "1GB", columns: dict[str, str] | None = None,
                    rows_per_shard: int = ROWS_PER_SHARD, block_rows: int = BLOCK_ROWS,
-                   progress=None) -> dict:
+                   seed: int = 0, progress=None) -> dict:
     """Prepares a Parquet log out of core into training-ready shards (see the module docstring).
 
     Args:
@@ -79,6 +80,7 @@ def prepare_shards(source: str, out_folder: str, history_length: int = 20,
         columns: role -> column name, as for `shards.load`.
         rows_per_shard: rows of one output shard (written in row groups of ROW_GROUP_ROWS).
         block_rows: training rows of one TFRecord block.
+        seed: seeds the order of the training rows in the TFRecord files.
         progress: called with (path, rows) as each shard is complete.
 
     Returns:
@@ -97,16 +99,20 @@ def prepare_shards(source: str, out_folder: str, history_length: int = 20,
     offsets = np.concatenate([[0], np.cumsum(shard_rows)[:-1]]).astype(int).tolist()
     length = max(history_length, 1)
     started = time.perf_counter()
-    for folder in ("shards", "train"):
-        os.makedirs(os.path.join(out_folder, folder), exist_ok=True)
-    with duckdb_session(source, memory_limit, "prepare.duckdb") as connection:
+    with _left_as_it_was_on_failure(out_folder), \
+            duckdb_session(source, memory_limit, "prepare.duckdb") as connection:
+        for folder in ("shards", "train"):
+            os.makedirs(os.path.join(out_folder, folder), exist_ok=True)
         setting = connection.execute("SELECT current_setting('memory_limit')").fetchone()[0]
         connection.execute(_labelled_sql(shards, mapping, schema, offsets))
         for table, column in (("users", "u"), ("items", "i")):
             connection.execute(_vocabulary_sql(table, column))
             _write_vocabulary(connection, table, os.path.join(out_folder, f"{table}.parquet"))
-        paths, blocks = _write_shards(connection.sql(_shards_sql(length)).to_arrow_reader(
-            ROW_GROUP_ROWS), out_folder, length, rows_per_shard, block_rows, progress)
+        paths = _write_shards(connection.sql(_shards_sql(length)).to_arrow_reader(
+            ROW_GROUP_ROWS), out_folder, length, rows_per_shard, progress)
+        blocks = _write_training_blocks(connection, [path for path, _ in paths],
+                                        os.path.join(out_folder, "train"), length,
+                                        rows_per_shard, block_rows, seed, progress)
         counts = dict(connection.execute(
             "SELECT split, COUNT(*) FROM labelled GROUP BY split").fetchall())
         rows, users, short = connection.execute(
@@ -114,22 +120,41 @@ def prepare_shards(source: str, out_folder: str, history_length: int = 20,
             "FROM labelled").fetchone()
         vocabulary = {table: connection.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
                       for table in ("users", "items")}
-    seconds = time.perf_counter() - started
-    manifest = {"source": source, "rows": rows, "users": users,
-                "vocabulary": {"users": vocabulary["users"], "items": vocabulary["items"],
-                               "padding": 0, "oov": OOV, "first": FIRST},
-                "split": {part: int(counts.get(code, 0)) for part, code in SPLIT_CODES.items()},
-                "short_users": short, "history_length": length,
-                "shards": [{"path": os.path.relpath(path, out_folder), "rows": count}
-                           for path, count in paths],
-                "block_rows": block_rows,
-                "train_blocks": [{"path": os.path.relpath(path, out_folder), "rows": count}
-                                 for path, count in blocks],
-                "seconds": round(seconds, 3), "rows_per_second": round(rows / max(seconds, 1e-9)),
-                "duckdb": {"memory_limit": setting}}
-    with open(os.path.join(out_folder, "manifest.json"), "w") as f:
-        json.dump(manifest, f, indent=1)
+        seconds = time.perf_counter() - started
+        manifest = {"source": source, "rows": rows, "users": users,
+                    "vocabulary": {"users": vocabulary["users"], "items": vocabulary["items"],
+                                   "padding": 0, "oov": OOV, "first": FIRST},
+                    "split": {part: int(counts.get(code, 0))
+                              for part, code in SPLIT_CODES.items()},
+                    "short_users": short, "history_length": length,
+                    "shards": [{"path": os.path.relpath(path, out_folder), "rows": count}
+                               for path, count in paths],
+                    "block_rows": block_rows,
+                    "train_blocks": [{"path": os.path.relpath(path, out_folder), "rows": count}
+                                     for path, count in blocks],
+                    "seconds": round(seconds, 3),
+                    "rows_per_second": round(rows / max(seconds, 1e-9)),
+                    "duckdb": {"memory_limit": setting}}
+        with open(os.path.join(out_folder, "manifest.json"), "w") as f:
+            json.dump(manifest, f, indent=1)
     return manifest
+
+
+@contextlib.contextmanager
+def _left_as_it_was_on_failure(folder: str):
+    """Removes what the block wrote into `folder` (new, or empty before) when it fails, so
+    that the same command can run again."""
+    existed = os.path.isdir(folder)
+    try:
+        yield
+    except BaseException:
+        if not existed:
+            shutil.rmtree(folder, ignore_errors=True)
+        elif os.path.isdir(folder):
+            for entry in os.listdir(folder):
+                path = os.path.join(folder, entry)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        raise
 
 
 def _labelled_sql(shards: ShardSet, mapping: dict[str, str], schema: pa.Schema,
@@ -192,42 +217,66 @@ def _write_vocabulary(connection, table: str, path: str) -> None:
 
 
 def _write_shards(reader: pa.RecordBatchReader, out_folder: str, length: int,
-                  rows_per_shard: int, block_rows: int, progress=None) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
-    """Writes the query's batches as Parquet shards of at most `rows_per_shard` rows, and
-    each shard's training rows as a TFRecord file of blocks beside; [(path, rows)] of both."""
+                  rows_per_shard: int, progress=None) -> list[tuple[str, int]]:
+    """Writes the query's batches as Parquet shards of at most `rows_per_shard` rows;
+    [(path, rows)]."""
     schema = pa.schema([("row", pa.int64()), ("user", pa.int32()), ("item", pa.int32()),
                         ("history", pa.list_(pa.int32(), length)), ("timestamp", pa.int64()),
                         ("rating", pa.float32()), ("split", pa.int8())])
-    written, blocks, writer, train_writer = [], [], None, None
-
-    def close() -> None:
-        writer.close()
-        train_writer.close()
-        blocks.append((train_writer.path, train_writer.rows))
-        if progress:
-            progress(*written[-1])
-
+    written, writer = [], None
     for batch in reader:
         while len(batch):
             if writer is None or written[-1][1] == rows_per_shard:
                 if writer is not None:
-                    close()
-                name = f"part-{len(written):05d}"
-                written.append((os.path.join(out_folder, "shards", f"{name}.parquet"), 0))
-                writer = pq.ParquetWriter(written[-1][0], schema)
-                train_writer = BlockWriter(os.path.join(out_folder, "train", f"{name}.tfrecord"),
-                                           block_rows)
+                    writer.close()
+                    if progress:
+                        progress(*written[-1])
+                path = os.path.join(out_folder, "shards", f"part-{len(written):05d}.parquet")
+                writer, written = pq.ParquetWriter(path, schema), written + [(path, 0)]
             take = min(len(batch), rows_per_shard - written[-1][1])
-            typed = _typed(batch.slice(0, take), schema, length)
-            writer.write_batch(typed, row_group_size=ROW_GROUP_ROWS)
-            train = typed.filter(pa.compute.equal(typed.column("split"), SPLIT_CODES["train"]))
-            train_writer.write(train.column("user").to_numpy(), train.column("item").to_numpy(),
-                               train.column("history").flatten().to_numpy().reshape(-1, length))
+            writer.write_batch(_typed(batch.slice(0, take), schema, length),
+                               row_group_size=ROW_GROUP_ROWS)
             written[-1] = (written[-1][0], written[-1][1] + take)
             batch = batch.slice(take)
     if writer is not None:
-        close()
-    return written, blocks
+        writer.close()
+        if progress:
+            progress(*written[-1])
+    return written
+
+
+def _write_training_blocks(connection, shards: list[str], folder: str, length: int,
+                           rows_per_file: int, block_rows: int, seed: int,
+                           progress=None) -> list[tuple[str, int]]:
+    """Writes the training rows of the prepared shards as TFRecord files of blocks, in an
+    order DuckDB sorts them into by a hash of their position and `seed` (out of core, spilling
+    like the rest): every file and block is a uniform sample of the rows, so a reader that
+    shuffles within a bounded window still mixes users and times. [(path, rows)]."""
+    reader = connection.sql(
+        f"SELECT user, item, history FROM read_parquet({_sql_list(shards)}) "
+        f"WHERE split = {SPLIT_CODES['train']} ORDER BY hash(row, {seed}), row"
+    ).to_arrow_reader(ROW_GROUP_ROWS)
+    written, writer = [], None
+    for batch in reader:
+        while len(batch):
+            if writer is None or writer.rows == rows_per_file:
+                if writer is not None:
+                    writer.close()
+                    written.append((writer.path, writer.rows))
+                    if progress:
+                        progress(*written[-1])
+                writer = BlockWriter(os.path.join(folder, f"part-{len(written):05d}.tfrecord"),
+                                     block_rows)
+            part = batch.slice(0, rows_per_file - writer.rows)
+            writer.write(part.column("user").to_numpy(), part.column("item").to_numpy(),
+                         part.column("history").flatten().to_numpy().reshape(-1, length))
+            batch = batch.slice(len(part))
+    if writer is not None:
+        writer.close()
+        written.append((writer.path, writer.rows))
+        if progress:
+            progress(*written[-1])
+    return written
 
 
 def _typed(batch: pa.RecordBatch, schema: pa.Schema, length: int) -> pa.RecordBatch:

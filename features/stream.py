@@ -1,21 +1,25 @@
 """Prepared shards as a training stream and as held-out batches, in bounded memory.
 
 `features.prepare.prepare_shards` writes, beside its Parquet shards, the training rows as
-TFRecord files of blocks (`train/part-NNNNN.tfrecord`): each record is one block of up to
-`BLOCK_ROWS` rows, a `tf.train.Example` whose features `user`, `item` and `history` hold the
+TFRecord files of blocks (`train/part-NNNNN.tfrecord`), in an order DuckDB sorts by a hash of
+each row's position, so that every file and block is a uniform sample of the training rows
+(the window functions leave rows grouped by user). Each record is one block of up to
+`block_rows` rows, a `tf.train.Example` whose features `user`, `item` and `history` hold the
 columns as raw little-endian int32 bytes ([n], [n], [n * L]). TFRecord and `tf.io.decode_raw`
 are stock TensorFlow: every worker of a cluster (`ParameterServerStrategy`) reads the files
 itself, from a local disk or a shared file system, and a block is parsed with one op, never
 row by row.
 
 `PreparedLog.training_batches` streams them: each epoch shuffles the file order, interleaves
-blocks from several files, shuffles blocks in a bounded buffer, gathers `window_rows` rows into
-a window and hands the windows to `batches.window_batches`, the same function that cuts an
-in-memory log (one window per epoch) into batches. Memory holds the block buffer and two
-windows, whatever the log's size; rows are shuffled within a window, not across the whole log.
+blocks from several files, shuffles blocks in a bounded buffer, gathers them into windows of
+`window_rows` rows and hands the windows to `batches.window_batches`, the same function that
+cuts an in-memory log (one window per epoch) into batches. The input's memory is the block
+buffer and a few windows, whatever the log's size; rows are permuted within a window, and
+their order on disk is already random.
 
 The catalogue of a prepared log is its item vocabulary: catalogue code c is vocabulary index
-c + FIRST (items that occur only in held-out rows are out of vocabulary and cannot be served).
+c + FIRST. Items that occur only in held-out rows are out of vocabulary: they cannot be
+served, and a held-out row whose item is one of them is a miss.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ import pyarrow.parquet as pq
 import scipy.sparse as sp
 
 from tworec.features.interactions import DataError
-from tworec.features.shards import duckdb_session
+from tworec.features.shards import _sql_list, duckdb_session
 from tworec.features.vocab import FIRST, OOV
 
 SPLIT_CODES = {"train": 0, "validation": 1, "test": 2}
@@ -120,7 +124,7 @@ class PreparedLog:
                             "prepare it again into a new folder")
         counts = pq.read_table(os.path.join(folder, "items.parquet"),
                                columns=["count"]).column("count").to_numpy()
-        return cls(folder=folder, manifest=manifest,
+        return cls(folder=os.path.abspath(folder), manifest=manifest,
                    num_users=manifest["vocabulary"]["users"] + FIRST,
                    item_probability=(counts / max(counts.sum(), 1)).astype(np.float32),
                    train_files=tuple(os.path.join(folder, block["path"])
@@ -145,42 +149,47 @@ class PreparedLog:
     def training_batches(self, batch_size: int, seed=0, window_rows: int = WINDOW_ROWS,
                          shuffle_blocks: int = SHUFFLE_BLOCKS, cycle_length: int = CYCLE_LENGTH):
         """An endless dataset of shuffled {"user", "item", "history"} batches of the training
-        rows (module docstring); every batch holds `batch_size` rows. `seed` may be a tensor."""
+        rows (module docstring); every batch holds `batch_size` rows.
+
+        Each epoch reads every file once; its blocks form windows of at least `window_rows`
+        rows (and of 4 batches), so no window holds a row twice. `seed` may be a tensor (a
+        worker's `training.worker_seed()`): files and windows are then permuted by it too,
+        and only the block buffer's order is tf.data's own, which takes no symbolic seed."""
         import tensorflow as tf
         from tworec.features.batches import window_batches
+        block_rows = self.manifest["block_rows"]
+        window_blocks = -(-max(window_rows, 4 * batch_size) // block_rows)
+        block_seed = None if tf.is_tensor(seed) else int(seed)
         files = tf.constant(self.train_files)
-        # tf.data's shuffle takes no symbolic seed (a worker's seed, drawn in its dataset
-        # function): there the block order is the worker's own random one
-        block_seed = seed if isinstance(seed, int) else None
         seed = tf.cast(seed, tf.int64)
         length = self.history_length
 
-        def epoch_blocks(epoch: tf.Tensor) -> tf.data.Dataset:
+        def epoch_windows(epoch: tf.Tensor) -> tf.data.Dataset:
             order = tf.random.experimental.stateless_shuffle(
                 tf.range(tf.size(files)), seed=tf.stack([seed, -1 - epoch]))
-            return tf.data.Dataset.from_tensor_slices(tf.gather(files, order)).interleave(
+            blocks = tf.data.Dataset.from_tensor_slices(tf.gather(files, order)).interleave(
                 tf.data.TFRecordDataset, cycle_length=min(cycle_length, len(self.train_files)),
                 num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+            blocks = blocks.map(lambda record: parse_block(record, length),
+                                num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+            return blocks.shuffle(shuffle_blocks, seed=block_seed).ragged_batch(
+                window_blocks).map(lambda window: {name: values.values
+                                                   for name, values in window.items()})
 
-        blocks = (tf.data.Dataset.counter().flat_map(epoch_blocks)
-                  .map(lambda record: parse_block(record, length),
-                       num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-                  .shuffle(shuffle_blocks, seed=block_seed))
-        block_rows = self.manifest["block_rows"]
-        windows = blocks.ragged_batch(max(1, window_rows // block_rows)).map(
-            lambda window: {name: values.values for name, values in window.items()})
+        windows = tf.data.Dataset.counter().flat_map(epoch_windows)
         numbered = tf.data.Dataset.zip((tf.data.Dataset.counter(), windows))
         return window_batches(numbered, batch_size, shuffle=True, seed=seed,
                               drop_remainder=True)
 
     def heldout_batches(self, part: str = "test", batch_rows: int = 1024,
-                        memory_limit: str = "1GB"):
+                        memory_limit: str = "1GB", rows_per_pass: int = SEEN_ROWS_PER_PASS):
         """The held-out rows of `part` in batches, each with what the model knew of its user.
 
         Rows are read in passes over disjoint sets of users (`user % passes`, about
-        SEEN_ROWS_PER_PASS known rows each) by DuckDB from the Parquet shards: a pass holds its
-        held-out rows and their users' known rows (training rows for validation, training and
-        validation rows for test), never the whole log.
+        `rows_per_pass` rows each) by DuckDB from the Parquet shards: a pass holds its held-out
+        rows and their users' known rows (training rows for validation, training and
+        validation rows for test), never the whole log. Each pass scans the shards' user,
+        item and split columns once.
 
         Yields:
             dicts of "user" [b] int32 and "history" [b, L] int32 (the query features),
@@ -191,20 +200,23 @@ class PreparedLog:
         if part not in ("validation", "test"):
             raise DataError(f"unknown evaluation part {part!r}; use 'test' or 'validation'")
         code = SPLIT_CODES[part]
-        shards = os.path.join(self.folder, "shards", "*.parquet")
-        passes = max(1, -(-self.manifest["rows"] // SEEN_ROWS_PER_PASS))
+        shards = _sql_list([os.path.join(self.folder, shard["path"])
+                            for shard in self.manifest["shards"]])
+        passes = max(1, -(-self.manifest["rows"] // rows_per_pass))
         length = self.history_length
         with duckdb_session(self.folder, memory_limit) as connection:
             for number in range(passes):
-                where = f"FROM read_parquet('{shards}') WHERE user % {passes} = {number}"
+                where = f"FROM read_parquet({shards}) WHERE user % {passes} = {number}"
                 held = connection.sql(f"SELECT user, item, history {where} AND split = {code} "
                                       "ORDER BY row").to_arrow_table()
+                if not len(held):
+                    continue
                 seen = connection.sql(f"SELECT user, item {where} AND split < {code} "
                                       f"AND item >= {FIRST}").to_arrow_table()
                 users = held.column("user").to_numpy()
                 excluded = self._seen_matrix(users, seen.column("user").to_numpy(),
                                              seen.column("item").to_numpy() - FIRST)
-                history = pa.concat_arrays(held.column("history").chunks).flatten()
+                history = held.column("history").combine_chunks().flatten()
                 history = history.to_numpy().reshape(len(held), length)
                 items = held.column("item").to_numpy().astype(np.int64)
                 for start in range(0, len(held), batch_rows):
@@ -217,10 +229,9 @@ class PreparedLog:
                      seen_items: np.ndarray) -> sp.csr_matrix:
         """[len(users), num_items] CSR 0/1: row r holds the items of (seen_users, seen_items)
         pairs whose user is users[r]."""
-        unique, inverse = np.unique(users, return_inverse=True)
-        position = np.searchsorted(unique, seen_users)
-        position = np.minimum(position, max(len(unique) - 1, 0))
-        mine = (unique[position] == seen_users) if len(unique) else np.zeros(0, bool)
+        unique, inverse = np.unique(users, return_inverse=True)                 # users: [m] > 0
+        position = np.minimum(np.searchsorted(unique, seen_users), len(unique) - 1)
+        mine = unique[position] == seen_users
         matrix = sp.csr_matrix((np.ones(int(mine.sum()), np.float32),
                                 (position[mine], seen_items[mine])),
                                shape=(len(unique), self.num_items))

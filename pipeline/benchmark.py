@@ -221,10 +221,13 @@ def bench_scale(smoke: bool = False, steps: int = 2000, batch_size: int = 4096) 
     synthetic logs of 1M, 10M and 100M rows written as Parquet shards. Each side runs in a
     fresh process (so its peak resident memory is its own): the streaming side prepares the
     shards with DuckDB (`prepare_shards`, memory limit 1GB), measures the stream of training
-    batches alone, then trains the default two-tower model for `steps` steps of `batch_size`
-    from the stream (`fit_prepared`); the in-memory side loads the shards, splits and prepares
-    them in NumPy and trains the same steps (`fit`). `input_ratio` is the stream's examples/s
-    over the training step's, the smallest over the sizes."""
+    batches alone, then trains the default two-tower model (without item features, which a
+    prepared log does not carry) for `steps` steps of `batch_size` from the stream
+    (`fit_prepared`); the in-memory side loads the shards, splits and prepares them in NumPy
+    and trains the same model the same steps (`fit`). Each side then times the training step
+    alone, on one cached batch. `input_ratio` is the input's examples/s over the training
+    step's, the smallest over the sizes. The stream reads files just written, so mostly from
+    the page cache."""
     sizes, steps, batch_size = (("tiny",), 5, 256) if smoke else (SCALE_SIZES, steps, batch_size)
     root = tempfile.mkdtemp(prefix="bench-scale-")
     rows = []
@@ -274,8 +277,9 @@ def _scale_side(kind: str, source: str, steps: int, batch_size: int, out: str = 
     'in_memory') does; figures and this process's peak resident memory."""
     import tensorflow as tf  # noqa: F401  (loaded before the clock starts, as on both sides)
     from tworec.retrieval.config import preset
-    config = preset("default", batch_size=batch_size, epochs=1, early_stopping_patience=0)
-    seconds = 0.5 if steps < 100 else 3.0
+    config = preset("default", batch_size=batch_size, epochs=1, early_stopping_patience=0,
+                    use_item_features=False)
+    seconds, step_steps = (0.5, 5) if steps < 100 else (3.0, 100)
     start = time.perf_counter()
     if kind == "stream":
         from tworec.features.prepare import prepare_shards
@@ -284,8 +288,9 @@ def _scale_side(kind: str, source: str, steps: int, batch_size: int, out: str = 
         rows = prepare_shards(source, out)["rows"]
         prepare_seconds = time.perf_counter() - start
         prepared = PreparedLog.load(out)
-        input_rate = examples_per_second(prepared.training_batches(batch_size), seconds)
-        _, summary = fit_prepared(prepared, config, steps_per_epoch=steps, verbose=0)
+        stream = prepared.training_batches(batch_size)
+        input_rate = examples_per_second(stream, seconds)
+        model, summary = fit_prepared(prepared, config, steps_per_epoch=steps, verbose=0)
     else:
         from tworec.features import split
         from tworec.features.batches import batches
@@ -295,18 +300,30 @@ def _scale_side(kind: str, source: str, steps: int, batch_size: int, out: str = 
         log = load(source)
         data = prepare(log, split(log, "temporal"), history_length=20)
         rows, prepare_seconds = len(log), time.perf_counter() - start
-        input_rate = examples_per_second(batches(
-            data.examples["train"], batch_size, shuffle=True, epochs=None, drop_remainder=True),
-            seconds)
-        _, summary = fit(data, config, verbose=0, steps_per_epoch=steps, validate=False)
-    train_rate = summary["examples_per_second"]
+        stream = batches(data.examples["train"], batch_size, shuffle=True, epochs=None,
+                         drop_remainder=True)
+        input_rate = examples_per_second(stream, seconds)
+        model, summary = fit(data, config, verbose=0, steps_per_epoch=steps, validate=False)
+    step_rate = training_step_rate(model, stream, step_steps)
     return {"rows": rows, "peak_rss_gib": round(
                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
             "prepare_seconds": round(prepare_seconds, 1),
             "prepare_rows_per_second": round(rows / prepare_seconds),
-            "train_examples_per_second": round(train_rate),
+            "train_examples_per_second": round(summary["examples_per_second"]),
             "input_examples_per_second": round(input_rate),
-            "input_ratio": round(input_rate / train_rate, 1)}
+            "step_examples_per_second": round(step_rate),
+            "input_ratio": round(input_rate / step_rate, 1)}
+
+
+def training_step_rate(model, dataset, steps: int) -> float:
+    """Examples/s of the model's training step alone: `steps` steps on one cached batch of
+    `dataset`, after a warm-up."""
+    one = dataset.take(1).cache().repeat()
+    batch_size = int(next(iter(one))["user"].shape[0])
+    model.fit(one, steps_per_epoch=max(steps // 5, 1), epochs=1, verbose=0)
+    start = time.perf_counter()
+    model.fit(one, steps_per_epoch=steps, epochs=1, verbose=0)
+    return steps * batch_size / (time.perf_counter() - start)
 
 
 def _log(message: str) -> None:

@@ -105,14 +105,20 @@ def evaluate_prepared(model: TwoTower, prepared: PreparedLog, part: str = "test"
     """`evaluate_model` for a prepared log, in bounded memory: held-out rows arrive in batches
     with their users' known items (`PreparedLog.heldout_batches`), and each batch is scored
     against the whole catalogue ([b, num_items], at most SCORES_BYTES) as the export scores
-    it. A held-out item outside the catalogue is a miss."""
+    it; memory holds the candidates' embeddings, one batch and one rank per row.
+
+    The catalogue is the prepared log's (the items with training rows): a held-out item
+    outside it is a miss. On a log whose every item has training rows this equals
+    `evaluate_model`; otherwise `evaluate_model` also ranks the untrained items (all on the
+    OOV embedding) and can rank a held-out untrained item."""
     candidates = candidate_embeddings(model, prepared.num_items)                  # [I, d]
     popular = popular_order(prepared)
-    batch_rows = max(1, SCORES_BYTES // (4 * prepared.num_items))
+    batch_rows = int(np.clip(SCORES_BYTES // (4 * prepared.num_items), 1, 4096))
     ranks = []
     for rows in prepared.heldout_batches(part, batch_rows, memory_limit):
-        scores = model.query({"user": rows["user"], "history": rows["history"]}).numpy() \
-            @ candidates.T                                                        # [b, I]
+        queries = query_embeddings(model, {"user": rows["user"], "history": rows["history"]},
+                                   batch_size=batch_rows)                          # [b, d]
+        scores = queries @ candidates.T                                           # [b, I]
         scores[~rows["known"]] = popular
         outside = rows["target"] < 0
         found = target_ranks(scores, np.where(outside, 0, rows["target"]), rows["excluded"],

@@ -166,7 +166,7 @@ def test_benchmark_script_runs_every_part_small():
     scale = results["scale"]["sizes"][0]
     for side in (scale, scale["in_memory"]):
         assert side["rows"] > 0 and side["peak_rss_gib"] > 0 and side["input_ratio"] > 0, side
-    assert results["scale"]["input_ratio"] == scale["input_ratio"]
+    assert side["step_examples_per_second"] > 0 and results["scale"]["input_ratio"] > 1
 
 
 def test_the_prepared_log_snippet_runs_as_printed(tmp_path, capsys):

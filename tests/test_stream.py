@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import tensorflow as tf
@@ -56,17 +57,25 @@ def _training_rows(prepared: PreparedLog) -> list[tuple]:
     return rows
 
 
-def test_blocks_hold_exactly_the_training_rows_in_order(folders):
+def test_blocks_hold_exactly_the_training_rows_in_random_order(folders):
     _, prepared = folders
     assert len(prepared.train_files) == 4
     records = tf.data.TFRecordDataset(list(prepared.train_files))
     blocks = [parse_block(record, LENGTH) for record in records]
     assert max(len(block["user"]) for block in blocks) == BLOCK
     got = [row for block in blocks for row in _rows(block)]
-    assert got == _training_rows(prepared)
+    assert sorted(got) == sorted(_training_rows(prepared))
     assert len(got) == prepared.train_rows == sum(b["rows"] for b in prepared.manifest[
         "train_blocks"])
     assert all(block["item"].dtype == tf.int64 for block in blocks)
+    # the shards keep users together; the blocks are a uniform sample: ~44 of the 200 users
+    # among any 50 rows, where the shards' order gives a handful
+    users = np.array([row[0] for row in got])
+    distinct = [len(set(users[start:start + 50])) for start in range(0, len(users) - 50, 50)]
+    assert np.mean(distinct) > 40
+    in_shards = np.array([row[0] for row in _training_rows(prepared)])
+    assert np.mean([len(set(in_shards[start:start + 50]))
+                    for start in range(0, len(in_shards) - 50, 50)]) < 10
 
 
 def test_training_batches_are_shuffled_training_rows_the_seed_repeats(folders):
@@ -84,20 +93,27 @@ def test_training_batches_are_shuffled_training_rows_the_seed_repeats(folders):
     assert set(seen) <= set(training)
     assert len(set(seen)) > 0.97 * len(set(training))                  # ~3 epochs cover all
     assert batches[:5] == first(3, 5) != first(4, 5)
-    position = {row: n for n, row in enumerate(training)}
-    spread = [max(position[r] for r in batch) - min(position[r] for r in batch)
-              for batch in batches[:10]]
-    assert min(spread) > 2 * BLOCK                                      # rows from many blocks
+    for batch in batches[:epoch]:                                       # one epoch: no repeat
+        assert len(set(batch)) == len(batch)
     assert len(next(iter(prepared.training_batches(50, seed=worker_seed())))["user"]) == 50
+    # a batch larger than the window's rows widens the window instead of never coming
+    wide = prepared.training_batches(500, window_rows=300)
+    assert [len(batch["user"]) for batch in wide.take(3)] == [500] * 3
 
 
-def test_heldout_batches_equal_the_in_memory_eval_sets(folders):
+@pytest.mark.parametrize("rows_per_pass", [1 << 23, 500])
+def test_heldout_batches_equal_the_in_memory_eval_sets(folders, rows_per_pass):
     inputs, prepared = folders
     for part in ("validation", "test"):
         expected = eval_set(inputs.interactions, inputs.split, part)
-        order = np.argsort(expected.rows)
-        got = list(prepared.heldout_batches(part, batch_rows=64))
-        assert [len(b["user"]) for b in got[:-1]] == [64] * (len(got) - 1)
+        got = list(prepared.heldout_batches(part, batch_rows=64, rows_per_pass=rows_per_pass))
+        # pass by pass (users by index modulo the passes), each in the log's order
+        passes = -(-prepared.manifest["rows"] // rows_per_pass)
+        assert passes == (1 if rows_per_pass > 1e6 else 8)
+        log_order = np.argsort(expected.rows)
+        order = log_order[np.argsort(inputs.examples[part]["user"][log_order] % passes,
+                                     kind="stable")]
+        assert all(len(b["user"]) <= 64 for b in got)
         joined = {name: np.concatenate([b[name] for b in got])
                   for name in ("user", "history", "target", "known")}
         examples = inputs.examples[part]
@@ -140,17 +156,41 @@ def test_evaluation_of_a_prepared_log_equals_the_in_memory_evaluation(folders):
 
 
 def test_a_model_trains_from_the_stream(folders):
-    _, prepared = folders
+    inputs, prepared = folders
     config = preset("tiny", epochs=2, batch_size=64)
     model, summary = fit_prepared(prepared, config, steps_per_epoch=20, verbose=0)
     assert summary["epochs"] == 2 and summary["history"]["loss"][1] < summary["history"]["loss"][0]
-    assert model.user_embedding.input_dim == prepared.num_users == inputs_users(prepared)
+    assert model.user_embedding.input_dim == prepared.num_users == inputs.users.size
     metrics = evaluate_prepared(model, prepared, "test", ks=(10,))
     assert 0 < metrics["recall@10"] <= 1
 
 
-def inputs_users(prepared: PreparedLog) -> int:
-    return len(pq.read_table(f"{prepared.folder}/users.parquet")) + FIRST
+def test_a_held_out_item_outside_the_catalogue_is_a_miss(tmp_path):
+    """A user's last row names an item no training row has: it is out of the prepared
+    catalogue, so at K = the whole catalogue exactly the other rows whose item is not among
+    their user's known items are hits."""
+    table = _log_table()
+    last = int(np.argmax(table.column("timestamp").to_numpy()))
+    extra = table.slice(last, 1).to_pydict()
+    extra["item_id"], extra["timestamp"] = ["only-held-out"], [extra["timestamp"][0] + 1]
+    pq.write_table(pa.concat_tables([table, pa.table(extra, schema=table.schema)]),
+                   tmp_path / "log.parquet")
+    prepare_shards(str(tmp_path / "log.parquet"), str(tmp_path / "prepared"),
+                   history_length=LENGTH)
+    prepared = PreparedLog.load(str(tmp_path / "prepared"))
+    rows = list(prepared.heldout_batches("test"))
+    target = np.concatenate([b["target"] for b in rows])
+    user = np.concatenate([b["user"] for b in rows])
+    assert (target == -1).sum() == 1
+    model, _ = fit_prepared(prepared, preset("tiny", epochs=1, batch_size=64),
+                            steps_per_epoch=3, verbose=0)
+    known_target = np.concatenate([np.asarray(b["excluded"][np.arange(len(b["target"])),
+                                                          np.maximum(b["target"], 0)]).ravel()
+                                   for b in rows]) > 0
+    expected = np.mean((target >= 0) & ~known_target)
+    metrics = evaluate_prepared(model, prepared, "test", ks=(prepared.num_items,))
+    assert metrics[f"recall@{prepared.num_items}"] == pytest.approx(expected)
+    assert len(user) == prepared.manifest["split"]["test"]
 
 
 def test_the_prepare_module_says_progress_and_one_json_line(tmp_path):
@@ -161,9 +201,11 @@ def test_the_prepare_module_says_progress_and_one_json_line(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     rows = len(load(str(tmp_path / "log.parquet")))                  # duplicates dropped
-    assert done.stderr.splitlines() == [
-        f"[prepare] {tmp_path}/prepared/shards/part-00000.parquet: {rows:,} rows"]
     summary = json.loads(done.stdout)
+    assert done.stderr.splitlines() == [
+        f"[prepare] {tmp_path}/prepared/shards/part-00000.parquet: {rows:,} rows",
+        f"[prepare] {tmp_path}/prepared/train/part-00000.tfrecord: "
+        f"{summary['split']['train']:,} rows"]
     assert summary["rows"] == rows and summary["split"] == PreparedLog.load(
         str(tmp_path / "prepared")).manifest["split"]
     again = subprocess.run(command, capture_output=True, text=True, timeout=120)
