@@ -179,8 +179,9 @@ def test_export_of_sharded_tables_loads_without_the_cluster(cluster_run):
 
 
 def test_workers_stream_a_prepared_log_into_sharded_tables(prepared_log, tmp_path):
-    """Trained from the TFRecord blocks that each worker reads itself, the sharded model
-    learns, and scores within tolerance of one device trained on the same stream."""
+    """Trained from the TFRecord blocks that each worker reads itself (each its own shuffle),
+    the sharded model learns, and scores within tolerance of one device trained on the same
+    prepared log for the same steps."""
     code = CHIEF_PREPARED % {"epochs": 2, "partitioner": PARTITIONER, "steps": PREPARED_STEPS}
     result = run_cluster(tmp_path, code, str(tmp_path / "run"), prepared_log.folder)
     assert result["user_table_shards"] == 2

@@ -165,8 +165,8 @@ def test_benchmark_script_runs_every_part_small():
         done.stderr[-2000:]
     scale = results["scale"]["sizes"][0]
     for side in (scale, scale["in_memory"]):
-        assert side["rows"] > 0 and side["peak_rss_gib"] > 0 and side["input_ratio"] > 0, side
-    assert side["step_examples_per_second"] > 0 and results["scale"]["input_ratio"] > 1
+        assert side["rows"] > 0 and side["peak_rss_gib"] > 0, side
+        assert side["step_examples_per_second"] > 0 and side["input_ratio"] > 1, side
 
 
 def test_the_prepared_log_snippet_runs_as_printed(tmp_path, capsys):
