@@ -16,8 +16,43 @@ import time
 
 import tensorflow as tf
 
-OPTIMIZERS = {"adam": tf.keras.optimizers.Adam, "adagrad": tf.keras.optimizers.Adagrad,
-              "sgd": tf.keras.optimizers.SGD}
+
+class LazyAdam(tf.keras.optimizers.Adam):
+    """Adam whose sparse gradients (embedding lookups) update only the rows they touch: those
+    rows' moments and values, as TF Addons' `LazyAdam` (no longer maintained) did. Keras's
+    Adam decays both moments and moves every row of a table at every step, which for a table
+    of 1M rows costs memory and time of the whole table (and its two moments) per step; this
+    costs them for the batch's rows. Dense gradients take Adam's update unchanged, and a
+    sparse gradient over every row equals Adam's step exactly."""
+
+    def __init__(self, *args, amsgrad: bool = False, **kwargs):
+        if amsgrad:
+            raise ValueError("LazyAdam does not support amsgrad; use Keras's Adam for it")
+        super().__init__(*args, **kwargs)
+
+    def update_step(self, gradient, variable):
+        if not isinstance(gradient, tf.IndexedSlices):
+            return super().update_step(gradient, variable)
+        dtype = variable.dtype
+        step = tf.cast(self.iterations + 1, dtype)
+        beta_1, beta_2 = tf.cast(self.beta_1, dtype), tf.cast(self.beta_2, dtype)
+        correction = tf.sqrt(1 - tf.pow(beta_2, step)) / (1 - tf.pow(beta_1, step))
+        epsilon = self.epsilon * (tf.sqrt(1 - tf.pow(beta_2, step)) if self.adaptive_epsilon
+                                  else 1.0)
+        slot = self._index_dict[self._var_key(variable)]
+        m, v = self._momentums[slot], self._velocities[slot]
+        rows, values = gradient.indices, gradient.values           # unique rows (deduplicated)
+        m_rows = beta_1 * tf.gather(m, rows) + (1 - beta_1) * values
+        v_rows = beta_2 * tf.gather(v, rows) + (1 - beta_2) * tf.square(values)
+        m.scatter_update(tf.IndexedSlices(m_rows, rows))
+        v.scatter_update(tf.IndexedSlices(v_rows, rows))
+        learning_rate = tf.cast(self.learning_rate, dtype) * correction
+        variable.scatter_sub(tf.IndexedSlices(
+            learning_rate * m_rows / (tf.sqrt(v_rows) + epsilon), rows))
+
+
+OPTIMIZERS = {"adam": tf.keras.optimizers.Adam, "lazy_adam": LazyAdam,
+              "adagrad": tf.keras.optimizers.Adagrad, "sgd": tf.keras.optimizers.SGD}
 
 
 def make_strategy(name: str, partitioner: str = "min_size") -> tf.distribute.Strategy:

@@ -8,12 +8,12 @@ import json
 
 from tworec.features.inputs import DATA_PRESETS, DataConfig
 from tworec.ranking.config import MODELS, PRESETS as RANKING_PRESETS, TASKS, RankingConfig
-from tworec.retrieval.config import (ENCODERS, PRESETS as RETRIEVAL_PRESETS, STRATEGIES,
-                                     RetrievalConfig)
+from tworec.retrieval.config import (ENCODERS, OPTIMIZERS, PRESETS as RETRIEVAL_PRESETS,
+                                     STRATEGIES, RetrievalConfig)
 
 PRESETS = sorted(DATA_PRESETS)
 __all__ = ["Configs", "RunConfig", "resolve", "read", "write", "PRESETS", "ENCODERS",
-           "STRATEGIES", "MODELS", "TASKS"]
+           "OPTIMIZERS", "STRATEGIES", "MODELS", "TASKS"]
 
 
 @dataclasses.dataclass(frozen=True)

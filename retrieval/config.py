@@ -7,6 +7,7 @@ import re
 
 ENCODERS = ("none", "mean", "gru", "transformer")
 STRATEGIES = ("default", "mirrored", "multi_worker", "parameter_server")
+OPTIMIZERS = ("adam", "lazy_adam", "adagrad", "sgd")   # lazy_adam: sparse updates of big tables
 PARTITIONER = re.compile(r"min_size(:0*[1-9][0-9]*)?|fixed:0*[1-9][0-9]*")   # positive N
 
 
@@ -43,6 +44,8 @@ class RetrievalConfig:
         if self.history_encoder != "none" and history_length is not None and history_length <= 0:
             raise ValueError(f"history_encoder {self.history_encoder!r} needs history_length > 0, "
                              f"got {history_length}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer {self.optimizer!r}: choose one of {OPTIMIZERS}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy {self.strategy!r}: choose one of {STRATEGIES}")
         if not PARTITIONER.fullmatch(self.partitioner):

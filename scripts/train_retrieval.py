@@ -4,13 +4,14 @@ and exports `retrieval` (brute force) and `retrieval_scann` SavedModels.
     python scripts/train_retrieval.py --data SOURCE --out RUN [--split temporal|random]
         [--preset tiny|default] [--epochs N]
         [--strategy default|mirrored|multi_worker|parameter_server] [--partitioner min_size]
+        [--optimizer adam|lazy_adam|adagrad|sgd]
 
 The run folder can then be given to `train_ranking.py --retrieval-run RUN`.
 """
 import sys
 
 from tworec.pipeline import cli
-from tworec.pipeline.config import ENCODERS, STRATEGIES
+from tworec.pipeline.config import ENCODERS, OPTIMIZERS, STRATEGIES
 
 
 def main(argv=None) -> int:
@@ -20,6 +21,9 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--history-encoder", choices=ENCODERS)
     parser.add_argument("--strategy", choices=STRATEGIES)
+    parser.add_argument("--optimizer", choices=OPTIMIZERS,
+                        help="adam (default); lazy_adam updates only the embedding rows a batch "
+                             "touches, for tables of millions of rows")
     parser.add_argument("--partitioner",
                         help="--strategy parameter_server: how the embedding tables split "
                              "across the ps tasks: min_size (default), min_size:BYTES, fixed:N")
@@ -32,6 +36,7 @@ def main(argv=None) -> int:
     retrieval = {name: value for name, value in (
         ("batch_size", args.batch_size), ("history_encoder", args.history_encoder),
         ("strategy", args.strategy), ("partitioner", args.partitioner),
+        ("optimizer", args.optimizer),
         ("mixed_precision", args.mixed_precision),
         ("jit_compile", args.jit_compile)) if value is not None}
     from tworec.pipeline.run import RETRIEVAL_ONLY

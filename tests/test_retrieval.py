@@ -11,7 +11,7 @@ from tworec.features.inputs import prepare
 from tworec.features.synthetic import PRESETS
 from tworec.retrieval.config import preset
 from tworec.retrieval.index import ScannParams, build_index, exact_top_k, tune_scann
-from tworec.retrieval.model import right_align
+from tworec.retrieval.model import in_batch_softmax_loss, right_align
 from tworec.retrieval.train import candidate_embeddings, evaluate_model, fit, query_embeddings
 
 
@@ -34,6 +34,7 @@ def trained():
     ({"history_encoder": "lstm"}, 5, "history_encoder 'lstm'"),
     ({}, 0, "needs history_length > 0"),
     ({"strategy": "tpu"}, 5, "strategy 'tpu'"),
+    ({"optimizer": "lamb"}, 5, "optimizer 'lamb'"),
     ({"epochs": 0}, 5, "epochs must be positive"),
 ])
 def test_settings_that_cannot_work_fail_before_training(overrides, history_length, message):
@@ -278,3 +279,31 @@ def test_scann_export_loads_and_answers(trained, tmp_path):
     users = log.user_ids[:4]
     assert np.array_equal(run("serving_default", user_id=users)["item_ids"],
                           brute_run("serving_default", user_id=users)["item_ids"])
+
+
+@pytest.mark.parametrize("temperature, logq, remove_hits, hard_negatives", [
+    (1.0, False, False, None), (0.05, True, True, None), (0.1, True, True, 3),
+    (0.1, False, True, 50)])
+def test_in_batch_softmax_loss_is_the_tfrs_retrieval_loss(temperature, logq, remove_hits,
+                                                          hard_negatives):
+    """Same loss and gradients as TFRS's task, with accidental hits (ids repeat), a
+    probability below TFRS's clip, and more hard negatives than the batch holds."""
+    import tensorflow_recommenders as tfrs   # after tworec, which selects Keras 2
+    rng = np.random.default_rng(0)
+    query, candidate = (tf.Variable(rng.normal(size=(9, 4)).astype(np.float32)) for _ in "qc")
+    ids = tf.constant([3, 1, 3, 0, 2, 1, 3, 5, 4])
+    probability = tf.constant([0.3, 0.2, 0.3, 1e-8, 0.1, 0.2, 0.3, 0.05, 0.5]) if logq else None
+    task = tfrs.tasks.Retrieval(temperature=temperature, remove_accidental_hits=remove_hits,
+                                num_hard_negatives=hard_negatives)
+    results = []
+    for loss in (lambda: task(query, candidate, candidate_sampling_probability=probability,
+                              candidate_ids=ids if remove_hits else None,
+                              compute_metrics=False, compute_batch_metrics=False),
+                 lambda: in_batch_softmax_loss(query, candidate, temperature, probability,
+                                               ids if remove_hits else None, hard_negatives)):
+        with tf.GradientTape() as tape:
+            value = loss()
+        results.append([value.numpy(), *(g.numpy() for g in tape.gradient(value,
+                                                                            [query, candidate]))])
+    for expected, got in zip(*results):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tworec.features.training import best_epoch
+from tworec.features.training import LazyAdam, best_epoch
 
 
 class PlantedScore(tf.keras.callbacks.Callback):
@@ -46,3 +46,36 @@ def test_best_epoch_is_the_one_whose_weights_are_kept(scores, epochs, patience, 
     assert best_epoch(callbacks, epochs, "s", verbose=1) == best
     assert capsys.readouterr().out == said
     assert callbacks[1].best_epoch + 1 == best
+
+
+def sparse_step(optimizer, table, rows, values):
+    optimizer.apply_gradients([(tf.IndexedSlices(tf.constant(values, tf.float32),
+                                                 tf.constant(rows), tf.constant(table.shape)),
+                                table)])
+
+
+def test_lazy_adam_on_every_row_is_adam():
+    start = np.random.default_rng(0).normal(size=(4, 3)).astype(np.float32)
+    tables = [tf.Variable(start) for _ in range(2)]
+    optimizers = [tf.keras.optimizers.Adam(0.1), LazyAdam(0.1)]
+    for step in range(3):
+        values = np.random.default_rng(step + 1).normal(size=(4, 3))
+        for optimizer, table in zip(optimizers, tables):
+            sparse_step(optimizer, table, [2, 0, 3, 1], values)
+    np.testing.assert_allclose(tables[1].numpy(), tables[0].numpy(), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(tables[1].numpy(), start)
+
+
+def test_lazy_adam_moves_only_the_rows_it_sees():
+    """Two steps by hand: rows outside a step keep their value and their moments; a row twice
+    in one gradient gets the sum."""
+    start = np.arange(8, dtype=np.float32).reshape(4, 2)
+    table, optimizer = tf.Variable(start), LazyAdam(0.5, beta_1=0.5, beta_2=0.75, epsilon=0.0)
+    sparse_step(optimizer, table, [1, 1], [[1.0, 2.0], [3.0, -4.0]])   # row 1: g = (4, -2)
+    sparse_step(optimizer, table, [3], [[2.0, 2.0]])                   # row 3 at step 2
+    expected = start.copy()
+    m, v = 0.5 * np.array([4.0, -2.0]), 0.25 * np.array([16.0, 4.0])  # row 1 after step 1
+    expected[1] -= 0.5 * np.sqrt(1 - 0.75) / (1 - 0.5) * m / np.sqrt(v)
+    m, v = 0.5 * np.array([2.0, 2.0]), 0.25 * np.array([4.0, 4.0])    # row 3, first moments
+    expected[3] -= 0.5 * np.sqrt(1 - 0.75 ** 2) / (1 - 0.5 ** 2) * m / np.sqrt(v)
+    np.testing.assert_allclose(table.numpy(), expected, rtol=1e-6)
