@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from tworec.evaluation.metrics import KS, evaluate_ranks, rank_metrics
+import scipy.sparse as sp
+
+from tworec.evaluation.metrics import KS, evaluate_ranks, prepared_ranks, rank_metrics
 from tworec.evaluation.sets import EvalSet
 from tworec.features.history import transition_counts
 from tworec.features.interactions import Interactions, interaction_matrix
 from tworec.features.splits import Split
+from tworec.features.stream import PreparedLog
+from tworec.features.vocab import FIRST
 
 EASE_MAX_ITEMS = 20_000
 
@@ -42,13 +46,20 @@ def ease_scorer(interactions: Interactions, train: np.ndarray, evalset: EvalSet,
 
 def transition_scorer(interactions: Interactions, train: np.ndarray, evalset: EvalSet):
     """Score of item j = how often j followed the user's last item; popularity breaks ties."""
-    transitions = transition_counts(interactions, train)
-    popularity = np.bincount(interactions.item[train], minlength=interactions.num_items)
-    tie_break = (popularity / (popularity.max() + 1.0)).astype(np.float32)   # < 1
+    score = transition_scores(transition_counts(interactions, train),
+                              np.bincount(interactions.item[train],
+                                          minlength=interactions.num_items))
+    return lambda positions: score(evalset.last_item[positions])
 
-    def score(positions):
-        last = evalset.last_item[positions]
-        scores = np.zeros((len(positions), interactions.num_items), dtype=np.float32)
+
+def transition_scores(transitions: sp.csr_matrix, popularity: np.ndarray):
+    """last items [b] (-1: none) -> scores [b, num_items]: how often each item followed the
+    last item ([num_items, num_items] `transitions`), plus its share of the most popular
+    item's count (< 1, breaking ties)."""
+    tie_break = (popularity / (popularity.max() + 1.0)).astype(np.float32)
+
+    def score(last: np.ndarray) -> np.ndarray:
+        scores = np.zeros((len(last), len(popularity)), dtype=np.float32)
         has_last = last >= 0
         scores[has_last] = transitions[last[has_last]].toarray()
         return scores + tie_break
@@ -73,3 +84,23 @@ def baselines(interactions: Interactions, parts: Split, evalset: EvalSet, ks=KS)
     """Metrics of popularity, EASE (None past EASE_MAX_ITEMS items) and item transitions."""
     return {name: None if ranks is None else rank_metrics(ranks, ks)
             for name, ranks in baseline_ranks(interactions, parts, evalset).items()}
+
+
+def prepared_baselines(prepared: PreparedLog, part: str = "test", ks=KS,
+                       memory_limit: str = "1GB") -> dict:
+    """`baselines` of a prepared log, in bounded memory: popularity and item transitions fit on
+    its training rows, counted by DuckDB (`PreparedLog.item_counts`, `transition_counts`),
+    scored batch by batch (`prepared_ranks`); a held-out row's last item is its last history
+    slot. EASE, a dense inverse over the catalogue, is None. Equal to `baselines` when every
+    item has training rows."""
+    transitions = transition_scores(prepared.transition_counts(memory_limit),
+                                    prepared.item_counts)
+    counts = prepared.item_counts.astype(np.float32)
+    scorers = {"popularity": lambda rows: np.broadcast_to(counts, (len(rows["user"]),
+                                                                   len(counts))),
+               "item_transition": lambda rows: transitions(
+                   rows["history"][:, -1].astype(np.int64) - FIRST)}
+    results = {name: rank_metrics(prepared_ranks(score, prepared, part, name, memory_limit), ks)
+               for name, score in scorers.items()}
+    return {"popularity": results["popularity"], "ease": None,
+            "item_transition": results["item_transition"]}

@@ -16,6 +16,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from tworec.evaluation.sets import EvalSet
+from tworec.features.stream import SCORES_BYTES, PreparedLog
 
 KS = (10, 20, 50, 100)
 
@@ -144,6 +145,23 @@ def evaluate_ranks(score_rows: Callable[[np.ndarray], np.ndarray], evalset: Eval
     return np.concatenate([target_ranks(score_rows(positions), evalset.targets[positions],
                                         evalset.excluded[positions], name)
                            for positions in batches]).astype(np.int64)
+
+
+def prepared_ranks(score_batch: Callable[[dict], np.ndarray], prepared: PreparedLog,
+                   part: str = "test", name: str = "model", memory_limit: str = "1GB"
+                   ) -> np.ndarray:
+    """`evaluate_ranks` for a prepared log, in bounded memory: [m] rank of every held-out row
+    of `part` under a scorer that maps a batch of `PreparedLog.heldout_batches` to scores
+    [b, num_items] (at most SCORES_BYTES a batch). A target outside the catalogue (no
+    training row) is a miss."""
+    batch_rows = int(np.clip(SCORES_BYTES // (4 * prepared.num_items), 1, 4096))
+    ranks = []
+    for rows in prepared.heldout_batches(part, batch_rows, memory_limit):
+        outside = rows["target"] < 0
+        found = target_ranks(score_batch(rows), np.where(outside, 0, rows["target"]),
+                             rows["excluded"], name)
+        ranks.append(np.where(outside, MISS, found))
+    return np.concatenate(ranks) if ranks else np.zeros(0, np.int64)
 
 
 def evaluate(score_rows: Callable[[np.ndarray], np.ndarray], evalset: EvalSet, ks=KS,

@@ -101,14 +101,14 @@ class PreparedLog:
     Attributes:
         folder: the prepared folder. manifest: its `manifest.json`.
         num_users: rows of the user vocabulary (padding and OOV included).
-        item_probability: [num_items] float32 share of training rows (logQ correction).
+        item_counts: [num_items] int64 training rows of every catalogue item.
         train_files: the TFRecord files of the training rows.
     """
 
     folder: str
     manifest: dict
     num_users: int
-    item_probability: np.ndarray
+    item_counts: np.ndarray
     train_files: tuple[str, ...]
 
     @classmethod
@@ -125,14 +125,18 @@ class PreparedLog:
         counts = pq.read_table(os.path.join(folder, "items.parquet"),
                                columns=["count"]).column("count").to_numpy()
         return cls(folder=os.path.abspath(folder), manifest=manifest,
-                   num_users=manifest["vocabulary"]["users"] + FIRST,
-                   item_probability=(counts / max(counts.sum(), 1)).astype(np.float32),
+                   num_users=manifest["vocabulary"]["users"] + FIRST, item_counts=counts,
                    train_files=tuple(os.path.join(folder, block["path"])
                                      for block in manifest["train_blocks"]))
 
     @property
     def num_items(self) -> int:
-        return len(self.item_probability)
+        return len(self.item_counts)
+
+    @property
+    def item_probability(self) -> np.ndarray:
+        """[num_items] float32 share of training rows (logQ correction)."""
+        return (self.item_counts / max(self.item_counts.sum(), 1)).astype(np.float32)
 
     @property
     def history_length(self) -> int:
@@ -180,6 +184,24 @@ class PreparedLog:
         numbered = tf.data.Dataset.zip((tf.data.Dataset.counter(), windows))
         return window_batches(numbered, batch_size, shuffle=True, seed=seed,
                               drop_remainder=True)
+
+    def transition_counts(self, memory_limit: str = "1GB") -> sp.csr_matrix:
+        """[num_items, num_items] float32 CSR: how often catalogue item j directly followed
+        item i in a user's training rows (`features.history.transition_counts` of the training
+        rows), counted by DuckDB over the shards: a training row's last history slot is its
+        user's previous training row. Memory holds one count per distinct pair."""
+        shards = _sql_list([os.path.join(self.folder, shard["path"])
+                            for shard in self.manifest["shards"]])
+        with duckdb_session(self.folder, memory_limit) as connection:
+            pairs = connection.sql(
+                f"SELECT history[{self.history_length}] - {FIRST} AS previous, "
+                f"item - {FIRST} AS next, COUNT(*) AS n FROM read_parquet({shards}) "
+                f"WHERE split = 0 AND history[{self.history_length}] >= {FIRST} "
+                "GROUP BY ALL").to_arrow_table()
+        return sp.csr_matrix((pairs.column("n").to_numpy().astype(np.float32),
+                              (pairs.column("previous").to_numpy(),
+                               pairs.column("next").to_numpy())),
+                             shape=(self.num_items, self.num_items))
 
     def heldout_batches(self, part: str = "test", batch_rows: int = 1024,
                         memory_limit: str = "1GB", rows_per_pass: int = SEEN_ROWS_PER_PASS):

@@ -4,11 +4,11 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from tworec.evaluation import KS, MISS, EvalSet, eval_set, evaluate, top_k_rows
-from tworec.evaluation.metrics import rank_metrics, target_ranks
+from tworec.evaluation import KS, EvalSet, eval_set, evaluate, top_k_rows
+from tworec.evaluation.metrics import prepared_ranks, rank_metrics
 from tworec.features.batches import batches, steps_per_epoch as one_pass
 from tworec.features.inputs import EMPTY_SLOT, ModelInputs
-from tworec.features.stream import SCORES_BYTES, PreparedLog
+from tworec.features.stream import PreparedLog
 from tworec.features.vocab import FIRST
 from tworec.features.training import (make_optimizer, make_strategy, mixed_precision, train,
                                       worker_seed)
@@ -113,18 +113,14 @@ def evaluate_prepared(model: TwoTower, prepared: PreparedLog, part: str = "test"
     OOV embedding) and can rank a held-out untrained item."""
     candidates = candidate_embeddings(model, prepared.num_items)                  # [I, d]
     popular = popular_order(prepared)
-    batch_rows = int(np.clip(SCORES_BYTES // (4 * prepared.num_items), 1, 4096))
-    ranks = []
-    for rows in prepared.heldout_batches(part, batch_rows, memory_limit):
+
+    def score(rows: dict) -> np.ndarray:
         queries = query_embeddings(model, {"user": rows["user"], "history": rows["history"]},
-                                   batch_size=batch_rows)                          # [b, d]
+                                   batch_size=len(rows["user"]))                  # [b, d]
         scores = queries @ candidates.T                                           # [b, I]
         scores[~rows["known"]] = popular
-        outside = rows["target"] < 0
-        found = target_ranks(scores, np.where(outside, 0, rows["target"]), rows["excluded"],
-                             "retrieval")
-        ranks.append(np.where(outside, MISS, found))
-    return rank_metrics(np.concatenate(ranks) if ranks else np.zeros(0, np.int64), ks)
+        return scores
+    return rank_metrics(prepared_ranks(score, prepared, part, "retrieval", memory_limit), ks)
 
 
 def top_candidates(model: TwoTower, data: ModelInputs, part: str, k: int,

@@ -181,8 +181,9 @@ def test_the_prepared_log_snippet_runs_as_printed(tmp_path, capsys):
     exec(snippet.replace('"PREPARED"', repr(str(tmp_path / "prepared")))
          .replace("batch_size=4096", "batch_size=64").replace("2000", "5"), {})
     printed = capsys.readouterr().out.splitlines()
-    assert printed[0].startswith("[retrieval] epoch 1/1: loss ") and len(printed) == 2
-    assert printed[-1].startswith("{'recall@10': ")
+    assert printed[0].startswith("[retrieval] epoch 1/1: loss ") and len(printed) == 3
+    assert printed[1].startswith("{'recall@10': ")
+    assert printed[2].startswith("{'popularity': {'recall@10': ") and "'ease': None" in printed[2]
 
 
 def test_the_ceiling_snippet_runs_as_printed(capsys):

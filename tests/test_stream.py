@@ -12,7 +12,8 @@ import pytest
 import tensorflow as tf
 
 from test_prepare import LENGTH, _log_table
-from tworec.evaluation import eval_set
+from tworec.evaluation import baselines, eval_set, prepared_baselines
+from tworec.features.history import transition_counts
 from tworec.features.inputs import prepare
 from tworec.features.prepare import prepare_shards
 from tworec.features.sources import load
@@ -153,6 +154,25 @@ def test_evaluation_of_a_prepared_log_equals_the_in_memory_evaluation(folders):
         expected = evaluate_model(model, inputs, part)
         got = evaluate_prepared(_PreparedCodes(model, inputs), prepared, part)
         assert got == pytest.approx(expected, abs=1e-9)
+
+
+def test_baselines_of_a_prepared_log_equal_the_in_memory_baselines(folders):
+    inputs, prepared = folders
+    log, parts = inputs.interactions, inputs.split
+    codes = inputs.item_index - FIRST                  # in-memory code -> prepared code
+    expected = transition_counts(log, parts.train).toarray()
+    got = prepared.transition_counts().toarray()
+    assert expected.sum() > 100
+    np.testing.assert_array_equal(got[np.ix_(codes, codes)], expected)
+    np.testing.assert_array_equal(prepared.item_counts[codes],
+                                  np.bincount(log.item[parts.train], minlength=log.num_items))
+    for part in ("validation", "test"):
+        memory = baselines(log, parts, eval_set(log, parts, part), ks=(1, 5, 10))
+        streamed = prepared_baselines(prepared, part, ks=(1, 5, 10))
+        assert streamed["ease"] is None
+        for name in ("popularity", "item_transition"):
+            assert streamed[name] == pytest.approx(memory[name], abs=1e-12), (part, name)
+        assert streamed["item_transition"] != streamed["popularity"]
 
 
 def test_a_model_trains_from_the_stream(folders):
