@@ -22,13 +22,16 @@ class LazyAdam(tf.keras.optimizers.Adam):
     rows' moments and values, as TF Addons' `LazyAdam` (no longer maintained) did. Keras's
     Adam decays both moments and moves every row of a table at every step, which for a table
     of 1M rows costs memory and time of the whole table (and its two moments) per step; this
-    costs them for the batch's rows. Dense gradients take Adam's update unchanged, and a
-    sparse gradient over every row equals Adam's step exactly."""
+    costs them for the batch's rows. It is another algorithm: a row's moments stay as they
+    are while the row is out of the batches, and the bias correction counts the global step.
+    Dense gradients take Adam's update unchanged, and a sparse gradient over every row equals
+    Adam's step exactly. The moments are updated by adding to them, as Adam does, so that
+    parameter-server workers updating a row at once both count."""
 
-    def __init__(self, *args, amsgrad: bool = False, **kwargs):
-        if amsgrad:
+    def __init__(self, *args, name: str = "LazyAdam", **kwargs):
+        super().__init__(*args, name=name, **kwargs)
+        if self.amsgrad:
             raise ValueError("LazyAdam does not support amsgrad; use Keras's Adam for it")
-        super().__init__(*args, **kwargs)
 
     def update_step(self, gradient, variable):
         if not isinstance(gradient, tf.IndexedSlices):
@@ -42,10 +45,12 @@ class LazyAdam(tf.keras.optimizers.Adam):
         slot = self._index_dict[self._var_key(variable)]
         m, v = self._momentums[slot], self._velocities[slot]
         rows, values = gradient.indices, gradient.values           # unique rows (deduplicated)
-        m_rows = beta_1 * tf.gather(m, rows) + (1 - beta_1) * values
-        v_rows = beta_2 * tf.gather(v, rows) + (1 - beta_2) * tf.square(values)
-        m.scatter_update(tf.IndexedSlices(m_rows, rows))
-        v.scatter_update(tf.IndexedSlices(v_rows, rows))
+        m_rows, v_rows = tf.gather(m, rows), tf.gather(v, rows)
+        m_change = (1 - beta_1) * (values - m_rows)                 # m <- b1 m + (1 - b1) g
+        v_change = (1 - beta_2) * (tf.square(values) - v_rows)
+        m.scatter_add(tf.IndexedSlices(m_change, rows))
+        v.scatter_add(tf.IndexedSlices(v_change, rows))
+        m_rows, v_rows = m_rows + m_change, v_rows + v_change
         learning_rate = tf.cast(self.learning_rate, dtype) * correction
         variable.scatter_sub(tf.IndexedSlices(
             learning_rate * m_rows / (tf.sqrt(v_rows) + epsilon), rows))

@@ -54,6 +54,9 @@ class RetrievalConfig:
         for name in ("embedding_dim", "batch_size", "epochs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_hard_negatives is not None and self.num_hard_negatives <= 0:
+            raise ValueError("num_hard_negatives must be None or positive, got "
+                             f"{self.num_hard_negatives}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be positive, got {self.temperature}")
 

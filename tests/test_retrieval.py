@@ -35,6 +35,7 @@ def trained():
     ({}, 0, "needs history_length > 0"),
     ({"strategy": "tpu"}, 5, "strategy 'tpu'"),
     ({"optimizer": "lamb"}, 5, "optimizer 'lamb'"),
+    ({"num_hard_negatives": 0}, 5, "num_hard_negatives must be None or positive"),
     ({"epochs": 0}, 5, "epochs must be positive"),
 ])
 def test_settings_that_cannot_work_fail_before_training(overrides, history_length, message):
@@ -66,10 +67,11 @@ def test_every_history_encoder_trains(encoder):
     assert query_embeddings(model, data.examples["test"]).shape == (len(data.examples["test"]["user"]), 16)
 
 
-def test_mixed_precision_and_jit_compile_run_on_cpu():
+@pytest.mark.parametrize("optimizer", ["adam", "lazy_adam"])
+def test_mixed_precision_and_jit_compile_run_on_cpu(optimizer):
     log = generate(PRESETS["tiny"], seed=2)
     model, data, summary = train(log, split(log), preset("tiny", epochs=1, mixed_precision=True,
-                                                         jit_compile=True))
+                                                         jit_compile=True, optimizer=optimizer))
     assert np.isfinite(summary["history"]["loss"]).all()
     assert tf.keras.mixed_precision.global_policy().name == "float32"
     assert query_embeddings(model, data.examples["test"]).dtype == np.float32

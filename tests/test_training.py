@@ -54,10 +54,12 @@ def sparse_step(optimizer, table, rows, values):
                                 table)])
 
 
-def test_lazy_adam_on_every_row_is_adam():
+@pytest.mark.parametrize("epsilon, adaptive", [(1e-7, False), (0.5, False), (0.5, True)])
+def test_lazy_adam_on_every_row_is_adam(epsilon, adaptive):
     start = np.random.default_rng(0).normal(size=(4, 3)).astype(np.float32)
     tables = [tf.Variable(start) for _ in range(2)]
-    optimizers = [tf.keras.optimizers.Adam(0.1), LazyAdam(0.1)]
+    optimizers = [kind(0.1, epsilon=epsilon, adaptive_epsilon=adaptive)
+                  for kind in (tf.keras.optimizers.Adam, LazyAdam)]
     for step in range(3):
         values = np.random.default_rng(step + 1).normal(size=(4, 3))
         for optimizer, table in zip(optimizers, tables):
@@ -67,8 +69,8 @@ def test_lazy_adam_on_every_row_is_adam():
 
 
 def test_lazy_adam_moves_only_the_rows_it_sees():
-    """Two steps by hand: rows outside a step keep their value and their moments; a row twice
-    in one gradient gets the sum."""
+    """Two steps by hand: rows outside a step keep their value and their moments (Adam would
+    decay them); a row twice in one gradient gets the sum."""
     start = np.arange(8, dtype=np.float32).reshape(4, 2)
     table, optimizer = tf.Variable(start), LazyAdam(0.5, beta_1=0.5, beta_2=0.75, epsilon=0.0)
     sparse_step(optimizer, table, [1, 1], [[1.0, 2.0], [3.0, -4.0]])   # row 1: g = (4, -2)
@@ -79,3 +81,12 @@ def test_lazy_adam_moves_only_the_rows_it_sees():
     m, v = 0.5 * np.array([2.0, 2.0]), 0.25 * np.array([4.0, 4.0])    # row 3, first moments
     expected[3] -= 0.5 * np.sqrt(1 - 0.75 ** 2) / (1 - 0.5 ** 2) * m / np.sqrt(v)
     np.testing.assert_allclose(table.numpy(), expected, rtol=1e-6)
+    moments = [optimizer._momentums[0].numpy(), optimizer._velocities[0].numpy()]
+    np.testing.assert_allclose(moments[0][[0, 1, 2]], [[0, 0], [2, -1], [0, 0]])
+    np.testing.assert_allclose(moments[1][[0, 1, 2]], [[0, 0], [4, 1], [0, 0]])
+    np.testing.assert_allclose(moments[0][3], m)
+
+
+def test_lazy_adam_refuses_amsgrad():
+    with pytest.raises(ValueError, match="amsgrad"):
+        LazyAdam(0.1, amsgrad=True)
