@@ -86,13 +86,14 @@ def baselines(interactions: Interactions, parts: Split, evalset: EvalSet, ks=KS)
             for name, ranks in baseline_ranks(interactions, parts, evalset).items()}
 
 
-def prepared_baselines(prepared: PreparedLog, part: str = "test", ks=KS,
-                       memory_limit: str = "1GB") -> dict:
-    """`baselines` of a prepared log, in bounded memory: popularity and item transitions fit on
-    its training rows, counted by DuckDB (`PreparedLog.item_counts`, `transition_counts`),
-    scored batch by batch (`prepared_ranks`); a held-out row's last item is its last history
-    slot. EASE, a dense inverse over the catalogue, is None. Equal to `baselines` when every
-    item has training rows."""
+def prepared_baseline_ranks(prepared: PreparedLog, part: str = "test",
+                            memory_limit: str = "1GB") -> dict[str, np.ndarray | None]:
+    """`baseline_ranks` of a prepared log: popularity and item transitions fit on its
+    training rows, counted by DuckDB (`PreparedLog.item_counts`, `transition_counts`), scored
+    batch by batch in one read of the held-out rows (`prepared_ranks`); a held-out row's last
+    item is its last history slot. EASE, a dense inverse over the catalogue, is None. Memory
+    holds the counts and one batch. A held-out item without training rows is a miss (in
+    memory it ranks below every trained item the user has not seen)."""
     transitions = transition_scores(prepared.transition_counts(memory_limit),
                                     prepared.item_counts)
     counts = prepared.item_counts.astype(np.float32)
@@ -100,7 +101,13 @@ def prepared_baselines(prepared: PreparedLog, part: str = "test", ks=KS,
                                                                    len(counts))),
                "item_transition": lambda rows: transitions(
                    rows["history"][:, -1].astype(np.int64) - FIRST)}
-    results = {name: rank_metrics(prepared_ranks(score, prepared, part, name, memory_limit), ks)
-               for name, score in scorers.items()}
-    return {"popularity": results["popularity"], "ease": None,
-            "item_transition": results["item_transition"]}
+    ranks = prepared_ranks(scorers, prepared, part, memory_limit)
+    return {"popularity": ranks["popularity"], "ease": None,
+            "item_transition": ranks["item_transition"]}
+
+
+def prepared_baselines(prepared: PreparedLog, part: str = "test", ks=KS,
+                       memory_limit: str = "1GB") -> dict:
+    """Metrics of `prepared_baseline_ranks`, as `baselines` gives them."""
+    return {name: None if ranks is None else rank_metrics(ranks, ks)
+            for name, ranks in prepared_baseline_ranks(prepared, part, memory_limit).items()}

@@ -147,21 +147,23 @@ def evaluate_ranks(score_rows: Callable[[np.ndarray], np.ndarray], evalset: Eval
                            for positions in batches]).astype(np.int64)
 
 
-def prepared_ranks(score_batch: Callable[[dict], np.ndarray], prepared: PreparedLog,
-                   part: str = "test", name: str = "model", memory_limit: str = "1GB"
-                   ) -> np.ndarray:
-    """`evaluate_ranks` for a prepared log, in bounded memory: [m] rank of every held-out row
-    of `part` under a scorer that maps a batch of `PreparedLog.heldout_batches` to scores
-    [b, num_items] (at most SCORES_BYTES a batch). A target outside the catalogue (no
-    training row) is a miss."""
-    batch_rows = int(np.clip(SCORES_BYTES // (4 * prepared.num_items), 1, 4096))
-    ranks = []
+def prepared_ranks(scorers: dict[str, Callable[[dict], np.ndarray]], prepared: PreparedLog,
+                   part: str = "test", memory_limit: str = "1GB") -> dict[str, np.ndarray]:
+    """`evaluate_ranks` for a prepared log, in bounded memory: {name: [m] rank of every
+    held-out row of `part`} under each scorer, a function from a batch of
+    `PreparedLog.heldout_batches` to scores [b, num_items] (SCORES_BYTES a batch), all
+    scored in one read of the held-out rows. A target outside the catalogue (no training
+    row) is a miss."""
+    batch_rows = int(np.clip(SCORES_BYTES // (4 * max(prepared.num_items, 1)), 1, 4096))
+    ranks = {name: [] for name in scorers}
     for rows in prepared.heldout_batches(part, batch_rows, memory_limit):
         outside = rows["target"] < 0
-        found = target_ranks(score_batch(rows), np.where(outside, 0, rows["target"]),
-                             rows["excluded"], name)
-        ranks.append(np.where(outside, MISS, found))
-    return np.concatenate(ranks) if ranks else np.zeros(0, np.int64)
+        for name, score in scorers.items():
+            found = target_ranks(score(rows), np.where(outside, 0, rows["target"]),
+                                 rows["excluded"], name)
+            ranks[name].append(np.where(outside, MISS, found))
+    return {name: np.concatenate(found) if found else np.zeros(0, np.int64)
+            for name, found in ranks.items()}
 
 
 def evaluate(score_rows: Callable[[np.ndarray], np.ndarray], evalset: EvalSet, ks=KS,

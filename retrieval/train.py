@@ -120,7 +120,8 @@ def evaluate_prepared(model: TwoTower, prepared: PreparedLog, part: str = "test"
         scores = queries @ candidates.T                                           # [b, I]
         scores[~rows["known"]] = popular
         return scores
-    return rank_metrics(prepared_ranks(score, prepared, part, "retrieval", memory_limit), ks)
+    ranks = prepared_ranks({"retrieval": score}, prepared, part, memory_limit)["retrieval"]
+    return rank_metrics(ranks, ks)
 
 
 def top_candidates(model: TwoTower, data: ModelInputs, part: str, k: int,

@@ -12,7 +12,8 @@ import pytest
 import tensorflow as tf
 
 from test_prepare import LENGTH, _log_table
-from tworec.evaluation import baselines, eval_set, prepared_baselines
+from tworec.evaluation import (MISS, baseline_ranks, baselines, eval_set,
+                               prepared_baseline_ranks, prepared_baselines)
 from tworec.features.history import transition_counts
 from tworec.features.inputs import prepare
 from tworec.features.prepare import prepare_shards
@@ -156,23 +157,45 @@ def test_evaluation_of_a_prepared_log_equals_the_in_memory_evaluation(folders):
         assert got == pytest.approx(expected, abs=1e-9)
 
 
-def test_baselines_of_a_prepared_log_equal_the_in_memory_baselines(folders):
-    inputs, prepared = folders
-    log, parts = inputs.interactions, inputs.split
-    codes = inputs.item_index - FIRST                  # in-memory code -> prepared code
+def test_baselines_of_a_prepared_log_equal_the_in_memory_baselines(tmp_path):
+    """Row by row, on the tiny log plus a user whose validation and test items have no
+    training row (so the test row's last item is out of the vocabulary, and its target out of
+    the catalogue: a miss, ranked in memory below every trained item)."""
+    table = _log_table()
+    last = int(table.column("timestamp").to_numpy().max())
+    fresh = {"user_id": ["fresh"] * 3, "item_id": [table.column("item_id")[0].as_py(),
+                                                     "fresh-v", "fresh-t"],
+             "timestamp": [last + 1, last + 2, last + 3], "rating": [4.0, 4.0, 4.0]}
+    pq.write_table(pa.concat_tables([table, pa.table(fresh, schema=table.schema)]),
+                   tmp_path / "log.parquet")
+    prepare_shards(str(tmp_path / "log.parquet"), str(tmp_path / "prepared"),
+                   history_length=LENGTH, memory_limit="256MiB")
+    prepared = PreparedLog.load(str(tmp_path / "prepared"))
+    log = load(str(tmp_path / "log.parquet"))
+    parts = temporal_split(log)
+    codes = prepare(log, parts, LENGTH).item_index - FIRST   # in-memory code -> prepared code
+    trained = codes >= 0
+    assert (~trained).sum() == 2
     expected = transition_counts(log, parts.train).toarray()
-    got = prepared.transition_counts().toarray()
     assert expected.sum() > 100
-    np.testing.assert_array_equal(got[np.ix_(codes, codes)], expected)
-    np.testing.assert_array_equal(prepared.item_counts[codes],
-                                  np.bincount(log.item[parts.train], minlength=log.num_items))
+    assert not expected[~trained].any() and not expected[:, ~trained].any()
+    got = prepared.transition_counts().toarray()
+    np.testing.assert_array_equal(got[np.ix_(codes[trained], codes[trained])],
+                                  expected[np.ix_(trained, trained)])
+    counts = np.bincount(log.item[parts.train], minlength=log.num_items)
+    np.testing.assert_array_equal(prepared.item_counts[codes[trained]], counts[trained])
     for part in ("validation", "test"):
-        memory = baselines(log, parts, eval_set(log, parts, part), ks=(1, 5, 10))
-        streamed = prepared_baselines(prepared, part, ks=(1, 5, 10))
+        evalset = eval_set(log, parts, part)
+        memory = baseline_ranks(log, parts, evalset)
+        streamed = prepared_baseline_ranks(prepared, part)
         assert streamed["ease"] is None
+        outside = ~trained[evalset.targets]                       # rows in log order, as both
+        assert outside.sum() == 1
         for name in ("popularity", "item_transition"):
-            assert streamed[name] == pytest.approx(memory[name], abs=1e-12), (part, name)
-        assert streamed["item_transition"] != streamed["popularity"]
+            np.testing.assert_array_equal(streamed[name][~outside], memory[name][~outside])
+            assert streamed[name][outside] == MISS and memory[name][outside] >= 10
+        assert prepared_baselines(prepared, part, ks=(10,))["item_transition"] == \
+            pytest.approx(baselines(log, parts, evalset, ks=(10,))["item_transition"])
 
 
 def test_a_model_trains_from_the_stream(folders):
