@@ -67,11 +67,12 @@ def test_every_history_encoder_trains(encoder):
     assert query_embeddings(model, data.examples["test"]).shape == (len(data.examples["test"]["user"]), 16)
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "lazy_adam"])
-def test_mixed_precision_and_jit_compile_run_on_cpu(optimizer):
+def test_mixed_precision_and_jit_compile_run_on_cpu():
+    """With lazy_adam, whose dense gradients take Adam's own update (XLA compiles for ~80 s
+    on this CPU, so one optimizer runs)."""
     log = generate(PRESETS["tiny"], seed=2)
     model, data, summary = train(log, split(log), preset("tiny", epochs=1, mixed_precision=True,
-                                                         jit_compile=True, optimizer=optimizer))
+                                                         jit_compile=True, optimizer="lazy_adam"))
     assert np.isfinite(summary["history"]["loss"]).all()
     assert tf.keras.mixed_precision.global_policy().name == "float32"
     assert query_embeddings(model, data.examples["test"]).dtype == np.float32
