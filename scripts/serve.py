@@ -23,6 +23,7 @@ import os
 import sys
 
 import tworec
+from tworec.console import exit_without_finalizing
 from tworec.serving.errors import ServingError
 from tworec.serving.layout import list_versions
 from tworec.serving.limits import default_max_elements, default_max_rows
@@ -180,7 +181,7 @@ def main(argv=None) -> int:
     print(f"serving gRPC on {args.host}:{server.grpc_port}{rest}; Ctrl-C or SIGTERM stops",
           flush=True)
     server.wait()
-    return 0
+    exit_without_finalizing(0)       # stopped: finalizing would cancel threads still in C++
 
 
 if __name__ == "__main__":

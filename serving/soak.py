@@ -32,7 +32,7 @@ from tensorflow.core.framework import tensor_pb2, tensor_shape_pb2, types_pb2
 from tensorflow_serving.apis import (model_management_pb2, model_service_pb2_grpc, predict_pb2,
                                      prediction_service_pb2_grpc)
 
-from tworec.console import parser_for
+from tworec.console import exit_without_finalizing, parser_for
 from tworec.serving.layout import write_models_config, write_version
 from tworec.serving.model import LoadedModel
 
@@ -299,7 +299,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.serve:
         serve(args.serve)
-        return 0
+        exit_without_finalizing(0)
     report = soak(args.seconds, args.clients)
     print(json.dumps(report, indent=2))
     return 0 if report["problems"] == 0 and abs(report["rss_change"]) <= 0.1 else 1
