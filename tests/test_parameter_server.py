@@ -76,7 +76,7 @@ print("RESULT", json.dumps({
     "history": summary["history"],
     "metrics": evaluate_prepared(model, prepared, "test", ks=(10, 50))}))
 """
-PREPARED_STEPS = 40
+PREPARED_STEPS = 120
 
 
 def start(task: str, index: int, cluster: dict, argv: list[str], log_path: str):
