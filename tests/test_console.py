@@ -1,5 +1,7 @@
 """What a run and a library user see: native log lines dropped, everything else kept."""
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -117,3 +119,13 @@ def test_the_process_filter_installed_inside_a_block_stays(library_user, capfd, 
     assert stderr_once_it_holds(capfd, "kept") == "kept\n"
     console._process_filter.stop()
     monkeypatch.setattr(console, "_process_filter", None)
+
+
+def test_exiting_without_finalizing_keeps_the_exit_code_and_every_filtered_line():
+    """The servers' exit: every line written to the filtered stderr before it arrives."""
+    code = ("import os; from tworec import console; console.filter_native_logs()\n"
+            "for n in range(2000): os.write(2, b'line %d\\n' % n)\n"
+            "console.exit_without_finalizing(3)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert done.returncode == 3
+    assert done.stderr.decode().splitlines() == [f"line {n}" for n in range(2000)]

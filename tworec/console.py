@@ -119,11 +119,15 @@ def exit_without_finalizing(code: int) -> None:
     """Ends the process with `code` once stdout, stderr and logging are flushed, skipping the
     interpreter's finalization. After a server has stopped, gRPC and TensorFlow may still hold
     threads blocked in C++; finalization cancels them and the cancellation aborts the process
-    ("terminate called after throwing an instance of ''", exit -6) about one run in three."""
+    ("terminate called after throwing an instance of ''", exit -6) about one run in three.
+    The native-log filter, an exit handler finalization would run, is stopped first so that
+    every line already written reaches the real stderr."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
+    if _process_filter is not None:
+        _process_filter.stop()
     os._exit(code)
