@@ -92,7 +92,8 @@ def prepared_baseline_ranks(prepared: PreparedLog, part: str = "test",
     training rows, counted by DuckDB (`PreparedLog.item_counts`, `transition_counts`), scored
     batch by batch in one read of the held-out rows (`prepared_ranks`); a held-out row's last
     item is its last history slot. EASE, a dense inverse over the catalogue, is None. Memory
-    holds the counts and one batch. A held-out item without training rows is a miss (in
+    holds the counts, one pass of held-out rows with their users' known items, and one
+    batch's scores. A held-out item without training rows is a miss (in
     memory it ranks below every trained item the user has not seen)."""
     transitions = transition_scores(prepared.transition_counts(memory_limit),
                                     prepared.item_counts)

@@ -189,8 +189,9 @@ class PreparedLog:
         """[num_items, num_items] float32 CSR: how often catalogue item j directly followed
         item i in a user's training rows (`features.history.transition_counts` of the training
         rows), counted by DuckDB over the shards: a training row's last history slot is its
-        user's previous training row. The counts themselves are held, as in memory: about 12
-        bytes per distinct pair, read sorted and laid out as CSR without a copy in between."""
+        user's previous training row. The counts themselves are held, as in memory: 8 bytes
+        per distinct pair (about 20 while read), read sorted and laid out as CSR without a
+        copy in between."""
         shards = _sql_list([os.path.join(self.folder, shard["path"])
                             for shard in self.manifest["shards"]])
         with duckdb_session(self.folder, memory_limit) as connection:

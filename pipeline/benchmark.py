@@ -211,8 +211,8 @@ def bench_serving(smoke: bool = False) -> dict:
 
 
 SCALE_SIZES = ("1m", "10m", "100m")
-# Today's in-memory path peaks at ~3.7 GiB preparing 10M rows and grows linearly, so 100M rows
-# (~37 GiB) do not fit this 24 GiB machine; it is measured where it fits.
+# The in-memory path peaks at ~8.2 GiB for 10M rows and grows ~0.7 GiB per million rows, so
+# 100M rows (~70 GiB) do not fit this 24 GiB machine; it is measured where it fits.
 IN_MEMORY_SIZES = ("1m", "10m")
 
 
@@ -223,7 +223,7 @@ def bench_scale(smoke: bool = False, steps: int = 2000, batch_size: int = 4096) 
     shards with DuckDB (`prepare_shards`, memory limit 1GB), measures the stream of training
     batches alone, then trains the default two-tower model (without item features, which a
     prepared log does not carry) with `lazy_adam` (Keras's Adam moves every row of the
-    1M-user table at every step: 3.8 GiB and half the step rate at 100M rows) for `steps` steps
+    1M-user table at every step: its training peaked 1.1 GiB higher at 100M rows) for `steps` steps
     of `batch_size` from the stream (`fit_prepared`); the in-memory side loads the shards,
     splits and prepares them in NumPy and trains the same model the same steps (`fit`). Each side then times the training step
     alone, on one cached batch. `input_ratio` is the input's examples/s over the training

@@ -181,8 +181,8 @@ def main(argv=None) -> int:
     print(f"serving gRPC on {args.host}:{server.grpc_port}{rest}; Ctrl-C or SIGTERM stops",
           flush=True)
     server.wait()
-    exit_without_finalizing(0)       # stopped: finalizing would cancel threads still in C++
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_finalizing(main())     # finalizing would cancel the server's C++ threads

@@ -299,10 +299,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.serve:
         serve(args.serve)
-        exit_without_finalizing(0)
+        exit_without_finalizing(0)      # finalizing would cancel the server's C++ threads
     report = soak(args.seconds, args.clients)
     print(json.dumps(report, indent=2))
-    return 0 if report["problems"] == 0 and abs(report["rss_change"]) <= 0.1 else 1
+    return 0 if (report["problems"] == 0 and abs(report["rss_change"]) <= 0.1
+                 and report["server_exit_code"] == 0) else 1
 
 
 if __name__ == "__main__":

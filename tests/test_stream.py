@@ -158,14 +158,15 @@ def test_evaluation_of_a_prepared_log_equals_the_in_memory_evaluation(folders):
 
 
 def test_baselines_of_a_prepared_log_equal_the_in_memory_baselines(tmp_path):
-    """Row by row, on the tiny log plus a user whose validation and test items have no
-    training row (so the test row's last item is out of the vocabulary, and its target out of
-    the catalogue: a miss, ranked in memory below every trained item)."""
+    """Row by row, on the tiny log plus two users: one whose validation item has no training
+    row (so its test row's last item is out of the vocabulary), one whose test item has none
+    (out of the catalogue: a miss, ranked in memory below every trained item)."""
     table = _log_table()
     last = int(table.column("timestamp").to_numpy().max())
-    fresh = {"user_id": ["fresh"] * 3, "item_id": [table.column("item_id")[0].as_py(),
-                                                     "fresh-v", "fresh-t"],
-             "timestamp": [last + 1, last + 2, last + 3], "rating": [4.0, 4.0, 4.0]}
+    a, b, c = (table.column("item_id")[n].as_py() for n in (0, 1, 2))
+    fresh = {"user_id": ["fresh"] * 4 + ["fresh2"] * 3,
+             "item_id": [a, b, "fresh-v", c if c not in (a, b) else "x", a, b, "fresh-t"],
+             "timestamp": [last + n for n in (1, 2, 3, 4, 1, 2, 3)], "rating": [4.0] * 7}
     pq.write_table(pa.concat_tables([table, pa.table(fresh, schema=table.schema)]),
                    tmp_path / "log.parquet")
     prepare_shards(str(tmp_path / "log.parquet"), str(tmp_path / "prepared"),
@@ -191,6 +192,8 @@ def test_baselines_of_a_prepared_log_equal_the_in_memory_baselines(tmp_path):
         assert streamed["ease"] is None
         outside = ~trained[evalset.targets]                       # rows in log order, as both
         assert outside.sum() == 1
+        if part == "test":          # a last item out of the vocabulary, the target in it
+            assert (~trained[evalset.last_item[~outside]]).sum() == 1
         for name in ("popularity", "item_transition"):
             np.testing.assert_array_equal(streamed[name][~outside], memory[name][~outside])
             assert streamed[name][outside] == MISS and memory[name][outside] >= 10

@@ -12,6 +12,7 @@ import os
 import re
 import sys
 import threading
+from typing import NoReturn
 
 # `I1202 18:28:05.56 123 file.cc:42] ...` (absl/glog INFO or WARNING), and absl's banner.
 NATIVE_NOISE = re.compile(rb"^([IW]\d{4} [\d:.]+ +\d+ [\w./-]+:\d+\]|"
@@ -115,7 +116,7 @@ def parser_for(doc: str) -> OneLineParser:
     return OneLineParser(description=doc.splitlines()[0])
 
 
-def exit_without_finalizing(code: int) -> None:
+def exit_without_finalizing(code: int) -> NoReturn:
     """Ends the process with `code` once stdout, stderr and logging are flushed, skipping the
     interpreter's finalization. After a server has stopped, gRPC and TensorFlow may still hold
     threads blocked in C++; finalization cancels them and the cancellation aborts the process
