@@ -1,18 +1,18 @@
 """The run: data -> retrieval -> index -> ranking -> evaluation -> exports -> served check ->
 report, as one library flow (`tworec.pipeline.run`) that every entry point calls.
 
-    from tworec.pipeline import execute, prepare_run, resolve
+    from tworec.pipeline import PIPELINE, execute, prepare_run, resolve
     run = prepare_run("runs/demo", {"data": "synthetic"}, resolve("tiny"))
     report = execute(run, PIPELINE)
 
 The flow (and TensorFlow with it) is imported on first use, so that the configs and the
 scripts' `--help` load fast.
 """
-from tworec.pipeline.config import Configs, RunConfig, resolve
+from tworec.pipeline.config import PIPELINE, Configs, RunConfig, resolve
 
-_LAZY = {"PIPELINE", "Run", "execute", "prepare_run"}
+_LAZY = {"Run", "execute", "prepare_run", "start_run"}
 
-__all__ = ["Configs", "RunConfig", "resolve", *sorted(_LAZY)]
+__all__ = ["PIPELINE", "Configs", "RunConfig", "resolve", *sorted(_LAZY)]
 
 
 def __getattr__(name: str):

@@ -166,28 +166,23 @@ def bench_index(smoke: bool = False, dim: int = 64, num_queries: int = 200) -> d
 
 def bench_serving(smoke: bool = False) -> dict:
     """p50/p99 latency and requests/s of retrieval (1M items, brute force and ScaNN) and the
-    composed recommender, over REST and gRPC with 1, 8 and 16 clients, without and with
-    batching, and in-process (the same SavedModel in a TF-Serving-style session) as the floor
+    composed recommender, over REST and gRPC with 1, 8 and 16 clients (smoke: 1 and 8), without
+    and with batching, and in-process (the same SavedModel in a TF-Serving-style session) as the floor
     (`serving.loadtest`)."""
-    import tempfile
     from tworec.features import split
     from tworec.features.inputs import prepare
     from tworec.features.synthetic import SyntheticConfig
     from tworec.ranking.config import preset as ranking_preset
-    from tworec.ranking.export import export as export_ranking
     from tworec.ranking.features import signals
     from tworec.ranking.train import fit as fit_ranking
     from tworec.retrieval.config import preset as retrieval_preset
-    from tworec.retrieval.export import export as export_retrieval
-    from tworec.retrieval.index import ScannParams
     from tworec.retrieval.train import embeddings_for_ranking, fit as fit_retrieval
-    from tworec.serving.compose import compose_recommender
-    from tworec.serving.layout import write_version
-    from tworec.serving.loadtest import serving_figures
+    from tworec.serving.loadtest import CLIENTS
 
-    num_items, seconds = (5_000, 0.2) if smoke else (1_000_000, 3.0)
-    log = generate(SyntheticConfig(num_users=2_000, num_items=num_items, num_interactions=60_000),
-                   seed=0)
+    num_items, interactions, seconds, clients = ((5_000, 10_000, 0.2, (1, 8)) if smoke else
+                                                 (1_000_000, 60_000, 3.0, CLIENTS))
+    log = generate(SyntheticConfig(num_users=2_000, num_items=num_items,
+                                   num_interactions=interactions), seed=0)
     inputs = prepare(log, split(log, "temporal"), history_length=5)
     retrieval_model, _ = fit_retrieval(inputs, retrieval_preset("tiny", epochs=1), verbose=0)
     ranking_signals = signals(inputs, use_transitions=True,
@@ -195,6 +190,23 @@ def bench_serving(smoke: bool = False) -> dict:
     ranking_model, _ = fit_ranking(inputs, ranking_preset("tiny", epochs=1), ranking_signals,
                                    verbose=0)
     root = tempfile.mkdtemp(prefix="bench-serving-")
+    try:
+        return {"items": num_items, **_serve_exports(root, inputs, retrieval_model,
+                                                     ranking_model, ranking_signals, smoke,
+                                                     clients, seconds)}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _serve_exports(root: str, inputs, retrieval_model, ranking_model, ranking_signals,
+                   smoke: bool, clients: tuple[int, ...], seconds: float) -> dict:
+    """Exports the models under `root` and measures them served (`bench_serving`)."""
+    from tworec.ranking.export import export as export_ranking
+    from tworec.retrieval.export import export as export_retrieval
+    from tworec.retrieval.index import ScannParams
+    from tworec.serving.compose import compose_recommender
+    from tworec.serving.layout import write_version
+    from tworec.serving.loadtest import serving_figures
     paths = {"retrieval": export_retrieval(retrieval_model, inputs, f"{root}/retrieval", k=100),
              "retrieval_scann": export_retrieval(
                  retrieval_model, inputs, f"{root}/retrieval_scann", k=100,
@@ -207,7 +219,7 @@ def bench_serving(smoke: bool = False) -> dict:
     users = {"user_id": inputs.interactions.user_ids[:1]}
     served = {name: (paths[name], users)
               for name in ("retrieval", "retrieval_scann", "recommender")}
-    return {"items": num_items, **serving_figures(served, seconds=seconds)}
+    return serving_figures(served, clients=clients, seconds=seconds)
 
 
 SCALE_SIZES = ("1m", "10m", "100m")

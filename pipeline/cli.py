@@ -62,8 +62,7 @@ def run(args, steps: tuple[str, ...], continue_run: bool = False, verbose: int =
     else:
         console.filter_native_logs()
     from tworec.pipeline.config import resolve
-    from tworec.pipeline.run import StepFailed, execute, prepare_run, read_run
-    from tworec.pipeline.store import RunFolderError
+    from tworec.pipeline.folder import RunFolderError, check_run, read_run
     try:
         if continue_run:              # the folder's source and configs; epochs: ranking's only
             source, base = read_run(args.out)
@@ -76,8 +75,10 @@ def run(args, steps: tuple[str, ...], continue_run: bool = False, verbose: int =
             configs = resolve(args.preset or "default", epochs=args.epochs,
                               **{"data": {"split": args.split or "temporal",
                                           "exclude_seen": not args.keep_seen}, **overrides})
-        prepared = prepare_run(args.out, source, configs, verbose=verbose,
-                               continue_run=continue_run, overwrite=args.overwrite)
+        checked = check_run(args.out, source, configs, continue_run=continue_run,
+                            overwrite=args.overwrite)
+        from tworec.pipeline.run import StepFailed, execute, start_run   # TensorFlow from here
+        prepared = start_run(checked, verbose=verbose)
     except (DataError, ValueError, RunFolderError) as error:
         return fail(str(error))
     start = time.perf_counter()

@@ -13,8 +13,14 @@ from tworec.retrieval.config import (ENCODERS, OPTIMIZERS, PRESETS as RETRIEVAL_
 
 PRESETS = sorted(DATA_PRESETS)
 __all__ = ["Configs", "RunConfig", "resolve", "read", "write", "PRESETS", "ENCODERS",
-           "OPTIMIZERS", "STRATEGIES", "MODELS", "TASKS"]
+           "OPTIMIZERS", "STRATEGIES", "MODELS", "TASKS", "PIPELINE", "RETRIEVAL_ONLY",
+           "RANKING_ONLY"]
 
+# The steps in the order they run; an entry point runs a subset.
+PIPELINE = ("train retrieval", "baselines", "tune index", "train ranking", "export",
+            "serve and check")
+RETRIEVAL_ONLY = ("train retrieval", "baselines", "tune index", "export")
+RANKING_ONLY = ("train ranking", "export", "serve and check")
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:

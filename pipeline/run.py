@@ -21,12 +21,12 @@ import tensorflow as tf
 
 from tworec.evaluation import baseline_ranks, eval_set, evaluate_ranks, rank_metrics
 from tworec.evaluation.metrics import paired_bootstrap, row_metrics
-from tworec.features import Interactions, load, split
+from tworec.features import Interactions, split
 from tworec.features.history import latest_history
 from tworec.features.inputs import EMPTY_SLOT, ModelInputs, prepare
 from tworec.features.layers import STATE_FILE
-from tworec.pipeline import config as run_config, report as run_report, served, store
-from tworec.pipeline.config import Configs
+from tworec.pipeline import config as run_config, folder, report as run_report, served, store
+from tworec.pipeline.config import PIPELINE, Configs
 from tworec.ranking import features as ranking_features
 from tworec.ranking import train as ranking
 from tworec.ranking.export import export as export_ranking
@@ -41,11 +41,6 @@ from tworec.serving.manager import ModelManager, parse_config
 from tworec.serving.recommender import Recommender
 from tworec.serving.server import ModelServer
 
-# The steps in the order they run; an entry point runs a subset.
-PIPELINE = ("train retrieval", "baselines", "tune index", "train ranking", "export",
-            "serve and check")
-RETRIEVAL_ONLY = ("train retrieval", "baselines", "tune index", "export")
-RANKING_ONLY = ("train ranking", "export", "serve and check")
 EXPORT_ORDER = ("retrieval", "retrieval_scann", "ranking", "recommender")
 # Where `models.docker.config` expects the export folder mounted in a TF Serving container.
 DOCKER_FOLDER = "/models/{}"
@@ -268,15 +263,15 @@ class Run:
             paths["recommender"] = write_version(self.export_dir("recommender"), compose)
         exported = [name for name in EXPORT_ORDER if list_versions(self.export_dir(name))]
         stock = [name for name in exported if name != "retrieval_scann"]
-        for config, names, folder in (("models.config", stock, self.export_dir),
+        for config, names, folder_of in (("models.config", stock, self.export_dir),
                                       ("models_scann.config", exported, self.export_dir),
                                       ("models.docker.config", stock, DOCKER_FOLDER.format)):
-            write_models_config(self.export_dir(config), {name: folder(name) for name in names})
+            write_models_config(self.export_dir(config), {name: folder_of(name) for name in names})
 
     def latest_export(self, name: str) -> str:
         versions = list_versions(self.export_dir(name))
         if not versions:
-            raise store.RunFolderError(f"{self.out}: no {name} export in {self.export_dir(name)}")
+            raise folder.RunFolderError(f"{self.out}: no {name} export in {self.export_dir(name)}")
         return os.path.join(self.export_dir(name), str(versions[-1]))
 
     def serve_and_check(self) -> None:
@@ -448,60 +443,27 @@ STEP_METHODS = {"train retrieval": Run.train_retrieval, "baselines": Run.baselin
 
 def prepare_run(out: str, source: dict, configs: Configs, verbose: int = 1,
                 continue_run: bool = False, overwrite: bool = False) -> Run:
-    """Loads the log and checks everything before any training: the folder, the configs
-    against the log, and for a continued run that only the ranking config changed and that the
-    source still gives the log the run was trained on. Raises DataError, ValueError or
-    `store.RunFolderError` with a one-line message.
+    """`folder.check_run` (every check, before any training; its arguments), then `start_run`."""
+    return start_run(folder.check_run(out, source, configs, continue_run, overwrite), verbose)
 
-    Args:
-        out: the run folder: new (or empty) for a fresh run, a run folder to replace with
-            `overwrite`, or for `continue_run` the run whose retrieval model is reused.
-        source: {"data": a `features.load` source, "columns": role -> column name, and
-            optionally "delimiter" of a text log (detected when absent)}.
-        configs: the resolved configs (for a continued run, resolved from `read_run(out)`).
-    """
-    if continue_run:
-        saved_source, saved = read_run(out)
-        changed = [name for name in ("data", "retrieval", "run")
-                   if getattr(configs, name) != getattr(saved, name)]
-        if changed or source != saved_source:
-            raise store.RunFolderError(
-                f"{out}: a continued run keeps the folder's data source and its data, retrieval "
-                f"and run configs; these differ: {changed or ['source']}")
-    else:
-        store.check_fresh(out, overwrite)
-    log = load(source["data"], columns=source.get("columns") or {},
-               delimiter=source.get("delimiter"))
-    configs.validate(has_ratings=log.rating is not None)
-    fingerprint = store.fingerprint(log)
-    if continue_run and source.get("fingerprint") != fingerprint:
-        raise store.RunFolderError(f"{out}: {source['data']} now gives another log than the run "
-                                   "was trained on; train a new run")
-    run, notices = configs.run.for_catalogue(log.num_items)
-    configs = dataclasses.replace(configs, run=run)
-    source = {**source, "fingerprint": fingerprint}
-    report = run_report.read(out) if continue_run else {}
-    result = Run(out, log, configs, source, verbose=verbose, report=report)
-    for section in RETRAINED_WITH_RANKING if continue_run else ():
+
+def start_run(checked: folder.CheckedRun, verbose: int = 1) -> Run:
+    """The run of a checked folder: the log split and prepared, the folder cleared when it is
+    replaced, and its config.json written."""
+    out = checked.out
+    result = Run(out, checked.log, checked.configs, checked.source, verbose=verbose,
+                 report=checked.report)
+    for section in RETRAINED_WITH_RANKING if checked.continue_run else ():
         result.report.pop(section, None)          # no longer describes the folder's models
         result.timings.pop(STEP_OF_SECTION.get(section, section), None)
-    result.report["notices"] = notices
-    for notice in notices:
+    result.report["notices"] = checked.notices
+    for notice in checked.notices:
         print(f"[run] note: {notice}", flush=True)
-    if overwrite and not continue_run:
-        store.clear(out)
+    if checked.overwrite and not checked.continue_run:
+        folder.clear(out)
     os.makedirs(out, exist_ok=True)
-    run_config.write(os.path.join(out, "config.json"), configs, source)
+    run_config.write(os.path.join(out, "config.json"), checked.configs, checked.source)
     return result
-
-
-def read_run(out: str) -> tuple[dict, Configs]:
-    """(source, configs) of an existing run folder; RunFolderError when it is none."""
-    path = os.path.join(out, "config.json")
-    if not os.path.exists(path):
-        raise store.RunFolderError(f"{out}: not a run folder (no config.json); train retrieval "
-                                   "into it first (scripts/train_retrieval.py)")
-    return run_config.read(path)
 
 
 def execute(run: Run, steps: tuple[str, ...]) -> dict:

@@ -7,64 +7,18 @@ retrained, without retraining retrieval:
 """
 from __future__ import annotations
 
-import hashlib
 import os
-import shutil
 
 import numpy as np
 import tensorflow as tf
 
 from tworec.features.inputs import ModelInputs
-from tworec.features.interactions import Interactions
 from tworec.features.training import mixed_precision
 from tworec.features.vocab import Vocabulary
+from tworec.pipeline.folder import RunFolderError
 from tworec.retrieval.config import RetrievalConfig
 from tworec.retrieval.model import TwoTower
 from tworec.retrieval.train import build_model
-
-
-class RunFolderError(ValueError):
-    """A run folder that cannot be used; the message names the folder and the problem."""
-
-# What a run folder holds (and `clear` removes before a run replaces it).
-RUN_ENTRIES = ("config.json", "report.json", "report.md", "plots", "export", "vocab",
-               "retrieval", "checkpoints", "tensorboard", "retrieval_config.json",
-               "retrieval_train.json", "ranking_config.json", "ranking_train.json")
-
-
-def check_fresh(out: str, overwrite: bool) -> None:
-    """Raises RunFolderError unless `out` can take a new run: absent or an empty folder, or
-    with `overwrite` a run folder (nothing else is ever deleted)."""
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise RunFolderError(f"--out {out} is a file; name a folder for the run")
-    if not os.path.isdir(out) or not os.listdir(out):
-        return
-    if not os.path.exists(os.path.join(out, "config.json")):
-        raise RunFolderError(f"--out {out} is a folder with other files in it; name a new or "
-                             "empty folder for the run")
-    if not overwrite:
-        raise RunFolderError(f"--out {out} already holds a run; pass --overwrite to replace it, "
-                             "or name a new folder")
-
-
-def clear(out: str) -> None:
-    """Removes what a run wrote in `out` (a folder `check_fresh` accepted with overwrite)."""
-    for name in RUN_ENTRIES:
-        path = os.path.join(out, name)
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        elif os.path.exists(path):
-            os.remove(path)
-
-
-def fingerprint(log: Interactions) -> dict:
-    """What identifies a log: its sizes, time span and a digest of its rows."""
-    digest = hashlib.sha256()
-    for column in (log.user, log.item, log.timestamp):
-        digest.update(np.ascontiguousarray(column).tobytes())
-    digest.update("\n".join(log.user_ids).encode() + b"\0" + "\n".join(log.item_ids).encode())
-    return {"interactions": int(len(log)), "users": int(log.num_users),
-            "items": int(log.num_items), "sha256": digest.hexdigest()}
 
 
 def save_vocabularies(run_dir: str, inputs: ModelInputs) -> None:

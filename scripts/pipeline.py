@@ -11,6 +11,7 @@ in-process models, and write RUN/report.json, RUN/report.md and RUN/plots/.
 import sys
 
 from tworec.pipeline import cli
+from tworec.pipeline.config import PIPELINE
 
 
 def main(argv=None) -> int:
@@ -20,7 +21,6 @@ def main(argv=None) -> int:
     parser.add_argument("--top-n", type=int, default=10, help="items the recommender returns")
     args = parser.parse_args(argv)
     args.out = args.out or "runs/demo"
-    from tworec.pipeline.run import PIPELINE
     return cli.run(args, PIPELINE, run={"candidates": args.top_k, "top_n": args.top_n})
 
 

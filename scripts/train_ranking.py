@@ -13,7 +13,7 @@ otherwise retrieval is trained first, into the same new run folder.
 import sys
 
 from tworec.pipeline import cli
-from tworec.pipeline.config import MODELS, TASKS
+from tworec.pipeline.config import MODELS, RANKING_ONLY, TASKS
 
 
 def main(argv=None) -> int:
@@ -42,7 +42,6 @@ def main(argv=None) -> int:
     args.out = args.retrieval_run or args.out
     ranking = {name: value for name, value in (("model", args.model), ("task", args.task))
                if value is not None}
-    from tworec.pipeline.run import RANKING_ONLY
     if args.retrieval_run:
         return cli.run(args, RANKING_ONLY, continue_run=True, ranking=ranking)
     return cli.run(args, ("train retrieval",) + RANKING_ONLY, ranking=ranking,

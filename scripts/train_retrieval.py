@@ -11,7 +11,7 @@ The run folder can then be given to `train_ranking.py --retrieval-run RUN`.
 import sys
 
 from tworec.pipeline import cli
-from tworec.pipeline.config import ENCODERS, OPTIMIZERS, STRATEGIES
+from tworec.pipeline.config import ENCODERS, OPTIMIZERS, RETRIEVAL_ONLY, STRATEGIES
 
 
 def main(argv=None) -> int:
@@ -39,7 +39,6 @@ def main(argv=None) -> int:
         ("optimizer", args.optimizer),
         ("mixed_precision", args.mixed_precision),
         ("jit_compile", args.jit_compile)) if value is not None}
-    from tworec.pipeline.run import RETRIEVAL_ONLY
     return cli.run(args, RETRIEVAL_ONLY, retrieval=retrieval, run={"candidates": args.top_k})
 
 

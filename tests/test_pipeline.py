@@ -253,6 +253,25 @@ def test_script_mistakes_fail_before_training_with_one_line(tmp_path, name, args
     assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
+@pytest.mark.parametrize("name, args", [
+    ("pipeline.py", ["--data", "OUT/semicolons.csv", "--delimiter", ",", "--out", "OUT/new"]),
+    ("train_ranking.py", ["--retrieval-run", "OUT"]),
+    ("train_retrieval.py", ["--epochs", "0", "--out", "OUT/new"])])
+def test_script_mistakes_are_found_before_tensorflow_loads(tmp_path, name, args):
+    """The checks of the folder, the log and the configs need no TensorFlow (~4 s to import):
+    a mistake is answered at once."""
+    (tmp_path / "semicolons.csv").write_text("user_id;item_id;timestamp\nu1;i1;1\n")
+    argv = [os.path.join(ROOT, "scripts", name)] + [a.replace("OUT", str(tmp_path)) for a in args]
+    done = subprocess.run([sys.executable, "-c", (
+        "import runpy, sys\n"
+        f"sys.argv = {argv!r}\n"
+        "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+        "except SystemExit as exit:\n    code = exit.code\n"
+        "print(code, 'tensorflow' in sys.modules)")], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["2", "False"], done.stdout + done.stderr[-2000:]
+    assert done.stderr.startswith("error: "), done.stderr
+
+
 @pytest.mark.parametrize("name", ["pipeline.py", "train_retrieval.py", "train_ranking.py",
                                   "describe_data.py", "benchmark.py", "recommend.py", "serve.py"])
 def test_every_script_answers_an_argument_mistake_in_one_line(name):
