@@ -230,30 +230,36 @@ IN_MEMORY_SIZES = ("1m", "10m")
 
 def bench_scale(smoke: bool = False, steps: int = 2000, batch_size: int = 4096) -> dict:
     """Out-of-core preparation and streamed training against today's in-memory path, on
-    synthetic logs of 1M, 10M and 100M rows written as Parquet shards. Each side runs in a
-    fresh process (so its peak resident memory is its own): the streaming side prepares the
-    shards with DuckDB (`prepare_shards`, memory limit 1GB), measures the stream of training
-    batches alone, then trains the default two-tower model (without item features, which a
-    prepared log does not carry) with `lazy_adam` (Keras's Adam moves every row of the
-    1M-user table at every step: its training peaked 1.1 GiB higher at 100M rows) for `steps` steps
-    of `batch_size` from the stream (`fit_prepared`); the in-memory side loads the shards,
-    splits and prepares them in NumPy and trains the same model the same steps (`fit`). Each side then times the training step
-    alone, on one cached batch. `input_ratio` is the input's examples/s over the training
-    step's, the smallest over the sizes. The stream reads files just written, so mostly from
-    the page cache."""
+    synthetic logs of 1M, 10M and 100M rows written as Parquet shards. Each job runs in a fresh
+    process, as a user runs them (`python -m tworec.features.prepare`, then training), so its
+    peak resident memory is its own; a size's `peak_rss_gib` is the larger of its two. The
+    streaming side prepares the shards with DuckDB (`prepare_shards`, memory limit 1GB), then
+    trains the default two-tower model (without item features, which a prepared log does not
+    carry) with `lazy_adam` (Keras's Adam moves every row of the 1M-user table at every step:
+    its training peaked 1.1 GiB higher at 100M rows) for `steps` steps of `batch_size` from
+    the stream (`fit_prepared`); the in-memory side loads the shards, splits and prepares them
+    in NumPy and trains the same model the same steps (`fit`), in one process. After training,
+    each measures its stream of batches alone and its training step alone (on one batch held
+    in memory). `input_ratio` is the input's examples/s over the training step's, the smallest
+    over the sizes. The stream reads files just written, so mostly from the page cache."""
     sizes, steps, batch_size = (("tiny",), 5, 256) if smoke else (SCALE_SIZES, steps, batch_size)
     root = tempfile.mkdtemp(prefix="bench-scale-")
     rows = []
     try:
         for name in sizes:
-            source = os.path.join(root, f"{name}-log")
+            source, out = (os.path.join(root, f"{name}-{part}") for part in ("log", "prepared"))
             _log(f"scale {name}: writing the shards")
             _run_quietly([sys.executable, "-m", "tworec.features.shards", "--synthetic", name,
                           "--out", source])
-            job = {"source": source, "steps": steps, "batch_size": batch_size}
-            _log(f"scale {name}: preparing and training {steps} steps from the stream")
-            row = {"preset": name, **scale_job(
-                {**job, "kind": "stream", "out": os.path.join(root, f"{name}-prepared")})}
+            job = {"source": source, "steps": steps, "batch_size": batch_size, "out": out}
+            _log(f"scale {name}: preparing")
+            prepared = scale_job({**job, "kind": "prepare"})
+            _log(f"scale {name}: training {steps} steps from the stream")
+            trained = scale_job({**job, "kind": "stream"})
+            row = {"preset": name, **prepared, **trained,
+                   "prepare_peak_rss_gib": prepared["peak_rss_gib"],
+                   "train_peak_rss_gib": trained["peak_rss_gib"],
+                   "peak_rss_gib": max(prepared["peak_rss_gib"], trained["peak_rss_gib"])}
             if smoke or name in IN_MEMORY_SIZES:
                 _log(f"scale {name}: the same in memory")
                 row["in_memory"] = scale_job({**job, "kind": "in_memory"})
@@ -271,7 +277,7 @@ def bench_scale(smoke: bool = False, steps: int = 2000, batch_size: int = 4096) 
 
 
 def scale_job(job: dict) -> dict:
-    """Runs one side of `bench_scale` in a fresh Python process and returns its figures."""
+    """Runs one job of `bench_scale` in a fresh Python process and returns its figures."""
     done = _run_quietly([sys.executable, "-m", "tworec.pipeline.benchmark", json.dumps(job)])
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -285,24 +291,28 @@ def _run_quietly(command: list[str]) -> subprocess.CompletedProcess:
     return done
 
 
-def _scale_side(kind: str, source: str, steps: int, batch_size: int, out: str = "") -> dict:
-    """In this process: prepare `source` and train `steps` steps, as `kind` ('stream' or
-    'in_memory') does; figures and this process's peak resident memory."""
-    import tensorflow as tf  # noqa: F401  (loaded before the clock starts, as on both sides)
+def _scale_job(kind: str, source: str, steps: int, batch_size: int, out: str) -> dict:
+    """In this process, one job of `bench_scale`: 'prepare' the shards of `source` into `out`;
+    train `steps` steps from the 'stream' of `out`; or, 'in_memory', load, prepare and train
+    as today's path does. Its figures and this process's peak resident memory."""
+    if kind == "prepare":
+        from tworec.features.prepare import prepare_shards
+        start = time.perf_counter()
+        rows = prepare_shards(source, out)["rows"]
+        seconds = time.perf_counter() - start
+        return {"rows": rows, "peak_rss_gib": _peak_rss_gib(),
+                "prepare_seconds": round(seconds, 1),
+                "prepare_rows_per_second": round(rows / seconds)}
+    import tensorflow as tf  # noqa: F401  (loaded before any clock starts)
     from tworec.retrieval.config import preset
     config = preset("default", batch_size=batch_size, epochs=1, early_stopping_patience=0,
                     use_item_features=False, optimizer="lazy_adam")
-    seconds, step_steps = (0.5, 5) if steps < 100 else (3.0, 100)
-    start = time.perf_counter()
+    figures = {}
     if kind == "stream":
-        from tworec.features.prepare import prepare_shards
         from tworec.features.stream import PreparedLog
         from tworec.retrieval.train import fit_prepared
-        rows = prepare_shards(source, out)["rows"]
-        prepare_seconds = time.perf_counter() - start
         prepared = PreparedLog.load(out)
         stream = prepared.training_batches(batch_size)
-        input_rate = examples_per_second(stream, seconds)
         model, summary = fit_prepared(prepared, config, steps_per_epoch=steps, verbose=0)
     else:
         from tworec.features import split
@@ -310,29 +320,36 @@ def _scale_side(kind: str, source: str, steps: int, batch_size: int, out: str = 
         from tworec.features.inputs import prepare
         from tworec.features.shards import load
         from tworec.retrieval.train import fit
+        start = time.perf_counter()
         log = load(source)
         data = prepare(log, split(log, "temporal"), history_length=20)
-        rows, prepare_seconds = len(log), time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        figures = {"rows": len(log), "prepare_seconds": round(seconds, 1),
+                   "prepare_rows_per_second": round(len(log) / seconds)}
         stream = batches(data.examples["train"], batch_size, shuffle=True, epochs=None,
                          drop_remainder=True)
-        input_rate = examples_per_second(stream, seconds)
         model, summary = fit(data, config, verbose=0, steps_per_epoch=steps, validate=False)
+    seconds, step_steps = (0.5, 5) if steps < 100 else (3.0, 100)
+    input_rate = examples_per_second(stream, seconds)
     step_rate = training_step_rate(model, stream, step_steps)
-    return {"rows": rows, "peak_rss_gib": round(
-                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
-            "prepare_seconds": round(prepare_seconds, 1),
-            "prepare_rows_per_second": round(rows / prepare_seconds),
+    return {**figures, "peak_rss_gib": _peak_rss_gib(),
             "train_examples_per_second": round(summary["examples_per_second"]),
             "input_examples_per_second": round(input_rate),
             "step_examples_per_second": round(step_rate),
             "input_ratio": round(input_rate / step_rate, 1)}
 
 
+def _peak_rss_gib() -> float:
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
+
+
 def training_step_rate(model, dataset, steps: int) -> float:
-    """Examples/s of the model's training step alone: `steps` steps on one cached batch of
-    `dataset`, after a warm-up."""
-    one = dataset.take(1).cache().repeat()
-    batch_size = int(next(iter(one))["user"].shape[0])
+    """Examples/s of the model's training step alone: `steps` steps on one batch of `dataset`
+    held in memory, after a warm-up."""
+    import tensorflow as tf
+    batch = next(iter(dataset))
+    one = tf.data.Dataset.from_tensors(batch).repeat()
+    batch_size = int(batch["user"].shape[0])
     model.fit(one, steps_per_epoch=max(steps // 5, 1), epochs=1, verbose=0)
     start = time.perf_counter()
     model.fit(one, steps_per_epoch=steps, epochs=1, verbose=0)
@@ -365,4 +382,4 @@ def run(names: list[str], smoke: bool = False) -> dict:
 if __name__ == "__main__":     # one side of `bench_scale`: python -m ... '{"kind": ...}'
     from tworec import console
     console.filter_native_logs()
-    print(json.dumps(_scale_side(**json.loads(sys.argv[1]))))
+    print(json.dumps(_scale_job(**json.loads(sys.argv[1]))))

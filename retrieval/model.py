@@ -75,14 +75,19 @@ def in_batch_softmax_loss(query: tf.Tensor, candidate: tf.Tensor, temperature: f
     Returns:
         [] the loss summed over the batch.
     """
-    scores = tf.matmul(query, candidate, transpose_b=True) / temperature           # [b, b]
-    if sampling_probability is not None:
-        scores -= tf.math.log(tf.clip_by_value(sampling_probability, 1e-6, 1.0))[None, :]
+    # One [b, b] product and at most one [b, b] addend that no gradient flows through: every
+    # extra elementwise [b, b] op costs 64 MiB at batch 4096, and more kept for its gradient.
+    scores = tf.matmul(query / temperature, candidate, transpose_b=True)           # [b, b]
     rows = tf.range(tf.shape(scores)[0])
     positive = rows[:, None] == rows[None, :]                                        # [b, b]
-    if candidate_ids is not None:
+    addend = tf.zeros([1, 1])
+    if sampling_probability is not None:                                             # [1, b]
+        addend -= tf.math.log(tf.clip_by_value(sampling_probability, 1e-6, 1.0))[None, :]
+    if candidate_ids is not None:                                                    # [b, b]
         same = (candidate_ids[:, None] == candidate_ids[None, :]) & ~positive
-        scores = tf.where(same, scores + tfrs.layers.loss.MIN_FLOAT, scores)
+        addend += tf.where(same, tfrs.layers.loss.MIN_FLOAT, 0.0)
+    if sampling_probability is not None or candidate_ids is not None:
+        scores += tf.stop_gradient(addend)
     labels = rows
     if num_hard_negatives is not None:    # the positive and the k best-scoring negatives
         keep = tf.minimum(num_hard_negatives + 1, tf.shape(scores)[1])
