@@ -166,9 +166,9 @@ def bench_index(smoke: bool = False, dim: int = 64, num_queries: int = 200) -> d
 
 def bench_serving(smoke: bool = False) -> dict:
     """p50/p99 latency and requests/s of retrieval (1M items, brute force and ScaNN) and the
-    composed recommender, over REST and gRPC with 1, 8 and 16 clients (smoke: 1 and 8), without
-    and with batching, and in-process (the same SavedModel in a TF-Serving-style session) as the floor
-    (`serving.loadtest`)."""
+    composed recommender, over REST and gRPC with 1, 8 and 16 clients (smoke: 1 and 8),
+    without and with batching, and in-process (the same SavedModel in a TF-Serving-style
+    session) as the floor (`serving.loadtest`)."""
     from tworec.features import split
     from tworec.features.inputs import prepare
     from tworec.features.synthetic import SyntheticConfig
@@ -296,6 +296,7 @@ def _scale_job(kind: str, source: str, steps: int, batch_size: int, out: str) ->
     train `steps` steps from the 'stream' of `out`; or, 'in_memory', load, prepare and train
     as today's path does. Its figures and this process's peak resident memory."""
     if kind == "prepare":
+        import duckdb  # noqa: F401  (imported before the clock starts)
         from tworec.features.prepare import prepare_shards
         start = time.perf_counter()
         rows = prepare_shards(source, out)["rows"]
@@ -326,9 +327,9 @@ def _scale_job(kind: str, source: str, steps: int, batch_size: int, out: str) ->
         seconds = time.perf_counter() - start
         figures = {"rows": len(log), "prepare_seconds": round(seconds, 1),
                    "prepare_rows_per_second": round(len(log) / seconds)}
-        stream = batches(data.examples["train"], batch_size, shuffle=True, epochs=None,
-                         drop_remainder=True)
         model, summary = fit(data, config, verbose=0, steps_per_epoch=steps, validate=False)
+        stream = batches(data.examples["train"], batch_size, shuffle=True, epochs=None,
+                         drop_remainder=True)        # after training: not a second copy in it
     seconds, step_steps = (0.5, 5) if steps < 100 else (3.0, 100)
     input_rate = examples_per_second(stream, seconds)
     step_rate = training_step_rate(model, stream, step_steps)
@@ -379,7 +380,7 @@ def run(names: list[str], smoke: bool = False) -> dict:
     return results
 
 
-if __name__ == "__main__":     # one side of `bench_scale`: python -m ... '{"kind": ...}'
+if __name__ == "__main__":     # one job of `bench_scale`: python -m ... '{"kind": ...}'
     from tworec import console
     console.filter_native_logs()
     print(json.dumps(_scale_job(**json.loads(sys.argv[1]))))

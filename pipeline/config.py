@@ -22,6 +22,7 @@ PIPELINE = ("train retrieval", "baselines", "tune index", "train ranking", "expo
 RETRIEVAL_ONLY = ("train retrieval", "baselines", "tune index", "export")
 RANKING_ONLY = ("train ranking", "export", "serve and check")
 
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """The flow's own numbers, shared by every step that needs them."""

@@ -64,6 +64,7 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
                 f"and run configs; these differ: {changed or ['source']}")
     else:
         check_fresh(out, overwrite)
+    configs.validate()                  # all but what depends on the log, before it loads
     log = load(source["data"], columns=source.get("columns") or {},
                delimiter=source.get("delimiter"))
     configs.validate(has_ratings=log.rating is not None)

@@ -264,8 +264,8 @@ class Run:
         exported = [name for name in EXPORT_ORDER if list_versions(self.export_dir(name))]
         stock = [name for name in exported if name != "retrieval_scann"]
         for config, names, folder_of in (("models.config", stock, self.export_dir),
-                                      ("models_scann.config", exported, self.export_dir),
-                                      ("models.docker.config", stock, DOCKER_FOLDER.format)):
+                                         ("models_scann.config", exported, self.export_dir),
+                                         ("models.docker.config", stock, DOCKER_FOLDER.format)):
             write_models_config(self.export_dir(config), {name: folder_of(name) for name in names})
 
     def latest_export(self, name: str) -> str:

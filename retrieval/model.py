@@ -63,8 +63,9 @@ def in_batch_softmax_loss(query: tf.Tensor, candidate: tf.Tensor, temperature: f
     """The loss of TFRS's `tasks.Retrieval` (summed in-batch softmax cross-entropy; logQ
     correction with TFRS's clip; accidental hits pushed to TFRS's MIN_FLOAT; optional hard
     negatives), with integer labels instead of TFRS's identity matrix of labels: the same loss
-    and gradients (`tests/test_retrieval.py`) with fewer [b, b] tensors: training at batch
-    4096 on the CPU from the prepared `synthetic:10m` peaked at 1.45 GiB against TFRS's 1.81.
+    and gradients with respect to the embeddings (`tests/test_retrieval.py`; no gradient
+    reaches `sampling_probability`) with fewer [b, b] tensors: training at batch 4096 on the
+    CPU from the prepared `synthetic:10m` peaked at 1.45 GiB against TFRS's 1.81.
 
     Args:
         query: [b, d] float32; candidate: [b, d] float32, row i the positive of query i (one
@@ -80,18 +81,22 @@ def in_batch_softmax_loss(query: tf.Tensor, candidate: tf.Tensor, temperature: f
     scores = tf.matmul(query / temperature, candidate, transpose_b=True)           # [b, b]
     rows = tf.range(tf.shape(scores)[0])
     positive = rows[:, None] == rows[None, :]                                        # [b, b]
-    addend = tf.zeros([1, 1])
+    addend = None
     if sampling_probability is not None:                                             # [1, b]
-        addend -= tf.math.log(tf.clip_by_value(sampling_probability, 1e-6, 1.0))[None, :]
+        probability = tf.cast(sampling_probability, scores.dtype)
+        addend = -tf.math.log(tf.clip_by_value(probability, 1e-6, 1.0))[None, :]
     if candidate_ids is not None:                                                    # [b, b]
         same = (candidate_ids[:, None] == candidate_ids[None, :]) & ~positive
-        addend += tf.where(same, tfrs.layers.loss.MIN_FLOAT, 0.0)
-    if sampling_probability is not None or candidate_ids is not None:
+        hits = tf.where(same, tf.constant(tfrs.layers.loss.MIN_FLOAT, scores.dtype),
+                        tf.zeros([], scores.dtype))
+        addend = hits if addend is None else addend + hits
+    if addend is not None:
         scores += tf.stop_gradient(addend)
     labels = rows
     if num_hard_negatives is not None:    # the positive and the k best-scoring negatives
         keep = tf.minimum(num_hard_negatives + 1, tf.shape(scores)[1])
-        _, columns = tf.math.top_k(tf.where(positive, tfrs.layers.loss.MAX_FLOAT, scores), keep)
+        ceiling = tf.constant(tfrs.layers.loss.MAX_FLOAT, scores.dtype)
+        _, columns = tf.math.top_k(tf.where(positive, ceiling, scores), keep)
         scores, labels = tf.gather(scores, columns, batch_dims=1), tf.zeros_like(rows)
     return tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, scores))
 

@@ -261,34 +261,35 @@ def rss_bytes(pid: int) -> int:
 
 def soak(seconds: float = 30.0, clients: int = 16, warmup_seconds: float = 5.0) -> dict:
     """Runs the soak (see the module docstring) and returns its report."""
-    root = tempfile.mkdtemp(prefix="soak-")
-    config = build_models(root)
-    child = subprocess.Popen([sys.executable, "-m", "tworec.serving.soak", "--serve", config],
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        ports = json.loads(child.stdout.readline())
-        expected = LoadedModel(os.path.join(root, "scores", "1"))
-        Soak(ports, expected).run(clients, warmup_seconds, seed=10_000)
-        start_rss = rss_bytes(child.pid)
-        run = Soak(ports, expected)
-        started = time.monotonic()
-        run.run(clients, seconds)
-        elapsed = time.monotonic() - started
-        time.sleep(2.0)                 # the body and header timeouts close what is left
-        end_rss = rss_bytes(child.pid)
-        child.send_signal(signal.SIGTERM)
-        exit_code = child.wait(timeout=60)
-    finally:
-        if child.poll() is None:
-            child.kill()
-    valid = run.counts["valid_rest"] + run.counts["valid_grpc"]
-    return {"seconds": round(elapsed, 1), "clients": clients, "valid_requests": valid,
-            "malformed_requests": sum(run.counts.values()) - valid - run.counts["problems"],
-            "requests_per_second": round(sum(run.counts.values()) / elapsed, 1),
-            "problems": run.counts["problems"], "problem_examples": run.problems,
-            "counts": dict(sorted(run.counts.items())),
-            "rss_start_mib": round(start_rss / 2**20, 1), "rss_end_mib": round(end_rss / 2**20, 1),
-            "rss_change": round(end_rss / start_rss - 1, 3), "server_exit_code": exit_code}
+    with tempfile.TemporaryDirectory(prefix="soak-") as root:   # exports, removed after
+        config = build_models(root)
+        child = subprocess.Popen([sys.executable, "-m", "tworec.serving.soak", "--serve", config],
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        try:
+            ports = json.loads(child.stdout.readline())
+            expected = LoadedModel(os.path.join(root, "scores", "1"))
+            Soak(ports, expected).run(clients, warmup_seconds, seed=10_000)
+            start_rss = rss_bytes(child.pid)
+            run = Soak(ports, expected)
+            started = time.monotonic()
+            run.run(clients, seconds)
+            elapsed = time.monotonic() - started
+            time.sleep(2.0)                 # the body and header timeouts close what is left
+            end_rss = rss_bytes(child.pid)
+            child.send_signal(signal.SIGTERM)
+            exit_code = child.wait(timeout=60)
+        finally:
+            if child.poll() is None:
+                child.kill()
+        valid = run.counts["valid_rest"] + run.counts["valid_grpc"]
+        return {"seconds": round(elapsed, 1), "clients": clients, "valid_requests": valid,
+                "malformed_requests": sum(run.counts.values()) - valid - run.counts["problems"],
+                "requests_per_second": round(sum(run.counts.values()) / elapsed, 1),
+                "problems": run.counts["problems"], "problem_examples": run.problems,
+                "counts": dict(sorted(run.counts.items())),
+                "rss_start_mib": round(start_rss / 2**20, 1),
+                "rss_end_mib": round(end_rss / 2**20, 1),
+                "rss_change": round(end_rss / start_rss - 1, 3), "server_exit_code": exit_code}
 
 
 def main(argv=None) -> int:

@@ -256,11 +256,14 @@ def test_script_mistakes_fail_before_training_with_one_line(tmp_path, name, args
 @pytest.mark.parametrize("name, args", [
     ("pipeline.py", ["--data", "OUT/semicolons.csv", "--delimiter", ",", "--out", "OUT/new"]),
     ("train_ranking.py", ["--retrieval-run", "OUT"]),
+    ("pipeline.py", ["--out", "OUT/a-run"]),
     ("train_retrieval.py", ["--epochs", "0", "--out", "OUT/new"])])
 def test_script_mistakes_are_found_before_tensorflow_loads(tmp_path, name, args):
     """The checks of the folder, the log and the configs need no TensorFlow (~4 s to import):
     a mistake is answered at once."""
     (tmp_path / "semicolons.csv").write_text("user_id;item_id;timestamp\nu1;i1;1\n")
+    (tmp_path / "a-run").mkdir()
+    (tmp_path / "a-run" / "config.json").write_text("{}")
     argv = [os.path.join(ROOT, "scripts", name)] + [a.replace("OUT", str(tmp_path)) for a in args]
     done = subprocess.run([sys.executable, "-c", (
         "import runpy, sys\n"

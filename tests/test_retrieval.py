@@ -67,12 +67,13 @@ def test_every_history_encoder_trains(encoder):
     assert query_embeddings(model, data.examples["test"]).shape == (len(data.examples["test"]["user"]), 16)
 
 
-def test_mixed_precision_and_jit_compile_run_on_cpu():
-    """The GPU settings, run on the CPU. With the transformer history encoder: XLA compiles the
-    GRU's loop for ~45 s on this CPU, the transformer in ~5 s."""
+@pytest.mark.parametrize("encoder, jit_compile", [("transformer", True), ("gru", False)])
+def test_mixed_precision_and_jit_compile_run_on_cpu(encoder, jit_compile):
+    """The GPU settings, run on the CPU. XLA with the transformer history encoder: XLA
+    compiles the (default) GRU's loop for ~45 s on this CPU, the transformer in ~5 s."""
     log = generate(PRESETS["tiny"], seed=2)
     model, data, summary = train(log, split(log), preset(
-        "tiny", epochs=1, mixed_precision=True, jit_compile=True, history_encoder="transformer"))
+        "tiny", epochs=1, mixed_precision=True, jit_compile=jit_compile, history_encoder=encoder))
     assert np.isfinite(summary["history"]["loss"]).all()
     assert tf.keras.mixed_precision.global_policy().name == "float32"
     assert query_embeddings(model, data.examples["test"]).dtype == np.float32
@@ -286,7 +287,7 @@ def test_scann_export_loads_and_answers(trained, tmp_path):
 
 @pytest.mark.parametrize("temperature, logq, remove_hits, hard_negatives", [
     (1.0, False, False, None), (0.05, True, True, None), (0.1, True, True, 3),
-    (0.1, False, True, 50)])
+    (0.1, False, True, 50), (0.05, True, False, None), (0.1, True, False, 3)])
 def test_in_batch_softmax_loss_is_the_tfrs_retrieval_loss(temperature, logq, remove_hits,
                                                           hard_negatives):
     """Same loss and gradients as TFRS's task, with accidental hits (ids repeat), a
