@@ -380,7 +380,20 @@ def run(names: list[str], smoke: bool = False) -> dict:
     return results
 
 
-if __name__ == "__main__":     # one job of `bench_scale`: python -m ... '{"kind": ...}'
+if __name__ == "__main__":     # one job of `bench_scale`
     from tworec import console
+    parser = console.parser_for("Runs one job of the scale benchmark in this process and prints "
+                                "its figures as one JSON line.")
+    parser.add_argument("job", help='JSON: {"kind": "prepare" | "stream" | "in_memory", '
+                        '"source": LOG, "out": PREPARED, "steps": N, "batch_size": B}')
+    text = parser.parse_args().job
+    try:
+        job = json.loads(text)
+    except json.JSONDecodeError as error:
+        parser.error(f"job {text!r} is not JSON ({error})")
+    if (not isinstance(job, dict) or job.get("kind") not in ("prepare", "stream", "in_memory")
+            or set(job) != {"kind", "source", "out", "steps", "batch_size"}):
+        parser.error(f"job {text!r}: give kind (prepare, stream or in_memory), source, out, "
+                     "steps and batch_size")
     console.filter_native_logs()
-    print(json.dumps(_scale_job(**json.loads(sys.argv[1]))))
+    print(json.dumps(_scale_job(**job)))
