@@ -4,6 +4,7 @@ ours with a fair reference in one process; a part that compares two things carri
 `scripts/benchmark.py --help` answers at once."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import resource
@@ -232,7 +233,11 @@ def bench_scale(smoke: bool = False, steps: int = 2000, batch_size: int = 4096) 
     """Out-of-core preparation and streamed training against today's in-memory path, on
     synthetic logs of 1M, 10M and 100M rows written as Parquet shards. Each job runs in a fresh
     process, as a user runs them (`python -m tworec.features.prepare`, then training), so its
-    peak resident memory is its own; a size's `peak_rss_gib` is the larger of its two. The
+    peak resident memory is its own, read when its preparation or training ends; a size's
+    `peak_rss_gib` is the larger of its two. The training process's peak including the rate
+    measurements that follow training is reported apart
+    (`train_with_rate_measurements_peak_rss_gib`; `with_rate_measurements_peak_rss_gib` of
+    the in-memory side). The
     streaming side prepares the shards with DuckDB (`prepare_shards`, memory limit 1GB), then
     trains the default two-tower model (without item features, which a prepared log does not
     carry) with `lazy_adam` (Keras's Adam moves every row of the 1M-user table at every step:
@@ -256,9 +261,11 @@ def bench_scale(smoke: bool = False, steps: int = 2000, batch_size: int = 4096) 
             prepared = scale_job({**job, "kind": "prepare"})
             _log(f"scale {name}: training {steps} steps from the stream")
             trained = scale_job({**job, "kind": "stream"})
+            measuring = trained.pop("with_rate_measurements_peak_rss_gib")
             row = {"preset": name, **prepared, **trained,
                    "prepare_peak_rss_gib": prepared["peak_rss_gib"],
                    "train_peak_rss_gib": trained["peak_rss_gib"],
+                   "train_with_rate_measurements_peak_rss_gib": measuring,
                    "peak_rss_gib": max(prepared["peak_rss_gib"], trained["peak_rss_gib"])}
             if smoke or name in IN_MEMORY_SIZES:
                 _log(f"scale {name}: the same in memory")
@@ -294,7 +301,9 @@ def _run_quietly(command: list[str]) -> subprocess.CompletedProcess:
 def _scale_job(kind: str, source: str, steps: int, batch_size: int, out: str) -> dict:
     """In this process, one job of `bench_scale`: 'prepare' the shards of `source` into `out`;
     train `steps` steps from the 'stream' of `out`; or, 'in_memory', load, prepare and train
-    as today's path does. Its figures and this process's peak resident memory."""
+    as today's path does. Its figures and this process's peak resident memory when its
+    preparation or training ended (`peak_rss_gib`) and, for training, also after the rate
+    measurements (`with_rate_measurements_peak_rss_gib`)."""
     if kind == "prepare":
         import duckdb  # noqa: F401  (imported before the clock starts)
         from tworec.features.prepare import prepare_shards
@@ -313,7 +322,7 @@ def _scale_job(kind: str, source: str, steps: int, batch_size: int, out: str) ->
         from tworec.features.stream import PreparedLog
         from tworec.retrieval.train import fit_prepared
         prepared = PreparedLog.load(out)
-        stream = prepared.training_batches(batch_size)
+        make_stream = functools.partial(prepared.training_batches, batch_size)
         model, summary = fit_prepared(prepared, config, steps_per_epoch=steps, verbose=0)
     else:
         from tworec.features import split
@@ -328,12 +337,14 @@ def _scale_job(kind: str, source: str, steps: int, batch_size: int, out: str) ->
         figures = {"rows": len(log), "prepare_seconds": round(seconds, 1),
                    "prepare_rows_per_second": round(len(log) / seconds)}
         model, summary = fit(data, config, verbose=0, steps_per_epoch=steps, validate=False)
-        stream = batches(data.examples["train"], batch_size, shuffle=True, epochs=None,
-                         drop_remainder=True)        # after training: not a second copy in it
+        make_stream = functools.partial(batches, data.examples["train"], batch_size,
+                                        shuffle=True, epochs=None, drop_remainder=True)
+    figures["peak_rss_gib"] = _peak_rss_gib()          # through loading, preparing, training
+    stream = make_stream()                             # the rates' batches, after training
     seconds, step_steps = (0.5, 5) if steps < 100 else (3.0, 100)
     input_rate = examples_per_second(stream, seconds)
     step_rate = training_step_rate(model, stream, step_steps)
-    return {**figures, "peak_rss_gib": _peak_rss_gib(),
+    return {**figures, "with_rate_measurements_peak_rss_gib": _peak_rss_gib(),
             "train_examples_per_second": round(summary["examples_per_second"]),
             "input_examples_per_second": round(input_rate),
             "step_examples_per_second": round(step_rate),

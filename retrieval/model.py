@@ -85,11 +85,10 @@ def in_batch_softmax_loss(query: tf.Tensor, candidate: tf.Tensor, temperature: f
     if sampling_probability is not None:                                             # [1, b]
         probability = tf.cast(sampling_probability, scores.dtype)
         addend = -tf.math.log(tf.clip_by_value(probability, 1e-6, 1.0))[None, :]
-    if candidate_ids is not None:                                                    # [b, b]
+    if candidate_ids is not None:                       # [b, b], one tensor with the logQ
         same = (candidate_ids[:, None] == candidate_ids[None, :]) & ~positive
-        hits = tf.where(same, tf.constant(tfrs.layers.loss.MIN_FLOAT, scores.dtype),
-                        tf.zeros([], scores.dtype))
-        addend = hits if addend is None else addend + hits
+        addend = tf.where(same, tf.constant(tfrs.layers.loss.MIN_FLOAT, scores.dtype),
+                          tf.zeros([], scores.dtype) if addend is None else addend)
     if addend is not None:
         scores += tf.stop_gradient(addend)
     labels = rows

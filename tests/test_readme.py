@@ -169,6 +169,10 @@ def test_benchmark_script_runs_every_part_small():
     for side in (scale, scale["in_memory"]):
         assert side["rows"] > 0 and side["peak_rss_gib"] > 0, side
         assert side["step_examples_per_second"] > 0 and side["input_ratio"] > 1, side
+    # the training processes' peaks without and with the rate measurements after training
+    assert scale["train_with_rate_measurements_peak_rss_gib"] >= scale["train_peak_rss_gib"]
+    in_memory = scale["in_memory"]
+    assert in_memory["with_rate_measurements_peak_rss_gib"] >= in_memory["peak_rss_gib"]
 
 
 def test_the_prepared_log_snippet_runs_as_printed(tmp_path, capsys):

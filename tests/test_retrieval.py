@@ -287,7 +287,8 @@ def test_scann_export_loads_and_answers(trained, tmp_path):
 
 @pytest.mark.parametrize("temperature, logq, remove_hits, hard_negatives", [
     (1.0, False, False, None), (0.05, True, True, None), (0.1, True, True, 3),
-    (0.1, False, True, 50), (0.05, True, False, None), (0.1, True, False, 3)])
+    (0.1, False, True, 50), (0.1, False, True, None), (0.05, True, False, None),
+    (0.1, True, False, 3)])
 def test_in_batch_softmax_loss_is_the_tfrs_retrieval_loss(temperature, logq, remove_hits,
                                                           hard_negatives):
     """Same loss and gradients as TFRS's task, with accidental hits (ids repeat), a
