@@ -193,6 +193,8 @@ def test_workers_stream_a_prepared_log_into_sharded_tables(prepared_log, tmp_pat
                                                  optimizer="lazy_adam"),
                             steps_per_epoch=PREPARED_STEPS, verbose=0)
     one_device = evaluate_prepared(model, prepared_log, "test", ks=(10, 50))
+    # one device reaches recall@10 0.43 (one step: 0.105); with the shards' sparse updates
+    # dropped, the cluster reached 0.17
     for metric in ("recall@10", "recall@50"):
         assert abs(one_device[metric] - result["metrics"][metric]) < 0.1, \
             (one_device, result["metrics"])
