@@ -224,7 +224,7 @@ def _serve_exports(root: str, inputs, retrieval_model, ranking_model, ranking_si
 
 
 SCALE_SIZES = ("1m", "10m", "100m")
-# The in-memory path peaks at ~6.7 GiB for 10M rows and grows ~0.6 GiB per million rows, so
+# The in-memory path peaks at ~6.6 GiB for 10M rows and grows ~0.6 GiB per million rows, so
 # 100M rows (~60 GiB) do not fit this 24 GiB machine; it is measured where it fits.
 IN_MEMORY_SIZES = ("1m", "10m")
 
