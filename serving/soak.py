@@ -281,6 +281,7 @@ def soak(seconds: float = 30.0, clients: int = 16, warmup_seconds: float = 5.0) 
         finally:
             if child.poll() is None:
                 child.kill()
+                child.wait()
         valid = run.counts["valid_rest"] + run.counts["valid_grpc"]
         return {"seconds": round(elapsed, 1), "clients": clients, "valid_requests": valid,
                 "malformed_requests": sum(run.counts.values()) - valid - run.counts["problems"],
