@@ -114,7 +114,7 @@ def bench_train_ranking(smoke: bool = False, epochs: int = 2) -> dict:
     log = generate(PRESETS["tiny" if smoke else "default"], seed=0)
     config = preset("tiny" if smoke else "default", epochs=epochs, early_stopping_patience=0)
     inputs = prepare(log, split(log, "temporal"), history_length=20)
-    given = signals(inputs, config.use_transitions)
+    given = signals(inputs, config)
     _, ours = fit(inputs, config, given, verbose=0)
     lists = candidate_lists(inputs, "train", config.num_negatives, 0.0, seed=config.seed)
     reference = build_model(config, inputs, given)
@@ -186,10 +186,10 @@ def bench_serving(smoke: bool = False) -> dict:
                                    num_interactions=interactions), seed=0)
     inputs = prepare(log, split(log, "temporal"), history_length=5)
     retrieval_model, _ = fit_retrieval(inputs, retrieval_preset("tiny", epochs=1), verbose=0)
-    ranking_signals = signals(inputs, use_transitions=True,
+    ranking_config = ranking_preset("tiny", epochs=1)
+    ranking_signals = signals(inputs, ranking_config,
                               retrieval=embeddings_for_ranking(retrieval_model, inputs))
-    ranking_model, _ = fit_ranking(inputs, ranking_preset("tiny", epochs=1), ranking_signals,
-                                   verbose=0)
+    ranking_model, _ = fit_ranking(inputs, ranking_config, ranking_signals, verbose=0)
     root = tempfile.mkdtemp(prefix="bench-serving-")
     try:
         return {"items": num_items, **_serve_exports(root, inputs, retrieval_model,

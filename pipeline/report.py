@@ -327,7 +327,23 @@ def ranking_section(report: dict) -> list[str]:
     auc = "not computed" if ranking["auc"] is None else f"{ranking['auc']:.3f}"
     return ["", "## Ranking on its own", "",
             f"RMSE of the rating head: {rmse}. AUC of each held-out item against retrieval's "
-            f"top candidates for its user (the items it must beat when served): {auc}."]
+            f"top candidates for its user (the items it must beat when served): {auc}."
+            ] + calibration_sentence(report["ranking"]["train"].get("calibration"))
+
+
+def calibration_sentence(calibration: dict | None) -> list[str]:
+    """What `ranking.train.calibrate` refitted, as one paragraph; none when it did not run."""
+    if not calibration:
+        return []
+    if "skipped" in calibration:
+        return ["", f"The logit's balance was not refitted: {calibration['skipped']}."]
+    weights = ", ".join(f"{name} {weight:.3g}" for name, weight in calibration["weights"].items())
+    signals = f", the signal weights {weights}" if weights else ""
+    before, after = calibration["loss_before"], calibration["loss_after"]
+    return ["", f"The logit's balance was refitted on {calibration['rows']:,} validation lists "
+                f"as served (those holding their positive): the ranker's own logit × "
+                f"{calibration['scale']:.2f}{signals}; validation cross-entropy {before:.3f} → "
+                f"{after:.3f}."]
 
 
 def index_section(report: dict, plots: list[str]) -> list[str]:

@@ -191,17 +191,24 @@ class Run:
         if self.evaluating:
             self.test_candidates = retrieval.top_candidates(model, self.inputs, "test",
                                                             run.candidates, evalset=self.test_set())
+        served_validation = retrieval.top_candidates(
+            model, self.inputs, "validation", run.candidates,
+            evalset=eval_set(self.log, self.parts, "validation",
+                             exclude_seen=self.inputs.exclude_seen)
+            ) if ranking.calibrates(self.configs.ranking) else None
         self.signals = ranking_features.signals(
-            self.inputs, self.configs.ranking.use_transitions,
+            self.inputs, self.configs.ranking,
             retrieval.embeddings_for_ranking(model, self.inputs))
         self.ranking_model, summary = ranking.fit(self.inputs, self.configs.ranking, self.signals,
                                                   hard=hard, run_dir=self.out,
-                                                  verbose=self.verbose)
+                                                  verbose=self.verbose,
+                                                  served_validation=served_validation)
         self.report["ranking"] = {
             "test": ranking.evaluate(self.ranking_model, self.inputs, self.signals, "test",
                                      hard=self.test_candidates) if self.evaluating else None,
             "train": {k: summary[k] for k in ("seconds", "epochs", "best_epoch",
-                                              "examples_per_second")}}
+                                              "examples_per_second", "calibration")
+                      if k in summary}}
         if self.evaluating:
             self.report["two_stage"] = {"test": rank_metrics(self.offline("recommender").ranks),
                                         "gain_over_retrieval": self.gain_over_retrieval()}

@@ -22,6 +22,8 @@ class RankingConfig:
     projection_dim: int | None = None     # low-rank cross layers
     deep_layers: tuple[int, ...] = (256, 128)
     use_transitions: bool = True          # how often the candidate followed the latest item
+    cooccurrence_neighbors: int = 0       # similar items kept per item (0: no co-occurrence)
+    cooccurrence_folds: int = 5           # user folds: training rows read out-of-fold values
     bst_heads: int = 8
     bst_layers: tuple[int, ...] = (1024, 512, 256)
     num_negatives: int = 9                # per positive, in a list of 1 + num_negatives
@@ -30,6 +32,7 @@ class RankingConfig:
     batch_size: int = 256
     epochs: int = 5
     early_stopping_patience: int = 2
+    calibrate: bool = True                # refit the logit's balance on validation's served lists
     mixed_precision: bool = False
     jit_compile: bool = False
     seed: int = 0
@@ -49,6 +52,12 @@ class RankingConfig:
             raise ValueError(f"model 'bst' needs history_length > 0, got {history_length}")
         if self.num_negatives <= 0 and self.task != "regression":
             raise ValueError(f"num_negatives must be positive for task {self.task!r}")
+        if self.cooccurrence_neighbors < 0:
+            raise ValueError("cooccurrence_neighbors must be >= 0 (0 turns the feature off), "
+                             f"got {self.cooccurrence_neighbors}")
+        if self.cooccurrence_folds < 2:
+            raise ValueError("cooccurrence_folds must be at least 2, "
+                             f"got {self.cooccurrence_folds}")
         if not 0 <= self.hard_negative_share <= 1:
             raise ValueError(f"hard_negative_share must be in [0, 1], got {self.hard_negative_share}")
 

@@ -16,15 +16,16 @@ import tensorflow as tf
 
 from tworec.features.inputs import ModelInputs
 from tworec.features.layers import UserInputs, id_lookup, write_state
-from tworec.ranking.features import RankingSignals
+from tworec.ranking.features import RankingSignals, sum_in_order
 from tworec.ranking.model import RankingModel
 from tworec.serving.layout import write_version, write_warmup_requests
 
 
-def transition_table(transitions: sp.csr_matrix) -> tf.lookup.StaticHashTable:
-    """(previous * V + next vocabulary index) int64 -> float32 transition count, 0 when absent."""
-    coo = transitions.tocoo()
-    keys = coo.row.astype(np.int64) * transitions.shape[1] + coo.col
+def pair_table(matrix: sp.csr_matrix) -> tf.lookup.StaticHashTable:
+    """(row * V + column vocabulary index) int64 -> float32 value of a [V, V] matrix (transition
+    counts, similarities), 0 when absent."""
+    coo = matrix.tocoo()
+    keys = coo.row.astype(np.int64) * matrix.shape[1] + coo.col
     return tf.lookup.StaticHashTable(
         tf.lookup.KeyValueTensorInitializer(tf.constant(keys, tf.int64),
                                             tf.constant(coo.data, tf.float32)), default_value=0.0)
@@ -45,7 +46,9 @@ class RankingModule(tf.Module):
         self.popularity = tf.constant(data.item_probability)                            # [I]
         self.vocab_size = data.items.size
         self.transitions = (None if signals.transitions is None
-                            else transition_table(signals.transitions))
+                            else pair_table(signals.transitions))
+        self.cooccurrence = (None if signals.cooccurrence is None
+                             else pair_table(signals.cooccurrence.full))
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="user_id"),
                                   tf.TensorSpec([None, None], tf.string, name="item_ids")])
@@ -63,6 +66,10 @@ class RankingModule(tf.Module):
             last = features["history"][:, -1:]                                          # [b, 1]
             keys = last * self.vocab_size + tf.gather(self.item_index, features["items"])
             features["transitions"] = tf.math.log1p(self.transitions.lookup(keys))      # [b, n]
+        if self.cooccurrence is not None:
+            candidates = tf.gather(self.item_index, features["items"])[:, None]         # [b, 1, n]
+            keys = features["history"][:, :, None] * self.vocab_size + candidates       # [b, L, n]
+            features["cooccurrence"] = sum_in_order(self.cooccurrence.lookup(keys))      # [b, n]
         scores = tf.where(known[:, None], self.model(features),                          # [b, n]
                           tf.gather(self.popularity, features["items"]))
         lowest = tf.reduce_min(scores, axis=1, keepdims=True) - 1.0      # [b, 1] per row

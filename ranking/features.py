@@ -1,9 +1,10 @@
 """The ranker's pair features and the signals they come from.
 
-Besides the model inputs, the ranker reads two signals, handed over as one `RankingSignals`
+Besides the model inputs, the ranker reads three signals, handed over as one `RankingSignals`
 object to `list_examples` (training and evaluation) and to the export (baked into the graph):
-the retrieval stage's embeddings (ranking never imports retrieval: they arrive as arrays) and
-the item-to-next-item transition counts of the training rows.
+the retrieval stage's embeddings (ranking never imports retrieval: they arrive as arrays), the
+item-to-next-item transition counts and the item-item co-occurrence similarities of the training
+rows.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import tensorflow as tf
 
 from tworec.features.history import previous_items, transition_counts
 from tworec.features.inputs import ModelInputs
+from tworec.ranking.config import RankingConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,27 +30,31 @@ class RankingSignals:
             latest history (what serving sees), or None.
         retrieval_items: [num_items, e] the retrieval item embeddings, or None.
         transitions: [V, V] CSR over item vocabulary indexes (`transition_matrix`), or None.
+        cooccurrence: the item-item similarities (`Cooccurrence`), or None.
     """
 
     retrieval_queries: dict[str, np.ndarray] | None = None
     retrieval_latest: np.ndarray | None = None
     retrieval_items: np.ndarray | None = None
     transitions: sp.csr_matrix | None = None
+    cooccurrence: Cooccurrence | None = None
 
     @property
     def has_retrieval(self) -> bool:
         return self.retrieval_items is not None
 
 
-def signals(data: ModelInputs, use_transitions: bool, retrieval: dict | None = None
+def signals(data: ModelInputs, config: RankingConfig, retrieval: dict | None = None
             ) -> RankingSignals:
-    """The signals of a run: `retrieval` holds the retrieval stage's `queries` (part -> [m, e]),
-    `latest` ([num_users, e]) and `items` ([num_items, e]) arrays."""
+    """The signals `config` asks for: `retrieval` holds the retrieval stage's `queries`
+    (part -> [m, e]), `latest` ([num_users, e]) and `items` ([num_items, e]) arrays."""
     retrieval = retrieval or {}
-    return RankingSignals(retrieval_queries=retrieval.get("queries"),
-                          retrieval_latest=retrieval.get("latest"),
-                          retrieval_items=retrieval.get("items"),
-                          transitions=transition_matrix(data) if use_transitions else None)
+    return RankingSignals(
+        retrieval_queries=retrieval.get("queries"), retrieval_latest=retrieval.get("latest"),
+        retrieval_items=retrieval.get("items"),
+        transitions=transition_matrix(data) if config.use_transitions else None,
+        cooccurrence=(cooccurrence(data, config.cooccurrence_neighbors, config.cooccurrence_folds,
+                                   config.seed) if config.cooccurrence_neighbors else None))
 
 
 def transition_matrix(data: ModelInputs) -> sp.csr_matrix:
@@ -85,6 +91,126 @@ def counted_from(data: ModelInputs, last: np.ndarray) -> np.ndarray:
     return (previous >= 0) & (data.item_index[np.maximum(previous, 0)] == last)
 
 
+@dataclasses.dataclass(frozen=True)
+class Cooccurrence:
+    """Item-item cosine similarities of the training rows (`similarities`).
+
+    A fold's matrix comes from about (k - 1) / k of the users, so its pairs that clear the
+    two-user cut are fewer than the full matrix's (on ml-latest-small, 5 folds: 15% fewer);
+    cosines keep their scale. Building them costs the sum over users of their item count
+    squared (X^T X): fine for ml-latest-small (22M pairs, 4 s), too much for logs of heavy
+    users in the tens of millions.
+
+    Attributes:
+        full: [V, V] CSR over item vocabulary indexes, from every training row: what held-out
+            rows and serving read.
+        folds: [k] such matrices, fold f's without the rows of the users of fold f: what the
+            training rows of those users read, so that no training row sees its own user's
+            items (their later ones included) in its feature.
+        fold_of_user: [num_users] the fold of every user code.
+        neighbors, seed: the settings the matrices were built with.
+    """
+
+    full: sp.csr_matrix
+    folds: tuple[sp.csr_matrix, ...]
+    fold_of_user: np.ndarray
+    neighbors: int
+    seed: int
+
+
+def cooccurrence(data: ModelInputs, neighbors: int, folds: int, seed: int = 0) -> Cooccurrence:
+    """The co-occurrence similarities of the training rows, whole and out of each user fold."""
+    rows = data.split.train
+    fold_of_user = np.random.default_rng(seed).permutation(data.interactions.num_users) % folds
+    counts = user_item_matrix(data, rows)
+    together = (counts.T @ counts).tocsr()                                       # [V, V]
+    out_of_fold = []
+    for fold in range(folds):
+        own = user_item_matrix(data, rows[fold_of_user[data.interactions.user[rows]] == fold])
+        out_of_fold.append(similarities(together - (own.T @ own), neighbors))
+    return Cooccurrence(similarities(together, neighbors), tuple(out_of_fold), fold_of_user,
+                        neighbors, seed)
+
+
+def user_item_matrix(data: ModelInputs, rows: np.ndarray) -> sp.csr_matrix:
+    """[num_users, V] float32 CSR: 1 where the user has the item (vocabulary index) in `rows`."""
+    users = data.interactions.user[rows]
+    matrix = sp.csr_matrix((np.ones(len(rows), np.float32),
+                            (users, data.item_index[data.interactions.item[rows]])),
+                           shape=(data.interactions.num_users, data.items.size))
+    matrix.data[:] = 1.0                                       # repeated rows count once
+    return matrix
+
+
+def similarities(together: sp.csr_matrix, neighbors: int, min_users: int = 2) -> sp.csr_matrix:
+    """[V, V] float32 CSR: the cosine similarity of items i and j, together[i, j] /
+    sqrt(together[i, i] * together[j, j]) (users with both over the root of each one's users),
+    kept for pairs that at least `min_users` users share (one user's coincidence is noise) and
+    for the `neighbors` most similar j of every i."""
+    users = together.diagonal()
+    pairs = together.tocoo()
+    keep = (pairs.row != pairs.col) & (pairs.data >= min_users)
+    row, col = pairs.row[keep], pairs.col[keep]
+    value = (pairs.data[keep] / np.sqrt(users[row] * users[col])).astype(np.float32)
+    order = np.lexsort((col, -value, row))                   # by row, most similar first
+    row, col, value = row[order], col[order], value[order]
+    rank = np.arange(len(row)) - np.searchsorted(row, row)
+    best = rank < neighbors
+    return sp.csr_matrix((value[best], (row[best], col[best])), shape=together.shape)
+
+
+def pair_keys(matrix: sp.csr_matrix) -> tuple[np.ndarray, np.ndarray]:
+    """The entries of a [V, V] matrix as increasing int64 keys row * V + column and their
+    float32 values (the export's hash table), each ended by a key no lookup reaches."""
+    coo = matrix.tocoo()
+    keys = coo.row.astype(np.int64) * matrix.shape[1] + coo.col
+    order = np.argsort(keys)
+    return (np.append(keys[order], np.iinfo(np.int64).max),
+            np.append(coo.data[order], 0.0).astype(np.float32))
+
+
+def pair_values(keys: tuple[np.ndarray, np.ndarray], size: int, previous: np.ndarray,
+                candidates: np.ndarray) -> np.ndarray:
+    """[m, L, n] float32 matrix[previous[r, l], candidates[r, n]] (vocabulary indexes below
+    `size`; 0 where the matrix holds no value) from the matrix's `pair_keys`, as the export's
+    hash table looks them up."""
+    ordered, values = keys
+    wanted = previous[:, :, None] * size + candidates[:, None, :]                 # [m, L, n]
+    at = np.searchsorted(ordered, wanted)
+    return np.where(ordered[at] == wanted, values[at], np.float32(0.0))
+
+
+def sum_in_order(values: np.ndarray | tf.Tensor) -> np.ndarray | tf.Tensor:
+    """[m, L, n] -> [m, n]: the sum over L, slot by slot from the oldest, so that NumPy here and
+    TF in the export add the same float32 numbers in the same order (equal bits)."""
+    total = values[:, 0]
+    for slot in range(1, values.shape[1]):
+        total = total + values[:, slot]
+    return total
+
+
+def cooccurrence_features(signal: Cooccurrence, data: ModelInputs, part: str,
+                          items: np.ndarray, chunk: int = 4096) -> np.ndarray:
+    """[m, n] float32: the sum of each candidate's similarities to the row's history items
+    (the latest L). Training rows read their user fold's matrix, other rows the full one."""
+    history = data.examples[part]["history"]                                   # [m, L] vocab
+    candidates = data.item_index[items]                                        # [m, n]
+    if part == "train":
+        users = data.interactions.user[data.split.train]
+        fold = signal.fold_of_user[users]
+        matrices = [(signal.folds[f], fold == f) for f in range(len(signal.folds))]
+    else:
+        matrices = [(signal.full, np.ones(len(history), bool))]
+    features = np.zeros(candidates.shape, np.float32)
+    for matrix, rows in matrices:
+        keys, rows = pair_keys(matrix), np.flatnonzero(rows)
+        for start in range(0, len(rows), chunk):
+            at = rows[start:start + chunk]
+            features[at] = sum_in_order(pair_values(keys, data.items.size, history[at],
+                                                    candidates[at]))
+    return features
+
+
 def retrieval_scores(queries: np.ndarray, items: np.ndarray, codes: np.ndarray,
                      chunk: int = 8192) -> np.ndarray:
     """[m, n] float32 retrieval dot products of queries [m, e] with the items [num_items, e] at
@@ -101,8 +227,9 @@ def retrieval_scores(queries: np.ndarray, items: np.ndarray, codes: np.ndarray,
 def list_examples(data: ModelInputs, signals: RankingSignals, part: str,
                   items: np.ndarray) -> dict[str, np.ndarray]:
     """The ranker's inputs for candidate lists `items` [m, n] of the rows of `part`: the model
-    inputs of each row, "items" [m, n], "retrieval_scores" [m, n] and "transitions" [m, n] when
-    the signals carry them, and "rating" [m] of the item in slot 0 (zeros without ratings)."""
+    inputs of each row, "items" [m, n], "retrieval_scores", "transitions" and "cooccurrence"
+    (each [m, n]) when the signals carry them, and "rating" [m] of the item in slot 0 (zeros
+    without ratings)."""
     examples = {k: v for k, v in data.examples[part].items() if k != "item"}
     examples["items"] = items
     if signals.has_retrieval:
@@ -110,6 +237,8 @@ def list_examples(data: ModelInputs, signals: RankingSignals, part: str,
             signals.retrieval_queries[part], signals.retrieval_items, items)
     if signals.transitions is not None:
         examples["transitions"] = transition_features(signals.transitions, data, part, items)
+    if signals.cooccurrence is not None:
+        examples["cooccurrence"] = cooccurrence_features(signals.cooccurrence, data, part, items)
     rating = data.interactions.rating
     rows = getattr(data.split, part)
     examples["rating"] = (np.zeros(len(rows), np.float32) if rating is None else rating[rows])

@@ -10,6 +10,10 @@ from tworec.features.layers import ItemFeatures
 from tworec.ranking.config import RankingConfig
 from tworec.ranking.sequence import SequenceTransformer
 
+# The [b, n] signal inputs -> the name of their scalar weight in the logit.
+SIGNAL_WEIGHTS = {"retrieval_scores": "retrieval", "transitions": "transition",
+                  "cooccurrence": "cooccurrence"}
+
 
 def mlp(units: tuple[int, ...]) -> tf.keras.Sequential:
     return tf.keras.Sequential([tf.keras.layers.Dense(u, "relu") for u in units])
@@ -21,14 +25,17 @@ class RankingModel(tfrs.Model):
     Inputs: {"user": [b], "user_NAME": [b], "history": [b, L] vocabulary indexes (0 pads),
     "items": [b, n] catalogue codes, with `use_retrieval` "retrieval_scores": [b, n] the
     retrieval stage's dot product of each pair, with `config.use_transitions` "transitions":
-    [b, n] log(1 + how often the candidate followed the latest history item), and for training
-    "rating": [b] of the item in slot 0}. `ranking.features.list_examples` builds them, and the
+    [b, n] log(1 + how often the candidate followed the latest history item), with
+    `config.cooccurrence_neighbors` "cooccurrence": [b, n] the sum of the candidate's
+    co-occurrence similarities to the history items, and for training "rating": [b] of the
+    item in slot 0}. `ranking.features.list_examples` builds them, and the
     export computes them in the graph from the same signals.
     Output of `call`: scores [b, n] float32 (logits).
 
-    The retrieval score and the transition feature each enter twice: as a pair feature, and
-    through a learnt scalar weight in the logit, so the ranker starts from retrieval's order and
-    learns what to change. Transitions carry what a dot product cannot: which items follow which.
+    Each signal (retrieval score, transitions, co-occurrence) enters twice: as a pair feature,
+    and through a learnt scalar weight in the logit, so the ranker starts from retrieval's order
+    and learns what to change. Transitions carry what a dot product cannot: which items follow
+    which; co-occurrence, how close the candidate is to each history item, not to their mean.
     The model holds weights only; every signal arrives as an input.
     """
 
@@ -41,11 +48,13 @@ class RankingModel(tfrs.Model):
         self.history_length = history_length
         self.use_retrieval = use_retrieval
         dim = config.embedding_dim
-        self.retrieval_weight = self.add_weight(name="retrieval_weight", shape=(),
-                                                initializer="zeros")
-        if config.use_transitions:
-            self.transition_weight = self.add_weight(name="transition_weight", shape=(),
-                                                     initializer="zeros")
+        self.signal_names = (["retrieval_scores"] if use_retrieval else []) + \
+            (["transitions"] if config.use_transitions else []) + \
+            (["cooccurrence"] if config.cooccurrence_neighbors else [])
+        self.signal_weights = {
+            name: self.add_weight(name=f"{SIGNAL_WEIGHTS[name]}_weight", shape=(),
+                                  initializer="zeros", autocast=False)      # float32 always
+            for name in self.signal_names}
         self.item_features = ItemFeatures(item_index, item_vocab_size, item_genres, item_year, dim)
         self.user_embedding = tf.keras.layers.Embedding(num_users, dim)
         self.user_feature_embeddings = {
@@ -109,7 +118,7 @@ class RankingModel(tfrs.Model):
         user = self._user(features)                                               # [b, fu]
         item = self.item_features(items)                                          # [b, n, fi]
         parts = [tf.repeat(user, n, axis=0), tf.reshape(item, [b * n, item.shape[-1]])]
-        for name in self._signal_names():
+        for name in self.signal_names:
             parts.append(tf.cast(tf.reshape(features[name], [b * n, 1]), user.dtype))
         pairs = tf.concat(parts, axis=-1)                                         # [b*n, F]
         if self.config.model == "dcn":
@@ -127,17 +136,10 @@ class RankingModel(tfrs.Model):
     def _logits(self, features, hidden: tf.Tensor) -> tf.Tensor:
         """[b, n] scores from the pair representations [b, n, h]."""
         logits = tf.squeeze(self.score_head(hidden), -1)
-        weights = {"retrieval_scores": self.retrieval_weight}
-        if self.config.use_transitions:
-            weights["transitions"] = self.transition_weight
-        for name in self._signal_names():
-            logits += tf.cast(weights[name], tf.float32) * tf.cast(features[name], tf.float32)
+        for name in self.signal_names:
+            logits += (tf.cast(self.signal_weights[name], tf.float32) *
+                       tf.cast(features[name], tf.float32))
         return logits
-
-    def _signal_names(self) -> list[str]:
-        """The [b, n] signal inputs this model reads, in the order they join the pair features."""
-        return (["retrieval_scores"] if self.use_retrieval else []) + \
-            (["transitions"] if self.config.use_transitions else [])
 
     def call(self, features) -> tf.Tensor:
         return self._logits(features, self.representation(features))            # [b, n]

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import numpy as np
+import scipy.optimize
+import scipy.special
 import tensorflow as tf
 
 from tworec.evaluation import MISS, rank_metrics
@@ -67,24 +69,40 @@ def build_model(config: RankingConfig, data: ModelInputs, signals: RankingSignal
 
 def fit(data: ModelInputs, config: RankingConfig, signals: RankingSignals,
         hard: dict[str, np.ndarray] | None = None, run_dir: str | None = None,
-        verbose: int = 1) -> tuple[RankingModel, dict]:
-    """Trains a ranking model on lists of one positive and its negatives.
+        verbose: int = 1, served_validation: np.ndarray | None = None
+        ) -> tuple[RankingModel, dict]:
+    """Trains a ranking model on lists of one positive and its negatives, then, with
+    `config.calibrate` and `served_validation`, refits its logit's balance on those lists
+    (`calibrate`).
 
     Args:
         data: model inputs (`features.inputs.prepare`).
         config: checked before anything trains.
         signals: the retrieval embeddings and transition counts the ranker reads
-            (`ranking.features.signals`); their transitions must match `config.use_transitions`.
+            (`ranking.features.signals`), as `config` asks for them.
         hard: part -> [m, H] retrieval candidates per row, the source of hard negatives.
+        served_validation: [m, C] the candidates retrieval serves for the validation rows
+            (`EMPTY_SLOT` where fewer remain).
 
     Returns:
-        (model, summary) with per-epoch logs, seconds and examples per second.
+        (model, summary) with per-epoch logs, seconds, examples per second and, when it ran,
+        "calibration".
     """
     config.validate(has_ratings=data.interactions.rating is not None,
                     history_length=data.history_length)
-    if config.use_transitions != (signals.transitions is not None):
-        raise ValueError(f"use_transitions is {config.use_transitions} but the signals "
-                         f"{'lack' if config.use_transitions else 'carry'} transition counts")
+    built = signals.cooccurrence
+    for setting, wanted, signal in (
+            ("use_transitions", config.use_transitions, signals.transitions),
+            ("cooccurrence_neighbors", config.cooccurrence_neighbors, built)):
+        if bool(wanted) != (signal is not None):
+            raise ValueError(f"{setting} is {wanted} but the signals "
+                             f"{'lack' if wanted else 'carry'} it: build them with "
+                             "ranking.features.signals(data, config)")
+    if built is not None and (built.neighbors, len(built.folds), built.seed) != (
+            config.cooccurrence_neighbors, config.cooccurrence_folds, config.seed):
+        raise ValueError(f"the signals' co-occurrence was built with {built.neighbors} "
+                         f"neighbours, {len(built.folds)} folds, seed {built.seed}, not as the "
+                         "config says: build them with ranking.features.signals(data, config)")
     tf.keras.utils.set_random_seed(config.seed)
     hard = hard or {}
     negatives = 0 if config.task == "regression" else config.num_negatives
@@ -106,7 +124,76 @@ def fit(data: ModelInputs, config: RankingConfig, signals: RankingSignals,
                     steps_per_epoch=steps_per_epoch(len(lists["train"]), config.batch_size),
                     examples_per_epoch=len(lists["train"]), callbacks=callbacks,
                     validation=validation, run_dir=run_dir, verbose=verbose)
+    if calibrates(config) and served_validation is not None and len(data.split.validation):
+        summary["calibration"] = calibrate(model, data, signals, "validation", served_validation)
     return model, summary
+
+
+def calibrates(config: RankingConfig) -> bool:
+    """Whether `fit` calibrates: asked for, and a ranking task (a regression ranker's score
+    head never trains)."""
+    return config.calibrate and config.task != "regression"
+
+
+def calibrate(model: RankingModel, data: ModelInputs, signals: RankingSignals, part: str,
+              candidates: np.ndarray) -> dict:
+    """Refits the balance of the ranker's logit on held-out lists as served, and applies it.
+
+    The logit is `head + sum_k w_k * signal_k`; the ranker learnt it on training lists of
+    1 + num_negatives items, where the retrieval score and the transition counts come from
+    models fitted on those same rows (retrieval finds training positives more often than
+    held-out ones). Here the scale `a` of the whole logit and one added weight `d_k` per signal
+    are refitted, `a * logit + sum_k d_k * signal_k`, by listwise softmax cross-entropy over
+    the rows of `part` whose served list holds the positive, for users known before `part`:
+    no model learnt from these rows (validation also chose the epochs kept and ScaNN's
+    setting; test stays untouched). The loss is convex in those 1 + k numbers (L-BFGS-B,
+    `a` >= 0). The model's head and signal weights are rewritten, so the export serves
+    exactly the refitted scores; a fit that fails or is not finite changes nothing.
+
+    Args:
+        candidates: [m, C] the served candidates of every row of `part` (`EMPTY_SLOT` pads).
+
+    Returns:
+        {"rows": lists fitted on, "scale": a, "weights": signal -> its new weight,
+         "loss_before", "loss_after": the mean cross-entropy on those lists}; {"rows": r,
+        "skipped": why} when nothing was changed.
+    """
+    names = model.signal_names
+    rows = data.known_in(part) & (candidates == data.examples[part]["item"][:, None]).any(1)
+    if not rows.any():
+        return {"rows": 0, "skipped": "no served validation list holds its positive"}
+    examples = list_examples(data, signals, part, np.maximum(candidates, 0))
+    logits = np.concatenate([model(b).numpy() for b in batches(examples, 1024)])[rows]  # [r, C]
+    signal = (np.stack([examples[name][rows] for name in names], -1) if names    # [r, C, k]
+              else np.zeros(logits.shape + (0,), np.float32))
+    lists = candidates[rows]
+    positive = (lists == data.examples[part]["item"][rows, None]).argmax(1)      # [r]
+    usable = lists != EMPTY_SLOT
+    logits, signal = logits.astype(np.float64), signal.astype(np.float64)
+
+    def loss_and_gradient(theta: np.ndarray) -> tuple[float, np.ndarray]:
+        refit = np.where(usable, theta[0] * logits + signal @ theta[1:], -np.inf)  # [r, C]
+        log_norm = scipy.special.logsumexp(refit, axis=1)                           # [r]
+        loss = np.mean(log_norm - refit[np.arange(len(refit)), positive])
+        error = np.exp(refit - log_norm[:, None])                                  # softmax
+        error[np.arange(len(refit)), positive] -= 1.0
+        error /= len(refit)
+        return loss, np.concatenate([[np.sum(error * logits)],
+                                     np.einsum("rc,rck->k", error, signal)])
+
+    start = np.concatenate([[1.0], np.zeros(len(names))])
+    best = scipy.optimize.minimize(loss_and_gradient, start, jac=True, method="L-BFGS-B",
+                                   bounds=[(0.0, None)] + [(None, None)] * len(names))
+    if not (best.success and np.isfinite(best.x).all() and np.isfinite(best.fun)):
+        return {"rows": int(rows.sum()), "skipped": f"the fit did not converge: {best.message}"}
+    scale = best.x[0]
+    model.score_head.kernel.assign(model.score_head.kernel * scale)
+    model.score_head.bias.assign(model.score_head.bias * scale)
+    for name, added in zip(names, best.x[1:]):
+        model.signal_weights[name].assign(scale * model.signal_weights[name] + added)
+    return {"rows": int(rows.sum()), "scale": float(scale),
+            "weights": {name: float(model.signal_weights[name].numpy()) for name in names},
+            "loss_before": float(loss_and_gradient(start)[0]), "loss_after": float(best.fun)}
 
 
 def score_lists(model: RankingModel, data: ModelInputs, signals: RankingSignals, part: str,

@@ -2,7 +2,7 @@
 stage over retrieval's top-K, and exports `ranking` and the composed `recommender`.
 
     python scripts/train_ranking.py --retrieval-run RUN [--model dcn|bst]
-        [--task listwise|binary|regression] [--epochs N]
+        [--task listwise|binary|regression] [--cooccurrence-neighbors K] [--epochs N]
     python scripts/train_ranking.py --data SOURCE --out RUN [--split temporal|random]
         [--preset tiny|default] [--top-k 100] ...
 
@@ -23,6 +23,9 @@ def main(argv=None) -> int:
                         help="a run folder with a trained retrieval model to reuse")
     parser.add_argument("--model", choices=MODELS)
     parser.add_argument("--task", choices=TASKS)
+    parser.add_argument("--cooccurrence-neighbors", type=int, metavar="K",
+                        help="add the co-occurrence feature: each item's K most similar items "
+                             "(0, the default: without it)")
     parser.add_argument("--top-k", type=int,
                         help="retrieval candidates to re-rank (default 100; a retrieval run "
                              "keeps its own)")
@@ -40,8 +43,9 @@ def main(argv=None) -> int:
     if not (args.retrieval_run or args.out):
         return cli.fail("give --retrieval-run RUN, or --out RUN to train retrieval first")
     args.out = args.retrieval_run or args.out
-    ranking = {name: value for name, value in (("model", args.model), ("task", args.task))
-               if value is not None}
+    ranking = {name: value for name, value in (
+        ("model", args.model), ("task", args.task),
+        ("cooccurrence_neighbors", args.cooccurrence_neighbors)) if value is not None}
     if args.retrieval_run:
         return cli.run(args, RANKING_ONLY, continue_run=True, ranking=ranking)
     return cli.run(args, ("train retrieval",) + RANKING_ONLY, ranking=ranking,

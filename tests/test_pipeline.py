@@ -285,12 +285,16 @@ def test_every_script_answers_an_argument_mistake_in_one_line(name):
 
 
 def test_train_ranking_script_on_the_random_protocol(tmp_path):
-    """The TFRS tutorials' protocol: random 80/20 split, rating regression, RMSE reported."""
+    """The TFRS tutorials' protocol: random 80/20 split, rating regression, RMSE reported; with
+    the co-occurrence feature, which the served check then finds in the export too."""
     done = script("train_ranking.py", "--data", "synthetic:tiny", "--preset", "tiny", "--split",
-                  "random", "--task", "regression", "--top-k", "20", "--out", str(tmp_path))
+                  "random", "--task", "regression", "--top-k", "20", "--cooccurrence-neighbors",
+                  "20", "--out", str(tmp_path))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     report = json.load(open(tmp_path / "report.json"))
     assert 0 < report["ranking"]["test"]["rmse"] < 1.5 and report["ranking"]["test"]["auc"] is None
+    assert "calibration" not in report["ranking"]["train"]      # regression: nothing to rebalance
+    assert report["serving"]["served"]["recommender"]["rows"] == report["data"]["test_rows"]
     assert os.path.isdir(report["exports"]["ranking"])
 
 

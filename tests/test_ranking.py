@@ -4,7 +4,7 @@ import pytest
 import tensorflow as tf
 
 from tworec.features import generate, split
-from tworec.features.inputs import prepare
+from tworec.features.inputs import EMPTY_SLOT, prepare
 from tworec.features.synthetic import PRESETS
 from tworec.ranking.config import preset
 from tworec.ranking.features import (list_examples, retrieval_scores, signals,
@@ -24,7 +24,7 @@ def inputs():
 @pytest.fixture(scope="module")
 def transitions_only(inputs):
     """The signals of a ranker without retrieval: the transition counts."""
-    return signals(inputs, use_transitions=True)
+    return signals(inputs, preset("tiny"))
 
 
 def test_candidate_lists_put_the_positive_first_and_never_repeat_it(inputs):
@@ -99,6 +99,87 @@ def test_transition_features_count_followers_and_leave_training_rows_out(kind):
         assert (features[:, 0] > 0).mean() > 0.05
 
 
+def test_similarities_are_cosines_of_shared_users_kept_for_the_nearest_neighbours():
+    """Five users' item sets (vocabulary indexes 2..5), by hand: items 2 and 3 share three
+    users of four each (3 / 4), items 2 and 4 and items 3 and 4 two users of 4 and 3
+    (2 / sqrt(12)); pairs that one user shares (with item 5) are dropped."""
+    import scipy.sparse as sp
+    from tworec.ranking.features import similarities
+    sets = [{2, 3, 4}, {2, 3}, {2, 4, 5}, {3, 4}, {2, 3}]
+    has = sp.csr_matrix([[float(i in items) for i in range(6)] for items in sets])
+    together = (has.T @ has).tocsr()
+    third = 2 / np.sqrt(12)
+    expected = np.zeros((6, 6), np.float32)
+    expected[2, 3] = expected[3, 2] = 0.75
+    expected[2, 4] = expected[4, 2] = expected[3, 4] = expected[4, 3] = third
+    np.testing.assert_allclose(similarities(together, neighbors=5).toarray(), expected, rtol=1e-6)
+    nearest = np.zeros((6, 6), np.float32)
+    nearest[2, 3] = nearest[3, 2] = 0.75
+    nearest[4, 2] = third                               # a tie with item 3: the lower index
+    np.testing.assert_allclose(similarities(together, neighbors=1).toarray(), nearest, rtol=1e-6)
+
+
+def cooccurrence_by_loop(matrix, history: np.ndarray, candidates: np.ndarray) -> np.ndarray:
+    """[m, n] the sum of matrix[h, c] over the history items h (vocabulary indexes), in order."""
+    dense = matrix.toarray()
+    out = np.zeros(candidates.shape, np.float32)
+    for slot in range(history.shape[1]):
+        out += dense[history[:, slot][:, None], candidates]
+    return out
+
+
+def test_cooccurrence_features_sum_similarities_out_of_the_users_fold(inputs):
+    """Held-out rows read the similarities of every training row; training rows those without
+    their own user's fold, so no training row sees its own user's items (its later ones and
+    its positive included)."""
+    from tworec.ranking.features import cooccurrence, cooccurrence_features
+    signal = cooccurrence(inputs, neighbors=50, folds=3)
+    assert len(signal.folds) == 3 and set(np.unique(signal.fold_of_user)) == {0, 1, 2}
+    popular = np.argsort(-inputs.item_probability)[:30]
+    for part in ("train", "test"):
+        history = inputs.examples[part]["history"]
+        lists = np.tile(popular, (len(history), 1))
+        features = cooccurrence_features(signal, inputs, part, lists, chunk=7)
+        candidates = inputs.item_index[lists]
+        if part == "train":
+            fold = signal.fold_of_user[inputs.interactions.user[inputs.split.train]]
+            expected = np.zeros_like(features)
+            for f, matrix in enumerate(signal.folds):
+                rows = fold == f
+                expected[rows] = cooccurrence_by_loop(matrix, history[rows], candidates[rows])
+            assert not np.allclose(features, cooccurrence_by_loop(signal.full, history, candidates))
+        else:
+            expected = cooccurrence_by_loop(signal.full, history, candidates)
+        np.testing.assert_array_equal(features, expected)          # the same additions
+        assert (features > 0).mean() > 0.2
+
+
+def test_a_users_training_features_do_not_move_with_their_own_later_items(inputs):
+    """Leakage pin: replacing the item of a user's last training row by another leaves the
+    co-occurrence features of that user's earlier training rows exactly as they were."""
+    import dataclasses
+    from tworec.ranking.features import cooccurrence, cooccurrence_features
+    log, train = inputs.interactions, inputs.split.train
+    user = np.bincount(log.user[train]).argmax()
+    rows = train[log.user[train] == user]
+    last = rows[log.take(rows).time_order()[-1]]
+    popular = np.argsort(-inputs.item_probability)
+    replacement = next(i for i in popular if i not in log.item[rows])
+    changed_items = log.item.copy()
+    changed_items[last] = replacement
+    changed = prepare(dataclasses.replace(log, item=changed_items), inputs.split,
+                      history_length=5)
+    earlier = (log.user[train] == user) & (train != last)
+    earlier &= ~(inputs.examples["train"]["history"] == inputs.item_index[log.item[last]]).any(1)
+    lists = np.tile(np.concatenate([[log.item[last], replacement], popular[:20]]), (len(train), 1))
+    # Every neighbour kept: the vocabulary's order (by count) moves, and with it ties at a cut.
+    before, after = (cooccurrence_features(cooccurrence(data, neighbors=10_000, folds=3), data,
+                                           "train", lists) for data in (inputs, changed))
+    assert earlier.sum() >= 3
+    np.testing.assert_array_equal(before[earlier], after[earlier])
+    assert not np.array_equal(before, after)          # other users' rows see the change
+
+
 @pytest.mark.parametrize("overrides", [
     {"model": "dcn"}, {"model": "dcn", "cross_structure": "parallel", "projection_dim": 4},
     {"model": "bst"}, {"model": "dcn", "task": "binary", "rating_weight": 0.0},
@@ -136,7 +217,6 @@ def test_ranking_learns_and_reranks(inputs, transitions_only):
 
 
 def test_empty_slots_score_below_their_list_as_the_export(inputs, transitions_only):
-    from tworec.features.inputs import EMPTY_SLOT
     model, _ = fit(inputs, preset("tiny", epochs=1), transitions_only, verbose=0)
     items = candidate_lists(inputs, "test", 4, 0.0, seed=3)
     items[:, -2:] = EMPTY_SLOT
@@ -152,8 +232,17 @@ def test_settings_that_cannot_work(inputs, transitions_only):
         fit(inputs, preset("tiny", model="gbdt"), transitions_only, verbose=0)
     with pytest.raises(ValueError, match="needs history_length > 0"):
         preset("tiny", model="bst").validate(history_length=0)
-    with pytest.raises(ValueError, match="signals lack transition counts"):
-        fit(inputs, preset("tiny"), signals(inputs, use_transitions=False), verbose=0)
+    with pytest.raises(ValueError, match="use_transitions is True but the signals lack it"):
+        fit(inputs, preset("tiny"), signals(inputs, preset("tiny", use_transitions=False)),
+            verbose=0)
+    with pytest.raises(ValueError, match="cooccurrence_neighbors is 0 but the signals carry it"):
+        fit(inputs, preset("tiny"), signals(inputs, preset("tiny", cooccurrence_neighbors=5)),
+            verbose=0)
+    with pytest.raises(ValueError, match="built with 5 neighbours, 5 folds, seed 0, not as"):
+        fit(inputs, preset("tiny", cooccurrence_neighbors=6),
+            signals(inputs, preset("tiny", cooccurrence_neighbors=5)), verbose=0)
+    with pytest.raises(ValueError, match="cooccurrence_folds must be at least 2"):
+        preset("tiny", cooccurrence_folds=1).validate()
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +251,7 @@ def signal(inputs):
     from tworec.retrieval.train import embeddings_for_ranking
     model, _, _ = train_retrieval(inputs.interactions, inputs.split,
                                   retrieval_preset("tiny", epochs=2))
-    return signals(inputs, use_transitions=True, retrieval=embeddings_for_ranking(model, inputs))
+    return signals(inputs, preset("tiny"), retrieval=embeddings_for_ranking(model, inputs))
 
 
 def test_retrieval_scores_are_the_dot_products_of_the_pairs(inputs, signal):
@@ -182,14 +271,79 @@ def test_retrieval_signal_feeds_the_ranker(inputs, signal):
     assert evaluate(model, inputs, signal, "test")["auc"] > 0.7
 
 
-@pytest.mark.parametrize("model_name, with_signal", [("dcn", False), ("dcn", True), ("bst", True)],
-                         ids=["dcn-alone", "dcn-retrieval-signal", "bst-retrieval-signal"])
+def test_calibration_refits_the_logit_on_served_lists_and_the_model_keeps_it(inputs, signal):
+    """`calibrate` rewrites the model so that its logits are a * logit + sum_k d_k * signal_k,
+    with (a, d) the minimum of the softmax cross-entropy over the lists that hold their
+    positive (checked against a plain implementation, and by moving each number a little)."""
+    from tworec.features.batches import batches
+    from tworec.ranking.train import calibrate
+    model, _ = fit(inputs, preset("tiny", epochs=1, calibrate=False), signal, verbose=0)
+    rng = np.random.default_rng(0)
+    lists = candidate_lists(inputs, "validation", 19, 0.0, seed=5)
+    lists = np.take_along_axis(lists, rng.permuted(np.tile(np.arange(20), (len(lists), 1)),
+                                                   axis=1), 1)
+    lists[::3] = np.where(lists[::3] == inputs.examples["validation"]["item"][::3, None],
+                          EMPTY_SLOT, lists[::3])          # a third of the lists miss it
+    lists[:, -1] = EMPTY_SLOT
+    examples = list_examples(inputs, signal, "validation", np.maximum(lists, 0))
+    logits = lambda: np.concatenate([model(b).numpy() for b in batches(examples, 512)])  # noqa
+    before = logits()
+    names = model.signal_names
+    old = {name: float(model.signal_weights[name].numpy()) for name in names}
+    signals_ = np.stack([examples[name] for name in names], -1)              # [m, C, k]
+    rows = inputs.known_in("validation") & \
+        (lists == inputs.examples["validation"]["item"][:, None]).any(1)
+    positive = (lists == inputs.examples["validation"]["item"][:, None]).argmax(1)
+
+    def loss(a, d):
+        refit = np.where(lists != EMPTY_SLOT, a * before + signals_ @ d, -np.inf)[rows]
+        top = refit.max(1)
+        log_norm = top + np.log(np.exp(refit - top[:, None]).sum(1))
+        return np.mean(log_norm - refit[np.arange(len(refit)), positive[rows]])
+
+    result = calibrate(model, inputs, signal, "validation", lists)
+    a = result["scale"]
+    d = np.array([result["weights"][name] - a * old[name] for name in names])
+    assert result["rows"] == rows.sum() > 100 and names == ["retrieval_scores", "transitions"]
+    np.testing.assert_allclose(logits(), a * before + signals_ @ d.astype(np.float32),
+                               rtol=1e-4, atol=1e-4)
+    assert result["loss_before"] == pytest.approx(loss(1.0, np.zeros(len(names))), rel=1e-6)
+    assert result["loss_after"] == pytest.approx(loss(a, d), rel=1e-6)
+    assert result["loss_after"] < result["loss_before"] - 1e-3
+    for step in (1e-2, -1e-2):
+        assert loss(max(a + step, 0.0), d) >= result["loss_after"] - 1e-7
+        for k in range(len(names)):
+            assert loss(a, d + step * np.eye(len(names))[k]) >= result["loss_after"] - 1e-7
+    _, summary = fit(inputs, preset("tiny", epochs=1), signal, verbose=0,
+                     served_validation=lists)
+    assert summary["calibration"]["rows"] == result["rows"]
+    _, summary = fit(inputs, preset("tiny", epochs=1, calibrate=False), signal, verbose=0,
+                     served_validation=lists)
+    assert "calibration" not in summary
+    missing = np.where(lists == inputs.examples["validation"]["item"][:, None], EMPTY_SLOT, lists)
+    assert calibrate(model, inputs, signal, "validation", missing) == {
+        "rows": 0, "skipped": "no served validation list holds its positive"}
+    alone, _ = fit(inputs, preset("tiny", epochs=1, use_transitions=False),
+                   signals(inputs, preset("tiny", use_transitions=False)), verbose=0)
+    assert alone.signal_names == [] and calibrate(alone, inputs, signals(
+        inputs, preset("tiny", use_transitions=False)), "validation", lists)["weights"] == {}
+
+
+@pytest.mark.parametrize("model_name, with_signal, neighbors",
+                         [("dcn", False, 0), ("dcn", True, 0), ("bst", True, 0), ("dcn", True, 20)],
+                         ids=["dcn-alone", "dcn-retrieval-signal", "bst-retrieval-signal",
+                              "dcn-retrieval-cooccurrence"])
 def test_export_serves_the_keras_scores(inputs, signal, transitions_only, tmp_path, model_name,
-                                       with_signal):
+                                       with_signal, neighbors):
+    import dataclasses
     from tworec.ranking.export import export
+    from tworec.ranking.features import cooccurrence
     from tensorflow.python.framework import op_def_registry
     given = signal if with_signal else transitions_only
-    model, _ = fit(inputs, preset("tiny", epochs=1, model=model_name), given, verbose=0)
+    config = preset("tiny", epochs=1, model=model_name, cooccurrence_neighbors=neighbors)
+    if neighbors:
+        given = dataclasses.replace(given, cooccurrence=cooccurrence(inputs, neighbors, 5))
+    model, _ = fit(inputs, config, given, verbose=0)
     log = inputs.interactions
     path = export(model, inputs, given, str(tmp_path / "ranking"))
     run, meta = load_like_tf_serving(path)
@@ -210,6 +364,10 @@ def test_export_serves_the_keras_scores(inputs, signal, transitions_only, tmp_pa
     if with_signal:
         features["retrieval_scores"] = retrieval_scores(signal.retrieval_latest[:3],
                                                         signal.retrieval_items, codes)
+    if neighbors:
+        features["cooccurrence"] = cooccurrence_by_loop(given.cooccurrence.full, inputs.latest[:3],
+                                                        inputs.item_index[codes])
+        assert (features["cooccurrence"] > 0).mean() >= 0.5
     expected = model({k: tf.constant(v) for k, v in features.items()}).numpy()
     np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-5)
     unknown = run("serving_default", user_id=np.array(["nobody"]),

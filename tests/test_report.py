@@ -121,6 +121,22 @@ def test_the_gain_line_reads_as_the_issue_asks():
         "together).")
 
 
+def test_the_calibration_sentence_says_what_was_refitted_or_why_not():
+    from tworec.pipeline.report import calibration_sentence
+    fitted = {"rows": 1234, "scale": 0.4567, "weights": {"retrieval_scores": 10.84,
+                                                         "transitions": 0.5461},
+              "loss_before": 4.2356, "loss_after": 4.2018}
+    assert calibration_sentence(fitted) == ["", (
+        "The logit's balance was refitted on 1,234 validation lists as served (those holding "
+        "their positive): the ranker's own logit × 0.46, the signal weights retrieval_scores "
+        "10.8, transitions 0.546; validation cross-entropy 4.236 → 4.202.")]
+    assert "signal weights" not in calibration_sentence({**fitted, "weights": {}})[1]
+    assert calibration_sentence({"rows": 0, "skipped": "no served validation list holds its "
+                                 "positive"}) == ["", "The logit's balance was not refitted: no "
+                                                  "served validation list holds its positive."]
+    assert calibration_sentence(None) == []
+
+
 def test_example_users_show_titles_and_mark_the_held_out_item():
     from tworec.pipeline.report import markdown
     items = [{"id": f"m{k}", "title": f"Film {k} (1999)"} for k in range(10)]
@@ -243,11 +259,15 @@ def test_the_gain_over_retrieval_is_paired_over_users(global_run):
 
 
 def test_the_report_says_its_protocol_and_rounds_its_numbers(global_run):
-    out, _ = global_run
+    out, report = global_run
     text = (out / "report.md").read_text()
     assert "Protocol `global:0.8`: every row after the 0.8 quantile of time" in text
     assert "temporal" not in text
     assert not re.findall(r"\d\.\d{5,}", text) and "{" not in text and "nan" not in text
+    calibration = report["ranking"]["train"]["calibration"]
+    assert calibration["rows"] > 0 and calibration["loss_after"] <= calibration["loss_before"]
+    assert (f"refitted on {calibration['rows']:,} validation lists as served (those holding "
+            f"their positive): the ranker's own logit × {calibration['scale']:.2f}") in text
     page = (out / "report.html").read_text()
     assert page.count('src="data:image/png;base64,') == 3
     sections = ["<h2>Test Recall@10", 'alt="test Recall@K', "<h2>Training", 'alt="loss and',

@@ -39,7 +39,7 @@ def train_retrieval(log, run_dir):
 def train_ranking(log, run_dir):
     config = ranking_preset("tiny", epochs=4, early_stopping_patience=0)
     inputs = prepare(log, split(log, "temporal"), history_length=5)
-    return ranking_train.fit(inputs, config, signals(inputs, config.use_transitions),
+    return ranking_train.fit(inputs, config, signals(inputs, config),
                              run_dir=run_dir, verbose=0)[1]
 
 
