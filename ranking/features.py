@@ -161,7 +161,8 @@ def similarities(together: sp.csr_matrix, neighbors: int, min_users: int = 2) ->
 
 def pair_keys(matrix: sp.csr_matrix) -> tuple[np.ndarray, np.ndarray]:
     """The entries of a [V, V] matrix as increasing int64 keys row * V + column and their
-    float32 values (the export's hash table), each ended by a key no lookup reaches."""
+    float32 values (what the export's `pair_table` holds), each ended by a key no lookup
+    reaches."""
     coo = matrix.tocoo()
     keys = coo.row.astype(np.int64) * matrix.shape[1] + coo.col
     order = np.argsort(keys)

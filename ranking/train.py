@@ -72,8 +72,8 @@ def fit(data: ModelInputs, config: RankingConfig, signals: RankingSignals,
         verbose: int = 1, served_validation: np.ndarray | None = None
         ) -> tuple[RankingModel, dict]:
     """Trains a ranking model on lists of one positive and its negatives, then, with
-    `config.calibrate` and `served_validation`, refits its logit's balance on those lists
-    (`calibrate`).
+    `config.calibrate`, a ranking task (not regression), validation rows and
+    `served_validation`, refits its logit's balance on those lists (`calibrate`).
 
     Args:
         data: model inputs (`features.inputs.prepare`).
