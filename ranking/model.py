@@ -10,11 +10,6 @@ from tworec.features.layers import ItemFeatures
 from tworec.ranking.config import RankingConfig
 from tworec.ranking.sequence import SequenceTransformer
 
-# The [b, n] signal inputs -> the name of their scalar weight in the logit.
-SIGNAL_WEIGHTS = {"retrieval_scores": "retrieval", "transitions": "transition",
-                  "cooccurrence": "cooccurrence"}
-
-
 def mlp(units: tuple[int, ...]) -> tf.keras.Sequential:
     return tf.keras.Sequential([tf.keras.layers.Dense(u, "relu") for u in units])
 
@@ -52,7 +47,7 @@ class RankingModel(tfrs.Model):
             (["transitions"] if config.use_transitions else []) + \
             (["cooccurrence"] if config.cooccurrence_neighbors else [])
         self.signal_weights = {
-            name: self.add_weight(name=f"{SIGNAL_WEIGHTS[name]}_weight", shape=(),
+            name: self.add_weight(name=f"{name}_weight", shape=(),
                                   initializer="zeros", autocast=False)      # float32 always
             for name in self.signal_names}
         self.item_features = ItemFeatures(item_index, item_vocab_size, item_genres, item_year, dim)
