@@ -24,6 +24,8 @@ class RankingConfig:
     use_transitions: bool = True          # how often the candidate followed the latest item
     cooccurrence_neighbors: int = 0       # similar items kept per item (0: no co-occurrence)
     cooccurrence_folds: int = 5           # user folds: training rows read out-of-fold values
+    popularity_periods: int = 20          # periods of the known rows whose item popularity
+                                          # calibration weighs (0: no popularity signals)
     bst_heads: int = 8
     bst_layers: tuple[int, ...] = (1024, 512, 256)
     num_negatives: int = 9                # per positive, in a list of 1 + num_negatives
@@ -58,6 +60,9 @@ class RankingConfig:
         if self.cooccurrence_folds < 2:
             raise ValueError("cooccurrence_folds must be at least 2, "
                              f"got {self.cooccurrence_folds}")
+        if self.popularity_periods < 0:
+            raise ValueError("popularity_periods must be >= 0 (0 turns the popularity signals "
+                             f"off), got {self.popularity_periods}")
         if not 0 <= self.hard_negative_share <= 1:
             raise ValueError(f"hard_negative_share must be in [0, 1], got {self.hard_negative_share}")
 

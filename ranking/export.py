@@ -1,9 +1,11 @@
 """SavedModel export of the ranking stage in TF Serving's `BASE/VERSION/` layout.
 
 Signature `serving_default`: user_id [b] string, item_ids [b, n] string -> scores [b, n]
-float32. The users' state of the fit rows is baked in; users it does not know are scored by
-the items' training popularity (so every model serves them the popular order), and unknown
-items score below every other item of their list, without failing. Stock TF ops only.
+float32. The users' state of the fit rows is baked in, with the signals (transition and
+co-occurrence tables, the items' popularity in the fit rows' periods and each user's latest
+period); users it does not know are scored by the items' training popularity (so every model
+serves them the popular order), and unknown items score below every other item of their list,
+without failing. Stock TF ops only.
 `assets.extra/state.json` records the state, as the retrieval export does.
 """
 from __future__ import annotations
@@ -49,16 +51,20 @@ class RankingModule(tf.Module):
                             else pair_table(signals.transitions))
         self.cooccurrence = (None if signals.cooccurrence is None
                              else pair_table(signals.cooccurrence.full))
+        self.period_popularity, self.user_period = (                            # [P, I], [U]
+            (None, None) if signals.popularity is None else
+            (tf.constant(signals.popularity.tables["test"]),
+             tf.constant(signals.popularity.user_period["test"])))
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="user_id"),
                                   tf.TensorSpec([None, None], tf.string, name="item_ids")])
     def serve(self, user_id, item_ids):
         features, known = self.users(user_id)
+        codes, _ = self.users.codes(user_id)                               # [b], 0 if unknown
         items = self.item_codes.lookup(item_ids)                                         # [b, n]
         # Unknown items are scored as code 0, then placed below every known item.
         features["items"] = tf.maximum(items, 0)
         if self.retrieval_latest is not None:
-            codes, _ = self.users.codes(user_id)
             query = tf.gather(self.retrieval_latest, codes) * tf.cast(known, tf.float32)[:, None]
             features["retrieval_scores"] = tf.einsum(                                    # [b, n]
                 "be,bne->bn", query, tf.gather(self.retrieval_items, features["items"]))
@@ -70,6 +76,12 @@ class RankingModule(tf.Module):
             candidates = tf.gather(self.item_index, features["items"])[:, None]         # [b, 1, n]
             keys = features["history"][:, :, None] * self.vocab_size + candidates       # [b, L, n]
             features["cooccurrence"] = sum_in_order(self.cooccurrence.lookup(keys))      # [b, n]
+        if self.period_popularity is not None:
+            features["recent_popularity"] = tf.gather(self.period_popularity[-1],
+                                                      features["items"])
+            period = tf.gather(self.user_period, codes)                                  # [b]
+            features["user_time_popularity"] = tf.gather(                               # [b, n]
+                tf.gather(self.period_popularity, period), features["items"], batch_dims=1)
         scores = tf.where(known[:, None], self.model(features),                          # [b, n]
                           tf.gather(self.popularity, features["items"]))
         lowest = tf.reduce_min(scores, axis=1, keepdims=True) - 1.0      # [b, 1] per row

@@ -4,7 +4,7 @@ Besides the model inputs, the ranker reads three signals, handed over as one `Ra
 object to `list_examples` (training and evaluation) and to the export (baked into the graph):
 the retrieval stage's embeddings (ranking never imports retrieval: they arrive as arrays), the
 item-to-next-item transition counts and the item-item co-occurrence similarities of the training
-rows.
+rows, and the items' popularity by period of the rows known before each held-out part.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ class RankingSignals:
         retrieval_items: [num_items, e] the retrieval item embeddings, or None.
         transitions: [V, V] CSR over item vocabulary indexes (`transition_matrix`), or None.
         cooccurrence: the item-item similarities (`Cooccurrence`), or None.
+        popularity: the items' popularity by period (`PeriodPopularity`), or None.
     """
 
     retrieval_queries: dict[str, np.ndarray] | None = None
@@ -38,6 +39,7 @@ class RankingSignals:
     retrieval_items: np.ndarray | None = None
     transitions: sp.csr_matrix | None = None
     cooccurrence: Cooccurrence | None = None
+    popularity: PeriodPopularity | None = None
 
     @property
     def has_retrieval(self) -> bool:
@@ -54,7 +56,9 @@ def signals(data: ModelInputs, config: RankingConfig, retrieval: dict | None = N
         retrieval_items=retrieval.get("items"),
         transitions=transition_matrix(data) if config.use_transitions else None,
         cooccurrence=(cooccurrence(data, config.cooccurrence_neighbors, config.cooccurrence_folds,
-                                   config.seed) if config.cooccurrence_neighbors else None))
+                                   config.seed) if config.cooccurrence_neighbors else None),
+        popularity=(period_popularity(data, config.popularity_periods)
+                    if config.popularity_periods else None))
 
 
 def transition_matrix(data: ModelInputs) -> sp.csr_matrix:
@@ -212,6 +216,60 @@ def cooccurrence_features(signal: Cooccurrence, data: ModelInputs, part: str,
     return features
 
 
+@dataclasses.dataclass(frozen=True)
+class PeriodPopularity:
+    """The items' popularity in equal-row periods of the rows known before a held-out part
+    (training rows for validation; training and validation rows for test, what an export
+    knows), for the two held-out signals: "recent_popularity", the last period's, and
+    "user_time_popularity", the period's of the user's latest known row (when the user was last
+    active: what was popular then). Held-out only: the ranker never trains on them; calibration
+    alone weighs them, on validation's served lists.
+
+    Attributes:
+        tables: part -> [P, num_items] float32 log(1 + count * V / rows of the period), the
+            item's count over the count of an item of average share (V vocabulary items).
+        user_period: part -> [num_users] int64 the period of each user's latest known row
+            (the last period for users without known rows).
+    """
+
+    tables: dict[str, np.ndarray]
+    user_period: dict[str, np.ndarray]
+
+    @property
+    def periods(self) -> int:
+        return self.tables["test"].shape[0]
+
+
+POPULARITY_SIGNALS = ("recent_popularity", "user_time_popularity")
+
+
+def period_popularity(data: ModelInputs, periods: int) -> PeriodPopularity:
+    """The popularity tables of the validation and test parts: the known rows in time order
+    (ties in log order) cut into `periods` parts of equal row count."""
+    log, tables, user_period = data.interactions, {}, {}
+    for part, known in (("validation", data.split.train), ("test", data.split.fit)):
+        rows = known[np.argsort(log.timestamp[known], kind="stable")]
+        period = np.arange(len(rows)) * periods // max(len(rows), 1)             # [k]
+        counts = np.bincount(period * log.num_items + log.item[rows],
+                             minlength=periods * log.num_items).reshape(periods, log.num_items)
+        rows_per_period = np.maximum(np.bincount(period, minlength=periods), 1)[:, None]
+        tables[part] = np.log1p(counts * data.items.size / rows_per_period).astype(np.float32)
+        latest = np.full(log.num_users, -1)
+        np.maximum.at(latest, log.user[rows], np.arange(len(rows)))             # [U] position
+        user_period[part] = np.where(latest >= 0, period[np.maximum(latest, 0)], periods - 1)
+    return PeriodPopularity(tables, user_period)
+
+
+def popularity_features(signal: PeriodPopularity, data: ModelInputs, part: str,
+                        items: np.ndarray) -> dict[str, np.ndarray]:
+    """The two popularity signals ([m, n] float32 each) of the candidates `items` [m, n] of the
+    held-out rows of `part`."""
+    table = signal.tables[part]                                                 # [P, I]
+    users = data.interactions.user[getattr(data.split, part)]                   # [m]
+    return {"recent_popularity": table[-1][items],
+            "user_time_popularity": table[signal.user_period[part][users][:, None], items]}
+
+
 def retrieval_scores(queries: np.ndarray, items: np.ndarray, codes: np.ndarray,
                      chunk: int = 8192) -> np.ndarray:
     """[m, n] float32 retrieval dot products of queries [m, e] with the items [num_items, e] at
@@ -229,8 +287,8 @@ def list_examples(data: ModelInputs, signals: RankingSignals, part: str,
                   items: np.ndarray) -> dict[str, np.ndarray]:
     """The ranker's inputs for candidate lists `items` [m, n] of the rows of `part`: the model
     inputs of each row, "items" [m, n], "retrieval_scores", "transitions" and "cooccurrence"
-    (each [m, n]) when the signals carry them, and "rating" [m] of the item in slot 0 (zeros
-    without ratings)."""
+    (each [m, n]) when the signals carry them, the `POPULARITY_SIGNALS` for held-out parts, and
+    "rating" [m] of the item in slot 0 (zeros without ratings)."""
     examples = {k: v for k, v in data.examples[part].items() if k != "item"}
     examples["items"] = items
     if signals.has_retrieval:
@@ -240,6 +298,8 @@ def list_examples(data: ModelInputs, signals: RankingSignals, part: str,
         examples["transitions"] = transition_features(signals.transitions, data, part, items)
     if signals.cooccurrence is not None:
         examples["cooccurrence"] = cooccurrence_features(signals.cooccurrence, data, part, items)
+    if signals.popularity is not None and part != "train":
+        examples.update(popularity_features(signals.popularity, data, part, items))
     rating = data.interactions.rating
     rows = getattr(data.split, part)
     examples["rating"] = (np.zeros(len(rows), np.float32) if rating is None else rating[rows])

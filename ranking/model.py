@@ -8,6 +8,7 @@ import tensorflow_recommenders as tfrs
 
 from tworec.features.layers import ItemFeatures
 from tworec.ranking.config import RankingConfig
+from tworec.ranking.features import POPULARITY_SIGNALS
 from tworec.ranking.sequence import SequenceTransformer
 
 def mlp(units: tuple[int, ...]) -> tf.keras.Sequential:
@@ -22,8 +23,9 @@ class RankingModel(tfrs.Model):
     retrieval stage's dot product of each pair, with `config.use_transitions` "transitions":
     [b, n] log(1 + how often the candidate followed the latest history item), with
     `config.cooccurrence_neighbors` "cooccurrence": [b, n] the sum of the candidate's
-    co-occurrence similarities to the history items, and for training "rating": [b] of the
-    item in slot 0}. `ranking.features.list_examples` builds them, and the
+    co-occurrence similarities to the history items, with `config.popularity_periods` (held-out
+    lists only) "recent_popularity" and "user_time_popularity": [b, n], and for training
+    "rating": [b] of the item in slot 0}. `ranking.features.list_examples` builds them, and the
     export computes them in the graph from the same signals.
     Output of `call`: scores [b, n] float32 (logits).
 
@@ -31,6 +33,8 @@ class RankingModel(tfrs.Model):
     and through a learnt scalar weight in the logit, so the ranker starts from retrieval's order
     and learns what to change. Transitions carry what a dot product cannot: which items follow
     which; co-occurrence, how close the candidate is to each history item, not to their mean.
+    The popularity signals (`held_out_signals`) only enter through their weight, which stays 0
+    in training (training lists lack them) and which calibration alone sets.
     The model holds weights only; every signal arrives as an input.
     """
 
@@ -46,10 +50,11 @@ class RankingModel(tfrs.Model):
         self.signal_names = (["retrieval_scores"] if use_retrieval else []) + \
             (["transitions"] if config.use_transitions else []) + \
             (["cooccurrence"] if config.cooccurrence_neighbors else [])
+        self.held_out_signals = list(POPULARITY_SIGNALS) if config.popularity_periods else []
         self.signal_weights = {
             name: self.add_weight(name=f"{name}_weight", shape=(),
                                   initializer="zeros", autocast=False)      # float32 always
-            for name in self.signal_names}
+            for name in self.logit_signals}
         self.item_features = ItemFeatures(item_index, item_vocab_size, item_genres, item_year, dim)
         self.user_embedding = tf.keras.layers.Embedding(num_users, dim)
         self.user_feature_embeddings = {
@@ -83,6 +88,11 @@ class RankingModel(tfrs.Model):
             loss=tf.keras.losses.MeanSquaredError(),
             metrics=[tf.keras.metrics.RootMeanSquaredError(name="rmse")])
             if self.use_rating else None)
+
+    @property
+    def logit_signals(self) -> list[str]:
+        """Every signal with a weight in the logit: the pair features', then the held-out ones."""
+        return self.signal_names + self.held_out_signals
 
     def _user(self, features) -> tf.Tensor:
         """[b, fu]: user id, user features, the mean of the history's item embeddings and the
@@ -131,7 +141,7 @@ class RankingModel(tfrs.Model):
     def _logits(self, features, hidden: tf.Tensor) -> tf.Tensor:
         """[b, n] scores from the pair representations [b, n, h]."""
         logits = tf.squeeze(self.score_head(hidden), -1)
-        for name in self.signal_names:
+        for name in self.signal_names + [n for n in self.held_out_signals if n in features]:
             logits += (tf.cast(self.signal_weights[name], tf.float32) *
                        tf.cast(features[name], tf.float32))
         return logits

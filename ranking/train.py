@@ -93,7 +93,8 @@ def fit(data: ModelInputs, config: RankingConfig, signals: RankingSignals,
     built = signals.cooccurrence
     for setting, wanted, signal in (
             ("use_transitions", config.use_transitions, signals.transitions),
-            ("cooccurrence_neighbors", config.cooccurrence_neighbors, built)):
+            ("cooccurrence_neighbors", config.cooccurrence_neighbors, built),
+            ("popularity_periods", config.popularity_periods, signals.popularity)):
         if bool(wanted) != (signal is not None):
             raise ValueError(f"{setting} is {wanted} but the signals "
                              f"{'lack' if wanted else 'carry'} it: build them with "
@@ -103,6 +104,10 @@ def fit(data: ModelInputs, config: RankingConfig, signals: RankingSignals,
         raise ValueError(f"the signals' co-occurrence was built with {built.neighbors} "
                          f"neighbours, {len(built.folds)} folds, seed {built.seed}, not as the "
                          "config says: build them with ranking.features.signals(data, config)")
+    if signals.popularity is not None and signals.popularity.periods != config.popularity_periods:
+        raise ValueError(f"the signals' popularity has {signals.popularity.periods} periods, "
+                         f"the config {config.popularity_periods}: build them with "
+                         "ranking.features.signals(data, config)")
     tf.keras.utils.set_random_seed(config.seed)
     hard = hard or {}
     negatives = 0 if config.task == "regression" else config.num_negatives
@@ -158,7 +163,7 @@ def calibrate(model: RankingModel, data: ModelInputs, signals: RankingSignals, p
          "loss_before", "loss_after": the mean cross-entropy on those lists}; {"rows": r,
         "skipped": why} when nothing was changed.
     """
-    names = model.signal_names
+    names = model.logit_signals
     rows = data.known_in(part) & (candidates == data.examples[part]["item"][:, None]).any(1)
     if not rows.any():
         return {"rows": 0, "skipped": "no served validation list holds its positive"}

@@ -2,7 +2,8 @@
 stage over retrieval's top-K, and exports `ranking` and the composed `recommender`.
 
     python scripts/train_ranking.py --retrieval-run RUN [--model dcn|bst]
-        [--task listwise|binary|regression] [--cooccurrence-neighbors K] [--epochs N]
+        [--task listwise|binary|regression] [--cooccurrence-neighbors K]
+        [--popularity-periods P] [--epochs N]
     python scripts/train_ranking.py --data SOURCE --out RUN [--split temporal|random]
         [--preset tiny|default] [--top-k 100] ...
 
@@ -26,6 +27,9 @@ def main(argv=None) -> int:
     parser.add_argument("--cooccurrence-neighbors", type=int, metavar="K",
                         help="add the co-occurrence feature: each item's K most similar items "
                              "(0, the default: without it)")
+    parser.add_argument("--popularity-periods", type=int, metavar="P",
+                        help="the held-out popularity signals: the items' popularity in P "
+                             "periods of the known rows (default 20; 0: without them)")
     parser.add_argument("--top-k", type=int,
                         help="retrieval candidates to re-rank (default 100; a retrieval run "
                              "keeps its own)")
@@ -45,7 +49,8 @@ def main(argv=None) -> int:
     args.out = args.retrieval_run or args.out
     ranking = {name: value for name, value in (
         ("model", args.model), ("task", args.task),
-        ("cooccurrence_neighbors", args.cooccurrence_neighbors)) if value is not None}
+        ("cooccurrence_neighbors", args.cooccurrence_neighbors),
+        ("popularity_periods", args.popularity_periods)) if value is not None}
     if args.retrieval_run:
         return cli.run(args, RANKING_ONLY, continue_run=True, ranking=ranking)
     return cli.run(args, ("train retrieval",) + RANKING_ONLY, ranking=ranking,

@@ -243,6 +243,14 @@ def test_settings_that_cannot_work(inputs, transitions_only):
             signals(inputs, preset("tiny", cooccurrence_neighbors=5)), verbose=0)
     with pytest.raises(ValueError, match="cooccurrence_folds must be at least 2"):
         preset("tiny", cooccurrence_folds=1).validate()
+    with pytest.raises(ValueError, match="popularity_periods is 3 but the signals lack it"):
+        fit(inputs, preset("tiny", popularity_periods=3),
+            signals(inputs, preset("tiny", popularity_periods=0)), verbose=0)
+    with pytest.raises(ValueError, match="popularity has 2 periods, the config 3"):
+        fit(inputs, preset("tiny", popularity_periods=3),
+            signals(inputs, preset("tiny", popularity_periods=2)), verbose=0)
+    with pytest.raises(ValueError, match="popularity_periods must be >= 0"):
+        preset("tiny", popularity_periods=-1).validate()
 
 
 @pytest.fixture(scope="module")
@@ -271,13 +279,21 @@ def test_retrieval_signal_feeds_the_ranker(inputs, signal):
     assert evaluate(model, inputs, signal, "test")["auc"] > 0.7
 
 
-def test_calibration_refits_the_logit_on_served_lists_and_the_model_keeps_it(inputs, signal):
+@pytest.mark.parametrize("periods", [0, 4], ids=["pair-signals", "with-popularity"])
+def test_calibration_refits_the_logit_on_served_lists_and_the_model_keeps_it(inputs, signal,
+                                                                              periods):
     """`calibrate` rewrites the model so that its logits are a * logit + sum_k d_k * signal_k,
     with (a, d) the minimum of the softmax cross-entropy over the lists that hold their
-    positive (checked against a plain implementation, and by moving each number a little)."""
+    positive (checked against a plain implementation, and by moving each number a little),
+    the held-out popularity signals included."""
+    import dataclasses
     from tworec.features.batches import batches
+    from tworec.ranking.features import POPULARITY_SIGNALS, period_popularity
     from tworec.ranking.train import calibrate
-    model, _ = fit(inputs, preset("tiny", epochs=1, calibrate=False), signal, verbose=0)
+    signal = dataclasses.replace(
+        signal, popularity=period_popularity(inputs, periods) if periods else None)
+    config = preset("tiny", epochs=1, calibrate=False, popularity_periods=periods)
+    model, _ = fit(inputs, config, signal, verbose=0)
     rng = np.random.default_rng(0)
     lists = candidate_lists(inputs, "validation", 19, 0.0, seed=5)
     lists = np.take_along_axis(lists, rng.permuted(np.tile(np.arange(20), (len(lists), 1)),
@@ -288,7 +304,7 @@ def test_calibration_refits_the_logit_on_served_lists_and_the_model_keeps_it(inp
     examples = list_examples(inputs, signal, "validation", np.maximum(lists, 0))
     logits = lambda: np.concatenate([model(b).numpy() for b in batches(examples, 512)])  # noqa
     before = logits()
-    names = model.signal_names
+    names = model.logit_signals
     old = {name: float(model.signal_weights[name].numpy()) for name in names}
     signals_ = np.stack([examples[name] for name in names], -1)              # [m, C, k]
     rows = inputs.known_in("validation") & \
@@ -304,7 +320,8 @@ def test_calibration_refits_the_logit_on_served_lists_and_the_model_keeps_it(inp
     result = calibrate(model, inputs, signal, "validation", lists)
     a = result["scale"]
     d = np.array([result["weights"][name] - a * old[name] for name in names])
-    assert result["rows"] == rows.sum() > 100 and names == ["retrieval_scores", "transitions"]
+    assert result["rows"] == rows.sum() > 100
+    assert names == ["retrieval_scores", "transitions"] + (list(POPULARITY_SIGNALS) * bool(periods))
     np.testing.assert_allclose(logits(), a * before + signals_ @ d.astype(np.float32),
                                rtol=1e-4, atol=1e-4)
     assert result["loss_before"] == pytest.approx(loss(1.0, np.zeros(len(names))), rel=1e-6)
@@ -314,36 +331,44 @@ def test_calibration_refits_the_logit_on_served_lists_and_the_model_keeps_it(inp
         assert loss(max(a + step, 0.0), d) >= result["loss_after"] - 1e-7
         for k in range(len(names)):
             assert loss(a, d + step * np.eye(len(names))[k]) >= result["loss_after"] - 1e-7
-    _, summary = fit(inputs, preset("tiny", epochs=1), signal, verbose=0,
+    if periods:
+        assert all(abs(result["weights"][name]) > 1e-3 for name in POPULARITY_SIGNALS)
+        return
+    _, summary = fit(inputs, preset("tiny", epochs=1, popularity_periods=0), signal, verbose=0,
                      served_validation=lists)
     assert summary["calibration"]["rows"] == result["rows"]
-    _, summary = fit(inputs, preset("tiny", epochs=1, calibrate=False), signal, verbose=0,
-                     served_validation=lists)
+    _, summary = fit(inputs, config, signal, verbose=0, served_validation=lists)
     assert "calibration" not in summary
     missing = np.where(lists == inputs.examples["validation"]["item"][:, None], EMPTY_SLOT, lists)
     assert calibrate(model, inputs, signal, "validation", missing) == {
         "rows": 0, "skipped": "no served validation list holds its positive"}
-    alone, _ = fit(inputs, preset("tiny", epochs=1, use_transitions=False),
-                   signals(inputs, preset("tiny", use_transitions=False)), verbose=0)
-    assert alone.signal_names == [] and calibrate(alone, inputs, signals(
-        inputs, preset("tiny", use_transitions=False)), "validation", lists)["weights"] == {}
+    without = preset("tiny", epochs=1, use_transitions=False, popularity_periods=0)
+    alone, _ = fit(inputs, without, signals(inputs, without), verbose=0)
+    assert alone.logit_signals == [] and calibrate(
+        alone, inputs, signals(inputs, without), "validation", lists)["weights"] == {}
 
 
-@pytest.mark.parametrize("model_name, with_signal, neighbors",
-                         [("dcn", False, 0), ("dcn", True, 0), ("bst", True, 0), ("dcn", True, 20)],
+@pytest.mark.parametrize("model_name, with_signal, neighbors, periods",
+                         [("dcn", False, 0, 0), ("dcn", True, 0, 0), ("bst", True, 0, 0),
+                          ("dcn", True, 20, 0), ("dcn", False, 0, 3)],
                          ids=["dcn-alone", "dcn-retrieval-signal", "bst-retrieval-signal",
-                              "dcn-retrieval-cooccurrence"])
+                              "dcn-retrieval-cooccurrence", "dcn-popularity"])
 def test_export_serves_the_keras_scores(inputs, signal, transitions_only, tmp_path, model_name,
-                                       with_signal, neighbors):
+                                       with_signal, neighbors, periods):
     import dataclasses
     from tworec.ranking.export import export
-    from tworec.ranking.features import cooccurrence
+    from tworec.ranking.features import cooccurrence, period_popularity
     from tensorflow.python.framework import op_def_registry
     given = signal if with_signal else transitions_only
-    config = preset("tiny", epochs=1, model=model_name, cooccurrence_neighbors=neighbors)
+    config = preset("tiny", epochs=1, model=model_name, cooccurrence_neighbors=neighbors,
+                    popularity_periods=periods)
     if neighbors:
         given = dataclasses.replace(given, cooccurrence=cooccurrence(inputs, neighbors, 5))
+    given = dataclasses.replace(
+        given, popularity=period_popularity(inputs, periods) if periods else None)
     model, _ = fit(inputs, config, given, verbose=0)
+    for weight, name in zip((0.7, -0.4), model.held_out_signals):     # as calibration sets them
+        model.signal_weights[name].assign(weight)
     log = inputs.interactions
     path = export(model, inputs, given, str(tmp_path / "ranking"))
     run, meta = load_like_tf_serving(path)
@@ -368,6 +393,11 @@ def test_export_serves_the_keras_scores(inputs, signal, transitions_only, tmp_pa
         features["cooccurrence"] = cooccurrence_by_loop(given.cooccurrence.full, inputs.latest[:3],
                                                         inputs.item_index[codes])
         assert (features["cooccurrence"] > 0).mean() >= 0.5
+    if periods:
+        table, period = given.popularity.tables["test"], given.popularity.user_period["test"]
+        features["recent_popularity"] = table[-1][codes]
+        features["user_time_popularity"] = table[period[:3, None], codes]
+        assert len(set(period[:3])) > 1 and (features["user_time_popularity"] > 0).any()
     expected = model({k: tf.constant(v) for k, v in features.items()}).numpy()
     np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-5)
     unknown = run("serving_default", user_id=np.array(["nobody"]),
@@ -377,3 +407,36 @@ def test_export_serves_the_keras_scores(inputs, signal, transitions_only, tmp_pa
     ops = graph_op_types(meta)
     assert all(op_def_registry.get(op) is not None for op in ops)
     assert not [op for op in ops if op.startswith("Scann")]
+
+
+def test_period_popularity_by_hand():
+    """Two users, four items: the known rows of each held-out part in time order, cut into two
+    periods of equal rows; a held-out row reads the last period and its user's latest one."""
+    from tworec.features.interactions import Interactions
+    from tworec.ranking.features import period_popularity, popularity_features
+    i0, i1, i2, i3 = range(4)
+    rows = [(0, i0, 1), (0, i1, 2), (1, i1, 3), (1, i2, 4), (0, i2, 5), (1, i3, 7), (1, i0, 8),
+            (0, i3, 9)]
+    user, item, time = (np.array(column) for column in zip(*rows))
+    log = Interactions(user_ids=np.array(["u0", "u1"]), item_ids=np.array(["a", "b", "c", "d"]),
+                       user=user.astype(np.int32), item=item.astype(np.int32),
+                       timestamp=time.astype(np.int64))
+    data = prepare(log, split(log, "temporal"), history_length=2)
+    popularity = period_popularity(data, 2)
+    share = np.log1p(data.items.size / 2).astype(np.float32)     # once in a period of 2 rows
+    twice = np.log1p(2 * data.items.size / 3).astype(np.float32)  # twice in a period of 3 rows
+    once = np.log1p(data.items.size / 3).astype(np.float32)
+    # validation knows the training rows t1 t2 | t3 t4; test the fit rows t1 t2 t3 | t4 t5 t7
+    np.testing.assert_array_equal(popularity.tables["validation"],
+                                  [[share, share, 0, 0], [0, share, share, 0]])
+    np.testing.assert_array_equal(popularity.tables["test"],
+                                  [[once, twice, 0, 0], [0, 0, twice, once]])
+    np.testing.assert_array_equal(popularity.user_period["validation"], [0, 1])
+    np.testing.assert_array_equal(popularity.user_period["test"], [1, 1])
+    # validation rows: u0 (t5), u1 (t7), in log order
+    features = popularity_features(popularity, data, "validation", np.array([[i2, i0]] * 2))
+    np.testing.assert_array_equal(features["recent_popularity"], [[share, 0], [share, 0]])
+    np.testing.assert_array_equal(features["user_time_popularity"], [[0, share], [share, 0]])
+    examples = list_examples(data, signals(data, preset("tiny", popularity_periods=2)), "train",
+                             np.array([[i0, i1]] * len(data.split.train)))
+    assert "recent_popularity" not in examples                  # held-out rows only
