@@ -1,9 +1,9 @@
 """SavedModel export of the ranking stage in TF Serving's `BASE/VERSION/` layout.
 
 Signature `serving_default`: user_id [b] string, item_ids [b, n] string -> scores [b, n]
-float32. The users' state of the fit rows is baked in, with the signals (transition and
-co-occurrence tables, the items' popularity in the fit rows' periods and each user's latest
-period); users it does not know are scored by the items' training popularity (so every model
+float32. The users' state of the fit rows is baked in, with the signals (the transition and
+co-occurrence tables of the training rows, the items' popularity in the fit rows' periods and
+each user's latest period); users it does not know are scored by the items' training popularity (so every model
 serves them the popular order), and unknown items score below every other item of their list,
 without failing. Stock TF ops only.
 `assets.extra/state.json` records the state, as the retrieval export does.
@@ -51,10 +51,14 @@ class RankingModule(tf.Module):
                             else pair_table(signals.transitions))
         self.cooccurrence = (None if signals.cooccurrence is None
                              else pair_table(signals.cooccurrence.full))
-        self.period_popularity, self.user_period = (                            # [P, I], [U]
-            (None, None) if signals.popularity is None else
-            (tf.constant(signals.popularity.tables["test"]),
-             tf.constant(signals.popularity.user_period["test"])))
+        popularity = signals.popularity
+        # (period * I + item) -> popularity: only the non-zero entries, and a lookup per
+        # candidate (a gathered [b, I] table row would cost the catalogue per served row).
+        self.period_popularity, self.user_period, self.periods = (
+            (None, None, 0) if popularity is None else
+            (pair_table(sp.csr_matrix(popularity.tables["test"])),
+             tf.constant(popularity.user_period["test"]), popularity.periods))    # [U]
+        self.num_items = data.num_items
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="user_id"),
                                   tf.TensorSpec([None, None], tf.string, name="item_ids")])
@@ -77,11 +81,12 @@ class RankingModule(tf.Module):
             keys = features["history"][:, :, None] * self.vocab_size + candidates       # [b, L, n]
             features["cooccurrence"] = sum_in_order(self.cooccurrence.lookup(keys))      # [b, n]
         if self.period_popularity is not None:
-            features["recent_popularity"] = tf.gather(self.period_popularity[-1],
-                                                      features["items"])
-            period = tf.gather(self.user_period, codes)                                  # [b]
-            features["user_time_popularity"] = tf.gather(                               # [b, n]
-                tf.gather(self.period_popularity, period), features["items"], batch_dims=1)
+            last = tf.constant((self.periods - 1) * self.num_items, tf.int64)
+            features["recent_popularity"] = self.period_popularity.lookup(            # [b, n]
+                last + features["items"])
+            period = tf.gather(self.user_period, codes)[:, None]                         # [b, 1]
+            features["user_time_popularity"] = self.period_popularity.lookup(         # [b, n]
+                period * self.num_items + features["items"])
         scores = tf.where(known[:, None], self.model(features),                          # [b, n]
                           tf.gather(self.popularity, features["items"]))
         lowest = tf.reduce_min(scores, axis=1, keepdims=True) - 1.0      # [b, 1] per row

@@ -1,6 +1,6 @@
 """The ranker's pair features and the signals they come from.
 
-Besides the model inputs, the ranker reads three signals, handed over as one `RankingSignals`
+Besides the model inputs, the ranker reads four signals, handed over as one `RankingSignals`
 object to `list_examples` (training and evaluation) and to the export (baked into the graph):
 the retrieval stage's embeddings (ranking never imports retrieval: they arrive as arrays), the
 item-to-next-item transition counts and the item-item co-occurrence similarities of the training
@@ -220,14 +220,17 @@ def cooccurrence_features(signal: Cooccurrence, data: ModelInputs, part: str,
 class PeriodPopularity:
     """The items' popularity in equal-row periods of the rows known before a held-out part
     (training rows for validation; training and validation rows for test, what an export
-    knows), for the two held-out signals: "recent_popularity", the last period's, and
+    knows; the known rows in time order, ties in log order, so that a cut may part rows of
+    one timestamp; with fewer known rows than periods some periods stay empty), for the two
+    held-out signals: "recent_popularity", the last period's, and
     "user_time_popularity", the period's of the user's latest known row (when the user was last
     active: what was popular then). Held-out only: the ranker never trains on them; calibration
     alone weighs them, on validation's served lists.
 
     Attributes:
         tables: part -> [P, num_items] float32 log(1 + count * V / rows of the period), the
-            item's count over the count of an item of average share (V vocabulary items).
+            item's count over that of an item of average share (V: the size of the item
+            vocabulary, a constant of the run).
         user_period: part -> [num_users] int64 the period of each user's latest known row
             (the last period for users without known rows).
     """
@@ -256,7 +259,7 @@ def period_popularity(data: ModelInputs, periods: int) -> PeriodPopularity:
         tables[part] = np.log1p(counts * data.items.size / rows_per_period).astype(np.float32)
         latest = np.full(log.num_users, -1)
         np.maximum.at(latest, log.user[rows], np.arange(len(rows)))             # [U] position
-        user_period[part] = np.where(latest >= 0, period[np.maximum(latest, 0)], periods - 1)
+        user_period[part] = np.append(period, periods - 1)[latest]      # -1: no row, the last
     return PeriodPopularity(tables, user_period)
 
 

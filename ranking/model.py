@@ -51,9 +51,9 @@ class RankingModel(tfrs.Model):
             (["transitions"] if config.use_transitions else []) + \
             (["cooccurrence"] if config.cooccurrence_neighbors else [])
         self.held_out_signals = list(POPULARITY_SIGNALS) if config.popularity_periods else []
-        self.signal_weights = {
-            name: self.add_weight(name=f"{name}_weight", shape=(),
-                                  initializer="zeros", autocast=False)      # float32 always
+        self.signal_weights = {       # float32 always; held-out ones set by calibration only
+            name: self.add_weight(name=f"{name}_weight", shape=(), initializer="zeros",
+                                  autocast=False, trainable=name in self.signal_names)
             for name in self.logit_signals}
         self.item_features = ItemFeatures(item_index, item_vocab_size, item_genres, item_year, dim)
         self.user_embedding = tf.keras.layers.Embedding(num_users, dim)
@@ -138,10 +138,11 @@ class RankingModel(tfrs.Model):
         hidden = self.deep(x)                                                     # [b*n, h]
         return tf.reshape(hidden, [b, n, hidden.shape[-1]])
 
-    def _logits(self, features, hidden: tf.Tensor) -> tf.Tensor:
-        """[b, n] scores from the pair representations [b, n, h]."""
+    def _logits(self, features, hidden: tf.Tensor, held_out: bool = True) -> tf.Tensor:
+        """[b, n] scores from the pair representations [b, n, h]; without the held-out signals
+        for training lists (`held_out` False), which lack them."""
         logits = tf.squeeze(self.score_head(hidden), -1)
-        for name in self.signal_names + [n for n in self.held_out_signals if n in features]:
+        for name in self.logit_signals if held_out else self.signal_names:
             logits += (tf.cast(self.signal_weights[name], tf.float32) *
                        tf.cast(features[name], tf.float32))
         return logits
@@ -157,7 +158,7 @@ class RankingModel(tfrs.Model):
         hidden = self.representation(features)                                    # [b, n, h]
         loss = tf.constant(0.0)
         if self.ranking_task is not None:
-            scores = self._logits(features, hidden)                               # [b, n]
+            scores = self._logits(features, hidden, held_out=False)               # [b, n]
             labels = tf.one_hot(tf.zeros_like(scores[:, 0], tf.int32), tf.shape(scores)[1])
             if self.config.task == "binary":
                 labels, scores = tf.reshape(labels, [-1, 1]), tf.reshape(scores, [-1, 1])

@@ -78,8 +78,9 @@ def fit(data: ModelInputs, config: RankingConfig, signals: RankingSignals,
     Args:
         data: model inputs (`features.inputs.prepare`).
         config: checked before anything trains.
-        signals: the retrieval embeddings and transition counts the ranker reads
-            (`ranking.features.signals`), as `config` asks for them.
+        signals: the retrieval embeddings, transition counts, co-occurrence similarities and
+            period popularity the ranker reads (`ranking.features.signals`), as `config`
+            asks for them.
         hard: part -> [m, H] retrieval candidates per row, the source of hard negatives.
         served_validation: [m, C] the candidates retrieval serves for the validation rows
             (`EMPTY_SLOT` where fewer remain).

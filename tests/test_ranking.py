@@ -304,6 +304,8 @@ def test_calibration_refits_the_logit_on_served_lists_and_the_model_keeps_it(inp
     examples = list_examples(inputs, signal, "validation", np.maximum(lists, 0))
     logits = lambda: np.concatenate([model(b).numpy() for b in batches(examples, 512)])  # noqa
     before = logits()
+    assert [model.signal_weights[name].numpy() for name in model.held_out_signals] == \
+        [0.0] * len(model.held_out_signals)                 # training leaves them alone
     names = model.logit_signals
     old = {name: float(model.signal_weights[name].numpy()) for name in names}
     signals_ = np.stack([examples[name] for name in names], -1)              # [m, C, k]
@@ -331,10 +333,8 @@ def test_calibration_refits_the_logit_on_served_lists_and_the_model_keeps_it(inp
         assert loss(max(a + step, 0.0), d) >= result["loss_after"] - 1e-7
         for k in range(len(names)):
             assert loss(a, d + step * np.eye(len(names))[k]) >= result["loss_after"] - 1e-7
-    if periods:
-        assert all(abs(result["weights"][name]) > 1e-3 for name in POPULARITY_SIGNALS)
-        return
-    _, summary = fit(inputs, preset("tiny", epochs=1, popularity_periods=0), signal, verbose=0,
+    assert all(abs(result["weights"][name]) > 1e-2 for name in model.held_out_signals)
+    _, summary = fit(inputs, dataclasses.replace(config, calibrate=True), signal, verbose=0,
                      served_validation=lists)
     assert summary["calibration"]["rows"] == result["rows"]
     _, summary = fit(inputs, config, signal, verbose=0, served_validation=lists)
@@ -412,6 +412,7 @@ def test_export_serves_the_keras_scores(inputs, signal, transitions_only, tmp_pa
 def test_period_popularity_by_hand():
     """Two users, four items: the known rows of each held-out part in time order, cut into two
     periods of equal rows; a held-out row reads the last period and its user's latest one."""
+    import dataclasses
     from tworec.features.interactions import Interactions
     from tworec.ranking.features import period_popularity, popularity_features
     i0, i1, i2, i3 = range(4)
@@ -437,6 +438,13 @@ def test_period_popularity_by_hand():
     features = popularity_features(popularity, data, "validation", np.array([[i2, i0]] * 2))
     np.testing.assert_array_equal(features["recent_popularity"], [[share, 0], [share, 0]])
     np.testing.assert_array_equal(features["user_time_popularity"], [[0, share], [share, 0]])
+    # Rewriting what a part must not know leaves its tables as they were.
+    for part, unknown in (("validation", data.split.validation), ("test", data.split.test)):
+        changed = dataclasses.replace(log, item=log.item.copy())
+        changed.item[unknown] = (changed.item[unknown] + 1) % 4
+        again = period_popularity(prepare(changed, data.split, history_length=2), 2)
+        np.testing.assert_array_equal(again.tables[part], popularity.tables[part])
+        np.testing.assert_array_equal(again.user_period[part], popularity.user_period[part])
     examples = list_examples(data, signals(data, preset("tiny", popularity_periods=2)), "train",
                              np.array([[i0, i1]] * len(data.split.train)))
     assert "recent_popularity" not in examples                  # held-out rows only
