@@ -439,7 +439,8 @@ def test_period_popularity_by_hand():
     np.testing.assert_array_equal(features["recent_popularity"], [[share, 0], [share, 0]])
     np.testing.assert_array_equal(features["user_time_popularity"], [[0, share], [share, 0]])
     # Rewriting what a part must not know leaves its tables as they were.
-    for part, unknown in (("validation", data.split.validation), ("test", data.split.test)):
+    held_out = np.concatenate([data.split.validation, data.split.test])
+    for part, unknown in (("validation", held_out), ("test", data.split.test)):
         changed = dataclasses.replace(log, item=log.item.copy())
         changed.item[unknown] = (changed.item[unknown] + 1) % 4
         again = period_popularity(prepare(changed, data.split, history_length=2), 2)
