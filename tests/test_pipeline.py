@@ -175,16 +175,6 @@ def script(name: str, *args: str, timeout: int = 600) -> subprocess.CompletedPro
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def retrieval_run(tmp_path_factory):
-    """A run folder of train_retrieval.py: retrieval, baselines, index and retrieval exports."""
-    out = tmp_path_factory.mktemp("retrieval_run")
-    done = script("train_retrieval.py", "--data", "synthetic:tiny", "--preset", "tiny",
-                  "--out", str(out))
-    assert done.returncode == 0, done.stderr[-3000:]
-    return out
-
-
 def test_train_retrieval_script_writes_its_part_of_the_run(retrieval_run):
     report = json.load(open(retrieval_run / "report.json"))
     assert report["retrieval"]["test"]["recall@10"] > report["baselines"]["popularity"]["recall@10"]

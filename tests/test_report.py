@@ -181,13 +181,6 @@ def global_run(tmp_path_factory):
     return out, pipeline_script("pipeline.py", out, "--split", "global:0.8")
 
 
-@pytest.fixture(scope="module")
-def retrieval_only_run(tmp_path_factory):
-    """train_retrieval.py: no ranking, nothing served."""
-    out = tmp_path_factory.mktemp("retrieval_only_run")
-    return out, pipeline_script("train_retrieval.py", out)
-
-
 def split_log(split: str):
     from tworec.features import load, split as split_of
     log = load("synthetic:tiny")
@@ -276,8 +269,9 @@ def test_the_report_says_its_protocol_and_rounds_its_numbers(global_run):
     assert [page.index(mark) for mark in sections] == sorted(page.index(m) for m in sections)
 
 
-def test_a_run_that_served_nothing_shows_retrievals_list(retrieval_only_run):
-    out, report = retrieval_only_run
+def test_a_run_that_served_nothing_shows_retrievals_list(retrieval_run):
+    """train_retrieval.py: no ranking, nothing served."""
+    out, report = retrieval_run, json.load(open(retrieval_run / "report.json"))
     examples = report["examples"]
     assert examples["list"] == "retrieval" and len(examples["users"]) == 5
     users = [user["user"] for user in examples["users"]]
