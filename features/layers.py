@@ -52,6 +52,26 @@ def id_lookup(ids: np.ndarray) -> tf.lookup.StaticHashTable:
         default_value=-1)
 
 
+def hold_model(module: tf.Module, model: tf.keras.Model) -> None:
+    """Sets `module.model` for the module's functions to call, tracking only the model's
+    variables: a tracked Keras model (and its optimizer) would have `tf.saved_model.save` trace
+    every layer for Keras metadata and save the optimizer's slots, which no servable uses."""
+    object.__setattr__(module, "model", model)             # not tracked by the module
+    module.model_variables = model_variables(model)
+
+
+def model_variables(model: tf.keras.Model) -> list:
+    """The model's weights as its layers hold them (a sharded table as its `ShardedVariable`,
+    which a SavedModel saves whole), without its optimizer's or metrics' variables."""
+    weights = {id(v) for v in model.variables}                   # a sharded table's shards
+    held = []
+    for node in tf.train.TrackableView(model).descendants():
+        parts = node.variables if type(node).__name__ == "ShardedVariable" else [node]
+        if all(id(part) in weights for part in parts):
+            held.append(node)
+    return held
+
+
 class UserInputs(tf.Module):
     """String user ids -> the model inputs of those users, from the state baked in: each known
     user's latest items and seen items of the rows the models were fit on (`ModelInputs`).

@@ -17,7 +17,7 @@ import scipy.sparse as sp
 import tensorflow as tf
 
 from tworec.features.inputs import ModelInputs
-from tworec.features.layers import UserInputs, id_lookup, write_state
+from tworec.features.layers import UserInputs, hold_model, id_lookup, write_state
 from tworec.ranking.features import RankingSignals, sum_in_order
 from tworec.ranking.model import RankingModel
 from tworec.serving.layout import write_version, write_warmup_requests
@@ -38,7 +38,7 @@ class RankingModule(tf.Module):
 
     def __init__(self, model: RankingModel, data: ModelInputs, signals: RankingSignals):
         super().__init__()
-        self.model = model
+        hold_model(self, model)
         self.users = UserInputs(data)
         self.item_codes = id_lookup(data.interactions.item_ids)
         self.retrieval_latest, self.retrieval_items = (

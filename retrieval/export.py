@@ -25,7 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from tworec.features.inputs import ModelInputs
-from tworec.features.layers import UserInputs, id_lookup, write_state
+from tworec.features.layers import UserInputs, hold_model, id_lookup, write_state
 from tworec.retrieval.index import ScannParams, build_index
 from tworec.retrieval.model import TwoTower
 from tworec.retrieval.train import candidate_embeddings
@@ -46,7 +46,8 @@ class RetrievalModule(tf.Module):
                  scann: ScannParams | None = None, exclude_seen: bool = True):
         super().__init__()
         interactions = data.interactions
-        self.model, self.k, self.exclude_seen = model, k, exclude_seen
+        hold_model(self, model)
+        self.k, self.exclude_seen = k, exclude_seen
         self.num_items = interactions.num_items
         self.users = UserInputs(data)
         self.item_codes = id_lookup(interactions.item_ids)                              # id -> code

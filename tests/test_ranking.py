@@ -12,7 +12,8 @@ from tworec.ranking.features import (list_examples, retrieval_scores, signals,
 from tworec.ranking.sequence import SequenceTransformer
 from tworec.ranking.train import (candidate_lists, evaluate, fit, rerank, score_lists,
                                   two_stage_metrics)
-from test_retrieval import graph_op_types, load_like_tf_serving, train as train_retrieval
+from test_retrieval import (assert_holds_the_weights_alone, graph_op_types, load_like_tf_serving,
+                            train as train_retrieval)
 
 
 @pytest.fixture(scope="module")
@@ -407,6 +408,7 @@ def test_export_serves_the_keras_scores(inputs, signal, transitions_only, tmp_pa
     ops = graph_op_types(meta)
     assert all(op_def_registry.get(op) is not None for op in ops)
     assert not [op for op in ops if op.startswith("Scann")]
+    assert_holds_the_weights_alone(path, model)
 
 
 def test_period_popularity_by_hand():

@@ -154,6 +154,14 @@ def graph_op_types(meta) -> set:
     return ops
 
 
+def assert_holds_the_weights_alone(path: str, model) -> None:
+    """The SavedModel at `path` saved the model's variables and nothing of its optimizer."""
+    saved = [name for name, _ in tf.train.list_variables(os.path.join(path, "variables",
+                                                                       "variables"))]
+    assert len(saved) == len(model.variables) + 1, saved            # + the object graph
+    assert not [name for name in saved if "optimizer" in name], saved
+
+
 def keras_top_k(model, data, users: np.ndarray, k: int, excluded) -> np.ndarray:
     """[u, k] codes of the Keras towers' top k for user codes `users`, `excluded` ([u, I] 0/1)
     skipped: the exports' answers, by NumPy."""
@@ -185,6 +193,7 @@ def test_brute_force_export_serves_the_keras_top_k_of_unseen_items(trained, tmp_
     ops = graph_op_types(meta)
     assert not [op for op in ops if op.startswith("Scann")]
     assert all(op_def_registry.get(op) is not None for op in ops)
+    assert_holds_the_weights_alone(path, model)
     history = _history_strings(data, users)
     given = run("with_history", user_id=log.user_ids[users], history=history)
     passed = np.zeros_like(seen)
