@@ -54,10 +54,15 @@ def id_lookup(ids: np.ndarray) -> tf.lookup.StaticHashTable:
 
 def hold_model(module: tf.Module, model: tf.keras.Model) -> None:
     """Sets `module.model` for the module's functions to call, tracking only the model's
-    variables: a tracked Keras model (and its optimizer) would have `tf.saved_model.save` trace
-    every layer for Keras metadata and save the optimizer's slots, which no servable uses."""
+    weights: a tracked Keras model would have `tf.saved_model.save` trace every layer for Keras
+    metadata and save its optimizer's slots and metrics' totals, which no servable uses. A model
+    never called (no weights yet; they are created when the signatures trace) is tracked whole."""
+    try:
+        module.model_variables = model_variables(model)
+    except ValueError:                                     # "weights ... not yet been created"
+        module.model = model
+        return
     object.__setattr__(module, "model", model)             # not tracked by the module
-    module.model_variables = model_variables(model)
 
 
 def model_variables(model: tf.keras.Model) -> list:
