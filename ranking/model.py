@@ -70,7 +70,9 @@ class RankingModel(tfrs.Model):
             self.transformer = SequenceTransformer(config.bst_heads,
                                                    max(1, dim // config.bst_heads), dim)
             self.deep = mlp(config.bst_layers)
-        self.score_head = tf.keras.layers.Dense(1, dtype="float32")
+        # a regression ranker scores candidates by the rating head alone
+        self.score_head = (None if config.task == "regression"
+                           else tf.keras.layers.Dense(1, dtype="float32"))
         self.use_rating = has_ratings and (config.rating_weight > 0 or config.task == "regression")
         self.rating_head = (tf.keras.Sequential([tf.keras.layers.Dense(64, "relu"),
                                                  tf.keras.layers.Dense(1, dtype="float32")])
@@ -148,7 +150,12 @@ class RankingModel(tfrs.Model):
         return logits
 
     def call(self, features) -> tf.Tensor:
-        return self._logits(features, self.representation(features))            # [b, n]
+        """[b, n] scores of the candidates: the logit, or a regression ranker's predicted
+        ratings."""
+        hidden = self.representation(features)                                    # [b, n, h]
+        if self.score_head is None:
+            return tf.squeeze(self.rating_head(hidden), -1)
+        return self._logits(features, hidden)
 
     def predict_rating(self, features) -> tf.Tensor:
         """[b] predicted rating of the item in slot 0."""

@@ -198,6 +198,24 @@ def test_models_and_tasks_train(inputs, transitions_only, overrides):
     assert tf.keras.mixed_precision.global_policy().name == "float32"
 
 
+def test_a_regression_ranker_scores_candidates_by_their_predicted_rating(inputs,
+                                                                          transitions_only):
+    """Regression trains the rating head alone, so that head scores every candidate (there
+    is no score head, which would stay as initialised)."""
+    from tworec.features.batches import batches
+    model, _ = fit(inputs, preset("tiny", epochs=1, task="regression"), transitions_only,
+                   verbose=0)
+    assert model.score_head is None
+    lists = candidate_lists(inputs, "test", 3, 0.0, seed=0)                           # [m, 4]
+    scores = score_lists(model, inputs, transitions_only, "test", lists)
+    known = inputs.known_in("test")
+    assert known.sum() > 10
+    for slot in range(lists.shape[1]):
+        alone = list_examples(inputs, transitions_only, "test", lists[:, slot:slot + 1])
+        rating = np.concatenate([model.predict_rating(b).numpy() for b in batches(alone, 4096)])
+        np.testing.assert_allclose(scores[known, slot], rating[known], rtol=1e-5, atol=1e-5)
+
+
 def test_ranking_learns_and_reranks(inputs, transitions_only):
     model, summary = fit(inputs, preset("tiny", epochs=4), transitions_only, verbose=0)
     metrics = evaluate(model, inputs, transitions_only, "test")
