@@ -56,13 +56,15 @@ def hold_model(module: tf.Module, model: tf.keras.Model) -> None:
     """Sets `module.model` for the module's functions to call, tracking only the model's
     weights: a tracked Keras model would have `tf.saved_model.save` trace every layer for Keras
     metadata and save its optimizer's slots and metrics' totals, which no servable uses. A model
-    never called (no weights yet; they are created when the signatures trace) is tracked whole."""
-    try:
-        module.model_variables = model_variables(model)
-    except ValueError:                                     # "weights ... not yet been created"
+    with a layer never called (whose weights the signatures' tracing would create, e.g. an
+    untrained model) is tracked whole."""
+    layers = [layer for layer in model.submodules if isinstance(layer, tf.keras.layers.Layer)
+              and not isinstance(layer, tf.keras.metrics.Metric)]
+    if not all(layer.built for layer in layers):
         module.model = model
         return
     object.__setattr__(module, "model", model)             # not tracked by the module
+    module.model_variables = model_variables(model)
 
 
 def model_variables(model: tf.keras.Model) -> list:
@@ -71,7 +73,8 @@ def model_variables(model: tf.keras.Model) -> list:
     weights = {id(v) for v in model.variables}                   # a sharded table's shards
     held = []
     for node in tf.train.TrackableView(model).descendants():
-        parts = node.variables if type(node).__name__ == "ShardedVariable" else [node]
+        sharded = any(cls.__name__ == "ShardedVariable" for cls in type(node).__mro__)
+        parts = node.variables if sharded else [node]
         if all(id(part) in weights for part in parts):
             held.append(node)
     return held
