@@ -156,7 +156,7 @@ def test_embedding_tables_are_split_across_the_two_ps_tasks(cluster_run):
 def test_parameter_server_training_matches_one_device(cluster_run, one_device):
     result, run_dir = cluster_run
     assert len(result["history"]["val_recall@10"]) == EPOCHS      # the chief's callback ran
-    assert_not_below(result["metrics"], one_device)
+    assert_near(result["metrics"], one_device)
     assert json.loads((run_dir / "retrieval_config.json").read_text())["partitioner"] == PARTITIONER
 
 
@@ -193,15 +193,16 @@ def test_workers_stream_a_prepared_log_into_sharded_tables(prepared_log, tmp_pat
     one_device = evaluate_prepared(model, prepared_log, "test", ks=(10, 50))
     # one device reaches recall@10 0.43 (one step: 0.105); with the shards' sparse updates
     # dropped, the cluster reached 0.17
-    assert_not_below(result["metrics"], one_device)
+    assert_near(result["metrics"], one_device)
 
 
-def assert_not_below(cluster: dict, one_device: dict, tolerance: float = 0.1) -> None:
-    """The cluster's recall@10 and @50 are within `tolerance` of one device's or above: two
-    asynchronous workers land on either side of one device (recall@10 0.54 against 0.43
-    seen), so only falling short of it is a failure."""
+def assert_near(cluster: dict, one_device: dict) -> None:
+    """The cluster's recall@10 and @50 are at most 0.1 below one device's and at most 0.2
+    above: two asynchronous workers land on either side of one device, further above than
+    below (recall@10 0.54 against 0.43 seen in CI)."""
     for metric in ("recall@10", "recall@50"):
-        assert cluster[metric] > one_device[metric] - tolerance, (one_device, cluster)
+        assert one_device[metric] - 0.1 < cluster[metric] < one_device[metric] + 0.2, \
+            (one_device, cluster)
 
 
 @pytest.mark.parametrize("spec", ["min_size:0", "fixed", "fixed:0", "round_robin", "min_size:1k"])
