@@ -167,7 +167,7 @@ def bench_index(smoke: bool = False, dim: int = 64, num_queries: int = 200) -> d
 
 def bench_serving(smoke: bool = False) -> dict:
     """p50/p99 latency and requests/s of retrieval (1M items, brute force and ScaNN) and the
-    composed recommender, over REST and gRPC with 1, 8 and 16 clients (smoke: 1),
+    composed recommender, over REST and gRPC with 1, 8 and 16 clients (smoke: 8, concurrent requests batched),
     without and with batching, and in-process (the same SavedModel in a TF-Serving-style
     session) as the floor (`serving.loadtest`)."""
     from tworec.features import split
@@ -180,7 +180,7 @@ def bench_serving(smoke: bool = False) -> dict:
     from tworec.retrieval.train import embeddings_for_ranking, fit as fit_retrieval
     from tworec.serving.loadtest import CLIENTS
 
-    num_items, interactions, seconds, clients = ((5_000, 10_000, 0.2, (1,)) if smoke else
+    num_items, interactions, seconds, clients = ((5_000, 10_000, 0.2, (8,)) if smoke else
                                                  (1_000_000, 60_000, 3.0, CLIENTS))
     log = generate(SyntheticConfig(num_users=2_000, num_items=num_items,
                                    num_interactions=interactions), seed=0)
