@@ -30,18 +30,19 @@ class ItemFeatures(tf.keras.layers.Layer):
         self.item_index = tf.constant(item_index, tf.int64)                  # [num_items]
         self.item_genres = tf.constant(item_genres, tf.float32)              # [num_items, g]
         self.item_year = tf.constant(item_year, tf.int32)                    # [num_items]
-        self.use_features = use_features
         self.id_embedding = tf.keras.layers.Embedding(item_vocab_size, dim)
-        self.year_embedding = tf.keras.layers.Embedding(YEAR_BUCKETS, 8)
-        self.genre_projection = tf.keras.layers.Dense(16)
+        # only the layers `call` uses: an export tracks a model with a never-called layer whole
+        self.year_embedding = tf.keras.layers.Embedding(YEAR_BUCKETS, 8) if use_features else None
+        self.genre_projection = (tf.keras.layers.Dense(16)
+                                 if use_features and item_genres.shape[1] else None)
 
     def call(self, codes: tf.Tensor) -> tf.Tensor:
         parts = [self.id_embedding(tf.gather(self.item_index, codes))]
-        if self.use_features:
+        if self.year_embedding is not None:
             parts.append(self.year_embedding(year_bucket(tf.gather(self.item_year, codes))))
-            if self.item_genres.shape[1]:
-                parts.append(tf.cast(self.genre_projection(tf.gather(self.item_genres, codes)),
-                                     parts[0].dtype))
+        if self.genre_projection is not None:
+            parts.append(tf.cast(self.genre_projection(tf.gather(self.item_genres, codes)),
+                                 parts[0].dtype))
         return tf.concat(parts, axis=-1)
 
 
@@ -56,8 +57,8 @@ def hold_model(module: tf.Module, model: tf.keras.Model) -> None:
     """Sets `module.model` for the module's functions to call, tracking only the model's
     weights: a tracked Keras model would have `tf.saved_model.save` trace every layer for Keras
     metadata and save its optimizer's slots and metrics' totals, which no servable uses. A model
-    with a layer never called (whose weights the signatures' tracing would create, e.g. an
-    untrained model) is tracked whole."""
+    with a layer never called (an untrained model: the signatures' tracing may create its
+    weights) is tracked whole, so models create only the layers they call."""
     layers = [layer for layer in model.submodules if isinstance(layer, tf.keras.layers.Layer)
               and not isinstance(layer, tf.keras.metrics.Metric)]
     if not all(layer.built for layer in layers):

@@ -164,6 +164,18 @@ def assert_holds_the_weights_alone(path: str, model) -> None:
     assert not [name for name in saved if name.startswith("model/")], saved
 
 
+@pytest.mark.parametrize("genres, use_features", [(0, True), (3, True), (3, False)])
+def test_item_features_create_only_the_layers_they_call(genres, use_features):
+    """An export tracks a model with a never-called layer whole (`hold_model`: bigger and
+    slower), so one call builds every layer of `ItemFeatures`, with or without genres."""
+    from tworec.features.layers import ItemFeatures
+    layer = ItemFeatures(np.arange(4), 6, np.ones((4, genres), np.float32), np.full(4, 1990),
+                         dim=5, use_features=use_features)
+    width = 5 + (8 + (16 if genres else 0) if use_features else 0)
+    assert layer(tf.constant([0, 3], tf.int64)).shape == (2, width)
+    assert all(sublayer.built for sublayer in layer.submodules)
+
+
 def keras_top_k(model, data, users: np.ndarray, k: int, excluded) -> np.ndarray:
     """[u, k] codes of the Keras towers' top k for user codes `users`, `excluded` ([u, I] 0/1)
     skipped: the exports' answers, by NumPy."""
@@ -242,7 +254,9 @@ def test_an_export_knows_the_fit_rows_and_never_the_test_rows(trained, tmp_path)
 
 def test_seen_exclusion_over_fetches_k_distinct_unseen_items(tmp_path):
     """A user who has seen most of a small catalogue still gets k distinct unseen items from
-    both exports (ScaNN over-fetches), and what remains when fewer than k are left."""
+    the ScaNN export (it over-fetches), and what remains when fewer than k are left. (The
+    brute-force export's seen items: `test_brute_force_export_serves_the_keras_top_k...`; its
+    lists shorter than k: `test_recommend_all_says_when_the_export_returns_fewer...`.)"""
     from tworec.retrieval.export import export
     log = generate(PRESETS["tiny"], seed=3)
     parts = split(log, "temporal")
@@ -250,15 +264,13 @@ def test_seen_exclusion_over_fetches_k_distinct_unseen_items(tmp_path):
     heavy = int(np.argmax(np.asarray(data.seen.sum(1)).ravel()))
     unseen = data.num_items - int(data.seen[heavy].sum())
     for k in (10, unseen + 3):
-        for scann in (None, ScannParams(4, 1, 10)):
-            name = f"k{k}_{'scann' if scann else 'brute'}"
-            run, _ = load_like_tf_serving(export(model, data, str(tmp_path / name), k=k,
-                                                 scann=scann))
-            ids = run("serving_default", user_id=log.user_ids[[heavy]])["item_ids"][0].astype(str)
-            real = ids[ids != ""]
-            assert len(real) == min(k, unseen) == len(set(real)), name
-            code = {item: c for c, item in enumerate(log.item_ids)}
-            assert not data.seen[heavy, [code[item] for item in real]].nnz, name
+        run, _ = load_like_tf_serving(export(model, data, str(tmp_path / f"k{k}"), k=k,
+                                             scann=ScannParams(4, 1, 10)))
+        ids = run("serving_default", user_id=log.user_ids[[heavy]])["item_ids"][0].astype(str)
+        real = ids[ids != ""]
+        assert len(real) == min(k, unseen) == len(set(real)), k
+        code = {item: c for c, item in enumerate(log.item_ids)}
+        assert not data.seen[heavy, [code[item] for item in real]].nnz, k
 
 
 def test_candidates_past_the_unseen_items_are_empty_slots(trained):
