@@ -27,7 +27,7 @@ class RankingModel(tfrs.Model):
     lists only) "recent_popularity" and "user_time_popularity": [b, n], and for training
     "rating": [b] of the item in slot 0}. `ranking.features.list_examples` builds them, and the
     export computes them in the graph from the same signals.
-    Output of `call`: scores [b, n] float32 (logits).
+    Output of `call`: scores [b, n] float32 (logits; a regression ranker's: predicted ratings).
 
     Each signal (retrieval score, transitions, co-occurrence) enters twice: as a pair feature,
     and through a learnt scalar weight in the logit, so the ranker starts from retrieval's order
@@ -35,7 +35,8 @@ class RankingModel(tfrs.Model):
     which; co-occurrence, how close the candidate is to each history item, not to their mean.
     The popularity signals (`held_out_signals`) only enter through their weight, which stays 0
     in training (training lists lack them) and which calibration alone sets.
-    The model holds weights only; every signal arrives as an input.
+    The model holds weights only; every signal arrives as an input. A regression ranker has
+    no logit: its candidates' scores are the rating head's, and the signals are features only.
     """
 
     def __init__(self, config: RankingConfig, *, num_users: int, item_index: np.ndarray,

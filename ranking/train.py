@@ -136,8 +136,8 @@ def fit(data: ModelInputs, config: RankingConfig, signals: RankingSignals,
 
 
 def calibrates(config: RankingConfig) -> bool:
-    """Whether `fit` calibrates: asked for, and a ranking task (a regression ranker's score
-    head never trains)."""
+    """Whether `fit` calibrates: asked for, and a ranking task (a regression ranker has no
+    logit to rebalance)."""
     return config.calibrate and config.task != "regression"
 
 
@@ -164,6 +164,9 @@ def calibrate(model: RankingModel, data: ModelInputs, signals: RankingSignals, p
          "loss_before", "loss_after": the mean cross-entropy on those lists}; {"rows": r,
         "skipped": why} when nothing was changed.
     """
+    if model.score_head is None:
+        raise ValueError("calibrate: a regression ranker has no logit to rebalance; "
+                         "calibrate a listwise or binary ranker")
     names = model.logit_signals
     rows = data.known_in(part) & (candidates == data.examples[part]["item"][:, None]).any(1)
     if not rows.any():

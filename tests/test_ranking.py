@@ -193,25 +193,24 @@ def test_models_and_tasks_train(inputs, transitions_only, overrides):
     metrics = evaluate(model, inputs, transitions_only, "test")
     if overrides.get("task") == "regression":
         assert metrics["auc"] is None and 0 < metrics["rmse"] < 3
+        assert_scores_are_predicted_ratings(model, inputs, transitions_only)
     else:
         assert 0 <= metrics["auc"] <= 1
     assert tf.keras.mixed_precision.global_policy().name == "float32"
 
 
-def test_a_regression_ranker_scores_candidates_by_their_predicted_rating(inputs,
-                                                                          transitions_only):
+def assert_scores_are_predicted_ratings(model, inputs, signals) -> None:
     """Regression trains the rating head alone, so that head scores every candidate (there
-    is no score head, which would stay as initialised)."""
+    is no score head, which would stay as initialised): each slot's score is the rating
+    predicted for that item alone, for the users known before test."""
     from tworec.features.batches import batches
-    model, _ = fit(inputs, preset("tiny", epochs=1, task="regression"), transitions_only,
-                   verbose=0)
     assert model.score_head is None
     lists = candidate_lists(inputs, "test", 3, 0.0, seed=0)                           # [m, 4]
-    scores = score_lists(model, inputs, transitions_only, "test", lists)
+    scores = score_lists(model, inputs, signals, "test", lists)
     known = inputs.known_in("test")
     assert known.sum() > 10
     for slot in range(lists.shape[1]):
-        alone = list_examples(inputs, transitions_only, "test", lists[:, slot:slot + 1])
+        alone = list_examples(inputs, signals, "test", lists[:, slot:slot + 1])
         rating = np.concatenate([model.predict_rating(b).numpy() for b in batches(alone, 4096)])
         np.testing.assert_allclose(scores[known, slot], rating[known], rtol=1e-5, atol=1e-5)
 
