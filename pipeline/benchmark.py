@@ -167,8 +167,8 @@ def bench_index(smoke: bool = False, dim: int = 64, num_queries: int = 200) -> d
 
 def bench_serving(smoke: bool = False) -> dict:
     """p50/p99 latency and requests/s of retrieval (1M items, brute force and ScaNN) and the
-    composed recommender, over REST and gRPC with 1, 8 and 16 clients (smoke: 8, concurrent requests batched),
-    without and with batching, and in-process (the same SavedModel in a TF-Serving-style
+    composed recommender, over REST and gRPC with 1, 8 and 16 clients (smoke: 8), without and
+    with batching, and in-process (the same SavedModel in a TF-Serving-style
     session) as the floor (`serving.loadtest`)."""
     from tworec.features import split
     from tworec.features.inputs import prepare
