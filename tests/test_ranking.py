@@ -10,7 +10,7 @@ from tworec.ranking.config import preset
 from tworec.ranking.features import (list_examples, retrieval_scores, signals,
                                      transition_features, transition_matrix)
 from tworec.ranking.sequence import SequenceTransformer
-from tworec.ranking.train import (candidate_lists, evaluate, fit, rerank, score_lists,
+from tworec.ranking.train import (calibrate, candidate_lists, evaluate, fit, rerank, score_lists,
                                   two_stage_metrics)
 from test_retrieval import (assert_holds_the_weights_alone, graph_op_types, load_like_tf_serving,
                             train as train_retrieval)
@@ -213,6 +213,8 @@ def assert_scores_are_predicted_ratings(model, inputs, signals) -> None:
         alone = list_examples(inputs, signals, "test", lists[:, slot:slot + 1])
         rating = np.concatenate([model.predict_rating(b).numpy() for b in batches(alone, 4096)])
         np.testing.assert_allclose(scores[known, slot], rating[known], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="a regression ranker has no logit to rebalance"):
+        calibrate(model, inputs, signals, "test", lists)
 
 
 def test_ranking_learns_and_reranks(inputs, transitions_only):
@@ -307,7 +309,6 @@ def test_calibration_refits_the_logit_on_served_lists_and_the_model_keeps_it(inp
     import dataclasses
     from tworec.features.batches import batches
     from tworec.ranking.features import POPULARITY_SIGNALS, period_popularity
-    from tworec.ranking.train import calibrate
     signal = dataclasses.replace(
         signal, popularity=period_popularity(inputs, periods) if periods else None)
     config = preset("tiny", epochs=1, calibrate=False, popularity_periods=periods)
