@@ -20,7 +20,8 @@ def year_bucket(year: tf.Tensor) -> tf.Tensor:
 class ItemFeatures(tf.keras.layers.Layer):
     """Catalogue codes -> concatenated item id embedding, year embedding and projected genres.
 
-    Call: codes [...] int64 -> [..., dim + 8 + 16] (genres dropped when the log has none).
+    Call: codes [...] int64 -> [..., dim + 8 + 16]: the genres dropped when the log has none,
+    only the id embedding [..., dim] without `use_features`.
     The id embedding is public (`id_embedding`) so a history encoder can share it.
     """
 
@@ -58,7 +59,7 @@ def hold_model(module: tf.Module, model: tf.keras.Model) -> None:
     weights: a tracked Keras model would have `tf.saved_model.save` trace every layer for Keras
     metadata and save its optimizer's slots and metrics' totals, which no servable uses. A model
     with a layer never called (an untrained model: the signatures' tracing may create its
-    weights) is tracked whole, so models create only the layers they call."""
+    weights) is tracked whole; that is why models create only the layers they call."""
     layers = [layer for layer in model.submodules if isinstance(layer, tf.keras.layers.Layer)
               and not isinstance(layer, tf.keras.metrics.Metric)]
     if not all(layer.built for layer in layers):

@@ -254,23 +254,25 @@ def test_an_export_knows_the_fit_rows_and_never_the_test_rows(trained, tmp_path)
 
 def test_seen_exclusion_over_fetches_k_distinct_unseen_items(tmp_path):
     """A user who has seen most of a small catalogue still gets k distinct unseen items from
-    the ScaNN export (it over-fetches), and what remains when fewer than k are left. (The
-    brute-force export's seen items: `test_brute_force_export_serves_the_keras_top_k...`; its
-    lists shorter than k: `test_recommend_all_says_when_the_export_returns_fewer...`.)"""
+    the ScaNN export (it over-fetches), and from both exports what remains when fewer than k
+    are left. (The brute-force export with k below the unseen items:
+    `test_brute_force_export_serves_the_keras_top_k_of_unseen_items`.)"""
     from tworec.retrieval.export import export
     log = generate(PRESETS["tiny"], seed=3)
     parts = split(log, "temporal")
     model, data, _ = train(log, parts, preset("tiny", epochs=1))
     heavy = int(np.argmax(np.asarray(data.seen.sum(1)).ravel()))
     unseen = data.num_items - int(data.seen[heavy].sum())
-    for k in (10, unseen + 3):
-        run, _ = load_like_tf_serving(export(model, data, str(tmp_path / f"k{k}"), k=k,
-                                             scann=ScannParams(4, 1, 10)))
+    scann = ScannParams(4, 1, 10)
+    for k, params in ((10, scann), (unseen + 3, scann), (unseen + 3, None)):
+        name = f"k{k}_{'scann' if params else 'brute'}"
+        run, _ = load_like_tf_serving(export(model, data, str(tmp_path / name), k=k,
+                                             scann=params))
         ids = run("serving_default", user_id=log.user_ids[[heavy]])["item_ids"][0].astype(str)
         real = ids[ids != ""]
-        assert len(real) == min(k, unseen) == len(set(real)), k
+        assert len(real) == min(k, unseen) == len(set(real)), name
         code = {item: c for c, item in enumerate(log.item_ids)}
-        assert not data.seen[heavy, [code[item] for item in real]].nnz, k
+        assert not data.seen[heavy, [code[item] for item in real]].nnz, name
 
 
 def test_candidates_past_the_unseen_items_are_empty_slots(trained):
