@@ -1,21 +1,54 @@
 """The baselines every report carries, fit on the training rows only: popularity, EASE (closed
 form) and first-order item transitions. For a held-out row a baseline may use all of the user's
-earlier interactions as history."""
+earlier interactions as history. Also the choice, on validation, of what users never seen are
+served (`cold_start_window`)."""
 from __future__ import annotations
 
 import numpy as np
 
 import scipy.sparse as sp
 
-from tworec.evaluation.metrics import KS, evaluate_ranks, prepared_ranks, rank_metrics
+from tworec.evaluation.metrics import (KS, evaluate_ranks, paired_bootstrap, prepared_ranks,
+                                       rank_metrics, row_metrics)
 from tworec.evaluation.sets import EvalSet
 from tworec.features.history import transition_counts
+from tworec.features.inputs import COLD_START_WINDOWS, popular_items
 from tworec.features.interactions import Interactions, interaction_matrix
 from tworec.features.splits import Split
 from tworec.features.stream import PreparedLog
 from tworec.features.vocab import FIRST
 
 EASE_MAX_ITEMS = 20_000
+MIN_COLD_ROWS = 100       # validation rows of users never seen needed to choose a window on
+
+
+def cold_start_window(interactions: Interactions, parts: Split, windows=COLD_START_WINDOWS
+                      ) -> tuple[float, dict[float, dict]]:
+    """The share of the latest known rows whose counts order what users never seen are served
+    (`features.inputs.popular_items`), chosen on validation, on the rows of users without
+    training rows: all rows (1.0) unless a shorter window beats them there with the paired
+    bootstrap 95% interval of its NDCG@10 gain (over users) above zero; then the best such
+    window, ties to the larger. All rows with fewer than `MIN_COLD_ROWS` such rows.
+
+    Returns:
+        (the window, {window: {"ndcg@10": its validation NDCG@10, "ci95": the interval of its
+        gain over all rows (None for all rows)}}, empty when not chosen).
+    """
+    trained = np.bincount(interactions.user[parts.train], minlength=interactions.num_users) > 0
+    cold = parts.validation[~trained[interactions.user[parts.validation]]]
+    if len(cold) < MIN_COLD_ROWS:
+        return 1.0, {}
+    per_row = {}
+    for window in sorted(set(windows) | {1.0}, reverse=True):
+        order = popular_items(interactions, parts.train, window).order
+        position = np.empty_like(order)
+        position[order] = np.arange(len(order))
+        per_row[window] = row_metrics(position[interactions.item[cold]], 10)["ndcg@10"]
+    table = {window: {"ndcg@10": float(ndcg.mean()), "ci95": None if window == 1.0 else
+                      paired_bootstrap(ndcg, per_row[1.0], groups=interactions.user[cold])["ci95"]}
+             for window, ndcg in per_row.items()}
+    winners = [window for window, row in table.items() if window == 1.0 or row["ci95"][0] > 0]
+    return max(winners, key=lambda window: (table[window]["ndcg@10"], window)), table
 
 
 def popularity_scorer(interactions: Interactions, train: np.ndarray, evalset: EvalSet):

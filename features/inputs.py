@@ -30,6 +30,9 @@ class DataConfig:
     history_length: int = 20              # previous items per row, 0 for none
     exclude_seen: bool = True             # never serve (nor rank) a user's known items; off
                                           # for catalogues where repeats are wanted
+    cold_start_window: float | None = None  # users never seen get the items most frequent in
+                                          # this latest share of the known rows; None: chosen
+                                          # on validation among COLD_START_WINDOWS
 
     def validate(self) -> None:
         """Raises DataError naming the first setting that cannot work."""
@@ -39,9 +42,44 @@ class DataConfig:
             raise DataError(f"split {self.split!r}: choose one of {list(PROTOCOLS)}")
         if self.history_length < 0:
             raise DataError(f"history_length must be >= 0, got {self.history_length}")
+        window = self.cold_start_window
+        if window is not None and not (isinstance(window, (int, float)) and 0 < window <= 1):
+            raise DataError(f"cold_start_window must be in (0, 1] (1: all known rows) or null "
+                            f"(chosen on validation), got {window!r}")
 
 
 DATA_PRESETS = {"default": DataConfig(), "tiny": DataConfig(history_length=5)}
+COLD_START_WINDOWS = (1.0, 0.5, 0.2, 0.1, 0.05, 0.02, 0.01)
+
+
+@dataclasses.dataclass(frozen=True)
+class PopularItems:
+    """What every model serves a user that a part's known rows do not hold (never seen): the
+    catalogue by its count among the latest `window` share of those rows, ties to its count
+    among all of them, then to the lower code.
+
+    Attributes:
+        window: the share of the known rows, latest first, that is counted (1: all).
+        order: [num_items] int64 catalogue codes, best first (the served order).
+        share: [num_items] float32 each item's share of the counted rows (the served score).
+    """
+
+    window: float
+    order: np.ndarray
+    share: np.ndarray
+
+
+def popular_items(interactions: Interactions, rows: np.ndarray, window: float) -> PopularItems:
+    """`PopularItems` of the known `rows` (positions into `interactions`): the latest
+    `window` share of them in time order (ties in log order; at least one row) is counted."""
+    rows = np.sort(rows)
+    latest = rows[np.argsort(interactions.timestamp[rows], kind="stable")]
+    latest = latest[len(latest) - max(1, round(window * len(latest))):] if len(rows) else rows
+    num_items = interactions.num_items
+    recent = np.bincount(interactions.item[latest], minlength=num_items)
+    overall = np.bincount(interactions.item[rows], minlength=num_items)
+    order = np.lexsort((np.arange(num_items), -overall, -recent))
+    return PopularItems(window, order, (recent / max(len(latest), 1)).astype(np.float32))
 
 
 @dataclasses.dataclass
@@ -63,6 +101,8 @@ class ModelInputs:
         seen: [num_users, num_items] CSR 0/1 of every user's items in the fit rows.
         known: [num_users] bool, users with fit rows (an export serves others the popular items).
         item_probability: [num_items] float32 share of training interactions (logQ correction).
+        popular: part ("validation", "test") -> what users its known rows do not hold are
+            served (`PopularItems`); the test part's is the exports'.
         exclude_seen: whether a user's known items are never served nor ranked.
     """
 
@@ -80,6 +120,7 @@ class ModelInputs:
     seen: sp.csr_matrix
     known: np.ndarray
     item_probability: np.ndarray
+    popular: dict[str, PopularItems]
     exclude_seen: bool = True
 
     @property
@@ -110,8 +151,10 @@ class ModelInputs:
 
 
 def prepare(interactions: Interactions, split: Split, history_length: int,
-            exclude_seen: bool = True) -> ModelInputs:
-    """Builds vocabularies from the training rows and the example arrays of every part."""
+            exclude_seen: bool = True, cold_start_window: float = 1.0) -> ModelInputs:
+    """Builds vocabularies from the training rows and the example arrays of every part; users
+    never seen are served the items most frequent in the latest `cold_start_window` share of
+    the rows known before a part (`popular_items`)."""
     users = Vocabulary.from_codes(interactions.user_ids, interactions.user[split.train], "users")
     items = Vocabulary.from_codes(interactions.item_ids, interactions.item[split.train], "items")
     item_index = items.remap(interactions.item_ids)
@@ -154,4 +197,6 @@ def prepare(interactions: Interactions, split: Split, history_length: int,
         latest=latest, seen=interaction_matrix(interactions, split.fit),
         known=np.bincount(interactions.user[split.fit], minlength=interactions.num_users) > 0,
         item_probability=(counts / max(counts.sum(), 1)).astype(np.float32),
+        popular={part: popular_items(interactions, rows, cold_start_window)
+                 for part, rows in (("validation", split.train), ("test", split.fit))},
         exclude_seen=exclude_seen)

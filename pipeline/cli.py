@@ -31,6 +31,10 @@ def add_run_arguments(parser: argparse.ArgumentParser, out_required: bool = True
                              "trains on every row and evaluates nothing)")
     parser.add_argument("--preset", choices=PRESETS, help="default (the default) or tiny")
     parser.add_argument("--epochs", type=int, help="epochs of every stage the command trains")
+    parser.add_argument("--cold-start-window", type=float, metavar="W",
+                        help="users never seen get the items most frequent in the latest W "
+                             "share of the known rows, 0 < W <= 1 (default: chosen on "
+                             "validation)")
     parser.add_argument("--keep-seen", action="store_true",
                         help="serve and rank items users already have (catalogues with repeats)")
     parser.add_argument("--overwrite", action="store_true",
@@ -74,7 +78,9 @@ def run(args, steps: tuple[str, ...], continue_run: bool = False, verbose: int =
             source = source_of(args)
             configs = resolve(args.preset or "default", epochs=args.epochs,
                               **{"data": {"split": args.split or "temporal",
-                                          "exclude_seen": not args.keep_seen}, **overrides})
+                                          "exclude_seen": not args.keep_seen,
+                                          "cold_start_window": args.cold_start_window},
+                                 **overrides})
         checked = check_run(args.out, source, configs, continue_run=continue_run,
                             overwrite=args.overwrite)
         from tworec.pipeline.run import StepFailed, execute, start_run   # TensorFlow from here

@@ -19,7 +19,8 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from tworec.evaluation import baseline_ranks, eval_set, evaluate_ranks, rank_metrics
+from tworec.evaluation import (baseline_ranks, cold_start_window, eval_set, evaluate_ranks,
+                               rank_metrics)
 from tworec.evaluation.metrics import paired_bootstrap, row_metrics
 from tworec.features import Interactions, split
 from tworec.features.history import latest_history
@@ -82,8 +83,12 @@ class Run:
                  verbose: int = 1, report: dict | None = None):
         self.out, self.log, self.configs, self.verbose = out, log, configs, verbose
         self.parts = split(log, configs.data.split)
+        window, chosen_on = ((configs.data.cold_start_window, {})
+                             if configs.data.cold_start_window is not None
+                             else cold_start_window(log, self.parts))
         self.inputs: ModelInputs = prepare(log, self.parts, configs.data.history_length,
-                                           exclude_seen=configs.data.exclude_seen)
+                                           exclude_seen=configs.data.exclude_seen,
+                                           cold_start_window=window)
         self.report = report if report is not None else {}
         self.report["data"] = {"source": source["data"], "users": log.num_users,
                                "items": log.num_items, "interactions": len(log),
@@ -91,6 +96,8 @@ class Run:
                                "test_rows": len(self.parts.test),
                                "dropped": dict(log.dropped),
                                "exclude_seen": configs.data.exclude_seen,
+                               "cold_start": {"window": window, "validation": {
+                                   str(share): row for share, row in chosen_on.items()}},
                                "state": self.inputs.state()}
         self.timings = self.report.setdefault("timings", {})
         self.retrieval_model, self.retrieval_trained = None, False

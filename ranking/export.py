@@ -3,9 +3,9 @@
 Signature `serving_default`: user_id [b] string, item_ids [b, n] string -> scores [b, n]
 float32. The users' state of the fit rows is baked in, with the signals (the transition and
 co-occurrence tables of the training rows, the items' popularity in the fit rows' periods and
-each user's latest period); users it does not know are scored by the items' training
-popularity (so every model serves them the popular order), and unknown items score below every
-other item of their list, without failing. Stock TF ops only.
+each user's latest period); users it does not know are scored by the share the retrieval
+export serves them (`ModelInputs.popular`, so every model serves them the popular order), and
+unknown items score below every other item of their list, without failing. Stock TF ops only.
 `assets.extra/state.json` records the state, as the retrieval export does.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ class RankingModule(tf.Module):
             (tf.constant(signals.retrieval_latest), tf.constant(signals.retrieval_items))  # [U, e], [I, e]
             if signals.has_retrieval else (None, None))
         self.item_index = tf.constant(data.item_index, tf.int64)                         # [I]
-        self.popularity = tf.constant(data.item_probability)                            # [I]
+        self.popularity = tf.constant(data.popular["test"].share)                       # [I]
         self.vocab_size = data.items.size
         self.transitions = (None if signals.transitions is None
                             else pair_table(signals.transitions))

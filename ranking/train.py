@@ -208,8 +208,8 @@ def calibrate(model: RankingModel, data: ModelInputs, signals: RankingSignals, p
 def score_lists(model: RankingModel, data: ModelInputs, signals: RankingSignals, part: str,
                 items: np.ndarray, batch_size: int = 1024) -> np.ndarray:
     """[m, n] scores of candidate lists [m, n] for the rows of `part`, as the export scores
-    them: the ranker's for users known before the part, the items' training popularity for the
-    others, and an `EMPTY_SLOT` one below the lowest of its row.
+    them: the ranker's for users known before the part, the items' share of what the others
+    are served (`ModelInputs.popular`), and an `EMPTY_SLOT` one below the lowest of its row.
 
     Raises:
         ValueError: a list holds a NaN or infinite score.
@@ -224,7 +224,7 @@ def score_lists(model: RankingModel, data: ModelInputs, signals: RankingSignals,
         raise ValueError(f"ranking: {int((~finite).sum())} of {len(scores)} scored lists hold "
                          "NaN or infinite scores")
     unknown = ~data.known_in(part)
-    scores[unknown] = data.item_probability[items[unknown]]
+    scores[unknown] = data.popular[part].share[items[unknown]]
     lowest = scores.min(1, keepdims=True) - 1.0 if len(scores) else scores
     return np.where(empty, lowest, scores)
 

@@ -2,7 +2,8 @@
 
 `retrieval` (brute force, stock TF ops only) and `retrieval_scann` (ScaNN ops) share one
 module: string ids at the boundary, the users' state baked in (their latest items and seen
-items of the rows the model was fit on), the popular items for users it does not know. A known
+items of the rows the model was fit on), the popular items for users it does not know
+(`ModelInputs.popular`: the most frequent in the latest share of the fit rows). A known
 user is never served an item of their state, nor a `with_history` request the items it
 passed, unless the export is made with `exclude_seen=False`; the top k of what remains come
 back (ScaNN over-fetches k plus the most items any user has seen). A slot left without an item
@@ -53,9 +54,9 @@ class RetrievalModule(tf.Module):
         self.item_codes = id_lookup(interactions.item_ids)                              # id -> code
         self.item_ids = tf.constant(np.append(interactions.item_ids, ""))               # [I + 1]
         self.item_index = tf.constant(data.item_index)                                  # [I]
-        popular = np.argsort(-data.item_probability, kind="stable")[:k]
-        self.popular_codes = tf.constant(popular, tf.int64)                             # [k]
-        self.popular_scores = tf.constant(data.item_probability[popular])               # [k]
+        popular = data.popular["test"]
+        self.popular_codes = tf.constant(popular.order[:k], tf.int64)                   # [k]
+        self.popular_scores = tf.constant(popular.share[popular.order[:k]])             # [k]
         candidates = candidate_embeddings(model, interactions.num_items)                # [I, d]
         if scann is None:
             self.candidates, self.index = tf.constant(candidates), None

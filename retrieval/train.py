@@ -69,11 +69,14 @@ def embeddings_for_ranking(model: TwoTower, data: ModelInputs) -> dict:
             "items": candidate_embeddings(model, data.num_items)}
 
 
-def popular_order(data: ModelInputs | PreparedLog) -> np.ndarray:
-    """[num_items] float32 scores that order the catalogue as the exports serve users they do
-    not know: by training popularity, ties to the lower code (the served order, not a tie)."""
+def popular_order(data: ModelInputs | PreparedLog, part: str) -> np.ndarray:
+    """[num_items] float32 scores that order the catalogue as users unknown before `part` are
+    served (`ModelInputs.popular`; a prepared log: by training popularity, ties to the lower
+    code), strictly decreasing: the served order, not a tie."""
+    order = (np.argsort(-data.item_probability, kind="stable") if isinstance(data, PreparedLog)
+             else data.popular[part].order)
     scores = np.empty(data.num_items, np.float32)
-    scores[np.argsort(-data.item_probability, kind="stable")] = -np.arange(data.num_items)
+    scores[order] = -np.arange(data.num_items)
     return scores
 
 
@@ -82,7 +85,7 @@ def catalogue_scorer(model: TwoTower, data: ModelInputs, part: str, evalset: Eva
     towers' dot products for users it knows, the popular order for the others."""
     candidates = candidate_embeddings(model, data.num_items)
     queries = query_embeddings(model, data.examples[part])
-    popular = popular_order(data)
+    popular = popular_order(data, part)
 
     def score(positions: np.ndarray) -> np.ndarray:
         scores = queries[positions] @ candidates.T                                # [b, d] x [d, I]
@@ -108,11 +111,13 @@ def evaluate_prepared(model: TwoTower, prepared: PreparedLog, part: str = "test"
     it; memory holds the candidates' embeddings, one batch and one rank per row.
 
     The catalogue is the prepared log's (the items with training rows): a held-out item
-    outside it is a miss. On a log whose every item has training rows this equals
-    `evaluate_model`; otherwise `evaluate_model` also ranks the untrained items (all on the
-    OOV embedding) and can rank a held-out untrained item."""
+    outside it is a miss. Users it does not know get the training popularity order (not
+    `ModelInputs.popular`). On a log whose every item has training rows and every held-out
+    user training rows (a temporal split) this equals `evaluate_model`; otherwise
+    `evaluate_model` also ranks the untrained items (all on the OOV embedding) and can rank a
+    held-out untrained item."""
     candidates = candidate_embeddings(model, prepared.num_items)                  # [I, d]
-    popular = popular_order(prepared)
+    popular = popular_order(prepared, part)
 
     def score(rows: dict) -> np.ndarray:
         queries = query_embeddings(model, {"user": rows["user"], "history": rows["history"]},

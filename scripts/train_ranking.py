@@ -37,7 +37,8 @@ def main(argv=None) -> int:
     kept = [flag for flag, value in (("--data", args.data), ("--split", args.split),
                                      ("--preset", args.preset), ("--top-k", args.top_k),
                                      ("--columns", args.columns or None),
-                                     ("--delimiter", args.delimiter))
+                                     ("--delimiter", args.delimiter),
+                                     ("--cold-start-window", args.cold_start_window))
             if value is not None]
     if args.out and args.out != args.retrieval_run:
         kept.append("--out")

@@ -174,3 +174,41 @@ def test_split_none_trains_on_every_row():
     for bad in ("global:1.5", "global:x", "weekly"):
         with pytest.raises(Exception, match="split"):
             split(log, bad)
+
+
+def cold_start_log(cold_items: np.ndarray, known: int = 30):
+    """Training: item 0 in the first 60 rows, item 1 in the last 40 (all of user u0). Then one
+    validation row per user never seen, taking `cold_items`, and `known` rows of u0 (item 0)."""
+    from tworec.features.splits import Split
+    cold = len(cold_items)
+    users = np.concatenate([np.zeros(100), 1 + np.arange(cold), np.zeros(known)]).astype(np.int64)
+    items = np.concatenate([np.zeros(60), np.ones(40), cold_items, np.zeros(known)])
+    log = Interactions(user_ids=np.array([f"u{n}" for n in range(cold + 1)]),
+                       item_ids=np.array(["x", "y", "z"]), user=users,
+                       item=items.astype(np.int64), timestamp=np.arange(len(users)))
+    rows = np.arange(len(users))
+    return log, Split("global", rows[:100], rows[100:], np.zeros(0, np.int64))
+
+
+def test_the_cold_start_window_is_chosen_on_the_validation_rows_of_users_never_seen():
+    """Item 1 comes first in every window up to the latest half of the training rows, second
+    when all rows count. 100 cold rows taking item 1 gain 1 - 1 / log2(3) each in every shorter
+    window (a tie: the larger window wins); the known user's rows do not count. With one cold
+    row fewer, nothing is chosen; with 51 rows taking item 1 and 49 item 0 the gain is not
+    above zero: all rows."""
+    from tworec.evaluation import cold_start_window
+    from tworec.features.inputs import COLD_START_WINDOWS
+    log, parts = cold_start_log(np.ones(100))
+    window, table = cold_start_window(log, parts)
+    gain = 1 - 1 / np.log2(3)
+    assert window == 0.5 and set(table) == set(COLD_START_WINDOWS)
+    assert table[1.0] == {"ndcg@10": pytest.approx(1 / np.log2(3)), "ci95": None}
+    for shorter in COLD_START_WINDOWS[1:]:
+        assert table[shorter]["ndcg@10"] == pytest.approx(1.0)
+        assert table[shorter]["ci95"] == pytest.approx([gain, gain])
+    log, parts = cold_start_log(np.ones(99))
+    assert cold_start_window(log, parts) == (1.0, {})
+    log, parts = cold_start_log(np.repeat([1, 0], [51, 49]))
+    window, table = cold_start_window(log, parts)
+    assert table[0.5]["ndcg@10"] > table[1.0]["ndcg@10"] and table[0.5]["ci95"][0] < 0
+    assert window == 1.0

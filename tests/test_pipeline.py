@@ -14,7 +14,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEMA = {
     "data": {"source", "users", "items", "interactions", "split", "test_users", "dropped",
-             "state", "exclude_seen"},
+             "state", "exclude_seen", "cold_start"},
     "retrieval": {"test", "train", "against_baselines"},
     "index": {"kind", "params", "tuned_on", "recall@10_vs_exact", "test_recall@10_vs_exact",
               "latency_ms_p50", "exact_latency_ms_p50"},

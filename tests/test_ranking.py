@@ -422,7 +422,7 @@ def test_export_serves_the_keras_scores(inputs, signal, transitions_only, tmp_pa
     unknown = run("serving_default", user_id=np.array(["nobody"]),
                   item_ids=np.array([[log.item_ids[0], log.item_ids[1], "no-such-item"]]))["scores"]
     assert unknown.shape == (1, 3) and unknown[0, 2] < unknown[0, :2].min()
-    np.testing.assert_allclose(unknown[0, :2], inputs.item_probability[:2])  # popularity
+    np.testing.assert_allclose(unknown[0, :2], inputs.popular["test"].share[:2])  # as served
     ops = graph_op_types(meta)
     assert all(op_def_registry.get(op) is not None for op in ops)
     assert not [op for op in ops if op.startswith("Scann")]

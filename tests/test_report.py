@@ -121,6 +121,25 @@ def test_the_gain_line_reads_as_the_issue_asks():
         "together).")
 
 
+def test_the_cold_start_sentence_says_what_users_never_seen_get_and_why():
+    from tworec.pipeline.report import markdown
+    assert "Users they do not know" not in markdown(report_of("global"), "RUN", [])
+    table = {"1.0": {"ndcg@10": 0.01652, "ci95": None},
+             "0.2": {"ndcg@10": 0.02181, "ci95": [0.00301, 0.00812]},
+             "0.1": {"ndcg@10": 0.02121, "ci95": [0.00232, 0.00771]}}
+    report = report_of("global")
+    report["data"]["cold_start"] = {"window": 0.2, "validation": table}
+    assert ("never the test rows. Users they do not know are served the items most frequent in "
+            "the known rows, counted over the latest 20% of them (chosen on validation, on the "
+            "rows of users never seen: NDCG@10 0.0218 against 0.0165 when all rows count, 95% "
+            "interval of the gain +0.0030 to +0.0081).") in markdown(report, "RUN", [])
+    report["data"]["cold_start"] = {"window": 1.0, "validation": table}
+    assert ("counted over all of them (on validation no shorter share beat all rows with the "
+            "95% interval of its NDCG@10 gain above zero).") in markdown(report, "RUN", [])
+    report["data"]["cold_start"] = {"window": 1.0, "validation": {}}
+    assert "in the known rows, counted over all of them." in markdown(report, "RUN", [])
+
+
 def test_the_calibration_sentence_says_what_was_refitted_or_why_not():
     from tworec.pipeline.report import calibration_sentence
     fitted = {"rows": 1234, "scale": 0.4567, "weights": {"retrieval_scores": 10.84,
