@@ -398,20 +398,20 @@ def test_popular_items_count_the_latest_share_of_the_known_rows():
     rows, then to the lower code; at least one row is counted."""
     from tworec.features import Interactions
     from tworec.features.inputs import popular_items
-    items = np.array([0, 0, 0, 2, 1, 1, 3, 2])
+    items = np.array([3, 3, 3, 2, 1, 1, 0, 2])
     times = np.array([0, 1, 2, 9, 7, 8, 3, 8])                       # rows 5 and 7 tie at 8
     log = Interactions(user_ids=np.array(["a"]), item_ids=np.array(["w", "x", "y", "z"]),
                        user=np.zeros(8, np.int64), item=items, timestamp=times)
     every = np.arange(8)
-    for window, order, share in [(1.0, [0, 1, 2, 3], [3 / 8, 2 / 8, 2 / 8, 1 / 8]),
-                                 (0.5, [1, 2, 0, 3], [0, 0.5, 0.5, 0]),   # rows 4, 5, 7, 3
-                                 (0.25, [2, 0, 1, 3], [0, 0, 1, 0]),      # rows 7, 3
-                                 (0.01, [2, 0, 1, 3], [0, 0, 1, 0])]:     # row 3 alone
+    for window, order, share in [(1.0, [3, 1, 2, 0], [1 / 8, 2 / 8, 2 / 8, 3 / 8]),
+                                 (0.5, [1, 2, 3, 0], [0, 0.5, 0.5, 0]),   # rows 4, 5, 7, 3
+                                 (0.25, [2, 3, 1, 0], [0, 0, 1, 0]),      # rows 7, 3
+                                 (0.01, [2, 3, 1, 0], [0, 0, 1, 0])]:     # row 3 alone
         popular = popular_items(log, every, window)
         assert popular.window == window and popular.order.tolist() == order, window
         np.testing.assert_allclose(popular.share, share)
     known = popular_items(log, np.array([4, 0, 2, 6]), 0.5)            # rows 6 (t 3), 4 (t 7)
-    assert known.order.tolist() == [1, 3, 0, 2] and known.share.tolist() == [0, 0.5, 0, 0.5]
+    assert known.order.tolist() == [0, 1, 3, 2] and known.share.tolist() == [0.5, 0.5, 0, 0]
 
 
 def test_prepare_serves_users_never_seen_from_the_rows_known_before_each_part(log):
