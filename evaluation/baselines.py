@@ -12,32 +12,37 @@ from tworec.evaluation.metrics import (KS, evaluate_ranks, paired_bootstrap, pre
                                        rank_metrics, row_metrics)
 from tworec.evaluation.sets import EvalSet
 from tworec.features.history import transition_counts
-from tworec.features.inputs import COLD_START_WINDOWS, popular_items
+from tworec.features.inputs import COLD_START_WINDOWS, PopularItems, popular_items
 from tworec.features.interactions import Interactions, interaction_matrix
 from tworec.features.splits import Split
 from tworec.features.stream import PreparedLog
 from tworec.features.vocab import FIRST
 
 EASE_MAX_ITEMS = 20_000
-MIN_COLD_ROWS = 100       # validation rows of users never seen needed to choose a window on
+MIN_COLD_ROWS, MIN_COLD_USERS = 100, 20   # validation rows and users never seen to choose on
 
 
 def cold_start_window(interactions: Interactions, parts: Split, windows=COLD_START_WINDOWS
-                      ) -> tuple[float, dict[float, dict]]:
+                      ) -> dict:
     """The share of the latest known rows whose counts order what users never seen are served
     (`features.inputs.popular_items`), chosen on validation, on the rows of users without
     training rows: all rows (1.0) unless a shorter window beats them there with the paired
-    bootstrap 95% interval of its NDCG@10 gain (over users) above zero; then the best such
-    window, ties to the larger. All rows with fewer than `MIN_COLD_ROWS` such rows.
+    bootstrap 95% interval (over users) of its NDCG@10 gain above zero; then the best such
+    window, ties to the larger. All rows with fewer than `MIN_COLD_ROWS` such rows or
+    `MIN_COLD_USERS` such users.
 
     Returns:
-        (the window, {window: {"ndcg@10": its validation NDCG@10, "ci95": the interval of its
-        gain over all rows (None for all rows)}}, empty when not chosen).
+        {"window": the window, "rows" and "users": the validation rows of users never seen and
+        their number, "validation": {window: {"ndcg@10": its NDCG@10 there, "ci95": the
+        interval of its gain over all rows (None for all rows)}}, empty when not chosen}.
     """
     trained = np.bincount(interactions.user[parts.train], minlength=interactions.num_users) > 0
     cold = parts.validation[~trained[interactions.user[parts.validation]]]
-    if len(cold) < MIN_COLD_ROWS:
-        return 1.0, {}
+    users = interactions.user[cold]
+    choice = {"window": 1.0, "rows": int(len(cold)), "users": int(len(np.unique(users))),
+              "validation": {}}
+    if choice["rows"] < MIN_COLD_ROWS or choice["users"] < MIN_COLD_USERS:
+        return choice
     per_row = {}
     for window in sorted(set(windows) | {1.0}, reverse=True):
         order = popular_items(interactions, parts.train, window).order
@@ -45,10 +50,18 @@ def cold_start_window(interactions: Interactions, parts: Split, windows=COLD_STA
         position[order] = np.arange(len(order))
         per_row[window] = row_metrics(position[interactions.item[cold]], 10)["ndcg@10"]
     table = {window: {"ndcg@10": float(ndcg.mean()), "ci95": None if window == 1.0 else
-                      paired_bootstrap(ndcg, per_row[1.0], groups=interactions.user[cold])["ci95"]}
+                      paired_bootstrap(ndcg, per_row[1.0], groups=users)["ci95"]}
              for window, ndcg in per_row.items()}
     winners = [window for window, row in table.items() if window == 1.0 or row["ci95"][0] > 0]
-    return max(winners, key=lambda window: (table[window]["ndcg@10"], window)), table
+    best = max(winners, key=lambda window: (table[window]["ndcg@10"], window))
+    return {**choice, "window": best, "validation": table}
+
+
+def popular_list_scorer(popular: PopularItems):
+    """Every row scored by the order of `popular` (strictly decreasing: no ties)."""
+    scores = np.empty(len(popular.order), np.float32)
+    scores[popular.order] = -np.arange(len(popular.order))
+    return lambda positions: np.broadcast_to(scores, (len(positions), len(scores)))
 
 
 def popularity_scorer(interactions: Interactions, train: np.ndarray, evalset: EvalSet):
@@ -99,10 +112,12 @@ def transition_scores(transitions: sp.csr_matrix, popularity: np.ndarray):
     return score
 
 
-def baseline_ranks(interactions: Interactions, parts: Split, evalset: EvalSet
-                   ) -> dict[str, np.ndarray | None]:
+def baseline_ranks(interactions: Interactions, parts: Split, evalset: EvalSet,
+                   popular: PopularItems | None = None) -> dict[str, np.ndarray | None]:
     """[m] rank of every held-out row's target (`evaluate_ranks`) under popularity, EASE (None
-    past EASE_MAX_ITEMS items) and item transitions."""
+    past EASE_MAX_ITEMS items) and item transitions, and with `popular` (the list users never
+    seen are served, `ModelInputs.popular` of the held-out part) that list for every user as
+    `recent_popularity`."""
     results = {}
     for name, make in (("popularity", popularity_scorer), ("ease", ease_scorer),
                        ("item_transition", transition_scorer)):
@@ -110,13 +125,17 @@ def baseline_ranks(interactions: Interactions, parts: Split, evalset: EvalSet
             results[name] = None
             continue
         results[name] = evaluate_ranks(make(interactions, parts.train, evalset), evalset, name)
+    if popular is not None:
+        results["recent_popularity"] = evaluate_ranks(popular_list_scorer(popular), evalset,
+                                                      "recent_popularity")
     return results
 
 
-def baselines(interactions: Interactions, parts: Split, evalset: EvalSet, ks=KS) -> dict:
-    """Metrics of popularity, EASE (None past EASE_MAX_ITEMS items) and item transitions."""
+def baselines(interactions: Interactions, parts: Split, evalset: EvalSet, ks=KS,
+              popular: PopularItems | None = None) -> dict:
+    """Metrics of `baseline_ranks`."""
     return {name: None if ranks is None else rank_metrics(ranks, ks)
-            for name, ranks in baseline_ranks(interactions, parts, evalset).items()}
+            for name, ranks in baseline_ranks(interactions, parts, evalset, popular).items()}
 
 
 def prepared_baseline_ranks(prepared: PreparedLog, part: str = "test",

@@ -43,9 +43,10 @@ class DataConfig:
         if self.history_length < 0:
             raise DataError(f"history_length must be >= 0, got {self.history_length}")
         window = self.cold_start_window
-        if window is not None and not (isinstance(window, (int, float)) and 0 < window <= 1):
-            raise DataError(f"cold_start_window must be in (0, 1] (1: all known rows) or null "
-                            f"(chosen on validation), got {window!r}")
+        if window is not None and (isinstance(window, bool) or
+                                   not (isinstance(window, (int, float)) and 0 < window <= 1)):
+            raise DataError(f"--cold-start-window (cold_start_window) must be in (0, 1] (1: all "
+                            f"known rows; leave it out to choose on validation), got {window!r}")
 
 
 DATA_PRESETS = {"default": DataConfig(), "tiny": DataConfig(history_length=5)}

@@ -62,6 +62,9 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
             raise RunFolderError(
                 f"{out}: a continued run keeps the folder's data source and its data, retrieval "
                 f"and run configs; these differ: {changed or ['source']}")
+        if saved.data.cold_start_window is None:
+            raise RunFolderError(f"{out}: made before runs recorded what users never seen are "
+                                 "served; train a new run (scripts/pipeline.py)")
     else:
         check_fresh(out, overwrite)
     configs.validate()                  # all but what depends on the log, before it loads

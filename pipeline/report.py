@@ -23,7 +23,8 @@ def read(out: str) -> dict:
 
 # How the report names each baseline of `evaluation.baselines`.
 BASELINE_NAMES = {"popularity": "popularity", "ease": "EASE",
-                  "item_transition": "item transitions"}
+                  "item_transition": "item transitions",
+                  "recent_popularity": "recent popularity (the list users never seen get)"}
 
 
 def baselines_of(report: dict) -> list[tuple[str, dict]]:
@@ -269,18 +270,22 @@ def cold_start_sentence(cold_start: dict | None) -> str:
     """What users the exports do not know are served, and how the window was chosen."""
     if not cold_start:
         return ""
-    window, table = cold_start["window"], cold_start["validation"]
+    window, table = cold_start["window"], cold_start.get("validation") or {}
     counted = "all of them" if window == 1 else f"the latest {window:.0%} of them"
-    if not table:
-        why = ""
+    if cold_start.get("given"):
+        why = " (set in the run's config)"
+    elif not table:
+        why = (f" (validation holds {cold_start['rows']:,} rows of {cold_start['users']:,} "
+               "users never seen, too few to choose on)")
     elif window == 1:
         why = (" (on validation no shorter share beat all rows with the 95% interval of its "
                "NDCG@10 gain above zero)")
     else:
         chosen, low, high = table[str(window)], *table[str(window)]["ci95"]
-        why = (f" (chosen on validation, on the rows of users never seen: NDCG@10 "
-               f"{chosen['ndcg@10']:.4f} against {table['1.0']['ndcg@10']:.4f} when all rows "
-               f"count, 95% interval of the gain {low:+.4f} to {high:+.4f})")
+        why = (f" (chosen on validation, on the {cold_start['rows']:,} rows of "
+               f"{cold_start['users']:,} users never seen: NDCG@10 {chosen['ndcg@10']:.4f} "
+               f"against {table['1.0']['ndcg@10']:.4f} when all rows count, 95% interval of "
+               f"the gain over users {low:+.4f} to {high:+.4f})")
     return (f" Users they do not know are served the items most frequent in the known rows, "
             f"counted over {counted}{why}.")
 

@@ -83,12 +83,17 @@ class Run:
                  verbose: int = 1, report: dict | None = None):
         self.out, self.log, self.configs, self.verbose = out, log, configs, verbose
         self.parts = split(log, configs.data.split)
-        window, chosen_on = ((configs.data.cold_start_window, {})
-                             if configs.data.cold_start_window is not None
-                             else cold_start_window(log, self.parts))
+        given = configs.data.cold_start_window
+        previous = ((report or {}).get("data") or {}).get("cold_start") or {}
+        cold_start = (cold_start_window(log, self.parts) if given is None else
+                      previous if previous.get("window") == given else
+                      {"window": given, "given": True})
+        # The window chosen is written to config.json, so a continued run serves the same.
+        self.configs = configs = dataclasses.replace(configs, data=dataclasses.replace(
+            configs.data, cold_start_window=cold_start["window"]))
         self.inputs: ModelInputs = prepare(log, self.parts, configs.data.history_length,
                                            exclude_seen=configs.data.exclude_seen,
-                                           cold_start_window=window)
+                                           cold_start_window=cold_start["window"])
         self.report = report if report is not None else {}
         self.report["data"] = {"source": source["data"], "users": log.num_users,
                                "items": log.num_items, "interactions": len(log),
@@ -96,8 +101,9 @@ class Run:
                                "test_rows": len(self.parts.test),
                                "dropped": dict(log.dropped),
                                "exclude_seen": configs.data.exclude_seen,
-                               "cold_start": {"window": window, "validation": {
-                                   str(share): row for share, row in chosen_on.items()}},
+                               "cold_start": {**cold_start, "validation": {
+                                   str(share): row for share, row in
+                                   cold_start.get("validation", {}).items()}},
                                "state": self.inputs.state()}
         self.timings = self.report.setdefault("timings", {})
         self.retrieval_model, self.retrieval_trained = None, False
@@ -165,7 +171,8 @@ class Run:
 
     def baselines(self) -> None:
         if self.evaluating:
-            self.baseline_ranks = baseline_ranks(self.log, self.parts, self.test_set())
+            self.baseline_ranks = baseline_ranks(self.log, self.parts, self.test_set(),
+                                                 self.inputs.popular["test"])
             self.report["baselines"] = {name: None if ranks is None else rank_metrics(ranks)
                                         for name, ranks in self.baseline_ranks.items()}
 
@@ -476,7 +483,7 @@ def start_run(checked: folder.CheckedRun, verbose: int = 1) -> Run:
     if checked.overwrite and not checked.continue_run:
         folder.clear(out)
     os.makedirs(out, exist_ok=True)
-    run_config.write(os.path.join(out, "config.json"), checked.configs, checked.source)
+    run_config.write(os.path.join(out, "config.json"), result.configs, checked.source)
     return result
 
 

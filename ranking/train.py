@@ -224,7 +224,8 @@ def score_lists(model: RankingModel, data: ModelInputs, signals: RankingSignals,
         raise ValueError(f"ranking: {int((~finite).sum())} of {len(scores)} scored lists hold "
                          "NaN or infinite scores")
     unknown = ~data.known_in(part)
-    scores[unknown] = data.popular[part].share[items[unknown]]
+    if unknown.any():                     # never for training rows
+        scores[unknown] = data.popular[part].share[items[unknown]]
     lowest = scores.min(1, keepdims=True) - 1.0 if len(scores) else scores
     return np.where(empty, lowest, scores)
 

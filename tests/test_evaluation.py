@@ -89,6 +89,22 @@ def test_transitions_and_popularity_by_hand(log):
     assert results["ease"] is not None
 
 
+def test_recent_popularity_ranks_by_the_list_users_never_seen_get(log):
+    """Fit rows (a: x y z; b: x y; c: y z); the latest two are c's y and z, which lead (y
+    first: 3 rows in all against 2), then x and w by their counts in all. b's held-out z is
+    second without exclusions, first once b's x and y are excluded; a's w is last, or alone."""
+    from tworec.evaluation import baseline_ranks
+    from tworec.features.inputs import popular_items
+    parts = split(log, "temporal")
+    popular = popular_items(log, parts.fit, 2 / 7)
+    assert log.item_ids[popular.order].tolist() == ["y", "z", "x", "w"]
+    everything = eval_set(log, parts, "test", exclude_seen=False)
+    assert baseline_ranks(log, parts, everything, popular)["recent_popularity"].tolist() == [3, 1]
+    unseen = eval_set(log, parts, "test")
+    assert baseline_ranks(log, parts, unseen, popular)["recent_popularity"].tolist() == [0, 0]
+    assert "recent_popularity" not in baseline_ranks(log, parts, unseen)
+
+
 def test_evaluate_batches_agree(log):
     parts = split(log, "temporal")
     test = eval_set(log, parts, "test")
@@ -194,21 +210,28 @@ def test_the_cold_start_window_is_chosen_on_the_validation_rows_of_users_never_s
     """Item 1 comes first in every window up to the latest half of the training rows, second
     when all rows count. 100 cold rows taking item 1 gain 1 - 1 / log2(3) each in every shorter
     window (a tie: the larger window wins); the known user's rows do not count. With one cold
-    row fewer, nothing is chosen; with 51 rows taking item 1 and 49 item 0 the gain is not
-    above zero: all rows."""
+    row fewer, or the 100 rows from 19 users, nothing is chosen; with 51 rows taking item 1
+    and 49 item 0 the gain is not above zero: all rows."""
     from tworec.evaluation import cold_start_window
     from tworec.features.inputs import COLD_START_WINDOWS
     log, parts = cold_start_log(np.ones(100))
-    window, table = cold_start_window(log, parts)
-    gain = 1 - 1 / np.log2(3)
-    assert window == 0.5 and set(table) == set(COLD_START_WINDOWS)
+    choice = cold_start_window(log, parts)
+    table, gain = choice["validation"], 1 - 1 / np.log2(3)
+    assert (choice["window"], choice["rows"], choice["users"]) == (0.5, 100, 100)
+    assert set(table) == set(COLD_START_WINDOWS)
     assert table[1.0] == {"ndcg@10": pytest.approx(1 / np.log2(3)), "ci95": None}
     for shorter in COLD_START_WINDOWS[1:]:
         assert table[shorter]["ndcg@10"] == pytest.approx(1.0)
         assert table[shorter]["ci95"] == pytest.approx([gain, gain])
     log, parts = cold_start_log(np.ones(99))
-    assert cold_start_window(log, parts) == (1.0, {})
+    assert cold_start_window(log, parts) == {"window": 1.0, "rows": 99, "users": 99,
+                                             "validation": {}}
+    log, parts = cold_start_log(np.ones(100))
+    log.user[100:200] = 1 + np.arange(100) % 19
+    assert cold_start_window(log, parts) == {"window": 1.0, "rows": 100, "users": 19,
+                                             "validation": {}}
     log, parts = cold_start_log(np.repeat([1, 0], [51, 49]))
-    window, table = cold_start_window(log, parts)
+    choice = cold_start_window(log, parts)
+    table = choice["validation"]
     assert table[0.5]["ndcg@10"] > table[1.0]["ndcg@10"] and table[0.5]["ci95"][0] < 0
-    assert window == 1.0
+    assert choice["window"] == 1.0

@@ -128,16 +128,23 @@ def test_the_cold_start_sentence_says_what_users_never_seen_get_and_why():
              "0.2": {"ndcg@10": 0.02181, "ci95": [0.00301, 0.00812]},
              "0.1": {"ndcg@10": 0.02121, "ci95": [0.00232, 0.00771]}}
     report = report_of("global")
-    report["data"]["cold_start"] = {"window": 0.2, "validation": table}
-    assert ("never the test rows. Users they do not know are served the items most frequent in "
-            "the known rows, counted over the latest 20% of them (chosen on validation, on the "
-            "rows of users never seen: NDCG@10 0.0218 against 0.0165 when all rows count, 95% "
-            "interval of the gain +0.0030 to +0.0081).") in markdown(report, "RUN", [])
-    report["data"]["cold_start"] = {"window": 1.0, "validation": table}
-    assert ("counted over all of them (on validation no shorter share beat all rows with the "
-            "95% interval of its NDCG@10 gain above zero).") in markdown(report, "RUN", [])
-    report["data"]["cold_start"] = {"window": 1.0, "validation": {}}
-    assert "in the known rows, counted over all of them." in markdown(report, "RUN", [])
+
+    def sentence(**cold_start):
+        report["data"]["cold_start"] = {"rows": 6361, "users": 60, **cold_start}
+        text = markdown(report, "RUN", [])
+        return text[text.index("never the test rows.") + 21:].splitlines()[0]
+    assert sentence(window=0.2, validation=table) == (
+        "Users they do not know are served the items most frequent in the known rows, counted "
+        "over the latest 20% of them (chosen on validation, on the 6,361 rows of 60 users never "
+        "seen: NDCG@10 0.0218 against 0.0165 when all rows count, 95% interval of the gain over "
+        "users +0.0030 to +0.0081).")
+    assert sentence(window=1.0, validation=table).endswith(
+        "counted over all of them (on validation no shorter share beat all rows with the 95% "
+        "interval of its NDCG@10 gain above zero).")
+    assert sentence(window=1.0, validation={}, rows=99, users=9).endswith(
+        "all of them (validation holds 99 rows of 9 users never seen, too few to choose on).")
+    report["data"]["cold_start"] = {"window": 0.05, "given": True, "validation": {}}
+    assert "over the latest 5% of them (set in the run's config)." in markdown(report, "RUN", [])
 
 
 def test_the_calibration_sentence_says_what_was_refitted_or_why_not():
