@@ -117,7 +117,7 @@ def baseline_ranks(interactions: Interactions, parts: Split, evalset: EvalSet,
     """[m] rank of every held-out row's target (`evaluate_ranks`) under popularity, EASE (None
     past EASE_MAX_ITEMS items) and item transitions, and with `popular` (the list users never
     seen are served, `ModelInputs.popular` of the held-out part) that list for every user as
-    `recent_popularity`."""
+    `popular_now`."""
     results = {}
     for name, make in (("popularity", popularity_scorer), ("ease", ease_scorer),
                        ("item_transition", transition_scorer)):
@@ -126,8 +126,8 @@ def baseline_ranks(interactions: Interactions, parts: Split, evalset: EvalSet,
             continue
         results[name] = evaluate_ranks(make(interactions, parts.train, evalset), evalset, name)
     if popular is not None:
-        results["recent_popularity"] = evaluate_ranks(popular_list_scorer(popular), evalset,
-                                                      "recent_popularity")
+        results["popular_now"] = evaluate_ranks(popular_list_scorer(popular), evalset,
+                                                      "popular_now")
     return results
 
 

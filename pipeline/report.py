@@ -24,7 +24,7 @@ def read(out: str) -> dict:
 # How the report names each baseline of `evaluation.baselines`.
 BASELINE_NAMES = {"popularity": "popularity", "ease": "EASE",
                   "item_transition": "item transitions",
-                  "recent_popularity": "recent popularity (the list users never seen get)"}
+                  "popular_now": "popular now (the list users never seen get)"}
 
 
 def baselines_of(report: dict) -> list[tuple[str, dict]]:

@@ -89,7 +89,7 @@ def test_transitions_and_popularity_by_hand(log):
     assert results["ease"] is not None
 
 
-def test_recent_popularity_ranks_by_the_list_users_never_seen_get(log):
+def test_popular_now_ranks_by_the_list_users_never_seen_get(log):
     """Fit rows (a: x y z; b: x y; c: y z); the latest two are c's y and z, which lead (y
     first: 3 rows in all against 2), then x and w by their counts in all. b's held-out z is
     second without exclusions, first once b's x and y are excluded; a's w is last, or alone."""
@@ -99,10 +99,10 @@ def test_recent_popularity_ranks_by_the_list_users_never_seen_get(log):
     popular = popular_items(log, parts.fit, 2 / 7)
     assert log.item_ids[popular.order].tolist() == ["y", "z", "x", "w"]
     everything = eval_set(log, parts, "test", exclude_seen=False)
-    assert baseline_ranks(log, parts, everything, popular)["recent_popularity"].tolist() == [3, 1]
+    assert baseline_ranks(log, parts, everything, popular)["popular_now"].tolist() == [3, 1]
     unseen = eval_set(log, parts, "test")
-    assert baseline_ranks(log, parts, unseen, popular)["recent_popularity"].tolist() == [0, 0]
-    assert "recent_popularity" not in baseline_ranks(log, parts, unseen)
+    assert baseline_ranks(log, parts, unseen, popular)["popular_now"].tolist() == [0, 0]
+    assert "popular_now" not in baseline_ranks(log, parts, unseen)
 
 
 def test_evaluate_batches_agree(log):

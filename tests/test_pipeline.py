@@ -19,7 +19,7 @@ SCHEMA = {
     "index": {"kind", "params", "tuned_on", "recall@10_vs_exact", "test_recall@10_vs_exact",
               "latency_ms_p50", "exact_latency_ms_p50"},
     "ranking": {"test", "train"}, "two_stage": {"test", "against_baselines"},
-    "baselines": {"popularity", "ease", "item_transition", "recent_popularity"},
+    "baselines": {"popularity", "ease", "item_transition", "popular_now"},
     "serving": {"users", "rows", "served", "exclude_seen", "ranking_export_max_abs_diff"},
     "exports": {"retrieval", "ranking", "recommender"},
 }
