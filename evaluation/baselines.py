@@ -1,7 +1,8 @@
 """The baselines every report carries, fit on the training rows only: popularity, EASE (closed
-form) and first-order item transitions. For a held-out row a baseline may use all of the user's
-earlier interactions as history. Also the choice, on validation, of what users never seen are
-served (`cold_start_window`)."""
+form) and first-order item transitions; and popular now, the list the exports serve users never
+seen (from the rows known before the part, as the exports). For a held-out row a baseline may
+use all of the user's earlier interactions as history. Also the choice, on validation, of what
+users never seen are served (`cold_start_window`)."""
 from __future__ import annotations
 
 import numpy as np

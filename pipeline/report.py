@@ -274,6 +274,8 @@ def cold_start_sentence(cold_start: dict | None) -> str:
     counted = "all of them" if window == 1 else f"the latest {window:.0%} of them"
     if cold_start.get("given"):
         why = " (set in the run's config)"
+    elif not cold_start["rows"]:
+        why = " (validation holds no rows of users never seen)"
     elif not table:
         why = (f" (validation holds {cold_start['rows']:,} rows of {cold_start['users']:,} "
                "users never seen, too few to choose on)")
@@ -308,7 +310,8 @@ def metrics_section(report: dict, plots: list[str]) -> list[str]:
              f"Full catalogue, {excluded}. Over the full catalogue a tie counts against the "
              "held-out item; where the order is the one served (retrieval's candidates "
              "re-ranked, the popular order for users the exports do not know) ties keep the "
-             "served order. The baselines are fit on the same training rows.", "",
+             "served order. The baselines are fit on the same training rows (popular now "
+             "counts the training and validation rows, as the exports do).", "",
              "| model | Recall@10 | NDCG@10 |", "| --- | --- | --- |"]
     lines += [row(name, metrics) for name, metrics in models]
     gain = (report.get("two_stage") or {}).get("gain_over_retrieval") or {}

@@ -85,9 +85,9 @@ class Run:
         self.parts = split(log, configs.data.split)
         given = configs.data.cold_start_window
         previous = ((report or {}).get("data") or {}).get("cold_start") or {}
+        reusable = previous.get("window") == given and ("rows" in previous or "given" in previous)
         cold_start = (cold_start_window(log, self.parts) if given is None else
-                      previous if previous.get("window") == given else
-                      {"window": given, "given": True})
+                      previous if reusable else {"window": given, "given": True})
         # The window chosen is written to config.json, so a continued run serves the same.
         self.configs = configs = dataclasses.replace(configs, data=dataclasses.replace(
             configs.data, cold_start_window=cold_start["window"]))

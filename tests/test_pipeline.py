@@ -302,9 +302,22 @@ def test_run_configs_resolve_validate_and_round_trip(tmp_path):
     for bad, message in (({"data": {"history_length": 0}, "ranking": {"model": "bst"}},
                           "needs history_length > 0"),
                          ({"run": {"top_n": 0}}, "top_n must be positive"),
+                         ({"data": {"cold_start_window": 0}}, "--cold-start-window"),
+                         ({"data": {"cold_start_window": 1.5}}, r"must be in \(0, 1\]"),
+                         ({"data": {"cold_start_window": True}}, "got True"),
                          ({"run": {"top_m": 1}}, "unexpected keyword argument 'top_m'")):
         with pytest.raises(ValueError, match=message):
             config.resolve("tiny", **bad).validate()
+
+
+def test_a_folder_without_its_cold_start_window_is_not_continued(tmp_path):
+    """A run folder that does not record what users never seen were served (older runs) would
+    re-choose it while the retrieval export serves the old list: refused in one line."""
+    from tworec.pipeline import config, folder
+    configs = config.resolve("tiny")
+    config.write(str(tmp_path / "config.json"), configs, {"data": "synthetic:tiny"})
+    with pytest.raises(folder.RunFolderError, match="made before runs recorded what users"):
+        folder.check_run(str(tmp_path), {"data": "synthetic:tiny"}, configs, continue_run=True)
 
 
 def test_the_served_check_fails_on_any_difference_but_a_float_tie():

@@ -143,6 +143,8 @@ def test_the_cold_start_sentence_says_what_users_never_seen_get_and_why():
         "interval of its NDCG@10 gain above zero).")
     assert sentence(window=1.0, validation={}, rows=99, users=9).endswith(
         "all of them (validation holds 99 rows of 9 users never seen, too few to choose on).")
+    assert sentence(window=1.0, validation={}, rows=0, users=0).endswith(
+        "all of them (validation holds no rows of users never seen).")
     report["data"]["cold_start"] = {"window": 0.05, "given": True, "validation": {}}
     assert "over the latest 5% of them (set in the run's config)." in markdown(report, "RUN", [])
 
