@@ -55,7 +55,7 @@ class RankingModel(tfrs.Model):
         self.signal_weights = {       # float32 always; held-out ones set by calibration only
             name: self.add_weight(name=f"{name}_weight", shape=(), initializer="zeros",
                                   autocast=False, trainable=name in self.signal_names)
-            for name in self.logit_signals}
+            for name in self.logit_signals}                 # none for regression: no logit
         self.item_features = ItemFeatures(item_index, item_vocab_size, item_genres, item_year, dim)
         self.user_embedding = tf.keras.layers.Embedding(num_users, dim)
         self.user_feature_embeddings = {
@@ -94,7 +94,10 @@ class RankingModel(tfrs.Model):
 
     @property
     def logit_signals(self) -> list[str]:
-        """Every signal with a weight in the logit: the pair features', then the held-out ones."""
+        """Every signal with a weight in the logit: the pair features', then the held-out ones
+        (none for a regression ranker, which has no logit)."""
+        if self.config.task == "regression":
+            return []
         return self.signal_names + self.held_out_signals
 
     def _user(self, features) -> tf.Tensor:

@@ -242,7 +242,8 @@ def retrieval_negatives(candidates: np.ndarray, positives: np.ndarray, count: in
 def evaluate(model: RankingModel, data: ModelInputs, signals: RankingSignals, part: str = "test",
              hard: np.ndarray | None = None) -> dict[str, float | None]:
     """RMSE of the rating head (None without ratings) and AUC: the share of (positive,
-    negative) pairs that the model orders correctly, ties counting half, each row's negatives
+    negative) pairs that the model's scores (a regression ranker's: its predicted ratings, by
+    which it orders candidates) order correctly, ties counting half, each row's negatives
     being the first `num_negatives` of its retrieval candidates `hard` [m, H] other than the
     positive, for every row alike (the items the ranker must beat when serving); random
     negatives when `hard` is None."""
@@ -256,12 +257,11 @@ def evaluate(model: RankingModel, data: ModelInputs, signals: RankingSignals, pa
         lists = candidate_lists(data, part, count, 0.0, seed=config.seed + 7)
     else:
         lists = np.concatenate([positives[:, None], retrieval_negatives(hard, positives, count)], 1)
-    if config.task != "regression":
-        scores = score_lists(model, data, signals, part, lists)
-        positive, negative = scores[:, :1], scores[:, 1:]
-        pairs = lists[:, 1:] != EMPTY_SLOT                                  # [m, count]
-        ordered = (positive > negative) + 0.5 * (positive == negative)
-        result["auc"] = float(ordered[pairs].mean()) if pairs.any() else None
+    scores = score_lists(model, data, signals, part, lists)   # regression: predicted ratings
+    positive, negative = scores[:, :1], scores[:, 1:]
+    pairs = lists[:, 1:] != EMPTY_SLOT                                      # [m, count]
+    ordered = (positive > negative) + 0.5 * (positive == negative)
+    result["auc"] = float(ordered[pairs].mean()) if pairs.any() else None
     if model.use_rating:
         examples = list_examples(data, signals, part, lists[:, :1])
         predicted = np.concatenate([model.predict_rating(b).numpy()

@@ -192,7 +192,8 @@ def test_models_and_tasks_train(inputs, transitions_only, overrides):
     assert np.isfinite(summary["history"]["loss"]).all()
     metrics = evaluate(model, inputs, transitions_only, "test")
     if overrides.get("task") == "regression":
-        assert metrics["auc"] is None and 0 < metrics["rmse"] < 3
+        assert 0 <= metrics["auc"] <= 1 and 0 < metrics["rmse"] < 3
+        assert model.signal_weights == {}                      # no logit, no weights in it
         assert_scores_are_predicted_ratings(model, inputs, transitions_only)
     else:
         assert 0 <= metrics["auc"] <= 1
@@ -213,6 +214,10 @@ def assert_scores_are_predicted_ratings(model, inputs, signals) -> None:
         alone = list_examples(inputs, signals, "test", lists[:, slot:slot + 1])
         rating = np.concatenate([model.predict_rating(b).numpy() for b in batches(alone, 4096)])
         np.testing.assert_allclose(scores[known, slot], rating[known], rtol=1e-5, atol=1e-5)
+    # AUC orders the held-out item against the same candidates by those same scores
+    auc = evaluate(model, inputs, signals, "test", hard=lists[:, 1:])["auc"]
+    positive, negative = scores[:, :1], scores[:, 1:]
+    assert auc == pytest.approx(np.mean((positive > negative) + 0.5 * (positive == negative)))
     with pytest.raises(ValueError, match="a regression ranker has no logit to rebalance"):
         calibrate(model, inputs, signals, "test", lists)
 
