@@ -66,6 +66,12 @@ class RankingConfig:
         if not 0 <= self.hard_negative_share <= 1:
             raise ValueError(f"hard_negative_share must be in [0, 1], got {self.hard_negative_share}")
 
+    @property
+    def held_out_periods(self) -> int:
+        """The popularity periods the ranker reads: none for a regression ranker, whose
+        predicted ratings have no logit for calibration to weigh them in."""
+        return 0 if self.task == "regression" else self.popularity_periods
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
 

@@ -57,8 +57,8 @@ def signals(data: ModelInputs, config: RankingConfig, retrieval: dict | None = N
         transitions=transition_matrix(data) if config.use_transitions else None,
         cooccurrence=(cooccurrence(data, config.cooccurrence_neighbors, config.cooccurrence_folds,
                                    config.seed) if config.cooccurrence_neighbors else None),
-        popularity=(period_popularity(data, config.popularity_periods)
-                    if config.popularity_periods else None))
+        popularity=(period_popularity(data, config.held_out_periods)
+                    if config.held_out_periods else None))
 
 
 def transition_matrix(data: ModelInputs) -> sp.csr_matrix:

@@ -51,7 +51,7 @@ class RankingModel(tfrs.Model):
         self.signal_names = (["retrieval_scores"] if use_retrieval else []) + \
             (["transitions"] if config.use_transitions else []) + \
             (["cooccurrence"] if config.cooccurrence_neighbors else [])
-        self.held_out_signals = list(POPULARITY_SIGNALS) if config.popularity_periods else []
+        self.held_out_signals = list(POPULARITY_SIGNALS) if config.held_out_periods else []
         self.signal_weights = {       # float32 always; held-out ones set by calibration only
             name: self.add_weight(name=f"{name}_weight", shape=(), initializer="zeros",
                                   autocast=False, trainable=name in self.signal_names)

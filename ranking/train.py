@@ -95,7 +95,8 @@ def fit(data: ModelInputs, config: RankingConfig, signals: RankingSignals,
     for setting, wanted, signal in (
             ("use_transitions", config.use_transitions, signals.transitions),
             ("cooccurrence_neighbors", config.cooccurrence_neighbors, built),
-            ("popularity_periods", config.popularity_periods, signals.popularity)):
+            ("popularity_periods" + (" a regression ranker reads" if config.task == "regression"
+                                     else ""), config.held_out_periods, signals.popularity)):
         if bool(wanted) != (signal is not None):
             raise ValueError(f"{setting} is {wanted} but the signals "
                              f"{'lack' if wanted else 'carry'} it: build them with "
@@ -105,9 +106,9 @@ def fit(data: ModelInputs, config: RankingConfig, signals: RankingSignals,
         raise ValueError(f"the signals' co-occurrence was built with {built.neighbors} "
                          f"neighbours, {len(built.folds)} folds, seed {built.seed}, not as the "
                          "config says: build them with ranking.features.signals(data, config)")
-    if signals.popularity is not None and signals.popularity.periods != config.popularity_periods:
+    if signals.popularity is not None and signals.popularity.periods != config.held_out_periods:
         raise ValueError(f"the signals' popularity has {signals.popularity.periods} periods, "
-                         f"the config {config.popularity_periods}: build them with "
+                         f"the config {config.held_out_periods}: build them with "
                          "ranking.features.signals(data, config)")
     tf.keras.utils.set_random_seed(config.seed)
     hard = hard or {}

@@ -283,6 +283,7 @@ def test_train_ranking_script_on_the_random_protocol(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     report = json.load(open(tmp_path / "report.json"))
     test = report["ranking"]["test"]
+    assert report["ranking"]["task"] == "regression"          # so report.md's AUC says ratings
     assert 0 < test["rmse"] < 1.5 and 0 <= test["auc"] <= 1    # AUC by predicted ratings
     assert "calibration" not in report["ranking"]["train"]      # regression: nothing to rebalance
     assert report["serving"]["served"]["recommender"]["rows"] == report["data"]["test_rows"]

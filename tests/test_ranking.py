@@ -1,4 +1,6 @@
 """The ranking stage: candidate lists, both models, the tasks, two-stage metrics, export."""
+import dataclasses
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -188,7 +190,11 @@ def test_a_users_training_features_do_not_move_with_their_own_later_items(inputs
     {"model": "bst", "mixed_precision": True},
 ])
 def test_models_and_tasks_train(inputs, transitions_only, overrides):
-    model, summary = fit(inputs, preset("tiny", epochs=1, **overrides), transitions_only, verbose=0)
+    config = preset("tiny", epochs=1, **overrides)
+    if config.task == "regression":          # no logit, so no popularity signals for it
+        assert signals(inputs, config).popularity is None and transitions_only.popularity
+        transitions_only = dataclasses.replace(transitions_only, popularity=None)
+    model, summary = fit(inputs, config, transitions_only, verbose=0)
     assert np.isfinite(summary["history"]["loss"]).all()
     metrics = evaluate(model, inputs, transitions_only, "test")
     if overrides.get("task") == "regression":
@@ -271,6 +277,9 @@ def test_settings_that_cannot_work(inputs, transitions_only):
     with pytest.raises(ValueError, match="popularity_periods is 3 but the signals lack it"):
         fit(inputs, preset("tiny", popularity_periods=3),
             signals(inputs, preset("tiny", popularity_periods=0)), verbose=0)
+    with pytest.raises(ValueError, match="popularity_periods a regression ranker reads is 0 but "
+                       "the signals carry it"):                     # it has no logit to weigh them
+        fit(inputs, preset("tiny", task="regression"), transitions_only, verbose=0)
     with pytest.raises(ValueError, match="popularity has 2 periods, the config 3"):
         fit(inputs, preset("tiny", popularity_periods=3),
             signals(inputs, preset("tiny", popularity_periods=2)), verbose=0)

@@ -165,6 +165,17 @@ def test_the_calibration_sentence_says_what_was_refitted_or_why_not():
     assert calibration_sentence(None) == []
 
 
+@pytest.mark.parametrize("task, scores", [("listwise", "scores"),
+                                          ("regression", "predicted ratings")])
+def test_the_ranking_section_says_what_orders_the_auc(task, scores):
+    from tworec.pipeline.report import ranking_section
+    report = {"ranking": {"task": task, "test": {"rmse": 0.9512, "auc": 0.6789}, "train": {}}}
+    assert ranking_section(report)[3] == (
+        "RMSE of the rating head: 0.951. AUC of each held-out item against retrieval's top "
+        "candidates for its user (the items it must beat when served), by the ranker's "
+        f"{scores}: 0.679.")
+
+
 def test_example_users_show_titles_and_mark_the_held_out_item():
     from tworec.pipeline.report import markdown
     items = [{"id": f"m{k}", "title": f"Film {k} (1999)"} for k in range(10)]
