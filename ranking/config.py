@@ -25,7 +25,8 @@ class RankingConfig:
     cooccurrence_neighbors: int = 0       # similar items kept per item (0: no co-occurrence)
     cooccurrence_folds: int = 5           # user folds: training rows read out-of-fold values
     popularity_periods: int = 20          # periods of the known rows whose item popularity
-                                          # calibration weighs (0: no popularity signals)
+                                          # calibration weighs (0: no popularity signals;
+                                          # a regression ranker reads none)
     bst_heads: int = 8
     bst_layers: tuple[int, ...] = (1024, 512, 256)
     num_negatives: int = 9                # per positive, in a list of 1 + num_negatives

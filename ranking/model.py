@@ -23,10 +23,11 @@ class RankingModel(tfrs.Model):
     retrieval stage's dot product of each pair, with `config.use_transitions` "transitions":
     [b, n] log(1 + how often the candidate followed the latest history item), with
     `config.cooccurrence_neighbors` "cooccurrence": [b, n] the sum of the candidate's
-    co-occurrence similarities to the history items, with `config.popularity_periods` (held-out
-    lists only) "recent_popularity" and "user_time_popularity": [b, n], and for training
-    "rating": [b] of the item in slot 0}. `ranking.features.list_examples` builds them, and the
-    export computes them in the graph from the same signals.
+    co-occurrence similarities to the history items, with `config.held_out_periods` (held-out
+    lists only; never for a regression ranker) "recent_popularity" and "user_time_popularity":
+    [b, n], and for training "rating": [b] of the item in slot 0}.
+    `ranking.features.list_examples` builds them, and the export computes them in the graph
+    from the same signals.
     Output of `call`: scores [b, n] float32 (logits; a regression ranker's: predicted ratings).
 
     Each signal (retrieval score, transitions, co-occurrence) enters twice: as a pair feature,

@@ -18,7 +18,7 @@ SCHEMA = {
     "retrieval": {"test", "train", "against_baselines"},
     "index": {"kind", "params", "tuned_on", "recall@10_vs_exact", "test_recall@10_vs_exact",
               "latency_ms_p50", "exact_latency_ms_p50"},
-    "ranking": {"test", "train"}, "two_stage": {"test", "against_baselines"},
+    "ranking": {"task", "test", "train"}, "two_stage": {"test", "against_baselines"},
     "baselines": {"popularity", "ease", "item_transition", "popular_now"},
     "serving": {"users", "rows", "served", "exclude_seen", "ranking_export_max_abs_diff"},
     "exports": {"retrieval", "ranking", "recommender"},
@@ -283,7 +283,8 @@ def test_train_ranking_script_on_the_random_protocol(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     report = json.load(open(tmp_path / "report.json"))
     test = report["ranking"]["test"]
-    assert report["ranking"]["task"] == "regression"          # so report.md's AUC says ratings
+    assert report["ranking"]["task"] == "regression"
+    assert "by the ranker's predicted ratings" in open(tmp_path / "report.md").read()
     assert 0 < test["rmse"] < 1.5 and 0 <= test["auc"] <= 1    # AUC by predicted ratings
     assert "calibration" not in report["ranking"]["train"]      # regression: nothing to rebalance
     assert report["serving"]["served"]["recommender"]["rows"] == report["data"]["test_rows"]

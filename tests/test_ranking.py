@@ -9,6 +9,7 @@ from tworec.features import generate, split
 from tworec.features.inputs import EMPTY_SLOT, prepare
 from tworec.features.synthetic import PRESETS
 from tworec.ranking.config import preset
+from tworec.ranking.export import RankingModule
 from tworec.ranking.features import (list_examples, retrieval_scores, signals,
                                      transition_features, transition_matrix)
 from tworec.ranking.sequence import SequenceTransformer
@@ -200,6 +201,7 @@ def test_models_and_tasks_train(inputs, transitions_only, overrides):
     if overrides.get("task") == "regression":
         assert 0 <= metrics["auc"] <= 1 and 0 < metrics["rmse"] < 3
         assert model.signal_weights == {}                      # no logit, no weights in it
+        assert RankingModule(model, inputs, transitions_only).period_popularity is None
         assert_scores_are_predicted_ratings(model, inputs, transitions_only)
     else:
         assert 0 <= metrics["auc"] <= 1
@@ -277,8 +279,8 @@ def test_settings_that_cannot_work(inputs, transitions_only):
     with pytest.raises(ValueError, match="popularity_periods is 3 but the signals lack it"):
         fit(inputs, preset("tiny", popularity_periods=3),
             signals(inputs, preset("tiny", popularity_periods=0)), verbose=0)
-    with pytest.raises(ValueError, match="popularity_periods a regression ranker reads is 0 but "
-                       "the signals carry it"):                     # it has no logit to weigh them
+    with pytest.raises(ValueError, match="a regression ranker reads no popularity signals .* "
+                       "but the signals carry them"):
         fit(inputs, preset("tiny", task="regression"), transitions_only, verbose=0)
     with pytest.raises(ValueError, match="popularity has 2 periods, the config 3"):
         fit(inputs, preset("tiny", popularity_periods=3),
