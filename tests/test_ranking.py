@@ -9,7 +9,6 @@ from tworec.features import generate, split
 from tworec.features.inputs import EMPTY_SLOT, prepare
 from tworec.features.synthetic import PRESETS
 from tworec.ranking.config import preset
-from tworec.ranking.export import RankingModule
 from tworec.ranking.features import (list_examples, retrieval_scores, signals,
                                      transition_features, transition_matrix)
 from tworec.ranking.sequence import SequenceTransformer
@@ -201,7 +200,6 @@ def test_models_and_tasks_train(inputs, transitions_only, overrides):
     if overrides.get("task") == "regression":
         assert 0 <= metrics["auc"] <= 1 and 0 < metrics["rmse"] < 3
         assert model.signal_weights == {}                      # no logit, no weights in it
-        assert RankingModule(model, inputs, transitions_only).period_popularity is None
         assert_scores_are_predicted_ratings(model, inputs, transitions_only)
     else:
         assert 0 <= metrics["auc"] <= 1
