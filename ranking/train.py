@@ -91,15 +91,12 @@ def fit(data: ModelInputs, config: RankingConfig, signals: RankingSignals,
     """
     config.validate(has_ratings=data.interactions.rating is not None,
                     history_length=data.history_length)
-    if config.task == "regression" and signals.popularity is not None:
-        raise ValueError("a regression ranker reads no popularity signals (it has no logit to "
-                         "weigh them in), but the signals carry them: build them with "
-                         "ranking.features.signals(data, config)")
     built = signals.cooccurrence
     for setting, wanted, signal in (
             ("use_transitions", config.use_transitions, signals.transitions),
             ("cooccurrence_neighbors", config.cooccurrence_neighbors, built),
-            ("popularity_periods", config.held_out_periods, signals.popularity)):
+            (f"popularity_periods read by a {config.task} ranker", config.held_out_periods,
+             signals.popularity)):
         if bool(wanted) != (signal is not None):
             raise ValueError(f"{setting} is {wanted} but the signals "
                              f"{'lack' if wanted else 'carry'} it: build them with "

@@ -274,11 +274,12 @@ def test_settings_that_cannot_work(inputs, transitions_only):
             signals(inputs, preset("tiny", cooccurrence_neighbors=5)), verbose=0)
     with pytest.raises(ValueError, match="cooccurrence_folds must be at least 2"):
         preset("tiny", cooccurrence_folds=1).validate()
-    with pytest.raises(ValueError, match="popularity_periods is 3 but the signals lack it"):
+    with pytest.raises(ValueError, match="popularity_periods read by a listwise ranker is 3 but "
+                       "the signals lack it"):
         fit(inputs, preset("tiny", popularity_periods=3),
             signals(inputs, preset("tiny", popularity_periods=0)), verbose=0)
-    with pytest.raises(ValueError, match="a regression ranker reads no popularity signals .* "
-                       "but the signals carry them"):
+    with pytest.raises(ValueError, match="popularity_periods read by a regression ranker is 0 "
+                       "but the signals carry it"):                  # it has no logit for them
         fit(inputs, preset("tiny", task="regression"), transitions_only, verbose=0)
     with pytest.raises(ValueError, match="popularity has 2 periods, the config 3"):
         fit(inputs, preset("tiny", popularity_periods=3),
