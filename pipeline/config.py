@@ -94,7 +94,8 @@ def resolve(preset: str = "default", *, base: Configs | None = None, epochs: int
     replaced; `epochs` sets both stages'.
 
     Raises:
-        ValueError: an unknown preset or field.
+        ValueError: an unknown preset or field, or popularity periods given to a regression
+            ranker, which reads none.
     """
     if base is None:
         if preset not in PRESETS:
@@ -102,13 +103,18 @@ def resolve(preset: str = "default", *, base: Configs | None = None, epochs: int
         base = Configs(DATA_PRESETS[preset], RETRIEVAL_PRESETS[preset], RANKING_PRESETS[preset])
     both = {} if epochs is None else {"epochs": epochs}
     try:
-        return Configs(
+        configs = Configs(
             data=dataclasses.replace(base.data, **(data or {})),
             retrieval=dataclasses.replace(base.retrieval, **{**both, **(retrieval or {})}),
             ranking=dataclasses.replace(base.ranking, **{**both, **(ranking or {})}),
             run=dataclasses.replace(base.run, **(run or {})))
     except TypeError as error:                   # an unknown field name
         raise ValueError(f"config: {error}") from None
+    periods = (ranking or {}).get("popularity_periods")
+    if periods and configs.ranking.task == "regression":
+        raise ValueError(f"popularity_periods {periods} is read by no regression ranker: leave "
+                         "it out, or choose task listwise or binary")
+    return configs
 
 
 def write(path: str, configs: Configs, source: dict) -> None:

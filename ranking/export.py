@@ -81,16 +81,21 @@ class RankingModule(tf.Module):
             keys = features["history"][:, :, None] * self.vocab_size + candidates       # [b, L, n]
             features["cooccurrence"] = sum_in_order(self.cooccurrence.lookup(keys))      # [b, n]
         if self.period_popularity is not None:
-            last = tf.constant((self.periods - 1) * self.num_items, tf.int64)
-            features["recent_popularity"] = self.period_popularity.lookup(            # [b, n]
-                last + features["items"])
-            period = tf.gather(self.user_period, codes)[:, None]                         # [b, 1]
-            features["user_time_popularity"] = self.period_popularity.lookup(         # [b, n]
-                period * self.num_items + features["items"])
+            features.update(self.popularity_signals(codes, features["items"]))
         scores = tf.where(known[:, None], self.model(features),                          # [b, n]
                           tf.gather(self.popularity, features["items"]))
         lowest = tf.reduce_min(scores, axis=1, keepdims=True) - 1.0      # [b, 1] per row
         return {"scores": tf.where(items >= 0, scores, lowest)}
+
+    def popularity_signals(self, codes, items):
+        """The held-out popularity signals of users `codes` [b] and `items` [b, n]: each
+        item's popularity in the last period and in the user's latest period, [b, n] each."""
+        with tf.name_scope("period_popularity"):        # tests find the signals' ops by it
+            last = tf.constant((self.periods - 1) * self.num_items, tf.int64)
+            period = tf.gather(self.user_period, codes)[:, None]                         # [b, 1]
+            return {"recent_popularity": self.period_popularity.lookup(last + items),
+                    "user_time_popularity": self.period_popularity.lookup(
+                        period * self.num_items + items)}
 
 
 def export(model: RankingModel, data: ModelInputs, signals: RankingSignals, base_path: str,

@@ -29,8 +29,8 @@ def main(argv=None) -> int:
                              "(0, the default: without it)")
     parser.add_argument("--popularity-periods", type=int, metavar="P",
                         help="the held-out popularity signals: the items' popularity in P "
-                             "periods of the known rows (default 20; 0: without them; a "
-                             "regression ranker reads none)")
+                             "periods of the known rows (default 20; 0: without them; refused "
+                             "for a regression ranker, which reads none)")
     parser.add_argument("--top-k", type=int,
                         help="retrieval candidates to re-rank (default 100; a retrieval run "
                              "keeps its own)")

@@ -109,6 +109,8 @@ def test_every_export_loads_and_answers(run):
         outputs = signature(**inputs)
         assert np.isfinite(outputs["scores"].numpy()).all(), name
         answers[name] = outputs
+        if name == "ranking":                  # the held-out popularity signals are served
+            assert "period_popularity" in op_scopes(path)
         assert os.path.exists(os.path.join(path, "assets.extra", "tf_serving_warmup_requests"))
         assert os.stat(path).st_mode & 0o005 == 0o005, "a non-root server cannot read " + path
     # A user the exports do not know gets the popular order from every model, the composed
@@ -230,6 +232,8 @@ def test_train_ranking_reuses_a_retrieval_run_and_matches_the_pipeline(run, retr
     ("pipeline.py", ["--top-n", "0", "--out", "OUT/new"], "top_n must be positive"),
     ("train_ranking.py", ["--data", "synthetic:tiny", "--epochs", "0", "--out", "OUT/new"],
      "epochs must be positive"),
+    ("train_ranking.py", ["--task", "regression", "--popularity-periods", "5", "--out",
+                          "OUT/new"], "popularity_periods 5 is read by no regression ranker"),
 ])
 def test_script_mistakes_fail_before_training_with_one_line(tmp_path, name, args, message):
     (tmp_path / "a-file").write_text("not a folder")
@@ -288,7 +292,17 @@ def test_train_ranking_script_on_the_random_protocol(tmp_path):
     assert 0 < test["rmse"] < 1.5 and 0 <= test["auc"] <= 1    # AUC by predicted ratings
     assert "calibration" not in report["ranking"]["train"]      # regression: nothing to rebalance
     assert report["serving"]["served"]["recommender"]["rows"] == report["data"]["test_rows"]
-    assert os.path.isdir(report["exports"]["ranking"])
+    assert "period_popularity" not in op_scopes(report["exports"]["ranking"])
+
+
+def op_scopes(export: str) -> set[str]:
+    """The first name scope of every op in a SavedModel's functions."""
+    from tensorflow.core.protobuf import saved_model_pb2
+    saved = saved_model_pb2.SavedModel()
+    with open(os.path.join(export, "saved_model.pb"), "rb") as f:
+        saved.ParseFromString(f.read())
+    return {node.name.split("/")[0] for graph in saved.meta_graphs
+            for function in graph.graph_def.library.function for node in function.node_def}
 
 
 def test_run_configs_resolve_validate_and_round_trip(tmp_path):
