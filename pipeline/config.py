@@ -111,9 +111,10 @@ def resolve(preset: str = "default", *, base: Configs | None = None, epochs: int
     except TypeError as error:                   # an unknown field name
         raise ValueError(f"config: {error}") from None
     periods = (ranking or {}).get("popularity_periods")
-    if periods and configs.ranking.task == "regression":
-        raise ValueError(f"popularity_periods {periods} is read by no regression ranker: leave "
-                         "it out, or choose task listwise or binary")
+    if periods is not None and periods > 0 and configs.ranking.task == "regression":
+        raise ValueError(f"popularity_periods {periods}: the ranker's task is regression (--task, "
+                         "or the run folder's config), which reads no popularity periods; leave "
+                         "out --popularity-periods (or give 0), or use task listwise or binary")
     return configs
 
 

@@ -90,7 +90,7 @@ class RankingModule(tf.Module):
     def popularity_signals(self, codes, items):
         """The held-out popularity signals of users `codes` [b] and `items` [b, n]: each
         item's popularity in the last period and in the user's latest period, [b, n] each."""
-        with tf.name_scope("period_popularity"):        # tests find the signals' ops by it
+        with tf.name_scope("period_popularity"):     # groups their ops in the saved graph
             last = tf.constant((self.periods - 1) * self.num_items, tf.int64)
             period = tf.gather(self.user_period, codes)[:, None]                         # [b, 1]
             return {"recent_popularity": self.period_popularity.lookup(last + items),

@@ -233,7 +233,7 @@ def test_train_ranking_reuses_a_retrieval_run_and_matches_the_pipeline(run, retr
     ("train_ranking.py", ["--data", "synthetic:tiny", "--epochs", "0", "--out", "OUT/new"],
      "epochs must be positive"),
     ("train_ranking.py", ["--task", "regression", "--popularity-periods", "5", "--out",
-                          "OUT/new"], "popularity_periods 5 is read by no regression ranker"),
+                          "OUT/new"], "popularity_periods 5: the ranker's task is regression"),
 ])
 def test_script_mistakes_fail_before_training_with_one_line(tmp_path, name, args, message):
     (tmp_path / "a-file").write_text("not a folder")
@@ -296,13 +296,13 @@ def test_train_ranking_script_on_the_random_protocol(tmp_path):
 
 
 def op_scopes(export: str) -> set[str]:
-    """The first name scope of every op in a SavedModel's functions."""
+    """Every part of every op's name (its scopes and its own) in a SavedModel's functions."""
     from tensorflow.core.protobuf import saved_model_pb2
     saved = saved_model_pb2.SavedModel()
     with open(os.path.join(export, "saved_model.pb"), "rb") as f:
         saved.ParseFromString(f.read())
-    return {node.name.split("/")[0] for graph in saved.meta_graphs
-            for function in graph.graph_def.library.function for node in function.node_def}
+    return {part for graph in saved.meta_graphs for function in graph.graph_def.library.function
+            for node in function.node_def for part in node.name.split("/")}
 
 
 def test_run_configs_resolve_validate_and_round_trip(tmp_path):
@@ -325,6 +325,24 @@ def test_run_configs_resolve_validate_and_round_trip(tmp_path):
                          ({"run": {"top_m": 1}}, "unexpected keyword argument 'top_m'")):
         with pytest.raises(ValueError, match=message):
             config.resolve("tiny", **bad).validate()
+
+
+def test_popularity_periods_given_to_a_regression_ranker_are_refused():
+    """Given with a regression ranker, which reads none, they are refused, also when the task
+    comes from a run folder's configs; 0, or leaving them out, is fine."""
+    from tworec.pipeline import config
+    regression = config.resolve("tiny", ranking={"task": "regression"})
+    assert regression.ranking.held_out_periods == 0
+    for given in ({"task": "regression", "popularity_periods": 0}, {"epochs": 1}, {}):
+        config.resolve(base=regression, ranking=given)
+    assert config.resolve(base=regression, ranking={"task": "listwise", "popularity_periods": 5}
+                          ).ranking.held_out_periods == 5
+    for base, given in ((None, {"task": "regression", "popularity_periods": 5}),
+                        (regression, {"popularity_periods": 5})):     # the folder's task
+        with pytest.raises(ValueError, match="popularity_periods 5: the ranker's task is regr"):
+            config.resolve("tiny", base=base, ranking=given)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        config.resolve(base=regression, ranking={"popularity_periods": -1}).validate()
 
 
 def test_a_folder_without_its_cold_start_window_is_not_continued(tmp_path):
