@@ -15,6 +15,40 @@ import sys
 import time
 
 import tensorflow as tf
+import tensorflow_recommenders as tfrs
+
+LOSSES = ("loss", "regularization_loss", "total_loss")
+
+
+class EpochLosses(tfrs.Model):
+    """A `tfrs.Model` whose `fit` and `evaluate` report `LOSSES` as means over the batches so
+    far, weighted by their rows, as Keras reports a compiled loss. TFRS's own steps report the
+    last batch's (tensorflow/recommenders#585): the per-epoch training loss, and early stopping
+    on a validation loss, would read one batch. The trackers are reset by Keras with the other
+    metrics and held outside the model's checkpoints and SavedModels."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        object.__setattr__(self, "loss_trackers",          # not tracked as model state
+                           {name: tf.keras.metrics.Mean(name) for name in LOSSES})
+
+    @property
+    def metrics(self) -> list:
+        return super().metrics + list(self.loss_trackers.values())
+
+    def train_step(self, inputs):
+        return self._mean_losses(inputs, super().train_step(inputs))
+
+    def test_step(self, inputs):
+        return self._mean_losses(inputs, super().test_step(inputs))
+
+    def _mean_losses(self, inputs, logs: dict) -> dict:
+        """`logs` with each of `LOSSES` replaced by its mean so far; `inputs` batch first."""
+        rows = tf.cast(tf.shape(tf.nest.flatten(inputs)[0])[0], tf.float32)
+        for name, tracker in self.loss_trackers.items():
+            tracker.update_state(logs[name], sample_weight=rows)
+            logs[name] = tracker.result()
+        return logs
 
 
 class LazyAdam(tf.keras.optimizers.Adam):

@@ -1,9 +1,10 @@
-"""The shared training helper: which epoch's weights a model ends with, and what it says."""
+"""The shared training helpers: which epoch's weights a model ends with and what it says, the
+losses a TFRS model reports, and LazyAdam."""
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tworec.features.training import LazyAdam, best_epoch
+from tworec.features.training import EpochLosses, LazyAdam, best_epoch
 
 
 class PlantedScore(tf.keras.callbacks.Callback):
@@ -90,3 +91,34 @@ def test_lazy_adam_moves_only_the_rows_it_sees():
 def test_lazy_adam_refuses_amsgrad():
     with pytest.raises(ValueError, match="amsgrad"):
         LazyAdam(0.1, amsgrad=True)
+
+
+class MeanOfX(EpochLosses):
+    """loss = the batch's mean of "x", plus 0 times a weight (so there is one to train)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = tf.Variable(0.0)
+
+    def compute_loss(self, inputs, training=False):
+        return tf.reduce_mean(inputs["x"]) + 0.0 * self.w
+
+
+def test_fit_and_evaluate_report_the_mean_loss_over_every_row(tmp_path):
+    """Batches [1, 1] and [4]: the rows' mean is 2, where TFRS's own steps report the last
+    batch's 4 (and an unweighted mean of the batches would be 2.5)."""
+    rows = tf.data.Dataset.from_tensor_slices({"x": [1.0, 1.0, 4.0]}).batch(2)
+    model = MeanOfX()
+    model.compile(tf.keras.optimizers.SGD(0.0))
+    batches = []                               # what a progress bar shows: the mean so far
+    record = tf.keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: batches.append(float(logs["loss"])))
+    history = model.fit(rows, epochs=2, validation_data=rows, verbose=0,
+                        callbacks=[record]).history
+    assert batches == [1.0, 2.0, 1.0, 2.0]                     # reset every epoch
+    for name in ("loss", "total_loss", "val_loss", "val_total_loss"):
+        assert history[name] == [2.0, 2.0], (name, history[name])
+    assert model.evaluate(rows, verbose=0, return_dict=True)["loss"] == 2.0
+    checkpoint = tf.train.Checkpoint(model=model).write(str(tmp_path / "weights"))
+    names = [name for name, _ in tf.train.list_variables(checkpoint)]
+    assert not [name for name in names if "tracker" in name or "total" in name], names
