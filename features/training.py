@@ -24,8 +24,11 @@ class EpochLosses(tfrs.Model):
     """A `tfrs.Model` whose `fit` and `evaluate` report `LOSSES` as means over the batches so
     far, weighted by their rows, as Keras reports a compiled loss. TFRS's own steps report the
     last batch's (tensorflow/recommenders#585): the per-epoch training loss, and early stopping
-    on a validation loss, would read one batch. The trackers are reset by Keras with the other
-    metrics and held outside the model's checkpoints and SavedModels."""
+    on a validation loss, would read one batch. A loss that is a batch mean (ranking's) is so
+    reported as the mean over the rows; one summed over the batch (retrieval's in-batch
+    softmax) as the average batch's sum, per replica under a distribution strategy. The
+    trackers are reset by Keras with the other metrics (every epoch, and before `evaluate`)
+    and held outside the model's checkpoints and SavedModels."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)

@@ -105,20 +105,24 @@ class MeanOfX(EpochLosses):
 
 
 def test_fit_and_evaluate_report_the_mean_loss_over_every_row(tmp_path):
-    """Batches [1, 1] and [4]: the rows' mean is 2, where TFRS's own steps report the last
-    batch's 4 (and an unweighted mean of the batches would be 2.5)."""
+    """Training batches [1, 1] and [4]: the rows' mean is 2, where TFRS's own steps report the
+    last batch's 4 (and an unweighted mean of the batches would be 2.5). Validation batches
+    [3, 5] and [3]: 11 / 3, with nothing of the training rows in it."""
     rows = tf.data.Dataset.from_tensor_slices({"x": [1.0, 1.0, 4.0]}).batch(2)
+    validation = tf.data.Dataset.from_tensor_slices({"x": [3.0, 5.0, 3.0]}).batch(2)
     model = MeanOfX()
     model.compile(tf.keras.optimizers.SGD(0.0))
     batches = []                               # what a progress bar shows: the mean so far
     record = tf.keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda batch, logs: batches.append(float(logs["loss"])))
-    history = model.fit(rows, epochs=2, validation_data=rows, verbose=0,
+    history = model.fit(rows, epochs=2, validation_data=validation, verbose=0,
                         callbacks=[record]).history
     assert batches == [1.0, 2.0, 1.0, 2.0]                     # reset every epoch
-    for name in ("loss", "total_loss", "val_loss", "val_total_loss"):
-        assert history[name] == [2.0, 2.0], (name, history[name])
-    assert model.evaluate(rows, verbose=0, return_dict=True)["loss"] == 2.0
+    for name, mean in (("loss", 2.0), ("total_loss", 2.0), ("val_loss", 11 / 3),
+                       ("val_total_loss", 11 / 3)):
+        assert history[name] == pytest.approx([mean, mean], abs=1e-6), (name, history[name])
+    assert model.evaluate(validation, verbose=0, return_dict=True)["loss"] == \
+        pytest.approx(11 / 3, abs=1e-6)
     checkpoint = tf.train.Checkpoint(model=model).write(str(tmp_path / "weights"))
     names = [name for name, _ in tf.train.list_variables(checkpoint)]
     assert not [name for name in names if "tracker" in name or "total" in name], names
