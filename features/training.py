@@ -20,15 +20,24 @@ import tensorflow_recommenders as tfrs
 LOSSES = ("loss", "regularization_loss", "total_loss")
 
 
-class EpochLosses(tfrs.Model):
-    """A `tfrs.Model` whose `fit` and `evaluate` report `LOSSES` as means over the batches so
-    far, weighted by their rows, as Keras reports a compiled loss. TFRS's own steps report the
-    last batch's (tensorflow/recommenders#585): the per-epoch training loss, and early stopping
-    on a validation loss, would read one batch. A loss that is a batch mean (ranking's) is so
+class TFRSModel(tfrs.Model):
+    """`tfrs.Model` with two of its training steps' faults mended; both stages' models build on
+    it.
+
+    Losses: `fit` and `evaluate` report `LOSSES` as means over the batches so far, weighted by
+    their rows, as Keras reports a compiled loss. TFRS's own steps report the last batch's
+    (tensorflow/recommenders#585): the per-epoch training loss, and early stopping on a
+    validation loss, would read one batch. A loss that is a batch mean (ranking's) is so
     reported as the mean over the rows; one summed over the batch (retrieval's in-batch
     softmax) as the average batch's sum, per replica under a distribution strategy. The
     trackers are reset by Keras with the other metrics (every epoch, and before `evaluate`)
-    and held outside the model's checkpoints and SavedModels."""
+    and held outside the model's checkpoints and SavedModels.
+
+    Loss scaling: the step goes through `optimizer.minimize`, as Keras's own does, so that a
+    `LossScaleOptimizer` (mixed precision) scales the loss and unscales the gradients. TFRS's
+    step calls `apply_gradients` on unscaled gradients, where float16 gradients below about
+    6e-8 become 0.
+    """
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -40,16 +49,24 @@ class EpochLosses(tfrs.Model):
         return super().metrics + list(self.loss_trackers.values())
 
     def train_step(self, inputs):
-        return self._mean_losses(inputs, super().train_step(inputs))
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(inputs, training=True)
+            regularization_loss = tf.reduce_sum([tf.reduce_sum(extra) for extra in self.losses])
+            total_loss = loss + regularization_loss
+        self.optimizer.minimize(total_loss, self.trainable_variables, tape=tape)
+        return self._mean_losses(inputs, {"loss": loss, "regularization_loss": regularization_loss,
+                                          "total_loss": total_loss})
 
     def test_step(self, inputs):
         return self._mean_losses(inputs, super().test_step(inputs))
 
-    def _mean_losses(self, inputs, logs: dict) -> dict:
-        """`logs` with each of `LOSSES` replaced by its mean so far; `inputs` batch first."""
+    def _mean_losses(self, inputs, losses: dict) -> dict:
+        """The logs of a step: the other metrics' results, and each of `LOSSES` as its mean so
+        far; `inputs` batch first."""
         rows = tf.cast(tf.shape(tf.nest.flatten(inputs)[0])[0], tf.float32)
+        logs = {metric.name: metric.result() for metric in super().metrics}
         for name, tracker in self.loss_trackers.items():
-            tracker.update_state(logs[name], sample_weight=rows)
+            tracker.update_state(losses[name], sample_weight=rows)
             logs[name] = tracker.result()
         return logs
 

@@ -7,7 +7,7 @@ import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
 from tworec.features.layers import ItemFeatures
-from tworec.features.training import EpochLosses
+from tworec.features.training import TFRSModel
 from tworec.ranking.config import RankingConfig
 from tworec.ranking.features import POPULARITY_SIGNALS
 from tworec.ranking.sequence import SequenceTransformer
@@ -16,7 +16,7 @@ def mlp(units: tuple[int, ...]) -> tf.keras.Sequential:
     return tf.keras.Sequential([tf.keras.layers.Dense(u, "relu") for u in units])
 
 
-class RankingModel(EpochLosses):
+class RankingModel(TFRSModel):
     """Scores every item of a candidate list for a user.
 
     Inputs: {"user": [b], "user_NAME": [b], "history": [b, L] vocabulary indexes (0 pads),

@@ -7,7 +7,7 @@ import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
 from tworec.features.layers import ItemFeatures
-from tworec.features.training import EpochLosses
+from tworec.features.training import TFRSModel
 from tworec.retrieval.config import RetrievalConfig
 
 
@@ -101,7 +101,7 @@ def in_batch_softmax_loss(query: tf.Tensor, candidate: tf.Tensor, temperature: f
     return tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, scores))
 
 
-class TwoTower(EpochLosses):
+class TwoTower(TFRSModel):
     """Query tower: user id, user features, encoded history. Candidate tower: item id, genres,
     year. Items enter both towers as catalogue codes ([batch] int64)."""
 

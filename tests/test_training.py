@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tworec.features.training import EpochLosses, LazyAdam, best_epoch
+from tworec.features.training import TFRSModel, LazyAdam, best_epoch
 
 
 class PlantedScore(tf.keras.callbacks.Callback):
@@ -93,7 +93,7 @@ def test_lazy_adam_refuses_amsgrad():
         LazyAdam(0.1, amsgrad=True)
 
 
-class MeanOfX(EpochLosses):
+class MeanOfX(TFRSModel):
     """loss = the batch's mean of "x", plus 0 times a weight (so there is one to train)."""
 
     def __init__(self):
@@ -126,3 +126,25 @@ def test_fit_and_evaluate_report_the_mean_loss_over_every_row(tmp_path):
     checkpoint = tf.train.Checkpoint(model=model).write(str(tmp_path / "weights"))
     names = [name for name, _ in tf.train.list_variables(checkpoint)]
     assert not [name for name in names if "tracker" in name or "total" in name], names
+
+
+class TinyFloat16Gradient(TFRSModel):
+    """loss = 1e-4 * float16(w) * 1e-4: its gradient, 1e-8, is below float16's smallest
+    number unless the loss is scaled before the float16 part of the backward pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = tf.Variable(0.0)
+
+    def compute_loss(self, inputs, training=False):
+        small = tf.cast(self.w, tf.float16) * tf.constant(1e-4, tf.float16)
+        return 1e-4 * tf.cast(small, tf.float32) + 0.0 * tf.reduce_sum(inputs["x"])
+
+
+def test_mixed_precision_steps_scale_the_loss():
+    """Under a `LossScaleOptimizer` the step scales the loss (2^15 at first) and unscales the
+    gradients: w moves by lr * 1e-8; TFRS's own step leaves it at 0."""
+    model = TinyFloat16Gradient()
+    model.compile(tf.keras.mixed_precision.LossScaleOptimizer(tf.keras.optimizers.SGD(1.0)))
+    model.fit(tf.data.Dataset.from_tensor_slices({"x": [0.0]}).batch(1), epochs=1, verbose=0)
+    assert float(model.w.numpy()) == pytest.approx(-1e-8, rel=1e-2)
