@@ -35,8 +35,8 @@ class TFRSModel(tfrs.Model):
 
     Loss scaling: the step goes through `optimizer.minimize`, as Keras's own does, so that a
     `LossScaleOptimizer` (mixed precision) scales the loss and unscales the gradients. TFRS's
-    step calls `apply_gradients` on unscaled gradients, where float16 gradients below about
-    6e-8 become 0.
+    step calls `apply_gradients` on unscaled gradients, which float16 loses below its smallest
+    subnormal, about 6e-8.
     """
 
     def __init__(self, **kwargs):

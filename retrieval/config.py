@@ -51,6 +51,10 @@ class RetrievalConfig:
         if not PARTITIONER.fullmatch(self.partitioner):
             raise ValueError(f"partitioner {self.partitioner!r}: use min_size, min_size:BYTES "
                              "or fixed:N")
+        if self.mixed_precision and self.strategy == "parameter_server":
+            raise ValueError("mixed_precision with strategy 'parameter_server': Keras's loss "
+                             "scaling does not support it; use mirrored or multi_worker, or "
+                             "float32")
         for name in ("embedding_dim", "batch_size", "epochs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -226,6 +226,8 @@ def test_train_ranking_reuses_a_retrieval_run_and_matches_the_pipeline(run, retr
      "leave out --delimiter"),
     ("train_retrieval.py", ["--partitioner", "fixed:2", "--out", "OUT/new"],
      "it goes with --strategy parameter_server"),
+    ("train_retrieval.py", ["--strategy", "parameter_server", "--mixed-precision", "--out",
+                            "OUT/new"], "mixed_precision with strategy 'parameter_server'"),
     ("pipeline.py", ["--data", "OUT/semicolons.csv", "--delimiter", ",", "--out", "OUT/new"],
      "does not split the header"),
     ("pipeline.py", ["--top-k", "0", "--out", "OUT/new"], "candidates must be positive"),

@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 from tworec.features.training import TFRSModel, LazyAdam, best_epoch
+import tensorflow_recommenders as tfrs  # noqa: E402  (after tworec, which selects Keras 2)
 
 
 class PlantedScore(tf.keras.callbacks.Callback):
@@ -148,3 +149,32 @@ def test_mixed_precision_steps_scale_the_loss():
     model.compile(tf.keras.mixed_precision.LossScaleOptimizer(tf.keras.optimizers.SGD(1.0)))
     model.fit(tf.data.Dataset.from_tensor_slices({"x": [0.0]}).batch(1), epochs=1, verbose=0)
     assert float(model.w.numpy()) == pytest.approx(-1e-8, rel=1e-2)
+
+
+class EmbeddingLoss(TFRSModel):
+    """A regularized embedding table and a dense layer: sparse and dense gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = tf.keras.layers.Embedding(10, 4, embeddings_initializer="ones")
+        self.dense = tf.keras.layers.Dense(1, kernel_initializer="ones",
+                                           kernel_regularizer=tf.keras.regularizers.l2(0.1))
+
+    def compute_loss(self, inputs, training=False):
+        return tf.reduce_mean(tf.square(self.dense(self.table(inputs["item"])) - 3.0))
+
+
+def test_without_loss_scaling_the_step_is_tfrs_own():
+    """float32 training through `optimizer.minimize` ends with the same weights, bit for bit,
+    as `tfrs.Model.train_step` (LazyAdam: the table's gradients stay sparse)."""
+    rows = tf.data.Dataset.from_tensor_slices({"item": [1, 2, 2, 5, 7, 1]}).batch(2)
+    weights = []
+    for step in (TFRSModel.train_step, tfrs.Model.train_step):
+        model = EmbeddingLoss()
+        model.train_step = step.__get__(model)
+        model.compile(LazyAdam(0.1))
+        model.fit(rows, epochs=2, verbose=0)
+        weights.append(model.get_weights())
+    for ours, theirs in zip(*weights):
+        np.testing.assert_array_equal(ours, theirs)
+    assert not np.array_equal(weights[0][0][1], np.ones(4))           # it trained
