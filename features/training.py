@@ -50,17 +50,21 @@ class TFRSModel(tfrs.Model):
 
     def train_step(self, inputs):
         with tf.GradientTape() as tape:
-            loss = self.compute_loss(inputs, training=True)
-            regularization_loss = tf.reduce_sum([tf.reduce_sum(extra) for extra in self.losses])
-            total_loss = loss + regularization_loss
-        self.optimizer.minimize(total_loss, self.trainable_variables, tape=tape)
-        return self._mean_losses(inputs, {"loss": loss, "regularization_loss": regularization_loss,
-                                          "total_loss": total_loss})
+            losses = self._batch_losses(inputs, training=True)
+        self.optimizer.minimize(losses["total_loss"], self.trainable_variables, tape=tape)
+        return self._logs(inputs, losses)
 
     def test_step(self, inputs):
-        return self._mean_losses(inputs, super().test_step(inputs))
+        return self._logs(inputs, self._batch_losses(inputs, training=False))
 
-    def _mean_losses(self, inputs, losses: dict) -> dict:
+    def _batch_losses(self, inputs, training: bool) -> dict:
+        """`LOSSES` of one batch, as `tfrs.Model`'s steps compute them."""
+        loss = self.compute_loss(inputs, training=training)
+        regularization_loss = tf.reduce_sum([tf.reduce_sum(extra) for extra in self.losses])
+        return {"loss": loss, "regularization_loss": regularization_loss,
+                "total_loss": loss + regularization_loss}
+
+    def _logs(self, inputs, losses: dict) -> dict:
         """The logs of a step: the other metrics' results, and each of `LOSSES` as its mean so
         far; `inputs` batch first."""
         rows = tf.cast(tf.shape(tf.nest.flatten(inputs)[0])[0], tf.float32)
