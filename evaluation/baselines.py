@@ -74,7 +74,9 @@ def popularity_scorer(interactions: Interactions, train: np.ndarray, evalset: Ev
 def ease_scorer(interactions: Interactions, train: np.ndarray, evalset: EvalSet,
                 regularisation: float = 200.0):
     """EASE (Steck 2019): B = I - P / diag(P) with P = (X'X + lambda I)^-1, over the items that
-    occur in training; a user's score is their earlier items times B."""
+    occur in training; a user's score is their earlier items times B. A user without any
+    training item in their history (one the models serve the popular items) is scored by the
+    items' training counts, as the popularity baseline: EASE's score would tie every item."""
     x = interaction_matrix(interactions, train)
     used = np.flatnonzero(np.asarray(x.sum(0)).ravel())
     gram = (x[:, used].T @ x[:, used]).toarray().astype(np.float64)   # [u, u]
@@ -83,10 +85,13 @@ def ease_scorer(interactions: Interactions, train: np.ndarray, evalset: EvalSet,
     weights = (-inverse / np.diag(inverse)).astype(np.float32)          # [u, u]
     np.fill_diagonal(weights, 0.0)
     history = evalset.history[:, used]
+    counts = np.bincount(interactions.item[train], minlength=interactions.num_items)
+    has_history = history.getnnz(axis=1) > 0                              # [m]
 
     def score(positions):
         scores = np.full((len(positions), interactions.num_items), -1e9, dtype=np.float32)
         scores[:, used] = history[positions] @ weights                    # [b, u] x [u, u]
+        scores[~has_history[positions]] = counts
         return scores
     return score
 

@@ -193,7 +193,8 @@ PROTOCOLS = {
               "held-out rows per user, each scored from the user's training rows. It leaks "
               "the future most: training rows can be later than held-out ones",
     "global": "every row after the {quantile} quantile of time is held out (test), and the "
-              "same quantile of the earlier rows is validation; each user is scored from their "
+              "rows after the same quantile of the earlier rows are validation; each user is "
+              "scored from their "
               "state frozen at the cut, users first seen after it get the popular items, and "
               "nothing after the cut reaches any fitted statistic",
     "none": "every row trains; nothing is held out, so nothing is evaluated (the deployment run)",
@@ -373,7 +374,8 @@ def calibration_sentence(calibration: dict | None) -> list[str]:
     signals = f", the signal weights {weights}" if weights else ""
     before, after = calibration["loss_before"], calibration["loss_after"]
     return ["", f"The logit's balance was refitted on {calibration['rows']:,} validation lists "
-                f"as served (those holding their positive): the ranker's own logit × "
+                f"as served (those of users known before validation holding their "
+                f"positive): the ranker's own logit × "
                 f"{calibration['scale']:.2f}{signals}; validation cross-entropy {before:.3f} → "
                 f"{after:.3f}."]
 
@@ -382,8 +384,9 @@ def index_section(report: dict, plots: list[str]) -> list[str]:
     if "index" not in report:
         return []
     index = report["index"]
-    recall = next(value for key, value in index.items()
-                  if key.endswith("_vs_exact") and not key.startswith("test_"))
+    key, recall = next((key, value) for key, value in index.items()
+                       if key.endswith("_vs_exact") and not key.startswith("test_"))
+    k = key[len("recall@"):-len("_vs_exact")]                       # the tuning_k
     test = next((value for key, value in index.items() if key.startswith("test_")), None)
     lines = ["", "## Candidate index", ""]
     if index["params"] is None:
@@ -392,7 +395,7 @@ def index_section(report: dict, plots: list[str]) -> list[str]:
     else:
         lines.append(
             f"{scann_sentence(index['params'])}, tuned on {index['tuned_on']} queries, finds "
-            f"{recall:.1%} of the exact top 10 there"
+            f"{recall:.1%} of the exact top {k} there"
             + (f" and {test:.1%} on test queries" if test is not None else "")
             + f"; one query takes {index['latency_ms_p50']:.2f} ms (p50) against "
             f"{index['exact_latency_ms_p50']:.2f} ms for brute force.")

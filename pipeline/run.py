@@ -375,7 +375,8 @@ class Run:
                                               evalset.targets[positions]]
             return scores
         ranks = evaluate_ranks(score_keeping_targets, evalset, "retrieval")
-        return served.Offline(ranks=ranks, target_scores=target_scores)
+        return served.Offline(ranks=served.beyond_list_missed(ranks, self.configs.run.candidates),
+                              target_scores=target_scores)
 
     def offline_two_stage(self) -> served.Offline:
         """Every test row's position in its retrieval candidates re-ranked by the ranker (ties
@@ -385,7 +386,8 @@ class Run:
                                      self.test_candidates)                        # [m, C]
         ranks, target_scores = ranking.reranked_ranks(scores, self.test_candidates,
                                                       self.inputs.examples["test"]["item"])
-        return served.Offline(ranks=ranks, target_scores=target_scores)
+        return served.Offline(ranks=served.beyond_list_missed(ranks, self.configs.run.top_n),
+                              target_scores=target_scores)
 
     def ranking_export_gap(self, client: Client, rows: np.ndarray) -> float:
         """Largest absolute difference between the served ranking's and the Keras ranker's

@@ -62,6 +62,12 @@ def served_ranks(item_ids: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return np.where(found.any(1), found.argmax(1), item_ids.shape[1])
 
 
+def beyond_list_missed(ranks: np.ndarray, length: int) -> np.ndarray:
+    """[m] ranks with every one at or past `length`, the number of items an export serves,
+    made a miss: a report's K larger than the served list scores only the served list."""
+    return np.where(ranks >= length, MISS, ranks)
+
+
 def describe_rank(rank: int) -> str:
     return "a miss" if rank == MISS else str(rank)
 
@@ -76,8 +82,9 @@ def compare(name: str, served: dict[str, np.ndarray], offline: Offline,
         targets: [m] the held-out item ids.
 
     Returns:
-        {"recall@K": ..., "ndcg@K": ... for the report's K up to n (n itself when all are
-        larger), "rows": m, "float_ties": rows whose ranks differ by a float tie}.
+        {"recall@K": ..., "ndcg@K": ... for every K of the report (an item the list of n
+        does not hold is a miss at every K), "rows": m, "float_ties": rows whose ranks differ
+        by a float tie}.
 
     Raises:
         ServedMismatch: a row differs for another reason.
@@ -95,8 +102,8 @@ def compare(name: str, served: dict[str, np.ndarray], offline: Offline,
             f"{name}: {len(rows)} of {len(targets)} served lists rank the held-out item "
             f"otherwise than the offline evaluation (first row {rows[0]}: served rank "
             f"{ranks[rows[0]]}, offline {describe_rank(offline.ranks[rows[0]])})")
-    ks = [k for k in KS if k <= length] or [length]
-    return {**rank_metrics(ranks, ks), "rows": int(len(targets)), "float_ties": int(len(differ))}
+    return {**rank_metrics(beyond_list_missed(ranks, length), KS), "rows": int(len(targets)),
+            "float_ties": int(len(differ))}
 
 
 def catalogue_codes(item_ids: np.ndarray, catalogue: np.ndarray) -> np.ndarray:

@@ -244,7 +244,7 @@ def evaluate(model: RankingModel, data: ModelInputs, signals: RankingSignals, pa
              hard: np.ndarray | None = None) -> dict[str, float | None]:
     """RMSE of the rating head (None without ratings) and AUC: the share of (positive,
     negative) pairs that the model's scores (a regression ranker's: its predicted ratings, by
-    which it orders candidates) order correctly, ties counting half, each row's negatives
+    which it orders candidates) order correctly, a tie counting as wrong, each row's negatives
     being the first `num_negatives` of its retrieval candidates `hard` [m, H] other than the
     positive, for every row alike (the items the ranker must beat when serving); random
     negatives when `hard` is None."""
@@ -259,16 +259,22 @@ def evaluate(model: RankingModel, data: ModelInputs, signals: RankingSignals, pa
     else:
         lists = np.concatenate([positives[:, None], retrieval_negatives(hard, positives, count)], 1)
     scores = score_lists(model, data, signals, part, lists)   # regression: predicted ratings
-    positive, negative = scores[:, :1], scores[:, 1:]
-    pairs = lists[:, 1:] != EMPTY_SLOT                                      # [m, count]
-    ordered = (positive > negative) + 0.5 * (positive == negative)
-    result["auc"] = float(ordered[pairs].mean()) if pairs.any() else None
+    result["auc"] = pair_auc(scores, lists[:, 1:] != EMPTY_SLOT)
     if model.use_rating:
         examples = list_examples(data, signals, part, lists[:, :1])
         predicted = np.concatenate([model.predict_rating(b).numpy()
                                     for b in batches(examples, 4096)])
         result["rmse"] = float(np.sqrt(np.mean((predicted - examples["rating"]) ** 2)))
     return result
+
+
+def pair_auc(scores: np.ndarray, pairs: np.ndarray) -> float | None:
+    """The share of the (positive, negative) pairs that `scores` [m, 1 + n] (the positive in
+    slot 0) order correctly, over the negatives `pairs` [m, n] marks; a tie counts as wrong,
+    as a tie never favours the held-out item in the report. None without pairs."""
+    if not pairs.any():
+        return None
+    return float((scores[:, :1] > scores[:, 1:])[pairs].mean())
 
 
 def rerank(model: RankingModel, data: ModelInputs, signals: RankingSignals, part: str,

@@ -138,6 +138,21 @@ def test_ease_matches_its_closed_form():
     assert (scores[:, 9] < -1e8).all()
 
 
+def test_ease_scores_users_without_history_by_popularity():
+    """A held-out row whose user has no known rows (the exports serve them the popular
+    items) is ranked by EASE as by the popularity baseline, not by a tie over every item."""
+    from tworec.evaluation.baselines import baseline_ranks
+    from tworec.features.synthetic import PRESETS, generate
+    log = generate(PRESETS["tiny"], seed=0)
+    parts = split(log, "global:0.8")
+    test = eval_set(log, parts, "test")
+    new = test.history.getnnz(axis=1) == 0
+    assert new.sum() > 10 and (~new).sum() > 10
+    ranks = baseline_ranks(log, parts, test)
+    np.testing.assert_array_equal(ranks["ease"][new], ranks["popularity"][new])
+    assert not np.array_equal(ranks["ease"][~new], ranks["popularity"][~new])
+
+
 def test_random_protocol_baselines_use_the_training_rows_as_history():
     """Several held-out rows per user, each scored from the user's training rows: EASE and
     transitions see them (an empty history gave every EASE score 0 and Recall@10 = 1.0)."""

@@ -77,9 +77,11 @@ def test_served_lists_score_what_the_report_says(run):
                           ("recommender", report["two_stage"]["test"])):
         served = serving["served"][name]
         assert served["seen_items_served"] == 0
-        for key in ("recall@10", "ndcg@10"):
+        for key in offline:                       # every K, past the served list too
             assert served[key] == pytest.approx(offline[key], abs=served["float_ties"] / serving["rows"])
-    assert {"recall@100", "ndcg@100"} <= set(serving["served"]["retrieval"])
+    assert {"recall@100", "ndcg@100"} <= set(serving["served"]["recommender"])
+    two_stage = report["two_stage"]["test"]           # the recommender serves its top 10
+    assert two_stage["recall@100"] == two_stage["recall@10"] < report["retrieval"]["test"]["recall@100"]
     assert serving["ranking_export_max_abs_diff"] < 1e-4
     state = report["data"]["state"]
     assert state["rows"] == report["data"]["interactions"] - report["data"]["test_users"]
@@ -364,7 +366,10 @@ def test_the_served_check_fails_on_any_difference_but_a_float_tie():
     targets = np.array(["b", "f"])
     agree = served.Offline(ranks=np.array([1, 2]), target_scores=np.array([2.0, 2.0]))
     result = served.compare("m", lists, agree, targets)
-    assert result["recall@3"] == 1.0 and result["float_ties"] == 0
+    assert result["recall@10"] == 1.0 and result["float_ties"] == 0
+    absent = served.Offline(ranks=np.array([1, served.MISS]), target_scores=np.array([2.0, 0.0]))
+    result = served.compare("m", lists, absent, np.array(["b", "z"]))      # z is not served
+    assert result["recall@10"] == result["recall@100"] == 0.5
     tied = served.Offline(ranks=np.array([1, 1]), target_scores=np.array([2.0, 2.0]))
     assert served.compare("m", lists, tied, targets)["float_ties"] == 1   # f tied with e
     shifted = served.Offline(ranks=np.array([0, 2]), target_scores=np.array([2.0, 2.0]))

@@ -12,8 +12,8 @@ from tworec.ranking.config import preset
 from tworec.ranking.features import (list_examples, retrieval_scores, signals,
                                      transition_features, transition_matrix)
 from tworec.ranking.sequence import SequenceTransformer
-from tworec.ranking.train import (calibrate, candidate_lists, evaluate, fit, rerank, score_lists,
-                                  two_stage_metrics)
+from tworec.ranking.train import (calibrate, candidate_lists, evaluate, fit, pair_auc, rerank,
+                                  score_lists, two_stage_metrics)
 from test_retrieval import (assert_holds_the_weights_alone, graph_op_types, load_like_tf_serving,
                             train as train_retrieval)
 
@@ -223,7 +223,7 @@ def assert_scores_are_predicted_ratings(model, inputs, signals) -> None:
     # AUC orders the held-out item against the same candidates by those same scores
     auc = evaluate(model, inputs, signals, "test", hard=lists[:, 1:])["auc"]
     positive, negative = scores[:, :1], scores[:, 1:]
-    assert auc == pytest.approx(np.mean((positive > negative) + 0.5 * (positive == negative)))
+    assert auc == pytest.approx(np.mean(positive > negative))
     with pytest.raises(ValueError, match="a regression ranker has no logit to rebalance"):
         calibrate(model, inputs, signals, "test", lists)
 
@@ -484,3 +484,11 @@ def test_period_popularity_by_hand():
     examples = list_examples(data, signals(data, preset("tiny", popularity_periods=2)), "train",
                              np.array([[i0, i1]] * len(data.split.train)))
     assert "recent_popularity" not in examples                  # held-out rows only
+
+
+def test_pair_auc_counts_a_tie_against_the_held_out_item():
+    scores = np.array([[0.5, 0.1, 0.5, 0.9],          # beats one, ties one, loses one
+                       [2.0, 1.0, 3.0, 0.0]])         # the last slot is empty
+    pairs = np.array([[True, True, True], [True, True, False]])
+    assert pair_auc(scores, pairs) == pytest.approx(2 / 5)
+    assert pair_auc(scores, np.zeros_like(pairs)) is None

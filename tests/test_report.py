@@ -155,8 +155,8 @@ def test_the_calibration_sentence_says_what_was_refitted_or_why_not():
                                                          "transitions": 0.5461},
               "loss_before": 4.2356, "loss_after": 4.2018}
     assert calibration_sentence(fitted) == ["", (
-        "The logit's balance was refitted on 1,234 validation lists as served (those holding "
-        "their positive): the ranker's own logit × 0.46, the signal weights retrieval_scores "
+        "The logit's balance was refitted on 1,234 validation lists as served (those of users "
+        "known before validation holding their positive): the ranker's own logit × 0.46, the signal weights retrieval_scores "
         "10.8, transitions 0.546; validation cross-entropy 4.236 → 4.202.")]
     assert "signal weights" not in calibration_sentence({**fitted, "weights": {}})[1]
     assert calibration_sentence({"rows": 0, "skipped": "no served validation list holds its "
@@ -298,8 +298,8 @@ def test_the_report_says_its_protocol_and_rounds_its_numbers(global_run):
     assert not re.findall(r"\d\.\d{5,}", text) and "{" not in text and "nan" not in text
     calibration = report["ranking"]["train"]["calibration"]
     assert calibration["rows"] > 0 and calibration["loss_after"] <= calibration["loss_before"]
-    assert (f"refitted on {calibration['rows']:,} validation lists as served (those holding "
-            f"their positive): the ranker's own logit × {calibration['scale']:.2f}") in text
+    assert (f"refitted on {calibration['rows']:,} validation lists as served (those of users "
+            f"known before validation holding their positive): the ranker's own logit × {calibration['scale']:.2f}") in text
     page = (out / "report.html").read_text()
     assert page.count('src="data:image/png;base64,') == 3
     sections = ["<h2>Test Recall@10", 'alt="test Recall@K', "<h2>Training", 'alt="loss and',
