@@ -17,10 +17,12 @@ computes with NumPy:
 
 The query's shape (`f` the file's position among the shards, `r` the row's in its file):
 
-    WITH raw   AS (SELECT user u, item i, time t, rating, offset[f] + r AS row
-                   FROM read_parquet(files)),
-         log   AS (SELECT * FROM raw                        -- duplicates dropped, first kept
-                   QUALIFY ROW_NUMBER() OVER (PARTITION BY u, i, t, rating ORDER BY row) = 1)
+    WITH raw   AS (SELECT user u, item i, time t (whole seconds), time f (full precision),
+                          rating, offset[f] + r AS row FROM read_parquet(files)),
+         log   AS (SELECT * FROM raw WHERE i IN items.parquet   -- duplicates dropped, first kept
+                   QUALIFY ROW_NUMBER() OVER (PARTITION BY u, i, f, rating ORDER BY row) = 1)
+    placed:        a user's rows of one second trade rows so that they come in f order
+                   (`NTH_VALUE(row, rank by f) OVER (PARTITION BY u, t ORDER BY row)`)
     labelled:      SELECT *, ROW_NUMBER() OVER (PARTITION BY u ORDER BY t, row) AS k,
                              COUNT(*) OVER (PARTITION BY u) AS n FROM log
                    split = 0 if n < 3 or k <= n - 2, 1 if k = n - 1, else 2
@@ -41,7 +43,11 @@ in the log; `user`, `item` int32 vocabulary indexes; `history` fixed-size list<i
 1 validation, 2 test); the training rows again as `train/part-NNNNN.tfrecord`, blocks that
 TensorFlow streams (`features.stream`); `users.parquet` and `items.parquet` (`index` int32,
 `id` string, `count` int64 training rows, ordered by index) and `manifest.json` with the
-counts.
+counts, the rows dropped by reason among them.
+
+Before any of it, the values `load` refuses (missing or empty ids, missing times and ratings,
+an item table without the log's item column or with an item twice, an empty result) stop it
+with a one-line DataError, as `shards.describe` does.
 """
 from __future__ import annotations
 
@@ -57,8 +63,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tworec.features.interactions import DataError
-from tworec.features.shards import (ShardSet, _name, _rating_sql, _sql_list, _time_sql,
-                                    duckdb_session, find, needed_columns)
+from tworec.features.shards import (_sql_list, check_values, dropped_counts, duckdb_session,
+                                    item_table_ids, known_sql, log_sql, needed_columns,
+                                    no_known_items_error, parquet_source, whole_seconds)
 from tworec.features.stream import BLOCK_ROWS, SPLIT_CODES, BlockWriter
 from tworec.features.vocab import FIRST, OOV
 
@@ -84,27 +91,37 @@ def prepare_shards(source: str, out_folder: str, history_length: int = 20,
         progress: called with (path, rows) as each shard is complete.
 
     Returns:
-        The manifest also written as `manifest.json`: rows, users, items, rows per split,
-        short users, the shards and DuckDB's memory limit as its connection reports it.
+        The manifest also written as `manifest.json`: rows, the rows dropped by reason (as
+        `load` counts them), users, items, rows per split, short users, the shards and
+        DuckDB's memory limit as its connection reports it.
     """
+    if os.path.exists(out_folder) and not os.path.isdir(out_folder):
+        raise DataError(f"{out_folder}: a file, not a folder; pass a new or empty folder")
     if os.path.isdir(out_folder) and os.listdir(out_folder):
         raise DataError(f"{out_folder}: not empty; pass a new or empty folder")
-    shards = find(source)
-    if shards is None and not os.path.isfile(source):
-        raise DataError(f"{source}: no such file or folder; pass a folder or glob of Parquet "
-                        "shards, or one .parquet file")
-    shards = shards or ShardSet(source, (source,))
+    shards = parquet_source(source)
     mapping, schema = needed_columns(shards, columns or {})
+    catalogue = None if shards.items is None else item_table_ids(shards.items, mapping["item"])
     shard_rows = [pq.ParquetFile(path).metadata.num_rows for path in shards.files]
-    offsets = np.concatenate([[0], np.cumsum(shard_rows)[:-1]]).astype(int).tolist()
+    if sum(shard_rows) == 0:
+        raise DataError(f"{source}: the log is empty")
+    log, known = log_sql(shards, shard_rows, mapping, schema), known_sql(shards, mapping)
     length = max(history_length, 1)
     started = time.perf_counter()
     with _left_as_it_was_on_failure(out_folder), \
             duckdb_session(source, memory_limit, "prepare.duckdb") as connection:
+        check_values(connection, source, shards, shard_rows, mapping, schema)
+        if catalogue is not None and not connection.execute(
+                f"SELECT i FROM ({log}) WHERE {known} LIMIT 1").fetchone():
+            raise no_known_items_error(source, connection.execute(
+                f"SELECT i FROM ({log}) LIMIT 1").fetchone()[0], catalogue[:1])
         for folder in ("shards", "train"):
             os.makedirs(os.path.join(out_folder, folder), exist_ok=True)
         setting = connection.execute("SELECT current_setting('memory_limit')").fetchone()[0]
-        connection.execute(_labelled_sql(shards, mapping, schema, offsets))
+        connection.execute(_labelled_sql(log, known, whole_seconds(schema.field(mapping["time"]))))
+        unknown = 0 if catalogue is None else connection.execute(
+            f"SELECT COUNT(*) FROM (SELECT DISTINCT u, i, f, r FROM ({log}) "
+            f"WHERE NOT ({known}))").fetchone()[0]
         for table, column in (("users", "u"), ("items", "i")):
             connection.execute(_vocabulary_sql(table, column))
             _write_vocabulary(connection, table, os.path.join(out_folder, f"{table}.parquet"))
@@ -121,7 +138,9 @@ def prepare_shards(source: str, out_folder: str, history_length: int = 20,
         vocabulary = {table: connection.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
                       for table in ("users", "items")}
         seconds = time.perf_counter() - started
-        manifest = {"source": source, "rows": rows, "users": users,
+        manifest = {"source": source, "rows": rows,
+                    "dropped": dropped_counts(sum(shard_rows), rows + unknown, rows),
+                    "users": users,
                     "vocabulary": {"users": vocabulary["users"], "items": vocabulary["items"],
                                    "padding": 0, "oov": OOV, "first": FIRST},
                     "split": {part: int(counts.get(code, 0))
@@ -157,31 +176,30 @@ def _left_as_it_was_on_failure(folder: str):
         raise
 
 
-def _labelled_sql(shards: ShardSet, mapping: dict[str, str], schema: pa.Schema,
-                  offsets: list[int]) -> str:
-    """The log without duplicate rows, each row with its position, rank in its user's time
-    order (k, from 1), its user's row count (n) and split label, as a table."""
-    known = ""
-    if shards.items is not None:
-        known = (f"WHERE i IN (SELECT CAST({_name(mapping['item'])} AS VARCHAR) "
-                 f"FROM read_parquet({_sql_list([shards.items])}))")
+def _labelled_sql(log: str, known: str, whole_seconds: bool) -> str:
+    """The log without duplicate rows and rows of items not in the item table (`known`), each
+    row with its position, rank in its user's time order (k, from 1), its user's row count (n)
+    and split label, as a table. Unless the time is in whole seconds, a user's rows of one
+    second first trade positions so that they come in their full-precision order, as
+    `sources.from_columns` places them."""
+    placed = "log" if whole_seconds else "placed"
+    placing = "" if whole_seconds else """,
+        ranked AS (
+            SELECT *, ROW_NUMBER() OVER (PARTITION BY u, t ORDER BY f, row) AS place FROM log),
+        placed AS (
+            SELECT * EXCLUDE (row, place),
+                   NTH_VALUE(row, place) OVER (PARTITION BY u, t ORDER BY row ROWS BETWEEN
+                       UNBOUNDED PRECEDING AND UNBOUNDED FOLLOWING) AS row
+            FROM ranked)"""
     return f"""
         CREATE TABLE labelled AS
-        WITH raw AS (
-            SELECT CAST({_name(mapping['user'])} AS VARCHAR) AS u,
-                   CAST({_name(mapping['item'])} AS VARCHAR) AS i,
-                   {_time_sql(schema.field(mapping['time']))} AS t,
-                   {_rating_sql(mapping.get('rating'))} AS r,
-                   {offsets}[list_position({_sql_list(shards.files)}, filename)]
-                       + file_row_number AS row
-            FROM read_parquet({_sql_list(shards.files)}, filename=true, file_row_number=true)),
-        log AS (
-            SELECT * FROM raw {known}
-            QUALIFY ROW_NUMBER() OVER (PARTITION BY u, i, t, r ORDER BY row) = 1),
+        WITH log AS (
+            SELECT * FROM ({log}) WHERE {known}
+            QUALIFY ROW_NUMBER() OVER (PARTITION BY u, i, f, r ORDER BY row) = 1){placing},
         ordered AS (
-            SELECT *, ROW_NUMBER() OVER (PARTITION BY u ORDER BY t, row) AS k,
+            SELECT * EXCLUDE (f), ROW_NUMBER() OVER (PARTITION BY u ORDER BY t, row) AS k,
                       COUNT(*) OVER (PARTITION BY u) AS n
-            FROM log)
+            FROM {placed})
         SELECT *, CAST(CASE WHEN n < 3 OR k <= n - 2 THEN 0 WHEN k = n - 1 THEN 1 ELSE 2 END
                        AS TINYINT) AS split
         FROM ordered"""
@@ -324,7 +342,7 @@ def main(argv=None) -> int:
     except DataError as error:
         parser.error(str(error))
     print(json.dumps({key: manifest[key] for key in (
-        "rows", "users", "vocabulary", "split", "seconds", "rows_per_second")}))
+        "rows", "dropped", "users", "vocabulary", "split", "seconds", "rows_per_second")}))
     return 0
 
 

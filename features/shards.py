@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 from tworec.console import OneLineParser
 from tworec.features.interactions import DataError, Interactions
 from tworec.features.sources import (_column_numpy, _log_from_roles, _one_line,
-                                     _resolve_columns)
+                                     _resolve_columns, empty_ids_error, no_known_items_error)
 
 ITEM_TABLE = "items.parquet"
 GENRE_NAMES_KEY = b"tworec.genre_names"      # item-table metadata: JSON list, one per column
@@ -157,10 +157,8 @@ def load(source: str, columns: dict[str, str] | None = None) -> Interactions:
 def read(shards: ShardSet, columns: dict[str, str]) -> Interactions:
     """`load` of the shards `find` found."""
     mapping, schema = needed_columns(shards, columns)
-    arrays = read_columns(shards.files, schema)
     items = None if shards.items is None else read_item_table(shards.items, mapping["item"])
-    return _log_from_roles(shards.source, {role: arrays[name] for role, name in mapping.items()},
-                           items)
+    return _log_from_roles(shards.source, mapping, read_columns(shards.files, schema), items)
 
 
 def read_columns(files, schema: pa.Schema, batch_rows: int = BATCH_ROWS) -> dict[str, np.ndarray]:
@@ -184,21 +182,30 @@ def read_columns(files, schema: pa.Schema, batch_rows: int = BATCH_ROWS) -> dict
 # ---------------------------------------------------------------- the item table
 
 
+def item_table_ids(path: str, id_column: str) -> np.ndarray:
+    """[num_items] str ids of an `items.parquet`, read alone: the log's item column must be
+    there (checked on the schema first) and hold every item once, none missing or empty."""
+    names = _schema(path).names
+    if id_column not in names:
+        raise DataError(f"{path}: the item table needs the log's item column {id_column!r}; it "
+                        f"has {', '.join(names)}")
+    ids = _column_numpy(path, id_column, pq.read_table(path, columns=[id_column]).column(0))
+    ids = ids.astype(str)
+    empty = np.flatnonzero(ids == "")
+    if len(empty):
+        raise empty_ids_error(path, id_column, len(empty), int(empty[0]))
+    distinct, counts = np.unique(ids, return_counts=True)
+    if (counts > 1).any():
+        raise DataError(f"{path}: item {str(distinct[counts > 1][0])!r} appears "
+                        f"{counts[counts > 1][0]} times; the item table has one row per item")
+    return ids
+
+
 def read_item_table(path: str, id_column: str) -> dict:
     """The catalogue, item features and genre names of an `items.parquet` whose id column is
     the log's item column, as `sources.from_columns` takes them."""
-    try:
-        table = pq.read_table(path)
-    except (pa.ArrowInvalid, OSError) as error:
-        raise DataError(f"{path}: not a readable Parquet file: {_one_line(error)}") from None
-    if id_column not in table.column_names:
-        raise DataError(f"{path}: the item table needs the log's item column {id_column!r}; it "
-                        f"has {', '.join(table.column_names)}")
-    ids = _column_numpy(path, id_column, table.column(id_column)).astype(str)
-    distinct, counts = np.unique(ids, return_counts=True)
-    if (counts > 1).any():
-        raise DataError(f"{path}: item {distinct[counts > 1][0]!r} appears "
-                        f"{counts[counts > 1][0]} times; the item table has one row per item")
+    ids = item_table_ids(path, id_column)
+    table = pq.read_table(path)
     features = {name: _feature(path, name, table.column(name))
                 for name in table.column_names if name != id_column}
     genre_names = ()
@@ -292,50 +299,66 @@ def describe(source: str, columns: dict[str, str] | None = None,
         memory_limit: DuckDB's memory limit, e.g. '1GB' or '500MiB'.
     """
     limit = memory_bytes(memory_limit)
-    shards = find(source) or ShardSet(source, (source,))
+    shards = parquet_source(source)
     mapping, schema = needed_columns(shards, columns or {})
     catalogue = None if shards.items is None else read_item_table(shards.items, mapping["item"])
     shard_rows = [pq.ParquetFile(path).metadata.num_rows for path in shards.files]
     rows = sum(shard_rows)
     if rows == 0:
         raise DataError(f"{source}: the log is empty")
-    files = _sql_list(shards.files)
-    log = (f"SELECT CAST({_name(mapping['user'])} AS VARCHAR) AS u, "
-           f"CAST({_name(mapping['item'])} AS VARCHAR) AS i, "
-           f"{_time_sql(schema.field(mapping['time']))} AS t, "
-           f"{_rating_sql(mapping.get('rating'))} AS r FROM read_parquet({files})")
-    known = ("TRUE" if catalogue is None else
-             f"i IN (SELECT CAST({_name(mapping['item'])} AS VARCHAR) "
-             f"FROM read_parquet({_sql_list([shards.items])}))")
+    log, known = log_sql(shards, shard_rows, mapping, schema), known_sql(shards, mapping)
     passes = -(-rows // max(1, limit // DISTINCT_ROW_BYTES))
     with duckdb_session(source, memory_limit) as connection:
-        _check_values(connection, source, mapping, schema, files)
+        check_values(connection, source, shards, shard_rows, mapping, schema)
         distinct_rows = kept = 0
         for part in range(passes):
             some_users = "" if passes == 1 else f"WHERE hash(u) % {passes} = {part}"
             counts = connection.execute(
                 f"SELECT COUNT(*), COUNT(*) FILTER (WHERE {known}) "
-                f"FROM (SELECT DISTINCT * FROM ({log}) {some_users})").fetchone()
+                f"FROM (SELECT DISTINCT u, i, f, r FROM ({log}) {some_users})").fetchone()
             distinct_rows, kept = distinct_rows + counts[0], kept + counts[1]
+        if kept == 0:
+            raise no_known_items_error(source, connection.execute(
+                f"SELECT i FROM ({log}) LIMIT 1").fetchone()[0], catalogue["catalogue"][:1])
         users, items, first, last = connection.execute(
             f"SELECT COUNT(DISTINCT u), COUNT(DISTINCT i), MIN(t), MAX(t) "
             f"FROM ({log}) WHERE {known}").fetchone()
-    if kept == 0:
-        raise DataError(f"{source}: no interaction's item is in the item table")
-    dropped = {reason: number for reason, number in (
-        ("duplicate_row", rows - distinct_rows), ("item_not_in_catalogue", distinct_rows - kept))
-        if number}
     sides = {kind: sorted(role.partition(".")[2] for role in mapping
                           if role.startswith(kind + ".")) for kind in ("user", "item")}
     item_features = sorted({*sides["item"], *(catalogue["item_features"] if catalogue else ())})
     return {"source": source, "users": users,
             "items": items if catalogue is None else len(catalogue["catalogue"]),
             "interactions": kept, "has_ratings": "rating" in mapping,
-            "item_features": item_features, "user_features": sides["user"], "dropped": dropped,
+            "item_features": item_features, "user_features": sides["user"],
+            "dropped": dropped_counts(rows, distinct_rows, kept),
             "time_range": [first, last],
             "shards": [{"path": path, "rows": count}
                        for path, count in zip(shards.files, shard_rows)],
             "duckdb": {"memory_limit": memory_limit, "distinct_passes": passes}}
+
+
+def parquet_source(source: str) -> ShardSet:
+    """The shards of a folder or glob, or one `.parquet` file as a set of one: what DuckDB's
+    `describe` and `prepare` read; a one-line DataError saying so for anything else."""
+    shards = find(source)
+    if shards is not None:
+        return shards
+    if not os.path.exists(source):
+        raise DataError(f"{source}: no such file or folder; pass a folder or glob of Parquet "
+                        "shards, or one .parquet file")
+    if not (os.path.isfile(source) and source.endswith(".parquet")):
+        raise DataError(f"{source}: not Parquet; this reads only a folder or glob of Parquet "
+                        "shards or one .parquet file: write the log as Parquet first (e.g. "
+                        "pyarrow.csv.read_csv, then pyarrow.parquet.write_table)")
+    return ShardSet(source, (source,))
+
+
+def dropped_counts(rows: int, distinct_rows: int, kept: int) -> dict[str, int]:
+    """The rows dropped by reason, as `load` reports them: repeats of an earlier row, then
+    (of the distinct rows) those whose item is not in the item table."""
+    return {reason: number for reason, number in (
+        ("duplicate_row", rows - distinct_rows), ("item_not_in_catalogue", distinct_rows - kept))
+        if number}
 
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -352,32 +375,96 @@ def memory_bytes(text: str) -> int:
     return int(float(match.group(1)) * UNITS[unit])
 
 
-def _check_values(connection, source: str, mapping: dict[str, str], schema: pa.Schema,
-                  files: str) -> None:
-    """The missing (null, or NaN in a float column) values `load` refuses, counted by DuckDB."""
-    checks = []
+def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int],
+                 mapping: dict[str, str], schema: pa.Schema) -> None:
+    """The values `load` refuses, counted by DuckDB in one pass before any other work: missing
+    (null, or NaN in a float column) ids, times and ratings, and empty ids."""
+    checks = []                                      # (condition, column, empty id?)
     for role in ("user", "item", "time", "rating"):
         if role in mapping:
-            name = mapping[role]
+            name, kind = mapping[role], schema.field(mapping[role]).type
             nan = (f" OR isnan({_name(name)})" if role in ("time", "rating")
-                   and pa.types.is_floating(schema.field(name).type) else "")
-            checks.append((name, f"COUNT(*) FILTER (WHERE {_name(name)} IS NULL{nan})"))
-    counts = connection.execute(f"SELECT {', '.join(sql for _, sql in checks)} "
-                                f"FROM read_parquet({files})").fetchone()
-    for (name, _), count in zip(checks, counts):
+                   and pa.types.is_floating(kind) else "")
+            checks.append((f"{_name(name)} IS NULL{nan}", name, False))
+            if role in ("user", "item") and (pa.types.is_string(kind) or pa.types.is_binary(kind)
+                                             or pa.types.is_large_string(kind)
+                                             or pa.types.is_large_binary(kind)):
+                checks.append((f"{_name(name)} = ''", name, True))
+    row = _row_sql(shards.files, shard_rows)
+    # Parquet's min/max statistics leave NaN out, and DuckDB's statistics propagation then
+    # folds isnan() to false (DuckDB 2.0): the count is taken without it.
+    connection.execute("SET disabled_optimizers = 'statistics_propagation'")
+    found = connection.execute("SELECT " + ", ".join(
+        f"COUNT(*) FILTER (WHERE {condition}), MIN({row}) FILTER (WHERE {condition})"
+        for condition, _, _ in checks) + f" FROM {_scan_sql(shards.files)}").fetchone()
+    connection.execute("RESET disabled_optimizers")
+    for (_, name, empty), count, first in zip(checks, found[::2], found[1::2]):
+        if count and empty:
+            raise empty_ids_error(source, name, count, first)
         if count:
-            raise DataError(f"{source}: column {name!r} has {count} missing or NaN values")
+            raise DataError(f"{source}: column {name!r} has {count} missing or NaN values "
+                            f"(first at row {first})")
+
+
+def log_sql(shards: ShardSet, shard_rows: list[int], mapping: dict[str, str],
+            schema: pa.Schema) -> str:
+    """A SELECT of the log's rows as `load` reads them: `u`, `i` the ids as text, `t` the time
+    in whole seconds, `f` the time at full precision (it tells rows apart and orders them
+    below a second), `r` the rating (NULL without one) and `row` the position in the log."""
+    time = schema.field(mapping["time"])
+    return (f"SELECT CAST({_name(mapping['user'])} AS VARCHAR) AS u, "
+            f"CAST({_name(mapping['item'])} AS VARCHAR) AS i, {_time_sql(time)} AS t, "
+            f"{_moment_sql(time)} AS f, {_rating_sql(mapping.get('rating'))} AS r, "
+            f"{_row_sql(shards.files, shard_rows)} AS row FROM {_scan_sql(shards.files)}")
+
+
+def known_sql(shards: ShardSet, mapping: dict[str, str]) -> str:
+    """SQL condition on `i`: the item is in the item table (TRUE without one)."""
+    if shards.items is None:
+        return "TRUE"
+    return (f"i IN (SELECT CAST({_name(mapping['item'])} AS VARCHAR) "
+            f"FROM read_parquet({_sql_list([shards.items])}))")
+
+
+def _scan_sql(files) -> str:
+    return f"read_parquet({_sql_list(files)}, filename=true, file_row_number=true)"
+
+
+def _row_sql(files, shard_rows: list[int]) -> str:
+    """SQL for a row's position in the log: its file's offset plus its row in the file."""
+    offsets = np.concatenate([[0], np.cumsum(shard_rows)[:-1]]).astype(int).tolist()
+    return f"{offsets}[list_position({_sql_list(files)}, filename)] + file_row_number"
+
+
+def whole_seconds(field: pa.Field) -> bool:
+    """Whether a time column holds whole seconds by its type (integers, dates, timestamp[s])."""
+    return (pa.types.is_integer(field.type) or pa.types.is_date(field.type)
+            or (pa.types.is_timestamp(field.type) and field.type.unit == "s"))
 
 
 def _time_sql(field: pa.Field) -> str:
     """SQL for the int64 seconds `load` makes of the time column: integers as they are,
-    timestamps as whole seconds since the epoch, anything else through float64, truncated."""
+    timestamps and dates as whole seconds since the epoch, anything else through float64,
+    truncated."""
     name = _name(field.name)
     if pa.types.is_integer(field.type):
         return f"CAST({name} AS BIGINT)"
     if pa.types.is_timestamp(field.type):
-        return f"epoch_ns({name}) // 1000000000"        # truncated, as Arrow divides
+        return f"epoch_ns({name}) // 1000000000"        # truncated, as `from_columns` divides
+    if pa.types.is_date(field.type):
+        return f"CAST(epoch({name}) AS BIGINT)"
     return f"CAST(trunc(CAST({name} AS DOUBLE)) AS BIGINT)"
+
+
+def _moment_sql(field: pa.Field) -> str:
+    """SQL for the time at full precision, as `from_columns` compares it: numbers and
+    timestamps as they are, dates as seconds, anything else through float64."""
+    if pa.types.is_date(field.type):
+        return _time_sql(field)
+    if (pa.types.is_integer(field.type) or pa.types.is_floating(field.type)
+            or pa.types.is_timestamp(field.type)):
+        return _name(field.name)
+    return f"CAST({_name(field.name)} AS DOUBLE)"
 
 
 def _rating_sql(name: str | None) -> str:

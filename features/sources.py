@@ -97,44 +97,108 @@ def _delimiter_option(source: str, text: str | None) -> str | None:
 
 
 def from_columns(source: str, user, item, timestamp, rating=None, *, catalogue=None,
-                 item_features=None, genre_names=(), user_table=None, dropped=None) -> Interactions:
+                 item_features=None, genre_names=(), user_table=None, dropped=None,
+                 names=None) -> Interactions:
     """Validates raw columns and encodes them as `Interactions`.
 
     Args:
         source: name used in error messages.
-        user, item: [n] ids, any dtype. timestamp: [n] numeric. rating: [n] numeric or None.
+        user, item: [n] ids, any dtype; compared as strings, none empty.
+        timestamp: [n] numbers or datetime64, made whole seconds (truncated). Below a second
+            the full-precision time still tells rows apart (they are not duplicates) and
+            orders them: a user's rows of one second are placed in their true order among
+            the positions they hold, so that ties of whole seconds in log order are the true
+            order (`prepare._labelled_sql` does the same in SQL).
+        rating: [n] numeric or None.
         catalogue: [num_items] item ids of the item table, or None to use the log's items.
             Rows whose item is not in it are dropped and counted.
         item_features: name -> [num_items, ...] aligned with `catalogue`.
         user_table: (ids [u], name -> [u] features) or None.
         dropped: counts of rows already dropped by the reader.
+        names: role (user, item, time, rating) -> column name, for messages.
     """
+    names = {**ROLE_NAMES, **(names or {})}
     dropped = dict(dropped or {})
-    user, item = np.asarray(user), np.asarray(item)
+    user, item = np.asarray(user).astype(str), np.asarray(item).astype(str)
     if len(user) == 0:
         raise DataError(f"{source}: the log is empty")
-    timestamp = _numeric(source, "timestamp", timestamp).astype(np.int64)
-    rating = None if rating is None else _numeric(source, "rating", rating).astype(np.float32)
-    user, item = user.astype(str), item.astype(str)
-    keep = drop_duplicate_rows(user, item, timestamp, rating)
+    for role, ids in (("user", user), ("item", item)):
+        empty = np.flatnonzero(ids == "")
+        if len(empty):
+            raise empty_ids_error(source, names[role], len(empty), int(empty[0]))
+    seconds, moment = _times(source, names["time"], timestamp)
+    rating = (None if rating is None else
+              _numeric(source, names["rating"], rating).astype(np.float32))
+    keep = drop_duplicate_rows(user, item, moment, rating)
     _count(dropped, "duplicate_row", len(keep) - int(keep.sum()))
+    if catalogue is not None:
+        catalogue = np.asarray(catalogue).astype(str)
+        item_codes, known = _positions(catalogue, item)
+        _count(dropped, "item_not_in_catalogue", int((keep & ~known).sum()))
+        if not (keep & known).any():
+            raise no_known_items_error(source, item[0], catalogue[:1])
+        keep &= known
+    rows = np.flatnonzero(keep)
+    user_ids, user_codes = encode_ids(user[rows])
+    if moment is not seconds:
+        rows = rows[_true_order_within_seconds(user_codes, seconds[rows], moment[rows])]
     if catalogue is None:
-        item_ids, item_codes = encode_ids(item[keep])
+        item_ids, item_codes = encode_ids(item[rows])
         item_features = {}
     else:
-        item_ids = np.asarray(catalogue).astype(str)
-        item_codes, known = _positions(item_ids, item)
-        _count(dropped, "item_not_in_catalogue", int((keep & ~known).sum()))
-        keep &= known
-        if not keep.any():
-            raise DataError(f"{source}: no interaction's item is in the item table")
-        item_codes = item_codes[keep].astype(np.int32)
-    user_ids, user_codes = encode_ids(user[keep])
+        item_ids, item_codes = catalogue, item_codes[rows].astype(np.int32)
     user_features = _align_user_features(user_ids, user_table)
     return Interactions(user_ids=user_ids, item_ids=item_ids, user=user_codes, item=item_codes,
-                        timestamp=timestamp[keep], rating=None if rating is None else rating[keep],
+                        timestamp=seconds[rows], rating=None if rating is None else rating[rows],
                         item_features=dict(item_features or {}), user_features=user_features,
                         genre_names=tuple(genre_names), dropped=dropped, source=source)
+
+
+ROLE_NAMES = {"user": "user", "item": "item", "time": "timestamp", "rating": "rating"}
+
+
+def empty_ids_error(source: str, name: str, count: int, first: int) -> DataError:
+    return DataError(f"{source}: column {name!r} has {count} empty ids (first at row {first}); "
+                     "every row needs a user and an item id")
+
+
+def no_known_items_error(source: str, log_item: str, table_items) -> DataError:
+    sample = f"{str(table_items[0])!r}" if len(table_items) else "none: it is empty"
+    return DataError(f"{source}: no interaction's item is in the item table (the log has "
+                     f"{str(log_item)!r}, the item table {sample}); write the item table's id "
+                     "column with the log's item ids")
+
+
+_TIME_UNITS = {"s": 1, "ms": 1000, "us": 1000_000, "ns": 1000_000_000}
+
+
+def _times(source: str, name: str, values) -> tuple[np.ndarray, np.ndarray]:
+    """([n] int64 whole seconds, truncated, [n] the times at full precision): the same array
+    twice for a column of whole seconds (integers, dates, timestamp[s])."""
+    values = np.asarray(values)
+    if values.dtype.kind == "M":                  # a timestamp or date column, as datetime64
+        unit = np.datetime_data(values.dtype)[0]
+        ticks = values.view(np.int64)
+        if unit in ("D", "s"):
+            seconds = ticks * (86_400 if unit == "D" else 1)
+            return seconds, seconds
+        per_second = _TIME_UNITS[unit]
+        return (ticks - np.fmod(ticks, per_second)) // per_second, ticks
+    values = _numeric(source, name, values)
+    seconds = values.astype(np.int64)
+    return seconds, (values if values.dtype.kind == "f" else seconds)
+
+
+def _true_order_within_seconds(user: np.ndarray, seconds: np.ndarray,
+                               moment: np.ndarray) -> np.ndarray:
+    """[n] rows that put each user's rows of one second in the order of `moment` (ties in log
+    order) among the positions they hold; every other row stays where it is."""
+    rows = np.arange(len(user))
+    true = np.lexsort((rows, moment, seconds, user))       # each group's rows, in true order
+    held = np.lexsort((rows, seconds, user))               # each group's positions, ascending
+    placed = np.empty_like(rows)
+    placed[held] = true
+    return placed
 
 
 def _positions(table: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -272,15 +336,11 @@ def _to_numpy(where: str, table: pa.Table, name: str) -> np.ndarray:
 
 
 def _column_numpy(where: str, name: str, column: pa.ChunkedArray) -> np.ndarray:
-    """[n] NumPy values of a column without missing values; timestamps as whole seconds."""
+    """[n] NumPy values of a column without missing values; timestamps and dates as
+    datetime64 in their own unit (`from_columns` makes seconds of a time column)."""
     if column.null_count:
         raise DataError(f"{where}: column {name!r} has {column.null_count} missing values")
-    if pa.types.is_timestamp(column.type):
-        column = pc.divide(column.cast(pa.int64()), _TIME_UNITS[column.type.unit])
     return column.to_numpy()
-
-
-_TIME_UNITS = {"s": 1, "ms": 1000, "us": 1000_000, "ns": 1000_000_000}
 
 
 def _year_from_title(titles: pa.ChunkedArray) -> np.ndarray:
@@ -398,24 +458,23 @@ def load_table(path: str, columns: dict[str, str], delimiter: str | None = None)
         table = _read_parquet(path, sorted(set(mapping.values())))
     else:
         delimiter, mapping = _text_columns(path, columns, delimiter)
-        table = _read_text(path, sorted(set(mapping.values())), delimiter)
-        if delimiter != "," and "rating" in mapping:
-            table = _with_decimal_commas(table, mapping["rating"])
-    values = {role: _to_numpy(path, table, name) for role, name in mapping.items()}
-    return _log_from_roles(path, values)
+        table = _read_text(path, mapping, delimiter)
+    arrays = {name: _to_numpy(path, table, name) for name in table.column_names}
+    return _log_from_roles(path, mapping, arrays)
 
 
-def _log_from_roles(source: str, values: dict[str, np.ndarray], items: dict | None = None,
-                    ) -> Interactions:
-    """`Interactions` from role -> [n] column (`user`, `item`, `time`, optional `rating`,
-    `user.NAME` and `item.NAME` side features, each id's last value in file order).
+def _log_from_roles(source: str, mapping: dict[str, str], arrays: dict[str, np.ndarray],
+                    items: dict | None = None) -> Interactions:
+    """`Interactions` from the columns `arrays` (name -> [n]) that `mapping` gives roles
+    (`user`, `item`, `time`, optional `rating`, `user.NAME` and `item.NAME` side features,
+    each id's last value in file order).
 
     Args:
         items: the catalogue, item features and genre names of an item table (as
             `from_columns` takes them), or None for the log's own items. Side features read
             from the log add to its features; items the log lacks get '' or 0.
     """
-    values = dict(values)
+    values = {role: arrays[name] for role, name in mapping.items()}
     user, item = values.pop("user"), values.pop("item")
     rating = values.pop("rating", None)
     timestamp = values.pop("time")
@@ -425,7 +484,8 @@ def _log_from_roles(source: str, values: dict[str, np.ndarray], items: dict | No
         kind, _, name = role.partition(".")
         (user_features if kind == "user" else item_features)[name] = column
     interactions = from_columns(source, user, item, timestamp, rating,
-                                user_table=_last_per_id(user, user_features), **(items or {}))
+                                user_table=_last_per_id(user, user_features),
+                                names=mapping, **(items or {}))
     if item_features and items is not None:
         aligned = _align_user_features(interactions.item_ids, _last_per_id(item, item_features))
         interactions = dataclasses.replace(
@@ -612,28 +672,49 @@ def _read_parquet(path: str, include: list[str]) -> pa.Table:
                                  .select(include).schema)
 
 
-def _read_text(path: str, include: list[str], delimiter: str) -> pa.Table:
-    """Reads the needed columns in blocks of 16 MiB (decompressed if `.gz`)."""
+def _read_text(path: str, mapping: dict[str, str], delimiter: str) -> pa.Table:
+    """Reads the needed columns in blocks of 16 MiB (decompressed if `.gz`). Ids are read as
+    text (`007` is not `7`); time and rating as text too, then cast as whole columns by
+    `_as_number`, so that no late row can break a type inferred from the first block."""
+    roles = {role: name for role, name in mapping.items()
+             if role in ("user", "item", "time", "rating")}
     try:
         reader = pacsv.open_csv(path, read_options=pacsv.ReadOptions(block_size=BLOCK_SIZE),
                                 parse_options=pacsv.ParseOptions(delimiter=delimiter),
-                                convert_options=pacsv.ConvertOptions(include_columns=include))
-        return reader.read_all()
+                                convert_options=pacsv.ConvertOptions(
+                                    include_columns=sorted(set(mapping.values())),
+                                    column_types={name: pa.string() for name in roles.values()}))
+        table = reader.read_all()
     except (pa.ArrowInvalid, OSError) as error:
         raise DataError(f"{path}: cannot parse: {_one_line(error)}") from None
+    table = _as_number(table, mapping["time"], TIME_TYPES)
+    if "rating" in mapping:
+        table = _as_number(table, mapping["rating"], (pa.float64(),),
+                           decimal_comma=delimiter != ",")
+    return table
 
 
-def _with_decimal_commas(table: pa.Table, name: str) -> pa.Table:
-    """`table` with its column `name` read as float64 if it is text of decimal-comma numbers
-    (`3,5`); unchanged otherwise, for `_numeric` to name the first bad value."""
+TIME_TYPES = (pa.int64(), pa.float64(), pa.timestamp("ns"), pa.timestamp("ns", tz="UTC"))
+MISSING = pa.array(pacsv.ConvertOptions().null_values)        # Arrow's markers of a missing value
+
+
+def _as_number(table: pa.Table, name: str, types: tuple[pa.DataType, ...],
+               decimal_comma: bool = False) -> pa.Table:
+    """`table` with its text column `name` cast to the first of `types` that reads all of it,
+    Arrow's missing-value markers (empty, `NA`, `nan`, ...) as missing and, with
+    `decimal_comma`, `3,5` as 3.5 when nothing else fits; left as text when no type fits,
+    for `_numeric` to name the first bad value."""
     column = table.column(name)
-    if not pa.types.is_string(column.type):
-        return table
-    try:
-        numbers = pc.cast(pc.replace_substring(column, ",", "."), pa.float64())
-    except pa.ArrowInvalid:
-        return table
-    return table.set_column(table.column_names.index(name), name, numbers)
+    text = pc.if_else(pc.is_in(column, value_set=MISSING), pa.scalar(None, pa.string()), column)
+    tries = [text, pc.replace_substring(text, ",", ".")] if decimal_comma else [text]
+    for candidate in tries:
+        for kind in types:
+            try:
+                return table.set_column(table.column_names.index(name), name,
+                                        pc.cast(candidate, kind))
+            except pa.ArrowInvalid:
+                continue
+    return table.set_column(table.column_names.index(name), name, text)
 
 
 def _one_line(error: Exception) -> str:

@@ -7,8 +7,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tworec.features import DataError, shards
 from tworec.features.inputs import prepare
-from tworec.features.prepare import SPLIT_CODES, prepare_shards
+from tworec.features.prepare import SPLIT_CODES, main, prepare_shards
 from tworec.features.sources import load
 from tworec.features.splits import temporal_split
 from tworec.features.synthetic import PRESETS, generate
@@ -64,13 +65,14 @@ def logs(tmp_path_factory):
     return root, one, three
 
 
-def test_split_vocabularies_histories_counts_equal_the_in_memory_path(logs):
-    root, manifest, _ = logs
-    interactions = load(str(root / "log.parquet"))
+def assert_equal_to_the_in_memory_path(source: str, folder: str, manifest: dict,
+                                       length: int = LENGTH):
+    """The prepared rows, vocabularies, counts and manifest are what `load`, `temporal_split`
+    and `inputs.prepare` give for `source`."""
+    interactions = load(source)
     split = temporal_split(interactions)
-    inputs = prepare(interactions, split, LENGTH)
-    assert interactions.dropped == {"duplicate_row": 30}
-    got = _prepared(str(root / "one"))
+    inputs = prepare(interactions, split, length)
+    got = _prepared(folder)
     assert len(got["row"]) == len(interactions)
     # the rows kept are the in-memory rows in the same order; split labels per row
     expected_split = np.zeros(len(interactions), np.int8)
@@ -78,7 +80,8 @@ def test_split_vocabularies_histories_counts_equal_the_in_memory_path(logs):
         expected_split[getattr(split, part)] = code
     np.testing.assert_array_equal(got["split"], expected_split)
     np.testing.assert_array_equal(got["timestamp"], interactions.timestamp)
-    np.testing.assert_array_equal(got["rating"], interactions.rating)
+    if interactions.rating is not None:
+        np.testing.assert_array_equal(got["rating"], interactions.rating)
     for part, code in SPLIT_CODES.items():
         rows = got["split"] == code
         examples = inputs.examples[part]
@@ -86,19 +89,30 @@ def test_split_vocabularies_histories_counts_equal_the_in_memory_path(logs):
         np.testing.assert_array_equal(got["item"][rows], inputs.item_index[examples["item"]])
         np.testing.assert_array_equal(got["history"][rows], examples["history"])
     for name, vocabulary in (("users", inputs.users), ("items", inputs.items)):
-        table = pq.read_table(root / "one" / f"{name}.parquet")
+        table = pq.read_table(os.path.join(folder, f"{name}.parquet"))
         np.testing.assert_array_equal(table.column("id").to_numpy().astype(str), vocabulary.ids)
         np.testing.assert_array_equal(table.column("index").to_numpy(),
                                       np.arange(len(vocabulary)) + 2)
-    items = pq.read_table(root / "one" / "items.parquet")
+    items = pq.read_table(os.path.join(folder, "items.parquet"))
     counts = np.bincount(interactions.item[split.train], minlength=interactions.num_items)
     codes = {item_id: code for code, item_id in enumerate(interactions.item_ids)}
     np.testing.assert_array_equal(
         items.column("count").to_numpy(),
         counts[[codes[i] for i in items.column("id").to_numpy().astype(str)]])
     assert manifest["split"] == split.sizes()
-    assert manifest["short_users"] == split.short_users == 2
-    assert manifest == json.loads((root / "one" / "manifest.json").read_text())
+    assert manifest["short_users"] == split.short_users
+    assert manifest["dropped"] == interactions.dropped
+    with open(os.path.join(folder, "manifest.json")) as f:
+        assert manifest == json.load(f)
+    return interactions
+
+
+def test_split_vocabularies_histories_counts_equal_the_in_memory_path(logs):
+    root, manifest, _ = logs
+    interactions = assert_equal_to_the_in_memory_path(str(root / "log.parquet"),
+                                                      str(root / "one"), manifest)
+    assert interactions.dropped == {"duplicate_row": 30}
+    assert manifest["short_users"] == 2
 
 
 def test_three_shards_prepare_as_one_file(logs):
@@ -115,3 +129,135 @@ def test_three_shards_prepare_as_one_file(logs):
 def test_duckdb_runs_under_the_memory_limit_given(logs):
     _, one, _ = logs
     assert one["duckdb"]["memory_limit"] == "256.0 MiB"
+
+
+# ------------------------------------------------------------------ what prepare refuses or drops
+
+
+def _write(folder, table: pa.Table, items: pa.Table | None = None) -> str:
+    """`table` as a shard in `folder`, with `items` as its item table; returns the folder."""
+    os.makedirs(folder, exist_ok=True)
+    pq.write_table(table, os.path.join(folder, "part-0.parquet"))
+    if items is not None:
+        pq.write_table(items, os.path.join(folder, "items.parquet"))
+    return str(folder)
+
+
+def _three_ways(source: str, out: str) -> list[str]:
+    """The one-line DataError messages of `load`, `describe` and `prepare` on `source`."""
+    messages = []
+    for call in (lambda: load(source), lambda: shards.describe(source),
+                 lambda: prepare_shards(source, out, memory_limit="256MiB")):
+        with pytest.raises(DataError) as error:
+            call()
+        messages.append(str(error.value))
+        assert "\n" not in messages[-1]
+    assert not os.path.exists(out)                   # refused before any output
+    return messages
+
+
+LOG = {"user_id": ["a", "a", "b", "b"], "item_id": ["x", "y", "x", "z"], "timestamp": [1, 2, 3, 4],
+       "rating": [1.0, 2.0, 3.0, 4.0]}
+
+
+@pytest.mark.parametrize("column, values, expected", [
+    ("user_id", ["a", None, "b", "b"], "column 'user_id' has 1 missing"),
+    ("timestamp", pa.array([1, 2, None, 4]), "column 'timestamp' has 1 missing"),
+    ("timestamp", [1.0, 2.0, float("nan"), 4.0], "column 'timestamp' has 1 missing or NaN values"),
+    ("rating", [1.0, float("nan"), 3.0, float("nan")], "column 'rating' has 2 missing or NaN"),
+    ("item_id", ["x", "y", "", ""], "column 'item_id' has 2 empty ids (first at row 2)"),
+    ("user_id", ["a", "", "b", "b"], "column 'user_id' has 1 empty ids (first at row 1)"),
+], ids=["null-user", "null-time", "nan-time", "nan-rating", "empty-item", "empty-user"])
+def test_prepare_refuses_the_values_load_refuses(tmp_path, column, values, expected):
+    source = _write(tmp_path / "log", pa.table({**LOG, column: values}))
+    for message in _three_ways(source, str(tmp_path / "out")):
+        assert expected in message, message
+
+
+def test_prepare_refuses_an_empty_log_and_one_without_a_known_item(tmp_path):
+    empty = _write(tmp_path / "empty", pa.table(LOG).slice(0, 0))
+    assert _three_ways(empty, str(tmp_path / "out")) == [f"{empty}: the log is empty"] * 3
+    unknown = _write(tmp_path / "unknown", pa.table(LOG), pa.table({"item_id": ["q", "r"]}))
+    assert _three_ways(unknown, str(tmp_path / "out")) == [
+        f"{unknown}: no interaction's item is in the item table (the log has 'x', the item "
+        "table 'q'); write the item table's id column with the log's item ids"] * 3
+
+
+@pytest.mark.parametrize("items, expected", [
+    (pa.table({"sku": ["x", "y"]}), "the item table needs the log's item column 'item_id'; it "
+                                    "has sku"),
+    (pa.table({"item_id": ["x", "y", "x"]}), "item 'x' appears 2 times; the item table has one "
+                                             "row per item"),
+    (pa.table({"item_id": ["x", ""]}), "column 'item_id' has 1 empty ids (first at row 1)"),
+], ids=["no-id-column", "repeated-id", "empty-id"])
+def test_prepare_checks_the_item_table_as_load_does(tmp_path, items, expected):
+    source = _write(tmp_path / "log", pa.table(LOG), items)
+    for message in _three_ways(source, str(tmp_path / "out")):
+        assert message == f"{source}/items.parquet: {expected}" or message.startswith(
+            f"{source}/items.parquet: {expected};"), message
+
+
+def test_prepare_counts_the_rows_it_drops_as_load_does(tmp_path, capsys):
+    table = pa.table({"user_id": ["a", "a", "a", "b", "b", "b", "b"],
+                      "item_id": ["x", "x", "q", "x", "y", "r", "r"],
+                      "timestamp": [1, 1, 2, 3, 4, 5, 5]})     # 2 repeats, 2 distinct unknown
+    source = _write(tmp_path / "log", table, pa.table({"item_id": ["x", "y", "z"]}))
+    expected = {"duplicate_row": 2, "item_not_in_catalogue": 2}
+    assert load(source).dropped == shards.describe(source)["dropped"] == expected
+    manifest = prepare_shards(source, str(tmp_path / "out"), history_length=2)
+    assert manifest["dropped"] == expected and manifest["rows"] == 3
+    assert_equal_to_the_in_memory_path(source, str(tmp_path / "out"), manifest, length=2)
+    assert main(["--data", source, "--out", str(tmp_path / "cli")]) == 0
+    assert json.loads(capsys.readouterr().out)["dropped"] == expected
+
+
+def test_prepare_says_what_it_reads_and_where_it_writes(tmp_path, capsys):
+    (tmp_path / "log.csv").write_text("user_id,item_id,timestamp\na,x,1\n")
+    with pytest.raises(DataError, match=r"log.csv: not Parquet; this reads only a folder or "
+                                        r"glob of Parquet shards or one \.parquet file"):
+        prepare_shards(str(tmp_path / "log.csv"), str(tmp_path / "out"))
+    source = _write(tmp_path / "log", pa.table(LOG))
+    (tmp_path / "taken").write_text("")
+    with pytest.raises(SystemExit):
+        main(["--data", source, "--out", str(tmp_path / "taken")])
+    error = capsys.readouterr().err
+    assert error.startswith(f"error: {tmp_path / 'taken'}: a file, not a folder; pass a new or "
+                            "empty folder") and error.count("\n") == 1
+
+
+# ------------------------------------------------------------------ times below a second, dates
+
+
+@pytest.mark.parametrize("times", [
+    pa.array(np.array([10_900, 10_200, 5_000, 1_000, 10_900, 10_950, 10_100, 10_500],
+                      "datetime64[ms]")),
+    pa.array([10.9, 10.2, 5.0, 1.0, 10.9, 10.95, 10.1, 10.5]),
+], ids=["timestamp-ms", "float-seconds"])
+def test_rows_within_one_second_keep_their_true_order_on_both_paths(tmp_path, times):
+    # u: d c b a in time, a repeated exactly; v: f e e in time, its e rows apart by 0.45 s
+    table = pa.table({"user_id": ["u", "u", "u", "u", "u", "v", "v", "v"],
+                      "item_id": ["a", "b", "c", "d", "a", "e", "f", "e"], "timestamp": times})
+    source = _write(tmp_path / "log", table)
+    manifest = prepare_shards(source, str(tmp_path / "out"), history_length=3)
+    log = assert_equal_to_the_in_memory_path(source, str(tmp_path / "out"), manifest, length=3)
+    assert log.dropped == {"duplicate_row": 1}                  # only the exact repeat
+    summary = shards.describe(source)
+    assert summary["dropped"] == {"duplicate_row": 1} and summary["interactions"] == 7
+    assert log.timestamp.tolist() == [10, 10, 5, 1, 10, 10, 10]
+    assert log.item_ids[log.item].tolist() == ["b", "a", "c", "d", "f", "e", "e"]  # placed
+    split = temporal_split(log)
+    assert log.item_ids[log.item[np.sort(split.test)]].tolist() == ["a", "e"]
+    assert log.item_ids[log.item[np.sort(split.validation)]].tolist() == ["b", "e"]
+    assert log.item_ids[log.item[np.sort(split.train)]].tolist() == ["c", "d", "f"]
+    assert sorted(log.timestamp[split.test].tolist()) == [10, 10]
+
+
+def test_a_date_column_is_seconds_on_both_paths(tmp_path):
+    days = pa.array(np.array([3, 1, 2, 1, 5], "datetime64[D]"))
+    source = _write(tmp_path / "log", pa.table({"user_id": ["u", "u", "u", "v", "v"],
+                                                "item_id": ["a", "b", "c", "a", "b"],
+                                                "timestamp": days}))
+    manifest = prepare_shards(source, str(tmp_path / "out"), history_length=2)
+    log = assert_equal_to_the_in_memory_path(source, str(tmp_path / "out"), manifest, length=2)
+    assert log.timestamp.tolist() == [3 * 86_400, 86_400, 2 * 86_400, 86_400, 5 * 86_400]
+    assert shards.describe(source)["time_range"] == [86_400, 5 * 86_400]

@@ -138,6 +138,19 @@ def test_shard_mistakes_are_one_line_naming_the_path_and_what_works(tmp_path):
     assert "column 'stars' has" in message
 
 
+def test_the_item_table_is_checked_before_the_log_is_read(tmp_path, monkeypatch):
+    write_split(a_log(), tmp_path / "shards")
+    pq.write_table(pa.table({"id": ["1", "2"]}), tmp_path / "shards" / "items.parquet")
+
+    def read_columns(*args, **kwargs):
+        raise AssertionError("the log was read before its item table was checked")
+
+    monkeypatch.setattr(shards, "read_columns", read_columns)
+    message = one_line(lambda: load(str(tmp_path / "shards"), columns=MAPPING))
+    assert message == (f"{tmp_path / 'shards' / 'items.parquet'}: the item table needs the "
+                       "log's item column 'sku'; it has id")
+
+
 # ------------------------------------------------------------------ the summary
 
 

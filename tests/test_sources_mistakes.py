@@ -12,7 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tworec.features import DataError, load
+from tworec.features import DataError, load, sources, split
+from tworec.features.sources import read_titles
 from tworec.pipeline import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -162,3 +163,56 @@ def test_describe_data_stops_with_one_line_and_exit_code_2(tmp_path, make, optio
 def test_reading_a_log_needs_no_tensorflow():
     code = "import sys, tworec.features.sources; sys.exit('tensorflow' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+def test_text_ids_stay_text(tmp_path):
+    path = write_log(tmp_path / "log.csv", rows=[
+        ("user_id", "item_id", "timestamp"), ("007", "0100", "1"), ("7", "100", "2"),
+        ("1e3", "0100", "3"), ("1000", "100", "4")])
+    log = load(path)
+    assert log.user_ids.tolist() == ["007", "7", "1e3", "1000"]
+    assert log.item_ids.tolist() == ["0100", "100"] and log.dropped == {}
+    (tmp_path / "movies.csv").write_text("item_id,title\n0100,Zero\n100,Hundred\n")
+    titles = read_titles(str(tmp_path / "movies.csv"))
+    assert [titles[item] for item in log.item_ids] == ["Zero", "Hundred"]
+
+
+def test_late_rows_cannot_break_the_types_of_the_first_block(tmp_path, monkeypatch):
+    monkeypatch.setattr(sources, "BLOCK_SIZE", 1 << 10)             # ~70 rows a block
+    rows = [("user_id", "item_id", "timestamp", "rating")] + [
+        (str(k % 7), str(k % 5), str(1_600_000_000_000_000_000 + k), "4") for k in range(300)]
+    rows[-1] = ("u-late", "i-late", rows[-1][2], "3.5")             # text ids, a half rating
+    log = load(write_log(tmp_path / "log.csv", rows=rows))
+    assert len(log) == 300 and log.dropped == {}
+    assert log.user_ids[log.user[-1]] == "u-late" and log.item_ids[log.item[-1]] == "i-late"
+    assert log.rating[-1] == 3.5 and log.rating.dtype == np.float32
+    assert log.timestamp[-1] == 1_600_000_000_000_000_299                # int64, not float
+    rows = [rows[0]] + [(user, item, str(k), rating) for k, (user, item, _, rating)
+                        in enumerate(rows[1:])]
+    rows[150] = rows[150][:2] + ("1.5",) + rows[150][3:]            # a late fractional time
+    late = load(write_log(tmp_path / "late.csv", rows=rows))
+    assert late.timestamp[149] == 1 and len(late) == 300
+    rows[200] = rows[200][:2] + ("NA",) + rows[200][3:]             # a late missing time
+    with pytest.raises(DataError, match="holes.csv: column 'timestamp' has 1 missing values$"):
+        load(write_log(tmp_path / "holes.csv", rows=rows))
+
+
+def test_an_empty_id_in_a_text_log_is_refused_naming_its_column_and_row(tmp_path):
+    path = write_log(tmp_path / "log.csv", rows=[
+        ("user_id", "item_id", "timestamp"), ("a", "x", "1"), ("a", "", "2"), ("b", "", "3")])
+    with pytest.raises(DataError) as error:
+        load(path)
+    assert str(error.value) == (f"{path}: column 'item_id' has 2 empty ids (first at row 1); "
+                                "every row needs a user and an item id")
+
+
+def test_times_below_a_second_order_a_text_log_and_are_not_duplicates(tmp_path):
+    path = write_log(tmp_path / "log.csv", rows=[
+        ("user_id", "item_id", "timestamp"), ("u", "a", "10.9"), ("u", "b", "10.2"),
+        ("u", "c", "5.0"), ("u", "d", "1.0"), ("u", "a", "10.95")])
+    log = load(path)
+    parts = split(log, "temporal")
+    assert log.dropped == {} and log.timestamp.tolist() == [10, 10, 5, 1, 10]
+    assert log.item_ids[log.item[parts.test]].tolist() == ["a"]            # the one at 10.95
+    assert log.item_ids[log.item[parts.validation]].tolist() == ["a"]      # the one at 10.9
+    assert log.item_ids[log.item[parts.train]].tolist() == ["b", "c", "d"]
