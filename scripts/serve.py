@@ -86,6 +86,16 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if bool(args.model_config_file) == bool(args.model_base_path):
         parser.error("give --model_config_file, or --model_name with --model_base_path")
+    batching = args.enable_batching
+    for flag, least, checked in (("max_concurrent_requests", 1, True),
+                                 ("max_num_load_retries", 0, True),
+                                 ("load_retry_interval_micros", 0, True),
+                                 ("max_batch_size", 1, batching),
+                                 ("max_enqueued_batches", 1, batching),
+                                 ("batch_timeout_micros", 0, batching),
+                                 ("num_batch_threads", 0, batching)):
+        if checked and getattr(args, flag) < least:
+            parser.error(f"--{flag} must be at least {least}, got {getattr(args, flag)}")
     return args
 
 

@@ -15,6 +15,8 @@ importing the client (a script's `--help`) does not load TensorFlow.
 from __future__ import annotations
 
 import base64
+import binascii
+import json
 import time
 import urllib.parse
 
@@ -145,8 +147,13 @@ class GrpcTransport:
 class RestTransport:
     """The `/v1/models` REST API; predict sends the columnar form (`inputs`).
 
-    A predict response does not name a single output nor carry dtypes, so the transport reads
-    the signature from the metadata once per (model, version, signature).
+    A predict response does not name a single output nor carry dtypes, so the transport decodes
+    it with the signature of the version that answered, read from the metadata once per
+    (model, version, signature). A predict of the latest version first reads the model's status
+    (a small answer) for its latest AVAILABLE version and sends the request to that version, so
+    a hot swap to a version with another signature never decodes an answer with the old one (a
+    version retired meanwhile is looked up again once). An answer that does not fit the cached
+    signature refetches it once, then is an INTERNAL `ServingError`, never a wrong answer.
     """
 
     def __init__(self, url: str, timeout: float):
@@ -159,15 +166,23 @@ class RestTransport:
 
     def predict(self, model: str, inputs: dict[str, np.ndarray], signature_name: str,
                 version: int | None) -> dict[str, np.ndarray]:
-        import tensorflow as tf
-        signature = self._signature(model, version, signature_name)
         body = {"signature_name": signature_name,
                 "inputs": {name: _json_of_array(value) for name, value in inputs.items()}}
-        outputs = self._request("POST", _model_path(model, version) + ":predict", body)["outputs"]
-        if len(signature.outputs) == 1:
-            outputs = {next(iter(signature.outputs)): outputs}
-        return {name: _array_of_json(value, tf.as_dtype(signature.outputs[name].dtype))
-                for name, value in outputs.items()}
+        for attempt in range(2):
+            number = version if version is not None else self._latest(model)
+            key = (model, number, signature_name)
+            try:
+                signature = self._signature(*key)
+                answer = self._request("POST", _model_path(model, number) + ":predict", body)
+                break
+            except ServingError as error:   # the latest version was retired since: once more
+                if version is not None or error.code != "NOT_FOUND" or attempt == 1:
+                    raise
+        try:
+            return _outputs_of_json(answer, signature)
+        except ServingError:                 # the version's signature changed: refetch once
+            self._signatures.pop(key, None)
+            return _outputs_of_json(answer, self._signature(*key))
 
     def status(self, model: str, version: int | None):
         from tensorflow_serving.apis import get_model_status_pb2
@@ -176,29 +191,42 @@ class RestTransport:
                                      ignore_unknown_fields=True)
 
     def metadata(self, model: str, version: int | None):
-        from tensorflow_serving.apis import get_model_metadata_pb2
-        answer = self._request("GET", _model_path(model, version) + "/metadata")
-        return json_format.ParseDict(answer["metadata"]["signature_def"],
-                                     get_model_metadata_pb2.SignatureDefMap(),
-                                     ignore_unknown_fields=True)
+        return _signature_map(self._request("GET", _model_path(model, version) + "/metadata"))
 
     def close(self) -> None:
         self.session.close()
 
-    def _signature(self, model: str, version: int | None, name: str):
-        key = (model, version, name)
-        if key not in self._signatures:
+    def _latest(self, model: str) -> int:
+        """The latest AVAILABLE version of `model`; NOT_FOUND as a predict answers it."""
+        from tensorflow_serving.apis import get_model_status_pb2
+        try:
+            states = self.status(model, None).model_version_status
+        except ServingError as error:
+            if error.code != "NOT_FOUND":
+                raise
+            states = []
+        available = [s.version for s in states
+                     if s.state == get_model_status_pb2.ModelVersionStatus.AVAILABLE]
+        if not available:
+            raise ServingError("NOT_FOUND", f"Servable not found for request: Latest({model})")
+        return max(available)
+
+    def _signature(self, model: str, version: int, name: str):
+        if (model, version, name) not in self._signatures:
             signatures = self.metadata(model, version).signature_def
             if name not in signatures:
                 raise ServingError("FAILED_PRECONDITION",
                                    f'Serving signature key "{name}" not found.')
-            self._signatures[key] = signatures[name]
-        return self._signatures[key]
+            self._signatures[model, version, name] = signatures[name]
+        return self._signatures[model, version, name]
 
     def _request(self, method: str, path: str, body: dict | None = None) -> dict:
+        # json.dumps writes NaN and Infinity, which TF Serving parses (requests' json= refuses).
+        data = None if body is None else json.dumps(body).encode("utf-8")
         try:
-            response = self.session.request(method, self.url + path, json=body,
-                                            timeout=self.timeout)
+            response = self.session.request(
+                method, self.url + path, data=data, timeout=self.timeout,
+                headers=None if data is None else {"Content-Type": "application/json"})
         except requests.Timeout as error:
             raise ServingError("DEADLINE_EXCEEDED", f"{method} {path}: {error}") from error
         except requests.ConnectionError as error:
@@ -244,13 +272,60 @@ def _json_of_string(item):
         return {"b64": base64.b64encode(item).decode("ascii")}
 
 
-def _array_of_json(value, dtype: tf.DType) -> np.ndarray:
-    """An output of the JSON response as an array of the signature's dtype."""
+def _signature_map(answer: dict):
+    """The `SignatureDefMap` of a metadata answer."""
+    from tensorflow_serving.apis import get_model_metadata_pb2
+    try:
+        return json_format.ParseDict(answer["metadata"]["signature_def"],
+                                     get_model_metadata_pb2.SignatureDefMap(),
+                                     ignore_unknown_fields=True)
+    except (KeyError, TypeError, json_format.ParseError) as error:
+        raise ServingError("INTERNAL", f"Malformed metadata answer: {error}") from error
+
+
+def _outputs_of_json(answer: dict, signature) -> dict[str, np.ndarray]:
+    """The outputs of a columnar predict answer, typed by `signature`; INTERNAL when the answer
+    does not fit the signature (its names, dtypes or shapes)."""
     import tensorflow as tf
+    names = sorted(signature.outputs)
+    outputs = answer.get("outputs") if isinstance(answer, dict) else None
+    if len(names) == 1 and not (isinstance(outputs, dict) and list(outputs) != ["b64"]):
+        outputs = {names[0]: outputs}
+    if not isinstance(outputs, dict) or sorted(outputs) != names:
+        got = sorted(outputs) if isinstance(outputs, dict) else type(outputs).__name__
+        raise ServingError("INTERNAL", f"The predict answer's outputs {got} do not match the "
+                           f"signature's {names}")
+    try:
+        return {name: _array_of_json(value, tf.as_dtype(signature.outputs[name].dtype))
+                for name, value in outputs.items()}
+    except (TypeError, ValueError, OverflowError, AttributeError, KeyError,
+            binascii.Error) as error:
+        raise ServingError("INTERNAL", f"The predict answer does not match the signature's "
+                           f"dtypes or shapes: {error}") from error
+
+
+def _array_of_json(value, dtype: tf.DType) -> np.ndarray:
+    """An output of the JSON response as an array of the signature's dtype; ValueError when a
+    value is not of that dtype (an integer for a float output, a string for a number)."""
+    import tensorflow as tf
+    if dtype == tf.bool:
+        return _typed_array(value, dtype, lambda v: isinstance(v, bool))
+    if dtype.is_integer:
+        return _typed_array(value, dtype, lambda v: isinstance(v, int) and not isinstance(v, bool))
+    if dtype.is_floating:            # both servers write floats with a "." or an exponent
+        return _typed_array(value, dtype, lambda v: isinstance(v, float))
     if dtype != tf.string:
         return np.asarray(value, dtype=dtype.as_numpy_dtype)
     strings = np.asarray(value, dtype=object)
     flat = np.empty(strings.size, object)
-    flat[:] = [base64.b64decode(s["b64"]) if isinstance(s, dict) else s.encode("utf-8")
-               for s in strings.reshape(-1)]
+    flat[:] = [base64.b64decode(s["b64"], validate=True) if isinstance(s, dict)
+               else s.encode("utf-8") for s in strings.reshape(-1)]
     return flat.reshape(strings.shape)
+
+
+def _typed_array(value, dtype: tf.DType, accepts) -> np.ndarray:
+    """`value` (nested lists) as an array of `dtype`, every element checked by `accepts`."""
+    array = np.asarray(value, dtype=object)
+    if not all(accepts(item) for item in array.reshape(-1)):
+        raise ValueError(f"a value is not of dtype {dtype.name}")
+    return array.astype(dtype.as_numpy_dtype)

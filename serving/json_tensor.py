@@ -9,21 +9,43 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.framework import types_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
 
 from tworec.serving.errors import ServingError
 from tworec.serving.limits import MAX_RANK, check_elements, check_shape, default_max_elements
 
+# A predict answer is encoded at most this many elements at a time (see `format_predict`).
+_PIECE_ELEMENTS = 1 << 16
+# The non-string dtypes TF Serving writes as JSON (`AddSingleValueAndAdvance`); others (half,
+# bfloat16, uint16, complex, ...) are refused.
+_JSON_DTYPES = {np.dtype(t) for t in (np.float32, np.float64, np.int8, np.int16, np.int32,
+                                      np.int64, np.uint8, np.uint32, np.uint64, np.bool_)}
+
 
 def parse_json(body: bytes):
-    """The JSON value of a request body; INVALID_ARGUMENT when it does not parse."""
+    """The JSON value of a request body; INVALID_ARGUMENT when it does not parse.
+
+    As TF Serving's parser (RapidJSON), it accepts NaN and Infinity and refuses a number
+    beyond the range of a double (1e400), which Python would read as infinity; any other
+    number is kept (a float32 input then rounds it, as TF Serving does).
+    """
     try:
-        return json.loads(body)
+        return json.loads(body, parse_float=_double)
     except (ValueError, RecursionError) as error:   # UnicodeDecodeError is a ValueError
         raise ServingError("INVALID_ARGUMENT", f"JSON Parse error: {error}") from error
+
+
+def _double(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ServingError("INVALID_ARGUMENT", "JSON Parse error: Number too big to be stored "
+                           f"in double: {text[:40]}")
+    return value
 
 
 def parse_predict(body, signature: meta_graph_pb2.SignatureDef, max_rows: int,
@@ -68,29 +90,90 @@ def signature_name(body) -> str:
     return name
 
 
-def format_predict(outputs: dict[str, np.ndarray], row_form: bool) -> dict:
-    """The response body of a predict: `predictions` (row form) or `outputs` (columnar)."""
-    if not row_form:
-        if len(outputs) == 1:
-            return {"outputs": to_json(*next(iter(outputs.items())))}
-        return {"outputs": {name: to_json(name, value) for name, value in outputs.items()}}
-    batch = _batch_size(outputs)
+def format_predict(outputs: dict[str, np.ndarray], row_form: bool) -> bytes:
+    """The JSON response body of a predict: `{"predictions": ...}` (row form) or
+    `{"outputs": ...}` (columnar).
+
+    It is written in pieces of at most `_PIECE_ELEMENTS` elements: encoding a piece holds
+    Python's GIL, so a thread writing a large answer lets the event loop run between pieces.
+
+    Raises:
+        ServingError: INVALID_ARGUMENT for a dtype JSON cannot carry, or (row form) outputs
+            whose dimension 0 differ.
+    """
+    batch = _batch_size(outputs) if row_form else None
+    pieces = ['{"predictions": ' if row_form else '{"outputs": ']
     if len(outputs) == 1:
-        return {"predictions": to_json(*next(iter(outputs.items())))}
-    columns = {name: to_json(name, value) for name, value in outputs.items()}
-    return {"predictions": [{name: column[row] for name, column in columns.items()}
-                            for row in range(batch)]}
+        _write(*next(iter(outputs.items())), pieces)
+    elif not row_form:
+        _write_object(outputs, pieces)
+    else:
+        _write_rows(outputs, batch, pieces)
+    pieces.append("}")
+    return "".join(pieces).encode("utf-8")
 
 
 def to_json(name: str, value: np.ndarray):
-    """An output array as nested lists; strings raw, or `{"b64": ...}` if `name` ends `_bytes`."""
+    """An output array as nested lists; strings raw, or `{"b64": ...}` if `name` ends `_bytes`.
+
+    Raises:
+        ServingError: INVALID_ARGUMENT for a dtype JSON cannot carry (complex, half, ...).
+    """
     value = np.asarray(value)
     if value.dtype.kind not in "OSU":
+        if value.dtype not in _JSON_DTYPES:
+            raise ServingError("INVALID_ARGUMENT", "Failed to write JSON value for tensor "
+                               f"type: {_type_string(value.dtype)}")
         return value.tolist()
     encode = _b64 if name.endswith("_bytes") else _text
     flat = np.empty(value.size, object)
     flat[:] = [encode(item) for item in value.reshape(-1)]
     return flat.reshape(value.shape).tolist()
+
+
+def _write(name: str, value: np.ndarray, pieces: list[str]) -> None:
+    """Appends the JSON of `to_json(name, value)`, a slice of rows (or one row) at a time."""
+    value = np.asarray(value)
+    if value.ndim == 0 or value.size <= _PIECE_ELEMENTS:
+        pieces.append(json.dumps(to_json(name, value)))
+        return
+    per_row = value.size // len(value)
+    step = max(_PIECE_ELEMENTS // per_row, 1)
+    pieces.append("[")
+    for start in range(0, len(value), step):
+        pieces.append(", " if start else "")
+        if per_row > _PIECE_ELEMENTS:
+            _write(name, value[start], pieces)
+        else:                                  # the slice's list without its brackets
+            pieces.append(json.dumps(to_json(name, value[start:start + step]))[1:-1])
+    pieces.append("]")
+
+
+def _write_object(values: dict[str, np.ndarray], pieces: list[str]) -> None:
+    """Appends `{name: to_json(name, value), ...}`."""
+    pieces.append("{")
+    for i, (name, value) in enumerate(values.items()):
+        pieces.append((", " if i else "") + json.dumps(name) + ": ")
+        _write(name, value, pieces)
+    pieces.append("}")
+
+
+def _write_rows(outputs: dict[str, np.ndarray], batch: int, pieces: list[str]) -> None:
+    """Appends the row form of several outputs: a list of {name: row} objects."""
+    per_row = sum(np.size(value) for value in outputs.values()) // max(batch, 1)
+    step = max(_PIECE_ELEMENTS // max(per_row, 1), 1)
+    pieces.append("[")
+    for start in range(0, batch, step):
+        pieces.append(", " if start else "")
+        if per_row > _PIECE_ELEMENTS:          # one large row, each output in pieces
+            _write_object({name: value[start] for name, value in outputs.items()}, pieces)
+            continue
+        columns = {name: to_json(name, value[start:start + step])
+                   for name, value in outputs.items()}
+        rows = [{name: column[row] for name, column in columns.items()}
+                for row in range(min(step, batch - start))]
+        pieces.append(json.dumps(rows)[1:-1])
+    pieces.append("]")
 
 
 def _parse_instances(instances, signature) -> dict[str, tuple]:
@@ -245,6 +328,14 @@ def _batch_size(outputs: dict[str, np.ndarray]) -> int:
                                f"batch size: {size} expecting: {batch}")
         batch = size
     return batch
+
+
+def _type_string(dtype: np.dtype) -> str:
+    """TF's name of a dtype (`DataTypeString`: "half", "complex64", ...)."""
+    try:
+        return types_pb2.DataType.Name(tf.as_dtype(dtype).as_datatype_enum)[3:].lower()
+    except TypeError:
+        return str(dtype)
 
 
 def _text(item) -> str:

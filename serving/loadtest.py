@@ -44,7 +44,8 @@ def serving_figures(models: dict[str, tuple[str, dict[str, np.ndarray]]],
                                 for name, (path, _) in models.items()], poll_seconds=0)
         with ModelServer(manager, grpc_port=0, rest_port=0,
                          batcher=batcher() if batcher else None) as server:
-            for name, (_, inputs) in models.items():
+            for name, (path, inputs) in models.items():
+                version = int(os.path.basename(os.path.normpath(path)))  # REST: no lookup
                 for transport, target in (("rest", {"url": f"http://127.0.0.1:"
                                                            f"{server.rest_port}"}),
                                           ("grpc", {"grpc_target": f"127.0.0.1:"
@@ -52,7 +53,8 @@ def serving_figures(models: dict[str, tuple[str, dict[str, np.ndarray]]],
                     for count in clients:
                         with Client(**target, timeout=120) as client:
                             results[name][f"{transport}{suffix}_{count}"] = _rounded(measure(
-                                lambda: client.predict(name, inputs), count, seconds))
+                                lambda: client.predict(name, inputs, version=version), count,
+                                seconds))
     return {"batching": batching, **results}
 
 

@@ -6,9 +6,12 @@ serving. A request holds a lease on its version; a retired version is closed whe
 lease ends, so a swap never fails a request in flight. A version that fails to load is retried
 `max_load_retries` times (TF Serving's `--max_num_load_retries`; it stays LOADING meanwhile),
 then reported in the status (state END with the error) and left alone; the previous one keeps
-serving. Each model has one worker thread of its own that lists, loads and retries its versions,
-so a slow or failing version never delays another model, the ports or a reload.
-Status messages name the model and version, never a server path.
+serving, as TF Serving's availability-preserving policy keeps the last serving version while
+none of those its policy wants is AVAILABLE. A model moved to another base path by a reload
+is swapped the same way (see `ModelManager.reload`). Each model has one worker thread of its
+own that lists, loads and retries its versions, so a slow or failing version never delays
+another model, the ports or a reload. Status messages name the model and version, never a
+server path.
 """
 from __future__ import annotations
 
@@ -71,9 +74,12 @@ def parse_config(text: str) -> list[ModelConfig]:
 
 
 def configs_of_proto(proto: model_server_config_pb2.ModelServerConfig) -> list[ModelConfig]:
+    """The models of a `ModelServerConfig`; INVALID_ARGUMENT when a name is listed twice."""
     if proto.WhichOneof("config") == "custom_model_config":
         raise ServingError("UNIMPLEMENTED", "custom_model_config is not supported")
-    return [_config_of_proto(config) for config in proto.model_config_list.config]
+    configs = [_config_of_proto(config) for config in proto.model_config_list.config]
+    _check_unique(configs)
+    return configs
 
 
 def _config_of_proto(config) -> ModelConfig:
@@ -87,6 +93,7 @@ def _config_of_proto(config) -> ModelConfig:
 
 @dataclasses.dataclass
 class _Version:
+    path: str                # the version folder it is loaded from
     state: str = "LOADING"   # LOADING, AVAILABLE, UNLOADING, END (TF Serving's state names)
     error: ServingError | None = None
     model: LoadedModel | None = None
@@ -101,16 +108,22 @@ class _Model:
     close on threads of their own, see `ModelManager._close`)."""
     config: ModelConfig
     versions: dict[int, _Version] = dataclasses.field(default_factory=dict)
+    # After a move to another base path: the new path's copies of versions that the old path's
+    # copies serve meanwhile, while they load; and the folders whose copy failed (not retried).
+    incoming: dict[int, _Version] = dataclasses.field(default_factory=dict)
+    failed_moves: set[str] = dataclasses.field(default_factory=set)
     worker: ThreadPoolExecutor = dataclasses.field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="model-load"))
     removed: threading.Event = dataclasses.field(default_factory=threading.Event)
     poll: Future | None = None
-    listed: bool = False          # its base path has been listed once
+    listed: ModelConfig | None = None      # the config whose base path was last listed
 
     def tried(self) -> bool:
-        """Listed, and every version it wants has had a load attempt."""
-        return self.listed and all(v.attempts or v.state != "LOADING"
-                                   for v in self.versions.values())
+        """Listed under its current config, and every version it wants has had a load
+        attempt."""
+        return self.listed is self.config and all(
+            v.attempts or v.state != "LOADING"
+            for v in [*self.versions.values(), *self.incoming.values()])
 
 
 class ModelManager:
@@ -136,7 +149,9 @@ class ModelManager:
                               [c.base_path for c in configs] + list(allowed_roots)]
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
+        _check_unique(configs)
         self._models = {c.name: _Model(c) for c in configs}
+        self._labels = {c.name: dict(c.labels) for c in configs}   # name -> label -> version
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._closing: list[threading.Thread] = []
@@ -168,7 +183,8 @@ class ModelManager:
 
         def settled() -> bool:
             return all(v.state != "LOADING" for n, m in self._models.items()
-                       if names is None or n in names for v in m.versions.values())
+                       if names is None or n in names
+                       for v in [*m.versions.values(), *m.incoming.values()])
         with self._changed:
             return self._changed.wait_for(
                 settled, None if deadline is None else max(deadline - time.monotonic(), 0))
@@ -201,24 +217,56 @@ class ModelManager:
                                    "(--allowed_model_roots)")
 
     def reload(self, configs: list[ModelConfig], wait_seconds: float | None = None) -> None:
-        """Replaces the whole model list; models left out, or moved to another base path, are
-        unloaded. Returns once each new model has made its first load attempt (or after
-        `wait_seconds`); retries of a failing version go on in the background."""
+        """Replaces the whole model list; models left out are unloaded.
+
+        A model moved to another base path keeps serving its old versions until the new
+        path's are loaded: the new path's wanted versions load, then the old ones retire (all
+        of them if one new version is AVAILABLE, else all but the latest, as for a failed
+        version on one path). A version number found on both paths is loaded again from the
+        new path and swapped in once AVAILABLE, its old copy serving until then; if the new
+        copy fails to load, the old one keeps serving and the error is logged. (TF Serving
+        keys servables by name and version and keeps serving the old path's copy for as long
+        as the version is wanted.)
+
+        Returns once each new or moved model has listed its base path and made a first load
+        attempt of each version it wants (or after `wait_seconds`); retries of a failing
+        version go on in the background. Then, as TF Serving does, the version labels are
+        checked: if one points at a version that is not AVAILABLE, every model keeps its
+        previous labels and the reload fails (FAILED_PRECONDITION) with its models applied.
+        """
+        _check_unique(configs)
         new = {c.name: c for c in configs}
         with self._lock:
-            for name, model in list(self._models.items()):
-                if name not in new or new[name].base_path != model.config.base_path:
+            for name in list(self._models):
+                if name not in new:
                     self._remove(name)
-            added = [name for name in new if name not in self._models]
+            changed = [name for name, config in new.items() if name not in self._models
+                       or self._models[name].config.base_path != config.base_path]
             for name, config in new.items():
                 if name in self._models:
                     self._models[name].config = config
                 else:
                     self._models[name] = _Model(config)
+            self._labels = {name: labels for name, labels in self._labels.items()
+                            if name in new}
         self.poll()
         with self._changed:
-            self._changed.wait_for(lambda: all(self._models[n].tried() for n in added
+            self._changed.wait_for(lambda: all(self._models[n].tried() for n in changed
                                                if n in self._models), wait_seconds)
+            self._update_labels(configs)
+
+    def _update_labels(self, configs: list[ModelConfig]) -> None:
+        """Takes the configs' labels if each points at an AVAILABLE version (lock held)."""
+        for config in configs:
+            model = self._models.get(config.name)    # None if a later reload removed it
+            versions = model.versions if model else {}
+            for version in config.labels.values():
+                if version not in versions or versions[version].state != "AVAILABLE":
+                    raise ServingError(
+                        "FAILED_PRECONDITION", f"Request to assign label to version {version} "
+                        f"of model {config.name}, which is not currently available for "
+                        "inference")
+        self._labels = {config.name: dict(config.labels) for config in configs}
 
     def poll(self) -> None:
         """Asks every model's worker to list its base path, load the versions wanted and
@@ -311,33 +359,55 @@ class ModelManager:
         except OSError as error:
             log.error("listing the versions of model %s failed: %s", config.name, error)
             with self._changed:                         # what is served stays as it is
-                model.listed = True
+                model.listed = config
                 self._changed.notify_all()
             return
+        loads = []
         with self._lock:
-            new = sorted(v for v in self._wanted(model, config, on_disk)
-                         if v not in model.versions or model.versions[v].state == "END")
-            for number in new:
-                model.versions[number] = _Version()
-            model.listed = True
+            for number in sorted(self._wanted(model, config, on_disk)):
+                path = os.path.join(config.base_path, str(number))
+                entry = model.versions.get(number)
+                if entry is None or entry.state == "END":
+                    model.versions[number] = _Version(path)
+                    loads.append((number, model.versions[number]))
+                elif (entry.path != path and entry.state == "AVAILABLE"
+                      and path not in model.failed_moves):   # moved: load the new copy
+                    model.incoming[number] = _Version(path)
+                    loads.append((number, model.incoming[number]))
+            model.listed = config
             self._changed.notify_all()
-        for number in new:
-            self._load_version(model, number)
+        for number, entry in loads:
+            self._load_version(model, number, entry)
         with self._lock:
             if not model.removed.is_set():              # the wanted ones, failures left out
-                self._retire(model, set(model.versions) - self._wanted(model, config, on_disk))
+                self._retire(model, self._unwanted(model, config, on_disk))
 
     @staticmethod
     def _wanted(model: _Model, config: ModelConfig, on_disk: list[int]) -> set[int]:
         """The versions `config` serves: its policy's choice among those that did not fail
-        to load."""
-        known = model.versions
-        return config.wanted([v for v in on_disk if v not in known or known[v].error is None])
+        to load from its base path."""
+        def failed(number: int) -> bool:
+            entry = model.versions.get(number)
+            return (entry is not None and entry.error is not None
+                    and entry.path == os.path.join(config.base_path, str(number)))
+        return config.wanted([v for v in on_disk if not failed(v)])
 
-    def _load_version(self, model: _Model, number: int) -> None:
-        """Loads a version, retrying on failure; the outcome is kept in its status."""
-        name = model.config.name
-        path = os.path.join(model.config.base_path, str(number))
+    def _unwanted(self, model: _Model, config: ModelConfig, on_disk: list[int]) -> set[int]:
+        """The versions to retire (lock held): those `_wanted` leaves out, except that while
+        the policy wants versions of which none is AVAILABLE (loading or failed), the latest
+        serving one stays, as in TF Serving's availability-preserving policy."""
+        wanted = self._wanted(model, config, on_disk)
+        unwanted = set(model.versions) - wanted
+        serving = {v for v in unwanted if model.versions[v].state == "AVAILABLE"}
+        if serving and config.wanted(on_disk) and not any(
+                model.versions[v].state == "AVAILABLE" for v in wanted if v in model.versions):
+            unwanted.discard(max(serving))
+        return unwanted
+
+    def _load_version(self, model: _Model, number: int, entry: _Version) -> None:
+        """Loads a version into `entry`, retrying on failure; the outcome is kept in its status
+        (or, for a moved model's new copy, the copy is swapped in, or the failure logged)."""
+        name, path = model.config.name, entry.path
         for attempt in range(self.max_load_retries + 1):
             if model.removed.is_set() or self._stop.is_set():
                 return
@@ -348,24 +418,33 @@ class ModelManager:
                 log.error("loading %s version %d from %s failed (attempt %d of %d): %s",
                           name, number, path, attempt + 1, self.max_load_retries + 1, error)
                 failed = from_tf_error(error, f"loading version {number} of model {name}")
-            self._record(model, number, attempts=attempt + 1)
+            self._record(model, entry, attempts=attempt + 1)
             if attempt == self.max_load_retries or model.removed.wait(self.load_retry_seconds):
-                self._record(model, number, state="END", error=ServingError(
+                self._record(model, entry, state="END", error=ServingError(
                     failed.code, f"Version {number} of model {name} failed to load: "
                     f"{failed.message}"))
+                with self._changed:
+                    if model.incoming.get(number) is entry:   # the old copy keeps serving
+                        del model.incoming[number]
+                        model.failed_moves.add(path)
                 return
         log.info("serving %s version %d from %s", name, number, path)
-        if not self._record(model, number, state="AVAILABLE", model=loaded,
+        if not self._record(model, entry, state="AVAILABLE", model=loaded,
                             attempts=attempt + 1):
             loaded.close()
 
-    def _record(self, owner: _Model, number: int, **fields) -> bool:
-        """Updates a version's entry; False when a reload removed the model meanwhile."""
+    def _record(self, owner: _Model, entry: _Version, **fields) -> bool:
+        """Updates a version's entry, and swaps a moved model's new copy in once AVAILABLE;
+        False when a reload removed the model meanwhile."""
         with self._changed:
             if not owner.removed.is_set():
-                entry = owner.versions[number]
                 for key, value in fields.items():
                     setattr(entry, key, value)
+                number = next((n for n, e in owner.incoming.items() if e is entry), None)
+                if number is not None and entry.state == "AVAILABLE":
+                    old = owner.versions[number]
+                    owner.versions[number] = owner.incoming.pop(number)
+                    self._retire_entry(old)
             self._changed.notify_all()
             return not owner.removed.is_set()
 
@@ -380,11 +459,13 @@ class ModelManager:
     def _retire(self, model: _Model, numbers: set[int]) -> None:
         """Stops serving versions (lock held); each closes when its last lease ends."""
         for number in numbers:
-            entry = model.versions[number]
-            if entry.state == "AVAILABLE":
-                entry.state = "UNLOADING"
-                if entry.leases == 0:
-                    self._close(entry)
+            self._retire_entry(model.versions[number])
+
+    def _retire_entry(self, entry: _Version) -> None:
+        if entry.state == "AVAILABLE":
+            entry.state = "UNLOADING"
+            if entry.leases == 0:
+                self._close(entry)
 
     def _close(self, entry: _Version) -> None:
         """Marks a version ended (lock held); its session closes on a thread of its own, so
@@ -411,11 +492,21 @@ class ModelManager:
         return version, available[version]
 
     def _label_version(self, name: str, label: str) -> int:
-        labels = self._models[name].config.labels if name in self._models else {}
+        labels = self._labels.get(name, {}) if name in self._models else {}
         if label not in labels:
             raise ServingError("INVALID_ARGUMENT",
                                f"Unrecognized servable version label: {label}")
         return labels[label]
+
+
+def _check_unique(configs: list[ModelConfig]) -> None:
+    """Refuses a model list naming a model twice, as TF Serving does (INVALID_ARGUMENT)."""
+    names = set()
+    for config in configs:
+        if config.name in names:
+            raise ServingError("INVALID_ARGUMENT", f"Illegal to list model {config.name} "
+                               "multiple times in config list")
+        names.add(config.name)
 
 
 def _under(path: str, root: str) -> bool:

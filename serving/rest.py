@@ -30,14 +30,17 @@ from tworec.serving.manager import ModelManager
 
 log = logging.getLogger(__name__)
 
-_MODEL = r"/v1/models/(?P<name>[^/:]+)(?:/versions/(?P<version>\d+)|/labels/(?P<label>[^/:]+))?"
+_MODEL = r"/v1/models/(?P<name>[^/:]+)(?:/versions/(?P<version>[0-9]+)|/labels/(?P<label>[^/:]+))?"
 _PREDICT = re.compile(_MODEL + r":(?P<verb>classify|regress|predict)", re.IGNORECASE)
 _STATUS = re.compile(_MODEL + r"(?P<metadata>/metadata)?", re.IGNORECASE)
 _NO_NAME = re.compile(r"/v1/models/?(?:/metadata)?", re.IGNORECASE)
+_INT64_MAX = 2**63 - 1
 # Bodies and answers larger than this are parsed and formatted off the event loop.
 _INLINE_BYTES = 64 << 10
 # The scope extension holding a future that is done once the client's connection is lost.
 DISCONNECTED = "tworec.disconnected"
+# The scope extension that is True when the request is over the server's concurrency limit.
+OVER_LIMIT = "tworec.over_limit"
 
 
 class ClientGone(Exception):
@@ -77,19 +80,25 @@ class RestApp:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return
+        over_limit = scope.get("extensions", {}).get(OVER_LIMIT, False)
         try:
-            status, body = await self._answer(scope, receive)
+            if over_limit:                # refused unread, as uvicorn's limit_concurrency does
+                raise ServingError("UNAVAILABLE", "The server is serving as many requests as it "
+                                   "may (--max_concurrent_requests); retry later")
+            status, data = await self._answer(scope, receive)
         except ClientGone:
             return
         except ServingError as error:
-            status, body = error.http_status, {"error": error.message}
+            status, data = error.http_status, _json_bytes({"error": error.message})
         except Exception:  # no request may take the server down; the log keeps the details
             log.exception("REST request %s %s failed", scope["method"], scope["path"])
-            status, body = 500, {"error": "the request failed on the server; the server log "
-                                          "has the details"}
-        await _send_json(send, status, body, close=status in (408, 413))
+            status, data = 500, _json_bytes({"error": "the request failed on the server; the "
+                                                      "server log has the details"})
+        await _send_json(send, status, data, close=over_limit or status in (408, 413))
 
-    async def _answer(self, scope, receive) -> tuple[int, dict]:
+    async def _answer(self, scope, receive) -> tuple[int, bytes]:
+        """(HTTP status, JSON body) of a request, serialized here so that an answer that
+        cannot be written is an error answer too."""
         method = scope["method"]
         path = scope["raw_path"].decode("latin-1") if scope.get("raw_path") else scope["path"]
         if not path.lower().startswith("/v1/"):
@@ -102,7 +111,7 @@ class RestApp:
                                             scope, deadline)
         if method == "GET" and status:
             handler = self._metadata if status["metadata"] else self._status
-            return 200, handler(*_model_spec(status))
+            return 200, _json_bytes(handler(*_model_spec(status)))
         if method == "GET" and _NO_NAME.fullmatch(path):
             raise ServingError("INVALID_ARGUMENT", "Missing model name in request.")
         raise ServingError("INVALID_ARGUMENT", f"Malformed request: {method} {path}")
@@ -141,7 +150,7 @@ class RestApp:
                             "(--max_request_bytes)", http_status=413)
 
     async def _predict(self, verb: str, name: str, version: int | None, label: str | None,
-                       body: bytes, scope, deadline: float) -> dict:
+                       body: bytes, scope, deadline: float) -> bytes:
         if verb.lower() != "predict":
             raise ServingError("UNIMPLEMENTED", f"{verb} is not supported by this server; use "
                                ":predict with a predict signature")
@@ -205,12 +214,25 @@ async def _wait(future, scope, deadline: float, timeout_seconds: float):
 def _model_spec(match: re.Match) -> tuple[str, int | None, str | None]:
     """(name, version or None, label or None) of a matched path, URL-decoded."""
     return (urllib.parse.unquote(match["name"]),
-            int(match["version"]) if match["version"] else None,
+            _version(match["version"]) if match["version"] else None,
             urllib.parse.unquote(match["label"]) if match["label"] else None)
 
 
-async def _send_json(send, status: int, body: dict, close: bool = False) -> None:
-    data = json.dumps(body).encode("utf-8")
+def _version(digits: str) -> int:
+    """A path's version as an int64, as TF Serving parses it (`absl::SimpleAtoi`)."""
+    significant = digits.lstrip("0") or "0"         # int() refuses over 4300 digits
+    if len(significant) > len(str(_INT64_MAX)) or int(significant) > _INT64_MAX:
+        raise ServingError("INVALID_ARGUMENT",
+                           f"Failed to convert version: {digits} to numeric.")
+    return int(significant)
+
+
+def _json_bytes(body: dict) -> bytes:
+    """JSON with NaN and Infinity written as TF Serving writes them."""
+    return json.dumps(body).encode("utf-8")
+
+
+async def _send_json(send, status: int, data: bytes, close: bool = False) -> None:
     headers = [(b"content-type", b"application/json"),
                (b"content-length", str(len(data)).encode("ascii"))]
     if close:                             # the body may be unread: end the connection
@@ -224,7 +246,9 @@ class HeaderTimeoutProtocol(H11Protocol):
     headers) has not fully arrived `config.header_timeout_seconds` after the connection opened
     or, on a kept-alive connection, after the head's first bytes (uvicorn itself has no such
     timeout; an idle kept-alive connection is closed by its keep-alive timeout). Each request's
-    scope carries, under `extensions[DISCONNECTED]`, a future done once the connection is lost.
+    scope carries, under `extensions[DISCONNECTED]`, a future done once the connection is lost,
+    and under `extensions[OVER_LIMIT]` whether it is beyond `config.max_concurrent_requests`
+    (uvicorn's `limit_concurrency` test; uvicorn's own 503 answer is not JSON).
     """
 
     _header_timer: asyncio.TimerHandle | None = None
@@ -245,7 +269,11 @@ class HeaderTimeoutProtocol(H11Protocol):
         if self.cycle is not self._seen_cycle:   # a new request's head has arrived
             self._seen_cycle = self.cycle
             self._disarm()
-            self.scope.setdefault("extensions", {})[DISCONNECTED] = self._disconnected
+            extensions = self.scope.setdefault("extensions", {})
+            extensions[DISCONNECTED] = self._disconnected
+            limit = self.config.max_concurrent_requests       # this request's task is counted
+            extensions[OVER_LIMIT] = limit is not None and (
+                len(self.connections) >= limit or len(self.tasks) > limit)
 
     def connection_lost(self, exc) -> None:
         self._disarm()

@@ -178,9 +178,9 @@ class ModelServer:
         self.rest_port = sock.getsockname()[1]
         config = uvicorn.Config(self._rest_app, log_level="warning", lifespan="off",
                                 access_log=False, http=HeaderTimeoutProtocol,
-                                limit_concurrency=self._max_concurrent,
                                 timeout_graceful_shutdown=self.grace_seconds)
         config.header_timeout_seconds = self._header_timeout_seconds
+        config.max_concurrent_requests = self._max_concurrent   # answered in JSON by RestApp
         self._rest = uvicorn.Server(config)
         self._rest_thread = threading.Thread(target=self._rest.run, kwargs={"sockets": [sock]},
                                              name="rest-server", daemon=True)

@@ -4,7 +4,9 @@
 (an 18-byte proto declaring 2^28 floats costs 1 GiB). Here a tensor must carry every value it
 declares: its dimensions are non-negative, dimension 0 is within the row limit, and the values
 present (`tensor_content` bytes or the typed repeated field) are exactly as many as the shape
-holds. So the array a request builds is never larger than the request itself.
+holds. So the array a request builds is never larger than the request itself. Values of int8,
+uint8, int16 and uint16 tensors sent in `int_val` (int32s) are cast to the dtype, wrapping those
+out of its range (1000 is -24 as int8), as TF's `Tensor::FromProto` does in TF Serving.
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ _FIELDS = {
     types_pb2.DT_HALF: ("half_val", 1), types_pb2.DT_BFLOAT16: ("half_val", 1),
     types_pb2.DT_COMPLEX64: ("scomplex_val", 2), types_pb2.DT_COMPLEX128: ("dcomplex_val", 2),
 }
+# Dtypes narrower than the int32s of `int_val` (tf.make_ndarray raises OverflowError on them).
+_NARROW_INTS = {types_pb2.DT_INT8, types_pb2.DT_UINT8, types_pb2.DT_INT16, types_pb2.DT_UINT16}
 
 
 def to_array(name: str, proto: tensor_pb2.TensorProto, max_rows: int) -> np.ndarray:
@@ -49,6 +53,9 @@ def to_array(name: str, proto: tensor_pb2.TensorProto, max_rows: int) -> np.ndar
     if got != want:
         raise ServingError("INVALID_ARGUMENT", f'Input "{name}" declares shape {shape} '
                            f"({want} values) but carries {got}")
+    if proto.dtype in _NARROW_INTS and not proto.tensor_content:
+        dtype = tf.as_dtype(proto.dtype).as_numpy_dtype
+        return np.array(proto.int_val, np.int32).astype(dtype).reshape(shape)
     return tf.make_ndarray(proto)
 
 

@@ -378,18 +378,67 @@ def test_rest_predict_named_instances(server, local):
     np.testing.assert_allclose(answer, expected, rtol=1e-6)
 
 
-def test_json_responses_are_shaped_as_tf_serving_shapes_them():
+def _formatted(outputs: dict, row_form: bool):
     from tworec.serving.json_tensor import format_predict
+    return json.loads(format_predict(outputs, row_form))
+
+
+def test_json_responses_are_shaped_as_tf_serving_shapes_them():
     outputs = {"ids": np.array([[b"a"], [b"b"]], object), "raw_bytes": np.array([b"\xff", b"x"]),
                "score": np.array([0.5, 1.0], np.float32)}
-    assert format_predict(outputs, row_form=True)["predictions"] == [
+    assert _formatted(outputs, row_form=True)["predictions"] == [
         {"ids": ["a"], "raw_bytes": {"b64": "/w=="}, "score": 0.5},
         {"ids": ["b"], "raw_bytes": {"b64": "eA=="}, "score": 1.0}]
-    assert format_predict({"score": outputs["score"]}, row_form=False) == {"outputs": [0.5, 1.0]}
+    assert _formatted({"score": outputs["score"]}, row_form=False) == {"outputs": [0.5, 1.0]}
     with pytest.raises(ServingError, match="inconsistent batch size"):
-        format_predict({"a": np.zeros(2), "b": np.zeros(3)}, row_form=True)
-    assert format_predict({"a": np.zeros(2), "b": np.zeros(3)}, row_form=False)["outputs"] == {
+        _formatted({"a": np.zeros(2), "b": np.zeros(3)}, row_form=True)
+    assert _formatted({"a": np.zeros(2), "b": np.zeros(3)}, row_form=False)["outputs"] == {
         "a": [0.0, 0.0], "b": [0.0, 0.0, 0.0]}
+
+
+@pytest.mark.parametrize("piece", [1, 5, 1 << 16])
+def test_json_responses_written_in_pieces_are_the_same(monkeypatch, piece):
+    """Large answers are encoded a slice of rows at a time (the GIL is free in between)."""
+    from tworec.serving import json_tensor
+    monkeypatch.setattr(json_tensor, "_PIECE_ELEMENTS", piece)
+    rng = np.random.default_rng(0)
+    outputs = {"a": rng.normal(size=(7, 3, 2)), "n": np.arange(7),
+               "s_bytes": np.array([b"\xff"] * 7, object), "t": np.array([[b"x", b"y"]] * 7)}
+    columns = {name: value.tolist() if value.dtype != object else value
+               for name, value in outputs.items()}
+    columns["s_bytes"] = [{"b64": "/w=="}] * 7
+    columns["t"] = [["x", "y"]] * 7
+    assert _formatted(outputs, row_form=False) == {"outputs": columns}
+    assert _formatted(outputs, row_form=True) == {"predictions": [
+        {name: column[row] for name, column in columns.items()} for row in range(7)]}
+    assert _formatted({"a": outputs["a"]}, row_form=True) == {"predictions": columns["a"]}
+    assert _formatted({"a": np.array([np.nan, np.inf])}, row_form=False)["outputs"][1] == np.inf
+
+
+def test_a_large_answer_is_written_without_holding_the_gil_long():
+    """What the event loop waits for while a worker thread writes a 20 MB answer."""
+    from tworec.serving.json_tensor import format_predict
+    outputs = {"y": np.random.default_rng(0).normal(size=(8, 300_000))}
+    writer = threading.Thread(target=format_predict, args=(outputs, False))
+    longest, writer_started = 0.0, time.perf_counter()
+    writer.start()
+    while writer.is_alive():
+        start = time.perf_counter()
+        time.sleep(0.001)
+        longest = max(longest, time.perf_counter() - start)
+    writer.join()
+    assert time.perf_counter() - writer_started > 0.2       # long enough to tell
+    assert longest < 0.15
+
+
+@pytest.mark.parametrize("dtype, name", [(np.complex64, "complex64"), (np.float16, "half"),
+                                         (np.uint16, "uint16")])
+def test_outputs_json_cannot_carry_are_refused_as_tf_serving_refuses_them(dtype, name):
+    for row_form in (False, True):
+        with pytest.raises(ServingError) as error:
+            _formatted({"c": np.ones(2, dtype), "y": np.ones(2)}, row_form)
+        assert (error.value.code, error.value.message) == (
+            "INVALID_ARGUMENT", f"Failed to write JSON value for tensor type: {name}")
 
 
 # (model, body, HTTP status, message fragment) of each error class.
@@ -418,6 +467,12 @@ REST_ERRORS = {
                       "Servable not found for request: Latest(nope)"),
     "unknown version": ("retrieval/versions/99", {"instances": ["u1"]}, 404,
                         "Servable not found for request: Specific(retrieval, 99)"),
+    "version beyond int64": ("retrieval/versions/9223372036854775808", {"instances": ["u1"]},
+                             400, "Failed to convert version: 9223372036854775808 to numeric."),
+    "version of 5000 digits": (f"retrieval/versions/{'9' * 5000}", {"instances": ["u1"]}, 400,
+                               f"Failed to convert version: {'9' * 5000} to numeric."),
+    "number beyond a double": ("scale", b'{"inputs": [1e400]}', 400,
+                               "Number too big to be stored in double"),
 }
 
 
@@ -441,7 +496,25 @@ def test_rest_status_errors(server):
     assert unknown.status_code == 404
     assert "Could not find any versions of model nope" in unknown.json()["error"]
     assert requests.get(f"{rest}/v1/models/scale/versions/7", timeout=10).status_code == 404
+    for version in ("9223372036854775808", "1" * 5000):
+        answer = requests.get(f"{rest}/v1/models/scale/versions/{version}", timeout=10)
+        assert (answer.status_code, answer.json()) == (
+            400, {"error": f"Failed to convert version: {version} to numeric."})
+    largest = requests.get(f"{rest}/v1/models/scale/versions/9223372036854775807", timeout=10)
+    assert largest.status_code == 404
     _assert_answers(rest)
+
+
+def test_rest_floats_take_any_json_number_within_a_double(server):
+    """As TF Serving's parser: 0.1 rounds to float32, NaN and Infinity parse, 1e400 does not
+    (REST_ERRORS)."""
+    _, rest, _ = server
+    answer = _predict(rest, "scale", b'{"inputs": [0.1, 1e-400, 123456789012345678901234, '
+                                     b'NaN, -Infinity]}')
+    values = answer.json()["outputs"]
+    assert values[:3] == pytest.approx(
+        (np.array([0.1, 0.0, 123456789012345678901234], np.float32) * 3).tolist())
+    assert np.isnan(values[3]) and values[4] == -np.inf
 
 
 def test_rest_paths_are_case_insensitive_and_malformed_paths_refused(server):
@@ -849,6 +922,24 @@ def test_serve_flags_follow_tf_serving(model_dir):
         serve.parse_args([])
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--enable_batching", "--max_batch_size=0"], "--max_batch_size must be at least 1, got 0"),
+    (["--max_concurrent_requests=0"], "--max_concurrent_requests must be at least 1, got 0"),
+    (["--enable_batching", "--num_batch_threads=-1"],
+     "--num_batch_threads must be at least 0, got -1"),
+    (["--enable_batching", "--max_enqueued_batches=0"],
+     "--max_enqueued_batches must be at least 1, got 0"),
+    (["--max_num_load_retries=-1"], "--max_num_load_retries must be at least 0, got -1"),
+])
+def test_serve_refuses_flags_that_cannot_serve_in_one_line(flags, message, capsys):
+    serve = _script("serve")
+    with pytest.raises(SystemExit) as exit_:
+        serve.parse_args(["--model_name=m", "--model_base_path=/m", *flags])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert serve.parse_args(["--model_name=m", "--model_base_path=/m",
+                             "--max_batch_size=0"]).max_batch_size == 0   # batching off
+
+
 def test_recommend_prints_titles(embedded, tmp_path, capsys):
     recommend = _script("recommend")
     movies = tmp_path / "movies.csv"
@@ -879,6 +970,146 @@ def test_reload_config_replaces_the_models_and_labels_resolve(swap_server):
     assert labelled.json() == {"predictions": [2.0]}
     unknown = requests.get(f"{rest}/v1/models/other/labels/beta", timeout=10)
     assert unknown.status_code == 400 and "beta" in unknown.json()["error"]
+
+
+def _reload_config(server: ModelServer, text: str) -> None:
+    config = text_format.Parse(f"model_config_list {{ {text} }}",
+                               model_server_config_pb2.ModelServerConfig())
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        model_service_pb2_grpc.ModelServiceStub(channel).HandleReloadConfigRequest(
+            model_management_pb2.ReloadConfigRequest(config=config), timeout=30)
+
+
+def test_a_model_listed_twice_is_refused(swap_server, tmp_path):
+    base, server = swap_server
+    message = "Illegal to list model scale multiple times in config list"
+    twice = f'config {{ name: "scale" base_path: "{base}" }} ' \
+            f'config {{ name: "scale" base_path: "{tmp_path}" }}'
+    with pytest.raises(ServingError) as error:
+        parse_config(f"model_config_list {{ {twice} }}")
+    assert (error.value.code, error.value.message) == ("INVALID_ARGUMENT", message)
+    with pytest.raises(ServingError, match=message):
+        ModelManager([ModelConfig("scale", base), ModelConfig("scale", str(tmp_path))])
+    with pytest.raises(grpc.RpcError) as error:
+        _reload_config(server, twice)
+    assert (error.value.code(), error.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                                            message)
+    with Client(url=f"http://127.0.0.1:{server.rest_port}") as client:
+        assert client.predict("scale", {"x": np.ones(1, np.float32)})["y"].tolist() == [1.0]
+
+
+def test_a_move_to_another_base_path_drops_no_request(swap_server, tmp_path):
+    """Moves keep the old versions serving until the new path's load: to a path with another
+    version (5.0), to one with the same version number (its new copy, 7.0, is swapped in), and
+    to one whose version fails to load (the last good version keeps serving)."""
+    base, server = swap_server
+    moved = {"b": (Scale(5.0), 2), "c": (Scale(7.0), 2)}
+    for folder, (module, version) in moved.items():
+        save(module, str(tmp_path / folder), version)
+    write_version(str(tmp_path / "d"), lambda path: open(
+        os.path.join(path, "saved_model.pb"), "w").write("not a SavedModel"), 3)
+    clients = [Client(url=f"http://127.0.0.1:{server.rest_port}", retries=0),
+               Client(grpc_target=f"127.0.0.1:{server.grpc_port}", retries=0)]
+    stop, failures = threading.Event(), []
+    factors = [[] for _ in clients]
+    threads = [threading.Thread(target=_hammer, args=(c, stop, f, failures))
+               for c, f in zip(clients, factors)]
+    for thread in threads:
+        thread.start()
+    try:
+        for folder, factor in (("b", 5.0), ("c", 7.0), ("d", 7.0)):
+            _wait_for(lambda: all(factors))
+            server.manager.reload([ModelConfig("scale", str(tmp_path / folder))])
+            count = [len(f) for f in factors]
+            _wait_for(lambda: failures or all(len(f) > n + 5 for f, n in zip(factors, count)))
+            assert failures == [] and all(f[-1] == factor for f in factors), folder
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert failures == []
+    assert all(f == sorted(f, key=[1.0, 5.0, 7.0].index) for f in factors)
+    states = {s.version: (s.state, s.status.error_code)
+              for s in server.manager.status("scale").model_version_status}
+    assert states[2] == (get_model_status_pb2.ModelVersionStatus.AVAILABLE, 0)
+    assert states[3][0] == get_model_status_pb2.ModelVersionStatus.END and states[3][1] != 0
+    for client in clients:
+        client.close()
+
+
+def test_labels_may_only_point_at_available_versions(swap_server):
+    base, server = swap_server
+    rest = f"http://127.0.0.1:{server.rest_port}"
+
+    def labelled(labels: dict[str, int]) -> str:
+        return f'config {{ name: "scale" base_path: "{base}" ' + "".join(
+            f'version_labels {{ key: "{k}" value: {v} }} ' for k, v in labels.items()) + "}"
+    _reload_config(server, labelled({"stable": 1}))
+    with pytest.raises(grpc.RpcError) as error:
+        _reload_config(server, labelled({"stable": 1, "canary": 7}))
+    assert (error.value.code(), error.value.details()) == (
+        grpc.StatusCode.FAILED_PRECONDITION, "Request to assign label to version 7 of model "
+        "scale, which is not currently available for inference")
+    stable = requests.post(f"{rest}/v1/models/scale/labels/stable:predict",
+                           json={"inputs": [2.0]}, timeout=10)
+    assert stable.json() == {"outputs": [2.0]}                   # the old labels are kept
+    canary = requests.get(f"{rest}/v1/models/scale/labels/canary", timeout=10)
+    assert (canary.status_code, canary.json()) == (
+        400, {"error": "Unrecognized servable version label: canary"})
+
+
+class Renamed(tf.Module):
+    """x [b] float32 -> z [b] float32 = 10 x (Scale's signature with its output renamed)."""
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32, name="x")])
+    def serve(self, x):
+        return {"z": x * 10.0}
+
+
+class TwoOutputs(tf.Module):
+    """x [b] float32 -> y [b] float32 = 10 x, n [b] int64 = 100 x (another signature)."""
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32, name="x")])
+    def serve(self, x):
+        return {"y": x * 10.0, "n": tf.cast(x * 100.0, tf.int64)}
+
+
+def _lists(outputs: dict[str, np.ndarray]) -> dict[str, list]:
+    return {name: value.tolist() for name, value in outputs.items()}
+
+
+def test_rest_client_decodes_each_answer_with_its_versions_signature(swap_server):
+    base, server = swap_server
+    x = {"x": np.array([2.0], np.float32)}
+    with Client(url=f"http://127.0.0.1:{server.rest_port}", retries=0) as client:
+        assert _lists(client.predict("scale", x)) == {"y": [2.0]}
+        for version, module in ((2, Renamed()), (3, TwoOutputs())):
+            save(module, base)
+            _wait_for(lambda: server.manager.status("scale", version - 1)
+                      .model_version_status[0].state == get_model_status_pb2.ModelVersionStatus.END)
+            answer = client.predict("scale", x)
+            if version == 2:                 # a single output's answer does not name it
+                assert _lists(answer) == {"z": [20.0]}
+        assert answer["y"].tolist() == [20.0] and answer["y"].dtype == np.float32
+        assert answer["n"].tolist() == [200] and answer["n"].dtype == np.int64
+        # A version's signature cached stale (its folder replaced) is fetched again once.
+        signature = client.metadata("scale", 3).signature_def["serving_default"]
+        signature.outputs["n"].dtype = tf.float32.as_datatype_enum
+        client.transport._signatures["scale", 3, "serving_default"] = signature
+        assert client.predict("scale", x, version=3)["n"].dtype == np.int64
+        signature = client.transport._signatures["scale", 3, "serving_default"]
+    from tworec.serving.client import _outputs_of_json
+    for wrong in ({"outputs": {"y": [1.0]}}, {"outputs": {"y": [1.0], "n": [1.5]}},
+                  {"outputs": {"y": [[1.0], 2.0], "n": [1]}}, {"outputs": [1.0]}, {}):
+        with pytest.raises(ServingError) as error:
+            _outputs_of_json(wrong, signature)
+        assert error.value.code == "INTERNAL"
+
+
+def test_rest_client_sends_nan_and_infinity(embedded):
+    with Client(url=embedded[0]) as client:
+        answer = client.predict("scale", {"x": np.array([np.nan, np.inf, -1.0], np.float32)})
+    assert np.isnan(answer["y"][0]) and answer["y"][1:].tolist() == [np.inf, -3.0]
 
 
 def test_latency_measure_counts_requests_and_errors(embedded):

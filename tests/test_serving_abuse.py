@@ -209,6 +209,41 @@ def test_declared_shapes_must_match_the_bytes_sent(models, name, proto):
         assert time.monotonic() - start < 5 and _rss_bytes() - before < 32 << 20
 
 
+@pytest.mark.parametrize("dtype", [types_pb2.DT_INT8, types_pb2.DT_UINT8, types_pb2.DT_INT16,
+                                   types_pb2.DT_UINT16])
+def test_narrow_ints_out_of_range_are_cast_as_tf_serving_casts_them(dtype):
+    """int_val carries int32s; TF's Tensor::FromProto, which TF Serving runs, wraps those out of
+    the dtype's range (tf.make_ndarray raised OverflowError: an INTERNAL answer)."""
+    from tworec.serving.tensor_proto import to_array
+    proto = _proto(dtype, [2, 3], int_val=[1000, -129, 127, -1, 70000, -70000])
+    expected = tf.io.parse_tensor(proto.SerializeToString(), tf.as_dtype(dtype)).numpy()
+    got = to_array("x", proto, max_rows=10)
+    assert got.dtype == expected.dtype and got.tolist() == expected.tolist()
+
+
+class Complex(tf.Module):
+    """x [b] float32 -> c [b] complex64, y [b] float32: an output JSON cannot carry."""
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32, name="x")])
+    def serve(self, x):
+        return {"c": tf.complex(x, x), "y": x}
+
+
+def test_an_answer_json_cannot_carry_is_a_json_error(models, tmp_path):
+    save(Complex(), str(tmp_path / "complex"))
+    manager = ModelManager([ModelConfig("complex", str(tmp_path / "complex"))], poll_seconds=0)
+    with ModelServer(manager, grpc_port=0, rest_port=0) as server:
+        url = f"http://127.0.0.1:{server.rest_port}/v1/models/complex:predict"
+        for body in ({"inputs": [1.0]}, {"instances": [1.0]}):
+            answer = requests.post(url, json=body, timeout=10)
+            assert answer.headers["content-type"] == "application/json"
+            assert (answer.status_code, answer.json()) == (
+                400, {"error": "Failed to write JSON value for tensor type: complex64"})
+        grpc_answer = _stub(server).Predict(_request("complex", {"x": np.ones(1, np.float32)}),
+                                            timeout=10)
+        assert tf.make_ndarray(grpc_answer.outputs["c"]).tolist() == [1 + 1j]
+
+
 # ------------------------------------------------------------------ 4. ReloadConfig
 
 
@@ -491,6 +526,9 @@ def test_slow_clients_are_cut_off_and_connections_capped(models):
         refused = requests.post(f"http://127.0.0.1:{port}/v1/models/scale:predict",
                                 data=body, timeout=5)
         assert refused.status_code == 503
+        assert refused.headers["content-type"] == "application/json"
+        assert "--max_concurrent_requests" in refused.json()["error"]
+        assert refused.headers["connection"] == "close"         # its body was not read
         assert all(_closed_within(sock, 10) for sock in idle)
         assert requests.post(f"http://127.0.0.1:{port}/v1/models/scale:predict", data=body,
                              timeout=5).json() == {"outputs": [3.0]}
