@@ -174,7 +174,7 @@ _TIME_UNITS = {"s": 1, "ms": 1000, "us": 1000_000, "ns": 1000_000_000}
 
 def _times(source: str, name: str, values) -> tuple[np.ndarray, np.ndarray]:
     """([n] int64 whole seconds, truncated, [n] the times at full precision): the same array
-    twice for a column of whole seconds (integers, dates, timestamp[s])."""
+    twice when every time is a whole second (nothing below a second to order by)."""
     values = np.asarray(values)
     if values.dtype.kind == "M":                  # a timestamp or date column, as datetime64
         unit = np.datetime_data(values.dtype)[0]
@@ -183,10 +183,13 @@ def _times(source: str, name: str, values) -> tuple[np.ndarray, np.ndarray]:
             seconds = ticks * (86_400 if unit == "D" else 1)
             return seconds, seconds
         per_second = _TIME_UNITS[unit]
-        return (ticks - np.fmod(ticks, per_second)) // per_second, ticks
+        below = np.fmod(ticks, per_second)
+        seconds = (ticks - below) // per_second
+        return seconds, (ticks if below.any() else seconds)
     values = _numeric(source, name, values)
     seconds = values.astype(np.int64)
-    return seconds, (values if values.dtype.kind == "f" else seconds)
+    return seconds, (values if values.dtype.kind == "f" and (values != seconds).any()
+                     else seconds)
 
 
 def _true_order_within_seconds(user: np.ndarray, seconds: np.ndarray,
@@ -687,6 +690,10 @@ def _read_text(path: str, mapping: dict[str, str], delimiter: str) -> pa.Table:
         table = reader.read_all()
     except (pa.ArrowInvalid, OSError) as error:
         raise DataError(f"{path}: cannot parse: {_one_line(error)}") from None
+    for role in ("user", "item"):
+        name = mapping[role]
+        table = table.set_column(table.column_names.index(name), name,
+                                 _marked_missing(table.column(name), MISSING_IDS))
     table = _as_number(table, mapping["time"], TIME_TYPES)
     if "rating" in mapping:
         table = _as_number(table, mapping["rating"], (pa.float64(),),
@@ -694,8 +701,16 @@ def _read_text(path: str, mapping: dict[str, str], delimiter: str) -> pa.Table:
     return table
 
 
-TIME_TYPES = (pa.int64(), pa.float64(), pa.timestamp("ns"), pa.timestamp("ns", tz="UTC"))
+TIME_TYPES = (pa.int64(), pa.float64(), pa.timestamp("ns"), pa.timestamp("ns", tz="UTC"),
+              pa.timestamp("us"), pa.timestamp("us", tz="UTC"))   # us: before 1677, after 2262
 MISSING = pa.array(pacsv.ConvertOptions().null_values)        # Arrow's markers of a missing value
+MISSING_IDS = pc.filter(MISSING, pc.not_equal(MISSING, ""))   # an empty id: its own message
+
+
+def _marked_missing(column: pa.ChunkedArray, markers: pa.Array = MISSING) -> pa.ChunkedArray:
+    """A text column with Arrow's missing-value `markers` (empty, `NA`, `null`, `nan`, ...) as
+    missing values, as Arrow reads them in a column it types itself."""
+    return pc.if_else(pc.is_in(column, value_set=markers), pa.scalar(None, pa.string()), column)
 
 
 def _as_number(table: pa.Table, name: str, types: tuple[pa.DataType, ...],
@@ -704,8 +719,7 @@ def _as_number(table: pa.Table, name: str, types: tuple[pa.DataType, ...],
     Arrow's missing-value markers (empty, `NA`, `nan`, ...) as missing and, with
     `decimal_comma`, `3,5` as 3.5 when nothing else fits; left as text when no type fits,
     for `_numeric` to name the first bad value."""
-    column = table.column(name)
-    text = pc.if_else(pc.is_in(column, value_set=MISSING), pa.scalar(None, pa.string()), column)
+    text = _marked_missing(table.column(name))
     tries = [text, pc.replace_substring(text, ",", ".")] if decimal_comma else [text]
     for candidate in tries:
         for kind in types:

@@ -147,14 +147,14 @@ def plot(out: str, report: dict) -> list[str]:
                         fontsize=8, frameon=False)      # below the axes, never over a curve
         save(figure, "training.png")
 
-    curves = {name: report[section]["test"] for name, section in
-              (("retrieval", "retrieval"), ("two-stage", "two_stage"))
+    curves = {name: (report[section]["test"], report[section].get("serves"))
+              for name, section in (("retrieval", "retrieval"), ("two-stage", "two_stage"))
               if (report.get(section) or {}).get("test")}
-    curves.update(dict(baselines_of(report)))
+    curves.update({name: (metrics, None) for name, metrics in baselines_of(report)})
     if curves:
         figure, axis = plt.subplots(figsize=(8, 4))
-        for name, metrics in curves.items():
-            ks = [k for k in KS if f"recall@{k}" in metrics]
+        for name, (metrics, serves) in curves.items():     # a model's lists: what it serves
+            ks = [k for k in KS if f"recall@{k}" in metrics and k <= (serves or k)]
             axis.plot(ks, [metrics[f"recall@{k}"] for k in ks], marker="o", label=name)
         axis.set(title="test Recall@K", xlabel="K", ylabel="recall", xscale="log")
         axis.set_xticks(KS, [str(k) for k in KS])
@@ -311,8 +311,10 @@ def metrics_section(report: dict, plots: list[str]) -> list[str]:
              f"Full catalogue, {excluded}. Over the full catalogue a tie counts against the "
              "held-out item; where the order is the one served (retrieval's candidates "
              "re-ranked, the popular order for users the exports do not know) ties keep the "
-             "served order. The baselines are fit on the same training rows (popular now "
-             "counts the training and validation rows, as the exports do).", "",
+             "served order. The models' lists are the ones their exports serve"
+             + served_lengths(report) + ": a held-out item past them is a miss. The baselines "
+             "are fit on the same training rows (popular now counts the training and "
+             "validation rows, as the exports do).", "",
              "| model | Recall@10 | NDCG@10 |", "| --- | --- | --- |"]
     lines += [row(name, metrics) for name, metrics in models]
     gain = (report.get("two_stage") or {}).get("gain_over_retrieval") or {}
@@ -362,6 +364,14 @@ def ranking_section(report: dict) -> list[str]:
             f"top candidates for its user (the items it must beat when served), by the "
             f"ranker's {scores}: {auc}."
             ] + calibration_sentence(report["ranking"]["train"].get("calibration"))
+
+
+def served_lengths(report: dict) -> str:
+    """' (retrieval's top 100, two-stage's top 10)', the lengths the sections record."""
+    lengths = [f"{name}'s top {report[section]['serves']}" for name, section in
+               (("retrieval", "retrieval"), ("two-stage", "two_stage"))
+               if "serves" in (report.get(section) or {})]
+    return f" ({', '.join(lengths)})" if lengths else ""
 
 
 def calibration_sentence(calibration: dict | None) -> list[str]:

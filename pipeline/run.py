@@ -161,6 +161,7 @@ class Run:
         self.retrieval_model, self.retrieval_trained = model, True
         self.report["retrieval"] = {
             "test": rank_metrics(self.offline("retrieval").ranks) if self.evaluating else None,
+            "serves": self.configs.run.candidates,     # items a list holds: past it, a miss
             "train": {k: summary[k] for k in ("seconds", "epochs", "best_epoch",
                                               "examples_per_second")},
             "loss": summary["loss"]}
@@ -226,6 +227,7 @@ class Run:
                       if k in summary}}
         if self.evaluating:
             self.report["two_stage"] = {"test": rank_metrics(self.offline("recommender").ranks),
+                                        "serves": self.configs.run.top_n,
                                         "gain_over_retrieval": self.gain_over_retrieval()}
 
     def gain_over_retrieval(self) -> dict[str, dict]:
@@ -364,7 +366,8 @@ class Run:
 
     def offline_retrieval(self) -> served.Offline:
         """Every test row's rank over the full catalogue as the retrieval export scores it
-        (`evaluation.target_ranks`: ties count against the target), and the target's score."""
+        (`evaluation.target_ranks`: ties count against the target), a miss past the
+        `candidates` items the export serves, and the target's score."""
         evalset = self.test_set()
         score = retrieval.catalogue_scorer(self.retrieval_model, self.inputs, "test", evalset)
         target_scores = np.zeros(len(evalset), np.float32)
@@ -381,7 +384,7 @@ class Run:
     def offline_two_stage(self) -> served.Offline:
         """Every test row's position in its retrieval candidates re-ranked by the ranker (ties
         keep retrieval's order, as served), and the ranker's score there; a target missing
-        from the candidates is a miss past every K of the report."""
+        from the candidates or past the `top_n` items served is a miss at every K."""
         scores = ranking.score_lists(self.ranking_model, self.inputs, self.signals, "test",
                                      self.test_candidates)                        # [m, C]
         ranks, target_scores = ranking.reranked_ranks(scores, self.test_candidates,

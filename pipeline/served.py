@@ -28,7 +28,7 @@ class Offline:
     """What the offline evaluation found for the checked rows of one model.
 
     Attributes:
-        ranks: [m] rank of every row's target (a miss at or past `list_length`).
+        ranks: [m] rank of every row's target (a miss past the list the export serves).
         target_scores: [m] the model's score of the row's target.
     """
 

@@ -144,15 +144,22 @@ def _write(folder, table: pa.Table, items: pa.Table | None = None) -> str:
 
 
 def _three_ways(source: str, out: str) -> list[str]:
-    """The one-line DataError messages of `load`, `describe` and `prepare` on `source`."""
+    """The one-line DataError messages of `load`, `describe` and `prepare` on `source`;
+    `prepare` must refuse before it starts labelling the rows."""
+    import importlib
+    prepare = importlib.import_module("tworec.features.prepare")
+
+    def reached(*args, **kwargs):
+        raise AssertionError("prepare labelled the rows before refusing them")
     messages = []
     for call in (lambda: load(source), lambda: shards.describe(source),
                  lambda: prepare_shards(source, out, memory_limit="256MiB")):
-        with pytest.raises(DataError) as error:
+        with pytest.MonkeyPatch.context() as patch, pytest.raises(DataError) as error:
+            patch.setattr(prepare, "_labelled_sql", reached)
             call()
         messages.append(str(error.value))
         assert "\n" not in messages[-1]
-    assert not os.path.exists(out)                   # refused before any output
+    assert not os.path.exists(out)
     return messages
 
 

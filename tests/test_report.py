@@ -299,7 +299,11 @@ def test_the_report_says_its_protocol_and_rounds_its_numbers(global_run):
     calibration = report["ranking"]["train"]["calibration"]
     assert calibration["rows"] > 0 and calibration["loss_after"] <= calibration["loss_before"]
     assert (f"refitted on {calibration['rows']:,} validation lists as served (those of users "
-            f"known before validation holding their positive): the ranker's own logit × {calibration['scale']:.2f}") in text
+            "known before validation holding their positive): the ranker's own logit × "
+            f"{calibration['scale']:.2f}") in text
+    assert (report["retrieval"]["serves"], report["two_stage"]["serves"]) == (100, 10)
+    assert ("The models' lists are the ones their exports serve (retrieval's top 100, "
+            "two-stage's top 10): a held-out item past them is a miss.") in text
     page = (out / "report.html").read_text()
     assert page.count('src="data:image/png;base64,') == 3
     sections = ["<h2>Test Recall@10", 'alt="test Recall@K', "<h2>Training", 'alt="loss and',

@@ -177,6 +177,23 @@ def test_text_ids_stay_text(tmp_path):
     assert [titles[item] for item in log.item_ids] == ["Zero", "Hundred"]
 
 
+def test_missing_markers_in_text_ids_are_missing_values(tmp_path):
+    """R and pandas write a missing value as NA: an id column holding one is refused as
+    missing, not read as a user called 'NA'."""
+    path = write_log(tmp_path / "log.csv", rows=[
+        ("user_id", "item_id", "timestamp"), ("1", "10", "100"), ("NA", "11", "101"),
+        ("2", "12", "102")])
+    with pytest.raises(DataError, match="column 'user_id' has 1 missing values"):
+        load(path)
+
+
+def test_text_times_outside_nanoseconds_range_are_read(tmp_path):
+    path = write_log(tmp_path / "log.csv", rows=[
+        ("user_id", "item_id", "timestamp"), ("a", "x", "1600-01-01 00:00:00"),
+        ("a", "y", "2024-01-01 00:00:01")])
+    assert load(path).timestamp.tolist() == [-11_676_096_000, 1_704_067_201]
+
+
 def test_late_rows_cannot_break_the_types_of_the_first_block(tmp_path, monkeypatch):
     monkeypatch.setattr(sources, "BLOCK_SIZE", 1 << 10)             # ~70 rows a block
     rows = [("user_id", "item_id", "timestamp", "rating")] + [
