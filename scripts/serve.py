@@ -88,6 +88,8 @@ def parse_args(argv):
         parser.error("give --model_config_file, or --model_name with --model_base_path")
     batching = args.enable_batching
     for flag, least, checked in (("max_concurrent_requests", 1, True),
+                                 ("rest_api_timeout_in_ms", 1, True),
+                                 ("max_request_bytes", 1, True),
                                  ("max_num_load_retries", 0, True),
                                  ("load_retry_interval_micros", 0, True),
                                  ("max_batch_size", 1, batching),

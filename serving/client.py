@@ -149,12 +149,14 @@ class RestTransport:
 
     A predict response does not name a single output nor carry dtypes, so the transport decodes
     it with the signature of the version that answered, read from the metadata once per
-    (model, version, signature). A predict of the latest version first reads the model's status
-    (a small answer) for its latest AVAILABLE version and sends the request to that version, so
+    (model, version, signature). A predict of the latest version is sent to the model's latest
+    AVAILABLE version as its status last said (read again when over `LATEST_SECONDS` old), so
     a hot swap to a version with another signature never decodes an answer with the old one (a
     version retired meanwhile is looked up again once). An answer that does not fit the cached
     signature refetches it once, then is an INTERNAL `ServingError`, never a wrong answer.
     """
+
+    LATEST_SECONDS = 1.0       # how long a looked-up latest version is used before a new look
 
     def __init__(self, url: str, timeout: float):
         self.url = url.rstrip("/")
@@ -163,13 +165,14 @@ class RestTransport:
         # One kept-alive connection per concurrent caller (requests keeps 10 by default).
         self.session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=64))
         self._signatures: dict[tuple, object] = {}
+        self._latest_seen: dict[str, tuple[int, float]] = {}   # model -> (version, when)
 
     def predict(self, model: str, inputs: dict[str, np.ndarray], signature_name: str,
                 version: int | None) -> dict[str, np.ndarray]:
         body = {"signature_name": signature_name,
                 "inputs": {name: _json_of_array(value) for name, value in inputs.items()}}
         for attempt in range(2):
-            number = version if version is not None else self._latest(model)
+            number = version if version is not None else self._latest(model, fresh=attempt > 0)
             key = (model, number, signature_name)
             try:
                 signature = self._signature(*key)
@@ -196,9 +199,13 @@ class RestTransport:
     def close(self) -> None:
         self.session.close()
 
-    def _latest(self, model: str) -> int:
-        """The latest AVAILABLE version of `model`; NOT_FOUND as a predict answers it."""
+    def _latest(self, model: str, fresh: bool = False) -> int:
+        """The latest AVAILABLE version of `model`, as its status said at most
+        `LATEST_SECONDS` ago (now, if `fresh`); NOT_FOUND as a predict answers it."""
         from tensorflow_serving.apis import get_model_status_pb2
+        seen = self._latest_seen.get(model)
+        if seen and not fresh and time.monotonic() - seen[1] < self.LATEST_SECONDS:
+            return seen[0]
         try:
             states = self.status(model, None).model_version_status
         except ServingError as error:
@@ -209,6 +216,7 @@ class RestTransport:
                      if s.state == get_model_status_pb2.ModelVersionStatus.AVAILABLE]
         if not available:
             raise ServingError("NOT_FOUND", f"Servable not found for request: Latest({model})")
+        self._latest_seen[model] = (max(available), time.monotonic())
         return max(available)
 
     def _signature(self, model: str, version: int, name: str):

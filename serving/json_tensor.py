@@ -30,14 +30,24 @@ _JSON_DTYPES = {np.dtype(t) for t in (np.float32, np.float64, np.int8, np.int16,
 def parse_json(body: bytes):
     """The JSON value of a request body; INVALID_ARGUMENT when it does not parse.
 
-    As TF Serving's parser (RapidJSON), it accepts NaN and Infinity and refuses a number
-    beyond the range of a double (1e400), which Python would read as infinity; any other
-    number is kept (a float32 input then rounds it, as TF Serving does).
+    As TF Serving's parser (RapidJSON), it accepts NaN and Infinity, reads an integer beyond
+    64 bits as a double, and refuses a number beyond the range of a double (1e400), which
+    Python would read as infinity. A float or double input then refuses what it cannot hold
+    (`_lossless`), as TF Serving does.
     """
     try:
-        return json.loads(body, parse_float=_double)
+        return json.loads(body, parse_float=_double, parse_int=_integer)
     except (ValueError, RecursionError) as error:   # UnicodeDecodeError is a ValueError
         raise ServingError("INVALID_ARGUMENT", f"JSON Parse error: {error}") from error
+
+
+def _integer(text: str) -> int | float:
+    """A JSON integer as RapidJSON keeps it: an integer within 64 bits, else a double."""
+    if len(text) <= 20:
+        value = int(text)
+        if -2 ** 63 <= value < 2 ** 64:
+            return value
+    return _double(text)
 
 
 def _double(text: str) -> float:
@@ -110,7 +120,7 @@ def format_predict(outputs: dict[str, np.ndarray], row_form: bool) -> bytes:
     else:
         _write_rows(outputs, batch, pieces)
     pieces.append("}")
-    return "".join(pieces).encode("utf-8")
+    return b"".join(piece.encode("utf-8") for piece in pieces)     # no joined str besides
 
 
 def to_json(name: str, value: np.ndarray):
@@ -277,8 +287,9 @@ def _leaf_converter(dtype: tf.DType):
     if dtype == tf.bool:
         return _typed_leaf(lambda v: isinstance(v, bool), "Bool", dtype)
     if dtype.is_floating:
-        return _typed_leaf(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-                           "Number", dtype)
+        number = _typed_leaf(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+                             "Number", dtype)
+        return _lossless(number, dtype) if dtype in (tf.float32, tf.float64) else number
     if dtype.is_integer:
         return _typed_leaf(lambda v: isinstance(v, int) and not isinstance(v, bool),
                            "Integer", dtype)
@@ -293,6 +304,23 @@ def _typed_leaf(accepts, kind: str, dtype: tf.DType):
                                f"type: {dtype.name} (a JSON {kind})")
         return leaf
     return convert
+
+
+def _lossless(convert, dtype: tf.DType):
+    """`convert`, then TF Serving's `IsLosslessDecimal` for a float or double input: a JSON
+    integer above the largest the type holds exactly (2**24 - 1, 2**53 - 1), or a finite
+    number beyond the type's range, is refused rather than rounded."""
+    info = np.finfo(dtype.as_numpy_dtype)
+    exact, target = 2 ** (info.nmant + 1) - 1, "float" if dtype == tf.float32 else "double"
+
+    def checked(leaf, name: str):
+        leaf = convert(leaf, name)             # an int is within 64 bits (`parse_json`)
+        if (abs(leaf) > exact if isinstance(leaf, int) else
+                math.isfinite(leaf) and abs(leaf) > info.max):
+            raise ServingError("INVALID_ARGUMENT", f'Input "{name}": Cannot convert JSON value: '
+                               f"{json.dumps(leaf)} to {target} without loss of precision.")
+        return leaf
+    return checked
 
 
 def _string_leaf(leaf, name: str) -> bytes:

@@ -149,6 +149,7 @@ class ModelManager:
                               [c.base_path for c in configs] + list(allowed_roots)]
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
+        self._reloading = threading.Lock()        # one reload at a time, labels included
         _check_unique(configs)
         self._models = {c.name: _Model(c) for c in configs}
         self._labels = {c.name: dict(c.labels) for c in configs}   # name -> label -> version
@@ -235,6 +236,10 @@ class ModelManager:
         previous labels and the reload fails (FAILED_PRECONDITION) with its models applied.
         """
         _check_unique(configs)
+        with self._reloading:                     # as TF Serving holds its config lock
+            self._reload(configs, wait_seconds)
+
+    def _reload(self, configs: list[ModelConfig], wait_seconds: float | None) -> None:
         new = {c.name: c for c in configs}
         with self._lock:
             for name in list(self._models):
@@ -244,6 +249,8 @@ class ModelManager:
                        or self._models[name].config.base_path != config.base_path]
             for name, config in new.items():
                 if name in self._models:
+                    if name in changed:               # a new path: its copies are tried anew
+                        self._models[name].failed_moves.clear()
                     self._models[name].config = config
                 else:
                     self._models[name] = _Model(config)

@@ -271,9 +271,9 @@ class HeaderTimeoutProtocol(H11Protocol):
             self._disarm()
             extensions = self.scope.setdefault("extensions", {})
             extensions[DISCONNECTED] = self._disconnected
-            limit = self.config.max_concurrent_requests       # this request's task is counted
+            limit = self.config.max_concurrent_requests   # its connection and task counted
             extensions[OVER_LIMIT] = limit is not None and (
-                len(self.connections) >= limit or len(self.tasks) > limit)
+                len(self.connections) > limit or len(self.tasks) > limit)
 
     def connection_lost(self, exc) -> None:
         self._disarm()

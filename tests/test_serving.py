@@ -12,6 +12,7 @@ The tests then load their models into that server with `HandleReloadConfigReques
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import threading
@@ -415,20 +416,26 @@ def test_json_responses_written_in_pieces_are_the_same(monkeypatch, piece):
     assert _formatted({"a": np.array([np.nan, np.inf])}, row_form=False)["outputs"][1] == np.inf
 
 
-def test_a_large_answer_is_written_without_holding_the_gil_long():
-    """What the event loop waits for while a worker thread writes a 20 MB answer."""
-    from tworec.serving.json_tensor import format_predict
-    outputs = {"y": np.random.default_rng(0).normal(size=(8, 300_000))}
-    writer = threading.Thread(target=format_predict, args=(outputs, False))
-    longest, writer_started = 0.0, time.perf_counter()
-    writer.start()
-    while writer.is_alive():
-        start = time.perf_counter()
-        time.sleep(0.001)
-        longest = max(longest, time.perf_counter() - start)
-    writer.join()
-    assert time.perf_counter() - writer_started > 0.2       # long enough to tell
-    assert longest < 0.15
+def test_a_large_answer_is_written_a_piece_at_a_time(monkeypatch):
+    """Encoding a piece holds the GIL; an answer of 2.4 million values is encoded at most
+    `_PIECE_ELEMENTS` of them at a time, so the event loop runs in between, and reads back
+    whole."""
+    from tworec.serving import json_tensor
+    encoded, dumps = [], json.dumps
+    monkeypatch.setattr(json_tensor.json, "dumps", lambda value, *args, **kwargs: (
+        encoded.append(np.size(value)) or dumps(value, *args, **kwargs)))
+    outputs = {"y": np.random.default_rng(0).normal(size=(8, 300_000)),
+               "n": np.arange(8 * 300_000).reshape(300_000, 8)}
+    for row_form in (False, True):
+        encoded.clear()
+        data = json_tensor.format_predict(outputs if not row_form else
+                                          {k: v.reshape(300_000, -1) for k, v in outputs.items()},
+                                          row_form)
+        assert 2 < len(encoded) and max(encoded) <= json_tensor._PIECE_ELEMENTS
+        answer = json.loads(data)
+        values = answer["outputs"]["n"] if not row_form else [row["n"] for row in
+                                                               answer["predictions"]]
+        assert np.array_equal(np.array(values).ravel(), outputs["n"].ravel())
 
 
 @pytest.mark.parametrize("dtype, name", [(np.complex64, "complex64"), (np.float16, "half"),
@@ -473,6 +480,11 @@ REST_ERRORS = {
                                f"Failed to convert version: {'9' * 5000} to numeric."),
     "number beyond a double": ("scale", b'{"inputs": [1e400]}', 400,
                                "Number too big to be stored in double"),
+    "integer a float cannot hold": ("scale", b'{"inputs": [16777217]}', 400,
+                                    "Cannot convert JSON value: 16777217 to float without loss "
+                                    "of precision."),
+    "number beyond a float": ("scale", b'{"inputs": [3.5e38]}', 400,
+                              "to float without loss of precision."),
 }
 
 
@@ -506,15 +518,17 @@ def test_rest_status_errors(server):
 
 
 def test_rest_floats_take_any_json_number_within_a_double(server):
-    """As TF Serving's parser: 0.1 rounds to float32, NaN and Infinity parse, 1e400 does not
-    (REST_ERRORS)."""
+    """As TF Serving's parser: 0.1 rounds to float32, 2**24 - 1 and an integer past 64 bits
+    (a double to the parser) are held, NaN and Infinity parse; 1e400, 16777217 and 3.5e38 do
+    not (REST_ERRORS)."""
     _, rest, _ = server
     answer = _predict(rest, "scale", b'{"inputs": [0.1, 1e-400, 123456789012345678901234, '
-                                     b'NaN, -Infinity]}')
+                                     b'NaN, -Infinity, 16777215]}')
     values = answer.json()["outputs"]
     assert values[:3] == pytest.approx(
         (np.array([0.1, 0.0, 123456789012345678901234], np.float32) * 3).tolist())
     assert np.isnan(values[3]) and values[4] == -np.inf
+    assert values[5] == float(np.float32(16777215) * np.float32(3))
 
 
 def test_rest_paths_are_case_insensitive_and_malformed_paths_refused(server):
@@ -761,15 +775,10 @@ def _hammer(client: Client, stop: threading.Event, factors: list, failures: list
             failures.append(repr(error))
 
 
-def _wait_for(condition, seconds: float = 30.0) -> None:
-    deadline = time.time() + seconds
-    while not condition():
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.02)
-
-
-def test_hot_swap_drops_no_request_and_a_corrupt_version_keeps_the_last_good(swap_server):
-    base, server = swap_server
+@contextlib.contextmanager
+def hammering(server):
+    """A REST and a gRPC client predicting in a loop until the block ends; yields the clients,
+    the factor lists their answers show and the list of failures."""
     clients = [Client(url=f"http://127.0.0.1:{server.rest_port}", retries=0),
                Client(grpc_target=f"127.0.0.1:{server.grpc_port}", retries=0)]
     stop, failures = threading.Event(), []
@@ -779,6 +788,25 @@ def test_hot_swap_drops_no_request_and_a_corrupt_version_keeps_the_last_good(swa
     for thread in threads:
         thread.start()
     try:
+        yield clients, factors, failures
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+        for client in clients:
+            client.close()
+
+
+def _wait_for(condition, seconds: float = 30.0) -> None:
+    deadline = time.time() + seconds
+    while not condition():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_hot_swap_drops_no_request_and_a_corrupt_version_keeps_the_last_good(swap_server):
+    base, server = swap_server
+    with hammering(server) as (clients, factors, failures):
         _wait_for(lambda: all(factors))
         save(Scale(2.0), base)
         _wait_for(lambda: all(f[-1] == 2.0 for f in factors))
@@ -793,17 +821,11 @@ def test_hot_swap_drops_no_request_and_a_corrupt_version_keeps_the_last_good(swa
                                 server.manager.status("scale").model_version_status})
         count = sum(map(len, factors))
         _wait_for(lambda: sum(map(len, factors)) > count + 20)
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join()
+        broken = clients[0].status("scale", version=3).model_version_status[0]
     assert failures == []
     assert all(f[-1] == 2.0 and set(f) <= {1.0, 2.0} for f in factors)
-    broken = clients[0].status("scale", version=3).model_version_status[0]
     assert broken.state == broken.END and broken.status.error_code != 0
     assert "3" in broken.status.error_message
-    for client in clients:
-        client.close()
 
 
 @pytest.mark.parametrize("failures, retries, state", [(2, 2, "AVAILABLE"), (2, 1, "END")])
@@ -930,6 +952,8 @@ def test_serve_flags_follow_tf_serving(model_dir):
     (["--enable_batching", "--max_enqueued_batches=0"],
      "--max_enqueued_batches must be at least 1, got 0"),
     (["--max_num_load_retries=-1"], "--max_num_load_retries must be at least 0, got -1"),
+    (["--rest_api_timeout_in_ms=0"], "--rest_api_timeout_in_ms must be at least 1, got 0"),
+    (["--max_request_bytes=0"], "--max_request_bytes must be at least 1, got 0"),
 ])
 def test_serve_refuses_flags_that_cannot_serve_in_one_line(flags, message, capsys):
     serve = _script("serve")
@@ -1008,33 +1032,19 @@ def test_a_move_to_another_base_path_drops_no_request(swap_server, tmp_path):
         save(module, str(tmp_path / folder), version)
     write_version(str(tmp_path / "d"), lambda path: open(
         os.path.join(path, "saved_model.pb"), "w").write("not a SavedModel"), 3)
-    clients = [Client(url=f"http://127.0.0.1:{server.rest_port}", retries=0),
-               Client(grpc_target=f"127.0.0.1:{server.grpc_port}", retries=0)]
-    stop, failures = threading.Event(), []
-    factors = [[] for _ in clients]
-    threads = [threading.Thread(target=_hammer, args=(c, stop, f, failures))
-               for c, f in zip(clients, factors)]
-    for thread in threads:
-        thread.start()
-    try:
+    with hammering(server) as (_, factors, failures):
         for folder, factor in (("b", 5.0), ("c", 7.0), ("d", 7.0)):
             _wait_for(lambda: all(factors))
             server.manager.reload([ModelConfig("scale", str(tmp_path / folder))])
             count = [len(f) for f in factors]
             _wait_for(lambda: failures or all(len(f) > n + 5 for f, n in zip(factors, count)))
             assert failures == [] and all(f[-1] == factor for f in factors), folder
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join()
     assert failures == []
     assert all(f == sorted(f, key=[1.0, 5.0, 7.0].index) for f in factors)
     states = {s.version: (s.state, s.status.error_code)
               for s in server.manager.status("scale").model_version_status}
     assert states[2] == (get_model_status_pb2.ModelVersionStatus.AVAILABLE, 0)
     assert states[3][0] == get_model_status_pb2.ModelVersionStatus.END and states[3][1] != 0
-    for client in clients:
-        client.close()
 
 
 def test_labels_may_only_point_at_available_versions(swap_server):
@@ -1104,6 +1114,19 @@ def test_rest_client_decodes_each_answer_with_its_versions_signature(swap_server
         with pytest.raises(ServingError) as error:
             _outputs_of_json(wrong, signature)
         assert error.value.code == "INTERNAL"
+
+
+def test_rest_client_looks_the_latest_version_up_at_most_once_a_second(embedded):
+    with Client(url=embedded[0]) as client:
+        transport, looked_up = client.transport, []
+        status = transport.status
+        transport.status = lambda *args: looked_up.append(args) or status(*args)
+        for _ in range(3):
+            assert client.predict("scale", {"x": np.ones(1, np.float32)})["y"].tolist() == [3.0]
+        assert len(looked_up) == 1
+        transport._latest_seen["scale"] = (1, time.monotonic() - transport.LATEST_SECONDS)
+        client.predict("scale", {"x": np.ones(1, np.float32)})
+        assert len(looked_up) == 2
 
 
 def test_rest_client_sends_nan_and_infinity(embedded):

@@ -519,10 +519,15 @@ def test_slow_clients_are_cut_off_and_connections_capped(models):
         slow_body.sendall((head + "Content-Length: 1000\r\n\r\n{").encode())
         answer = slow_body.recv(65536)
         assert b" 408 " in answer.split(b"\r\n")[0] and _closed_within(slow_body, 10)
-        idle = [_connect(port) for _ in range(3)]               # the connection cap
+        idle = [_connect(port) for _ in range(2)]
         for sock in idle:                                       # each accepted by the server
             sock.sendall(b"P")
             _wait_for(lambda: _server_has_read(port, sock), seconds=30)
+        assert requests.post(f"http://127.0.0.1:{port}/v1/models/scale:predict", data=body,
+                             timeout=5).json() == {"outputs": [3.0]}     # the third of 3
+        idle.append(_connect(port))                             # the connection cap
+        idle[-1].sendall(b"P")
+        _wait_for(lambda: _server_has_read(port, idle[-1]), seconds=30)
         refused = requests.post(f"http://127.0.0.1:{port}/v1/models/scale:predict",
                                 data=body, timeout=5)
         assert refused.status_code == 503
