@@ -677,8 +677,9 @@ def _read_parquet(path: str, include: list[str]) -> pa.Table:
 
 def _read_text(path: str, mapping: dict[str, str], delimiter: str) -> pa.Table:
     """Reads the needed columns in blocks of 16 MiB (decompressed if `.gz`). Ids are read as
-    text (`007` is not `7`); time and rating as text too, then cast as whole columns by
-    `_as_number`, so that no late row can break a type inferred from the first block."""
+    text (`007` is not `7`; an unquoted `NA`, `null`, ... is missing, a quoted `"NA"` an id, as
+    R writes them); time and rating as text too, then cast as whole columns by `_as_number`,
+    so that no late row can break a type inferred from the first block."""
     roles = {role: name for role, name in mapping.items()
              if role in ("user", "item", "time", "rating")}
     try:
@@ -686,14 +687,12 @@ def _read_text(path: str, mapping: dict[str, str], delimiter: str) -> pa.Table:
                                 parse_options=pacsv.ParseOptions(delimiter=delimiter),
                                 convert_options=pacsv.ConvertOptions(
                                     include_columns=sorted(set(mapping.values())),
-                                    column_types={name: pa.string() for name in roles.values()}))
+                                    column_types={name: pa.string() for name in roles.values()},
+                                    null_values=MISSING_IDS.to_pylist(),
+                                    strings_can_be_null=True, quoted_strings_can_be_null=False))
         table = reader.read_all()
     except (pa.ArrowInvalid, OSError) as error:
         raise DataError(f"{path}: cannot parse: {_one_line(error)}") from None
-    for role in ("user", "item"):
-        name = mapping[role]
-        table = table.set_column(table.column_names.index(name), name,
-                                 _marked_missing(table.column(name), MISSING_IDS))
     table = _as_number(table, mapping["time"], TIME_TYPES)
     if "rating" in mapping:
         table = _as_number(table, mapping["rating"], (pa.float64(),),
@@ -704,13 +703,13 @@ def _read_text(path: str, mapping: dict[str, str], delimiter: str) -> pa.Table:
 TIME_TYPES = (pa.int64(), pa.float64(), pa.timestamp("ns"), pa.timestamp("ns", tz="UTC"),
               pa.timestamp("us"), pa.timestamp("us", tz="UTC"))   # us: before 1677, after 2262
 MISSING = pa.array(pacsv.ConvertOptions().null_values)        # Arrow's markers of a missing value
-MISSING_IDS = pc.filter(MISSING, pc.not_equal(MISSING, ""))   # an empty id: its own message
+MISSING_IDS = pc.filter(MISSING, pc.not_equal(MISSING, ""))   # an empty id has its own message
 
 
-def _marked_missing(column: pa.ChunkedArray, markers: pa.Array = MISSING) -> pa.ChunkedArray:
-    """A text column with Arrow's missing-value `markers` (empty, `NA`, `null`, `nan`, ...) as
+def _marked_missing(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    """A text column with Arrow's missing-value markers (empty, `NA`, `null`, `nan`, ...) as
     missing values, as Arrow reads them in a column it types itself."""
-    return pc.if_else(pc.is_in(column, value_set=markers), pa.scalar(None, pa.string()), column)
+    return pc.if_else(pc.is_in(column, value_set=MISSING), pa.scalar(None, pa.string()), column)
 
 
 def _as_number(table: pa.Table, name: str, types: tuple[pa.DataType, ...],

@@ -88,7 +88,6 @@ def parse_args(argv):
         parser.error("give --model_config_file, or --model_name with --model_base_path")
     batching = args.enable_batching
     for flag, least, checked in (("max_concurrent_requests", 1, True),
-                                 ("rest_api_timeout_in_ms", 1, True),
                                  ("max_request_bytes", 1, True),
                                  ("max_num_load_retries", 0, True),
                                  ("load_retry_interval_micros", 0, True),
@@ -160,7 +159,8 @@ def main(argv=None) -> int:
     server = ModelServer(manager,
                          host=args.host, grpc_port=args.port,
                          rest_port=args.rest_api_port or None,
-                         rest_timeout_seconds=args.rest_api_timeout_in_ms / 1000,
+                         rest_timeout_seconds=(args.rest_api_timeout_in_ms / 1000   # <= 0:
+                                               if args.rest_api_timeout_in_ms > 0 else None),
                          max_request_bytes=args.max_request_bytes,
                          batcher=batcher(args), max_rows=args.max_rows_per_request,
                          max_concurrent_requests=args.max_concurrent_requests,

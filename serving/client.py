@@ -217,6 +217,8 @@ class RestTransport:
         if not available:
             raise ServingError("NOT_FOUND", f"Servable not found for request: Latest({model})")
         self._latest_seen[model] = (max(available), time.monotonic())
+        for key in [key for key in self._signatures if key[0] == model]:
+            del self._signatures[key]             # a moved model may reuse a version number
         return max(available)
 
     def _signature(self, model: str, version: int, name: str):

@@ -120,7 +120,10 @@ def format_predict(outputs: dict[str, np.ndarray], row_form: bool) -> bytes:
     else:
         _write_rows(outputs, batch, pieces)
     pieces.append("}")
-    return b"".join(piece.encode("utf-8") for piece in pieces)     # no joined str besides
+    data, pieces = bytearray(), pieces[::-1]
+    while pieces:                             # each piece freed once encoded: peak ~2x
+        data += pieces.pop().encode("utf-8")
+    return bytes(data)
 
 
 def to_json(name: str, value: np.ndarray):
@@ -246,12 +249,11 @@ def _to_array(value, spec: meta_graph_pb2.TensorInfo, name: str, shape: list[int
     _flatten(value, shape, 0, leaves, name)
     convert = _leaf_converter(dtype)
     converted = [convert(leaf, name) for leaf in leaves]
-    try:
-        array = np.array(converted, dtype=object if dtype == tf.string else dtype.as_numpy_dtype)
-    except (OverflowError, ValueError) as error:
-        raise ServingError("INVALID_ARGUMENT", f'Input "{name}": {error} for {dtype.name}'
-                           ) from error
-    return array.reshape(shape)
+    if dtype == tf.string:
+        return np.array(converted, dtype=object).reshape(shape)
+    if dtype in _NARROW_INTS:                                   # wrapped, as TF Serving
+        return np.array(converted, np.int64).astype(dtype.as_numpy_dtype).reshape(shape)
+    return np.array(converted, dtype=dtype.as_numpy_dtype).reshape(shape)
 
 
 def _shape_of(value) -> list[int]:
@@ -281,19 +283,31 @@ def _flatten(value, shape: list[int], depth: int, leaves: list, name: str) -> No
         leaves.append(value)
 
 
+# Read as JSON int32s and wrapped to their width, as TF Serving's `int_val` (and gRPC here).
+_NARROW_INTS = (tf.int8, tf.int16, tf.uint8)
+_INT_RANGES = {tf.int32: (-2 ** 31, 2 ** 31), tf.int64: (-2 ** 63, 2 ** 63),
+               tf.uint32: (0, 2 ** 32), tf.uint64: (0, 2 ** 64),
+               **{narrow: (-2 ** 31, 2 ** 31) for narrow in _NARROW_INTS}}
+
+
 def _leaf_converter(dtype: tf.DType):
+    """The converter of one JSON leaf to a value of `dtype`, for the dtypes TF Serving's JSON
+    reads (`AddValueToTensor`); UNIMPLEMENTED for others (half, bfloat16, uint16, ...)."""
     if dtype == tf.string:
         return _string_leaf
     if dtype == tf.bool:
         return _typed_leaf(lambda v: isinstance(v, bool), "Bool", dtype)
-    if dtype.is_floating:
-        number = _typed_leaf(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-                             "Number", dtype)
-        return _lossless(number, dtype) if dtype in (tf.float32, tf.float64) else number
-    if dtype.is_integer:
-        return _typed_leaf(lambda v: isinstance(v, int) and not isinstance(v, bool),
-                           "Integer", dtype)
-    raise ServingError("UNIMPLEMENTED", f"JSON inputs of dtype {dtype.name} are not supported")
+    if dtype in (tf.float32, tf.float64):
+        return _lossless(_typed_leaf(
+            lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "Number", dtype),
+            dtype)
+    if dtype in _INT_RANGES:
+        low, high = _INT_RANGES[dtype]
+        width = "int32" if dtype in _NARROW_INTS else dtype.name
+        return _typed_leaf(lambda v: isinstance(v, int) and not isinstance(v, bool)
+                           and low <= v < high, f"Integer within {width}", dtype)
+    raise ServingError("UNIMPLEMENTED", f"Conversion of JSON values to type: {dtype.name} is "
+                       "not supported, as in TF Serving")
 
 
 def _typed_leaf(accepts, kind: str, dtype: tf.DType):
@@ -316,7 +330,7 @@ def _lossless(convert, dtype: tf.DType):
     def checked(leaf, name: str):
         leaf = convert(leaf, name)             # an int is within 64 bits (`parse_json`)
         if (abs(leaf) > exact if isinstance(leaf, int) else
-                math.isfinite(leaf) and abs(leaf) > info.max):
+                math.isfinite(leaf) and abs(leaf) > float(info.max)):
             raise ServingError("INVALID_ARGUMENT", f'Input "{name}": Cannot convert JSON value: '
                                f"{json.dumps(leaf)} to {target} without loss of precision.")
         return leaf

@@ -197,7 +197,7 @@ class ModelManager:
             self._thread.join()
         with self._lock:
             for name in list(self._models):
-                self._remove(name)
+                self._remove(name)                # notifies a reload waiting for them
             closing, self._closing = self._closing, []
         for thread in closing:
             thread.join()
@@ -242,6 +242,9 @@ class ModelManager:
     def _reload(self, configs: list[ModelConfig], wait_seconds: float | None) -> None:
         new = {c.name: c for c in configs}
         with self._lock:
+            if self._stop.is_set():               # nothing would load: the wait never ends
+                raise ServingError("UNAVAILABLE", "The server is stopping; the model config "
+                                   "was not reloaded")
             for name in list(self._models):
                 if name not in new:
                     self._remove(name)
@@ -258,8 +261,8 @@ class ModelManager:
                             if name in new}
         self.poll()
         with self._changed:
-            self._changed.wait_for(lambda: all(self._models[n].tried() for n in changed
-                                               if n in self._models), wait_seconds)
+            self._changed.wait_for(lambda: self._stop.is_set() or all(
+                self._models[n].tried() for n in changed if n in self._models), wait_seconds)
             self._update_labels(configs)
 
     def _update_labels(self, configs: list[ModelConfig]) -> None:

@@ -59,7 +59,8 @@ class RestApp:
     Args:
         manager: the served models.
         scheduler: runs checked requests (`batching.Direct` or `batching.Batcher`).
-        timeout_seconds: a predict's deadline, from its arrival (`--rest_api_timeout_in_ms`).
+        timeout_seconds: a predict's deadline, from its arrival (`--rest_api_timeout_in_ms`);
+            None for none.
         max_request_bytes: larger bodies are refused (HTTP 413).
         max_rows: the most rows an input of one request may have.
         body_timeout_seconds: a body not fully received by then is refused (HTTP 408).
@@ -105,7 +106,8 @@ class RestApp:
             raise ServingError("NOT_FOUND", f"Not found: {path}; the API is under /v1/")
         predict, status = _PREDICT.fullmatch(path), _STATUS.fullmatch(path)
         if method == "POST" and predict:
-            deadline = time.monotonic() + self.timeout_seconds
+            deadline = (None if self.timeout_seconds is None else
+                        time.monotonic() + self.timeout_seconds)
             body = await self._read_body(scope, receive)
             return 200, await self._predict(predict["verb"], *_model_spec(predict), body,
                                             scope, deadline)
@@ -150,7 +152,7 @@ class RestApp:
                             "(--max_request_bytes)", http_status=413)
 
     async def _predict(self, verb: str, name: str, version: int | None, label: str | None,
-                       body: bytes, scope, deadline: float) -> bytes:
+                       body: bytes, scope, deadline: float | None) -> bytes:
         if verb.lower() != "predict":
             raise ServingError("UNIMPLEMENTED", f"{verb} is not supported by this server; use "
                                ":predict with a predict signature")
@@ -183,9 +185,9 @@ async def _maybe_offload(big: bool, function, *args):
     return await asyncio.get_running_loop().run_in_executor(None, function, *args)
 
 
-async def _wait(future, scope, deadline: float, timeout_seconds: float):
+async def _wait(future, scope, deadline: float | None, timeout_seconds: float | None):
     """The result of a scheduled run; cancels it (dropped if not started) when the client
-    disconnects (`ClientGone`) or the deadline passes (DEADLINE_EXCEEDED)."""
+    disconnects (`ClientGone`) or the deadline, if any, passes (DEADLINE_EXCEEDED)."""
     result = asyncio.wrap_future(future)
     gone = scope.get("extensions", {}).get(DISCONNECTED)
 
@@ -194,9 +196,10 @@ async def _wait(future, scope, deadline: float, timeout_seconds: float):
     if gone is not None:
         gone.add_done_callback(cancel)
     timed_out = ServingError("DEADLINE_EXCEEDED", f"Request timed out after "
-                             f"{timeout_seconds:g} s (--rest_api_timeout_in_ms)")
+                             f"{timeout_seconds or 0:g} s (--rest_api_timeout_in_ms)")
     try:
-        async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
+        async with asyncio.timeout(None if deadline is None else
+                                   max(deadline - time.monotonic(), 0)):
             return await result
     except TimeoutError as error:
         raise timed_out from error

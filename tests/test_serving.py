@@ -952,7 +952,6 @@ def test_serve_flags_follow_tf_serving(model_dir):
     (["--enable_batching", "--max_enqueued_batches=0"],
      "--max_enqueued_batches must be at least 1, got 0"),
     (["--max_num_load_retries=-1"], "--max_num_load_retries must be at least 0, got -1"),
-    (["--rest_api_timeout_in_ms=0"], "--rest_api_timeout_in_ms must be at least 1, got 0"),
     (["--max_request_bytes=0"], "--max_request_bytes must be at least 1, got 0"),
 ])
 def test_serve_refuses_flags_that_cannot_serve_in_one_line(flags, message, capsys):
@@ -962,6 +961,8 @@ def test_serve_refuses_flags_that_cannot_serve_in_one_line(flags, message, capsy
     assert exit_.value.code == 2 and message in capsys.readouterr().err
     assert serve.parse_args(["--model_name=m", "--model_base_path=/m",
                              "--max_batch_size=0"]).max_batch_size == 0   # batching off
+    assert serve.parse_args(["--model_name=m", "--model_base_path=/m",      # no deadline
+                             "--rest_api_timeout_in_ms=0"]).rest_api_timeout_in_ms == 0
 
 
 def test_recommend_prints_titles(embedded, tmp_path, capsys):
@@ -1119,6 +1120,7 @@ def test_rest_client_decodes_each_answer_with_its_versions_signature(swap_server
 def test_rest_client_looks_the_latest_version_up_at_most_once_a_second(embedded):
     with Client(url=embedded[0]) as client:
         transport, looked_up = client.transport, []
+        transport.LATEST_SECONDS = 60.0                         # no timing in the test
         status = transport.status
         transport.status = lambda *args: looked_up.append(args) or status(*args)
         for _ in range(3):
@@ -1160,3 +1162,27 @@ def test_config_file_changes_are_picked_up(swap_server, tmp_path):
         os.utime(path, (time.time() + 10, time.time() + 10))
         time.sleep(0.3)                   # a broken config is logged; the models stay
         assert _available(client, "again")
+
+
+def test_json_inputs_are_read_as_tf_serving_reads_them():
+    """`AddValueToTensor`: int8/int16/uint8 take int32s and wrap them (as gRPC's int_val),
+    float refuses what it cannot hold (FLT_MAX compared as a double), and half, bfloat16 and
+    uint16 are not read at all."""
+    from tensorflow.core.protobuf import meta_graph_pb2
+    from tworec.serving.json_tensor import parse_json, parse_predict
+
+    def read(body: bytes, dtype: tf.DType) -> np.ndarray:
+        signature = meta_graph_pb2.SignatureDef()
+        signature.inputs["x"].dtype = dtype.as_datatype_enum
+        return parse_predict(parse_json(body), signature, 100)[0]["x"]
+    wrapped = read(b'{"inputs": [1000, -1, 127]}', tf.int8)
+    assert wrapped.tolist() == [-24, -1, 127] and wrapped.dtype == np.int8
+    for body, dtype, code in ((b'{"inputs": [2147483648]}', tf.int8, "INVALID_ARGUMENT"),
+                              (b'{"inputs": [3.4028235e38]}', tf.float32, "INVALID_ARGUMENT"),
+                              (b'{"inputs": [1]}', tf.float16, "UNIMPLEMENTED"),
+                              (b'{"inputs": [1]}', tf.bfloat16, "UNIMPLEMENTED"),
+                              (b'{"inputs": [1]}', tf.uint16, "UNIMPLEMENTED")):
+        with pytest.raises(ServingError) as error:
+            read(body, dtype)
+        assert error.value.code == code, (body, dtype)
+    assert read(b'{"inputs": [3.4028234e38]}', tf.float32).tolist() == [np.float32(3.4028234e38)]

@@ -725,3 +725,21 @@ def test_sigterm_drains_requests_in_flight(models, sig):
         process.kill()
         process.stdout.close()
     assert statuses == [200, 200]
+
+
+def test_a_rest_server_without_a_deadline_answers(models):
+    """--rest_api_timeout_in_ms 0 (TF Serving: no deadline) gives rest_timeout_seconds None."""
+    with _serve(models, names=("scale",), rest_timeout_seconds=None) as server:
+        answer = requests.post(f"http://127.0.0.1:{server.rest_port}/v1/models/scale:predict",
+                               data=_BODY, timeout=10)
+    assert answer.json() == {"outputs": [3.0]}
+
+
+def test_a_reload_after_stop_is_refused_not_left_waiting(models):
+    manager = ModelManager([ModelConfig("scale", os.path.join(models, "scale"))],
+                           poll_seconds=0)
+    manager.start()
+    manager.stop()
+    with pytest.raises(ServingError) as error:
+        manager.reload([ModelConfig("scale", os.path.join(models, "scale"))])
+    assert error.value.code == "UNAVAILABLE"

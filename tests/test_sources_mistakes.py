@@ -178,13 +178,17 @@ def test_text_ids_stay_text(tmp_path):
 
 
 def test_missing_markers_in_text_ids_are_missing_values(tmp_path):
-    """R and pandas write a missing value as NA: an id column holding one is refused as
-    missing, not read as a user called 'NA'."""
+    """R and pandas write a missing value as NA: an id column holding one unquoted is refused
+    as missing, not read as a user called 'NA'; a quoted "NA" is an id."""
     path = write_log(tmp_path / "log.csv", rows=[
         ("user_id", "item_id", "timestamp"), ("1", "10", "100"), ("NA", "11", "101"),
         ("2", "12", "102")])
     with pytest.raises(DataError, match="column 'user_id' has 1 missing values"):
         load(path)
+    quoted = tmp_path / "quoted.csv"                   # R writes the id "NA" quoted
+    quoted.write_text('user_id,item_id,timestamp\n"NA","10",100\n"2","null",101\n')
+    log = load(str(quoted))
+    assert log.user_ids.tolist() == ["NA", "2"] and log.item_ids.tolist() == ["10", "null"]
 
 
 def test_text_times_outside_nanoseconds_range_are_read(tmp_path):
