@@ -682,22 +682,33 @@ def _read_text(path: str, mapping: dict[str, str], delimiter: str) -> pa.Table:
     so that no late row can break a type inferred from the first block."""
     roles = {role: name for role, name in mapping.items()
              if role in ("user", "item", "time", "rating")}
-    try:
-        reader = pacsv.open_csv(path, read_options=pacsv.ReadOptions(block_size=BLOCK_SIZE),
-                                parse_options=pacsv.ParseOptions(delimiter=delimiter),
-                                convert_options=pacsv.ConvertOptions(
-                                    include_columns=sorted(set(mapping.values())),
-                                    column_types={name: pa.string() for name in roles.values()},
-                                    null_values=MISSING_IDS.to_pylist(),
-                                    strings_can_be_null=True, quoted_strings_can_be_null=False))
-        table = reader.read_all()
-    except (pa.ArrowInvalid, OSError) as error:
-        raise DataError(f"{path}: cannot parse: {_one_line(error)}") from None
+    table = _read_csv(path, delimiter, sorted(set(mapping.values())),
+                      column_types={name: pa.string() for name in roles.values()},
+                      null_values=MISSING_IDS.to_pylist(), strings_can_be_null=True,
+                      quoted_strings_can_be_null=False)
+    texts = [name for name in table.column_names if name not in roles.values()
+             and pa.types.is_string(table.column(name).type) and table.column(name).null_count]
+    if texts:                  # side features' text, as Arrow reads it by default: NA is text
+        again = _read_csv(path, delimiter, texts, column_types={n: pa.string() for n in texts})
+        for name in texts:
+            table = table.set_column(table.column_names.index(name), name, again.column(name))
     table = _as_number(table, mapping["time"], TIME_TYPES)
     if "rating" in mapping:
         table = _as_number(table, mapping["rating"], (pa.float64(),),
                            decimal_comma=delimiter != ",")
     return table
+
+
+def _read_csv(path: str, delimiter: str, columns: list[str], **convert) -> pa.Table:
+    """The `columns` of a text log, read in blocks of 16 MiB with `pyarrow.csv.ConvertOptions`
+    `convert`; a DataError naming the file when it does not parse."""
+    try:
+        return pacsv.open_csv(path, read_options=pacsv.ReadOptions(block_size=BLOCK_SIZE),
+                              parse_options=pacsv.ParseOptions(delimiter=delimiter),
+                              convert_options=pacsv.ConvertOptions(include_columns=columns,
+                                                                   **convert)).read_all()
+    except (pa.ArrowInvalid, OSError) as error:
+        raise DataError(f"{path}: cannot parse: {_one_line(error)}") from None
 
 
 TIME_TYPES = (pa.int64(), pa.float64(), pa.timestamp("ns"), pa.timestamp("ns", tz="UTC"),

@@ -189,6 +189,11 @@ def test_missing_markers_in_text_ids_are_missing_values(tmp_path):
     quoted.write_text('user_id,item_id,timestamp\n"NA","10",100\n"2","null",101\n')
     log = load(str(quoted))
     assert log.user_ids.tolist() == ["NA", "2"] and log.item_ids.tolist() == ["10", "null"]
+    side = tmp_path / "side.csv"                       # a side feature's NA stays its text
+    side.write_text("user_id,item_id,timestamp,occupation\n1,10,100,NA\n2,11,101,writer\n")
+    log = sources.load_table(str(side), {"user": "user_id", "item": "item_id",
+                                         "time": "timestamp", "user.occupation": "occupation"})
+    assert log.user_features["occupation"].tolist() == ["NA", "writer"]
 
 
 def test_text_times_outside_nanoseconds_range_are_read(tmp_path):
