@@ -55,16 +55,32 @@ class Client:
     def predict(self, model: str, inputs: dict[str, np.ndarray],
                 signature_name: str = DEFAULT_SIGNATURE,
                 version: int | None = None) -> dict[str, np.ndarray]:
-        """Runs a signature; inputs and outputs are name -> array [batch, ...]."""
+        """Runs a signature; inputs and outputs are name -> array [batch, ...]. A request
+        split into parts sends every part after the first to the version that answered the
+        first, so a hot swap meanwhile never joins two versions' answers (a request for the
+        latest version whose first answer's version is retired meanwhile starts over once)."""
         inputs = {name: np.asarray(value) for name, value in inputs.items()}
         rows = {len(value) if value.ndim else None for value in inputs.values()}
         if len(rows) != 1 or None in rows or rows.pop() <= self.max_rows_per_request:
-            return self._retry(self.transport.predict, model, inputs, signature_name, version)
-        size = self.max_rows_per_request
-        parts = [self.predict(model, {name: value[start:start + size]
-                                      for name, value in inputs.items()},
-                              signature_name, version)
-                 for start in range(0, len(next(iter(inputs.values()))), size)]
+            return self._retry(self.transport.predict, model, inputs, signature_name,
+                               version)[0]
+        for attempt in range(1 if version is not None else 2):
+            try:
+                return self._in_parts(model, inputs, signature_name, version)
+            except ServingError as error:
+                if error.code != "NOT_FOUND" or attempt == 1:
+                    raise
+
+    def _in_parts(self, model: str, inputs: dict[str, np.ndarray], signature_name: str,
+                  version: int | None) -> dict[str, np.ndarray]:
+        """`predict` in requests of `max_rows_per_request` rows, all to one version."""
+        size, parts = self.max_rows_per_request, []
+        for start in range(0, len(next(iter(inputs.values()))), size):
+            part, version = self._retry(self.transport.predict, model,
+                                        {name: value[start:start + size]
+                                         for name, value in inputs.items()},
+                                        signature_name, version)
+            parts.append(part)
         return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
 
     def status(self, model: str, version: int | None = None
@@ -109,7 +125,8 @@ class GrpcTransport:
         self.models = model_service_pb2_grpc.ModelServiceStub(self.channel)
 
     def predict(self, model: str, inputs: dict[str, np.ndarray], signature_name: str,
-                version: int | None) -> dict[str, np.ndarray]:
+                version: int | None) -> tuple[dict[str, np.ndarray], int | None]:
+        """(the outputs, the version that answered)."""
         import tensorflow as tf
         from tensorflow_serving.apis import predict_pb2
         request = predict_pb2.PredictRequest()
@@ -117,7 +134,9 @@ class GrpcTransport:
         for name, value in inputs.items():
             request.inputs[name].CopyFrom(tf.make_tensor_proto(value))
         response = self._call(self.prediction.Predict, request)
-        return {name: tf.make_ndarray(proto) for name, proto in response.outputs.items()}
+        return ({name: tf.make_ndarray(proto) for name, proto in response.outputs.items()},
+                response.model_spec.version.value if response.model_spec.HasField("version")
+                else version)
 
     def status(self, model: str, version: int | None):
         from tensorflow_serving.apis import get_model_status_pb2
@@ -168,7 +187,8 @@ class RestTransport:
         self._latest_seen: dict[str, tuple[int, float]] = {}   # model -> (version, when)
 
     def predict(self, model: str, inputs: dict[str, np.ndarray], signature_name: str,
-                version: int | None) -> dict[str, np.ndarray]:
+                version: int | None) -> tuple[dict[str, np.ndarray], int]:
+        """(the outputs, the version that answered)."""
         body = {"signature_name": signature_name,
                 "inputs": {name: _json_of_array(value) for name, value in inputs.items()}}
         for attempt in range(2):
@@ -182,10 +202,10 @@ class RestTransport:
                 if version is not None or error.code != "NOT_FOUND" or attempt == 1:
                     raise
         try:
-            return _outputs_of_json(answer, signature)
+            return _outputs_of_json(answer, signature), number
         except ServingError:                 # the version's signature changed: refetch once
             self._signatures.pop(key, None)
-            return _outputs_of_json(answer, self._signature(*key))
+            return _outputs_of_json(answer, self._signature(*key)), number
 
     def status(self, model: str, version: int | None):
         from tensorflow_serving.apis import get_model_status_pb2

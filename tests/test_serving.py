@@ -1186,3 +1186,29 @@ def test_json_inputs_are_read_as_tf_serving_reads_them():
             read(body, dtype)
         assert error.value.code == code, (body, dtype)
     assert read(b'{"inputs": [3.4028234e38]}', tf.float32).tolist() == [np.float32(3.4028234e38)]
+
+
+class SwappingTransport:
+    """Versions 1 and 2 answer x * version; the latest becomes 2 after the first answer, and
+    version 1 is retired then too when `retire`."""
+
+    def __init__(self, retire: bool):
+        self.retire, self.latest, self.asked = retire, 1, []
+
+    def predict(self, model, inputs, signature_name, version):
+        self.asked.append(version)
+        number = self.latest if version is None else version
+        if number == 1 and self.latest == 2 and self.retire:
+            raise ServingError("NOT_FOUND", f"Servable not found for request: Specific({model}, 1)")
+        self.latest = 2
+        return {"y": inputs["x"] * number}, number
+
+
+@pytest.mark.parametrize("retire, asked, factor", [(False, [None, 1, 1], 1),
+                                                    (True, [None, 1, None, 2, 2], 2)])
+def test_a_split_request_is_answered_by_one_version(retire, asked, factor):
+    client = Client(url="http://127.0.0.1:1", max_rows_per_request=2)
+    client.transport = SwappingTransport(retire)
+    answer = client.predict("m", {"x": np.arange(5.0)})["y"]
+    assert answer.tolist() == (np.arange(5.0) * factor).tolist()
+    assert client.transport.asked == asked
