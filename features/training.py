@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -216,14 +217,22 @@ def mixed_precision(enabled: bool):
 
 def run_callbacks(run_dir: str | None, stage: str, config_json: str) -> list:
     """Writes RUN/STAGE_config.json and returns the callbacks every stage's training uses in a
-    run folder: TensorBoard logs and resumable checkpoints (`BackupAndRestore`)."""
+    run folder: TensorBoard logs and resumable checkpoints (`BackupAndRestore`). An
+    interrupted training's checkpoint resumes only under the config that wrote it: one left
+    by another config (the folder's STAGE_config.json differs) is removed first."""
     if not run_dir:
         return []
     os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, f"{stage}_config.json"), "w") as f:
+    written, backup = (os.path.join(run_dir, f"{stage}_config.json"),
+                       os.path.join(run_dir, "checkpoints", stage))
+    if os.path.isdir(backup) and os.path.exists(written):
+        with open(written) as f:
+            if f.read() != config_json:
+                shutil.rmtree(backup)
+    with open(written, "w") as f:
         f.write(config_json)
     return [tf.keras.callbacks.TensorBoard(os.path.join(run_dir, "tensorboard", stage)),
-            tf.keras.callbacks.BackupAndRestore(os.path.join(run_dir, "checkpoints", stage))]
+            tf.keras.callbacks.BackupAndRestore(backup)]
 
 
 class EpochLog(tf.keras.callbacks.Callback):

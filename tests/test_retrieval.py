@@ -315,6 +315,21 @@ def test_scann_export_loads_and_answers(trained, tmp_path):
     users = log.user_ids[:4]
     assert np.array_equal(run("serving_default", user_id=users)["item_ids"],
                           brute_run("serving_default", user_id=users)["item_ids"])
+    everything = np.array([log.item_ids.astype(object)])           # more than it can skip
+    assert len(brute_run("with_history", user_id=users[:1], history=everything)["item_ids"][0]
+               ) == 10
+    with pytest.raises(tf.errors.InvalidArgumentError, match="use the retrieval export"):
+        run("with_history", user_id=users[:1], history=everything)
+
+
+def test_scann_padding_and_excluded_items_are_never_served():
+    """ScaNN pads with a NaN score and code 0 when its searched leaves hold too few items."""
+    from tworec.retrieval.export import usable_top_k
+    scores = tf.constant([[np.nan, 0.5, 0.9, np.nan]], tf.float32)
+    codes = tf.constant([[0, 3, 1, 0]], tf.int32)
+    excluded = tf.constant([[False, True, False, False]])           # item 1 seen
+    best, found = usable_top_k(scores, codes, excluded, 3)
+    assert best.numpy().tolist() == [[0.5, -np.inf, -np.inf]] and found.numpy()[0, 0] == 3
 
 
 @pytest.mark.parametrize("temperature, logq, remove_hits, hard_negatives", [

@@ -179,3 +179,17 @@ def test_without_loss_scaling_the_step_is_tfrs_own():
     for ours, theirs in zip(*weights):
         np.testing.assert_array_equal(ours, theirs)
     assert not np.array_equal(weights[0][0][1], np.ones(4))           # it trained
+
+
+def test_a_checkpoint_resumes_only_under_the_config_that_wrote_it(tmp_path):
+    """An interrupted training's backup is kept for the same config and removed for another
+    (it would resume another model's weights, optimizer and epoch)."""
+    from tworec.features.training import run_callbacks
+    backup = tmp_path / "checkpoints" / "ranking"
+    run_callbacks(str(tmp_path), "ranking", '{"task": "binary"}')
+    backup.mkdir(parents=True)                        # training interrupted
+    run_callbacks(str(tmp_path), "ranking", '{"task": "binary"}')
+    assert backup.is_dir()
+    run_callbacks(str(tmp_path), "ranking", '{"task": "listwise"}')
+    assert not backup.exists()
+    assert (tmp_path / "ranking_config.json").read_text() == '{"task": "listwise"}'
