@@ -228,7 +228,7 @@ def run_callbacks(run_dir: str | None, stage: str, config_json: str) -> list:
     if os.path.isdir(backup) and os.path.exists(written):
         with open(written) as f:
             if f.read() != config_json:
-                shutil.rmtree(backup)
+                shutil.rmtree(backup, ignore_errors=True)   # workers may race
     with open(written, "w") as f:
         f.write(config_json)
     return [tf.keras.callbacks.TensorBoard(os.path.join(run_dir, "tensorboard", stage)),

@@ -43,8 +43,13 @@ def scann_fetch(data: ModelInputs, k: int, exclude_seen: bool = True) -> int:
 def usable_top_k(scores: tf.Tensor, codes: tf.Tensor, excluded: tf.Tensor, k: int
                  ) -> tuple[tf.Tensor, tf.Tensor]:
     """The best k of ScaNN's answers (scores, codes [b, f]) that are neither `excluded`
-    ([b, num_items] bool) nor ScaNN's padding (a NaN score and code 0, when the searched leaves
-    held fewer than f items): ([b, k] scores, -inf where none is left; [b, k] codes)."""
+    ([b, num_items] bool) nor ScaNN's padding: when the searched leaves hold fewer than f
+    items, a batch's answer is as wide as its fullest row (maybe under k), the other rows
+    padded with a NaN score and code 0. ([b, k] scores, -inf where none is left; [b, k]
+    codes)."""
+    short = tf.maximum(k - tf.shape(scores)[1], 0)     # ScaNN may answer fewer columns
+    scores = tf.pad(scores, [[0, 0], [0, short]], constant_values=np.nan)
+    codes = tf.pad(codes, [[0, 0], [0, short]])
     unusable = tf.logical_or(tf.gather(excluded, codes, batch_dims=1),
                              tf.logical_not(tf.math.is_finite(scores)))
     scores, order = tf.math.top_k(tf.where(unusable, -np.inf, scores), k=k)
@@ -89,6 +94,12 @@ class RetrievalModule(tf.Module):
             scores, codes = tf.math.top_k(tf.where(mask, -np.inf, tf.matmul(
                 query, self.candidates, transpose_b=True)), k=self.k)                  # [b, k]
         else:
+            if self.fetch < self.num_items:                   # k must remain of those fetched
+                most = self.fetch - self.k
+                tf.debugging.assert_less_equal(
+                    tf.reduce_sum(tf.cast(mask, tf.int32), 1), most,
+                    message=f"a request excludes more than {most} items, the most the ScaNN "
+                            "export skips while still returning k; use the retrieval export")
             scores, codes = usable_top_k(*self.index(query, k=self.fetch), mask, self.k)
         codes = tf.cast(codes, tf.int64)
         empty = tf.math.is_inf(scores)                       # fewer than k items remained
@@ -114,12 +125,6 @@ class RetrievalModule(tf.Module):
         features, _ = self.users(user_id, index)
         given = tf.where(codes >= 0)                          # [n, 2] (row, slot) of known items
         excluded = (given[:, 0], tf.gather_nd(codes, given)) if self.exclude_seen else None
-        if self.index is not None and self.exclude_seen:      # k must remain of those fetched
-            most = self.fetch - self.k
-            tf.debugging.assert_less_equal(
-                tf.reduce_sum(tf.cast(codes >= 0, tf.int32), 1), most,
-                message=f"a history holds more than {most} known items, the most the ScaNN "
-                        "export skips while still returning k; use the retrieval export")
         known = tf.ones_like(user_id, tf.bool)       # history given: the towers can answer
         return self._top_k(features, known, excluded)
 

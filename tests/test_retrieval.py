@@ -323,13 +323,16 @@ def test_scann_export_loads_and_answers(trained, tmp_path):
 
 
 def test_scann_padding_and_excluded_items_are_never_served():
-    """ScaNN pads with a NaN score and code 0 when its searched leaves hold too few items."""
+    """ScaNN pads with a NaN score and code 0 when its searched leaves hold too few items, and
+    may answer fewer columns than asked."""
     from tworec.retrieval.export import usable_top_k
     scores = tf.constant([[np.nan, 0.5, 0.9, np.nan]], tf.float32)
     codes = tf.constant([[0, 3, 1, 0]], tf.int32)
     excluded = tf.constant([[False, True, False, False]])           # item 1 seen
     best, found = usable_top_k(scores, codes, excluded, 3)
     assert best.numpy().tolist() == [[0.5, -np.inf, -np.inf]] and found.numpy()[0, 0] == 3
+    best, found = usable_top_k(scores[:, 1:2], codes[:, 1:2], tf.zeros([1, 5], tf.bool), 3)
+    assert best.numpy().tolist() == [[0.5, -np.inf, -np.inf]]    # one column answered
 
 
 @pytest.mark.parametrize("temperature, logq, remove_hits, hard_negatives", [
