@@ -58,7 +58,6 @@ import shutil
 import sys
 import time
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 

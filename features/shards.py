@@ -394,10 +394,12 @@ def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int
     # Parquet's min/max statistics leave NaN out, and DuckDB's statistics propagation then
     # folds isnan() to false (DuckDB 2.0): the count is taken without it.
     connection.execute("SET disabled_optimizers = 'statistics_propagation'")
-    found = connection.execute("SELECT " + ", ".join(
-        f"COUNT(*) FILTER (WHERE {condition}), MIN({row}) FILTER (WHERE {condition})"
-        for condition, _, _ in checks) + f" FROM {_scan_sql(shards.files)}").fetchone()
-    connection.execute("RESET disabled_optimizers")
+    try:
+        found = connection.execute("SELECT " + ", ".join(
+            f"COUNT(*) FILTER (WHERE {condition}), MIN({row}) FILTER (WHERE {condition})"
+            for condition, _, _ in checks) + f" FROM {_scan_sql(shards.files)}").fetchone()
+    finally:                                         # the session's other queries keep it
+        connection.execute("RESET disabled_optimizers")
     for (_, name, empty), count, first in zip(checks, found[::2], found[1::2]):
         if count and empty:
             raise empty_ids_error(source, name, count, first)

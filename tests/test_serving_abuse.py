@@ -5,7 +5,6 @@ runs in seconds.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
