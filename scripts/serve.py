@@ -14,7 +14,9 @@
 
 SIGTERM or Ctrl-C stops accepting requests and lets those in flight finish for the grace period.
 A model with no version yet is served anyway (its requests answer NOT_FOUND) and its base path
-polled until one appears, as in TF Serving; a warning at start names the path.
+polled until one appears; a warning at start names the path (TF Serving would not start
+serving until one appeared). As TF Serving does, the server does not start when a model's
+latest version cannot load or a label names a version not loaded.
 """
 import argparse
 import errno
@@ -169,7 +171,10 @@ def main(argv=None) -> int:
                          grace_seconds=args.shutdown_grace_seconds,
                          max_elements=args.max_elements_per_request)
     try:
-        server.start()                       # stops what it started when a port fails
+        server.start()                       # stops what it started when it fails
+    except ServingError as error:            # a model or label TF Serving would refuse
+        print(f"error: cannot start: {error}", file=sys.stderr)
+        return 1
     except (OSError, RuntimeError) as error:
         ports = f"--port={args.port}" + (f", --rest_api_port={args.rest_api_port}"
                                          if args.rest_api_port else "")

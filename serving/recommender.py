@@ -59,7 +59,9 @@ class Recommender:
 
         Returns:
             {"item_ids": [b, n] bytes, "scores": [b, n] float32} from the ranking model, best
-            first; a user with fewer than n unseen candidates gets `PAD_ID` and -inf slots.
+            first. A slot without a candidate holds `PAD_ID`: scored -inf where `seen`
+            removed the candidate, and below the row's every real score where retrieval found
+            fewer than k items (the ranking export scores its padding so).
         """
         if np.ndim(user_ids) != 1:
             raise ValueError(f"user_ids must be a flat list of ids, got shape "

@@ -79,18 +79,21 @@ class ModelServer:
 
     def start(self) -> "ModelServer":
         """Starts loading the models, opens the ports, and returns self once the initial
-        versions are AVAILABLE or given up. When a port cannot be opened, what was started
-        (the other port, the scheduler, the model workers) is stopped and the error raised."""
+        versions are AVAILABLE. When a port cannot be opened, a model's latest version fails
+        to load or a label points at a version that is not AVAILABLE (`ModelManager.
+        check_started`, as TF Serving refuses to start), what was started (the ports, the
+        scheduler, the model workers) is stopped and the error raised."""
         self.manager.start(wait=False)
         try:
             if self.grpc_port is not None:
                 self._start_grpc()
             if self.rest_port is not None:
                 self._start_rest()
+            self.manager.wait_until_settled()
+            self.manager.check_started()
         except BaseException:
             self._stop_after_failed_start()
             raise
-        self.manager.wait_until_settled()
         return self
 
     def _stop_after_failed_start(self) -> None:

@@ -431,6 +431,34 @@ def test_a_port_that_cannot_be_opened_stops_what_was_started(models):
         server.manager.status("scale")
 
 
+@pytest.mark.parametrize("broken, labels, code, message", [
+    (True, {}, "UNKNOWN", "1 servable(s) did not become available: {{{name: scale version: 2} "
+     "due to error: Version 2 of model scale failed to load: "),
+    (False, {"canary": 7}, "FAILED_PRECONDITION", "Request to assign label to version 7 of "
+     "model scale, which is not currently available for inference")])
+def test_a_start_tf_serving_would_refuse_fails_and_stops_what_was_started(
+        models, tmp_path, broken, labels, code, message):
+    """TF Serving exits when a model's latest version cannot load, or a start-up label points
+    at a version that is not loaded; serving on without the model (or with a dead label)
+    would hide that behind NOT_FOUND answers."""
+    base = str(tmp_path / "scale")
+    save(Scale(3.0), base, version=1)
+    if broken:
+        os.makedirs(os.path.join(base, "2"))
+        with open(os.path.join(base, "2", "saved_model.pb"), "w") as f:
+            f.write("not a SavedModel")
+    manager = ModelManager([ModelConfig("scale", base, labels={"stable": 1, **labels})],
+                           poll_seconds=0)
+    server = ModelServer(manager, grpc_port=0, rest_port=0)
+    with pytest.raises(ServingError) as error:
+        server.start()
+    assert (error.value.code, error.value.message[:len(message)]) == (code, message)
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", server.grpc_port)) != 0
+    with pytest.raises(ServingError, match="Could not find any versions"):
+        manager.status("scale")
+
+
 def test_a_second_server_on_the_same_grpc_port_is_refused(models):
     """gRPC shares a port between servers (SO_REUSEPORT) unless told not to: two servers would
     split one port's traffic."""
@@ -656,10 +684,12 @@ def test_rest_client_mistakes_are_client_errors(models, model, body, status):
 
 def test_grpc_init_op_and_missing_saved_model_are_client_facing(models, tmp_path):
     base = str(tmp_path / "empty")
-    os.makedirs(os.path.join(base, "1"))
     manager = ModelManager([ModelConfig("scale", os.path.join(models, "scale")),
                             ModelConfig("empty", base)], poll_seconds=0)
     with ModelServer(manager, grpc_port=0, rest_port=0) as server:
+        os.makedirs(os.path.join(base, "1"))     # after the start, which it would fail
+        manager.poll()
+        manager.wait_until_settled()
         error = _grpc_error(_stub(server).Predict,
                             _request("scale", {}, signature="__saved_model_init_op"))
         status = requests.get(f"http://127.0.0.1:{server.rest_port}/v1/models/empty",
