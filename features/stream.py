@@ -155,15 +155,16 @@ class PreparedLog:
         """An endless dataset of shuffled {"user", "item", "history"} batches of the training
         rows (module docstring); every batch holds `batch_size` rows.
 
-        Each epoch reads every file once; its blocks form windows of at least `window_rows`
-        rows (and of 4 batches), so no window holds a row twice. `seed` may be a tensor (a
-        worker's `training.worker_seed()`): files and windows are then permuted by it too,
-        and only the block buffer's order is tf.data's own, which takes no symbolic seed."""
+        Each pass reads every file once; its blocks form windows of at least `window_rows`
+        rows (and of 4 batches), so no window holds a row twice, and a window's last rows
+        fill a batch with the next window's first: a pass trains every row once. The file
+        order, the block buffer's order and each window's rows are permuted by (`seed`, pass),
+        so passes differ, and so do the workers of a cluster: `seed` may be a tensor (a
+        worker's `training.worker_seed()`)."""
         import tensorflow as tf
         from tworec.features.batches import window_batches
         block_rows = self.manifest["block_rows"]
         window_blocks = -(-max(window_rows, 4 * batch_size) // block_rows)
-        block_seed = None if tf.is_tensor(seed) else int(seed)
         files = tf.constant(self.train_files)
         seed = tf.cast(seed, tf.int64)
         length = self.history_length
@@ -171,6 +172,12 @@ class PreparedLog:
         def epoch_windows(epoch: tf.Tensor) -> tf.data.Dataset:
             order = tf.random.experimental.stateless_shuffle(
                 tf.range(tf.size(files)), seed=tf.stack([seed, -1 - epoch]))
+            block_seed = tf.random.stateless_uniform(                  # [] int64
+                [], seed=tf.stack([-1 - epoch, seed]), minval=0, maxval=2**62, dtype=tf.int64)
+            # This function's graph seed, not the global one: a tensor op seed under a global
+            # seed of 0 fails (`random_seed.get_seed` compares it in Python), and the block
+            # order then depends on (seed, pass) alone.
+            tf.compat.v1.set_random_seed(1)
             blocks = tf.data.Dataset.from_tensor_slices(tf.gather(files, order)).interleave(
                 tf.data.TFRecordDataset, cycle_length=min(cycle_length, len(self.train_files)),
                 num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
@@ -182,8 +189,8 @@ class PreparedLog:
 
         windows = tf.data.Dataset.counter().flat_map(epoch_windows)
         numbered = tf.data.Dataset.zip((tf.data.Dataset.counter(), windows))
-        return window_batches(numbered, batch_size, shuffle=True, seed=seed,
-                              drop_remainder=True)
+        return window_batches(numbered, batch_size, shuffle=True, seed=seed).rebatch(
+            batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
 
     def transition_counts(self, memory_limit: str = "1GB") -> sp.csr_matrix:
         """[num_items, num_items] float32 CSR: how often catalogue item j directly followed

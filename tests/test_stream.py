@@ -1,5 +1,6 @@
 """features.stream: prepared shards as a training stream and as held-out batches; retrieval
 trained and evaluated from them equals the in-memory path where both apply."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -101,6 +102,36 @@ def test_training_batches_are_shuffled_training_rows_the_seed_repeats(folders):
     # a batch larger than the window's rows widens the window instead of never coming
     wide = prepared.training_batches(500, window_rows=300)
     assert [len(batch["user"]) for batch in wide.take(3)] == [500] * 3
+
+
+def test_every_pass_trains_each_row_once_in_an_order_of_its_own(folders):
+    """A window's last rows fill a batch with the next window's, so a pass trains every row
+    once whatever the batch size; and the block order changes with the pass and the seed. In
+    a one-file log it alone makes passes differ, and a cluster's workers: they read the same
+    windows in the same order when it followed the global seed."""
+    _, prepared = folders
+    one_file = dataclasses.replace(prepared, train_files=prepared.train_files[:1])
+    in_file = sorted(row for record in tf.data.TFRecordDataset(one_file.train_files)
+                     for row in _rows(parse_block(record, LENGTH)))
+    n = len(in_file)
+
+    def passes(seed, count: int) -> list[list[tuple]]:
+        dataset = one_file.training_batches(40, seed=seed, window_rows=300, shuffle_blocks=4)
+        rows = [row for batch in dataset.take(count * n // 40 + 1) for row in _rows(batch)]
+        return [rows[p * n:(p + 1) * n] for p in range(count)]
+
+    def windows(rows: list[tuple]) -> list[set]:     # 3 blocks of 100 rows: 7.5 batches
+        return [set(rows[start:start + 300]) for start in range(0, n, 300)]
+
+    first, second = passes(3, 2)
+    assert sorted(first) == in_file == sorted(second)
+    assert windows(first) != windows(second)
+    tf.random.set_seed(0)                        # as retrieval's `_fit` does before a cluster
+    try:
+        workers = [passes(tf.constant(seed, tf.int64), 1)[0] for seed in (1, 2)]
+    finally:
+        tf.random.set_seed(None)
+    assert windows(workers[0]) != windows(workers[1])
 
 
 @pytest.mark.parametrize("rows_per_pass", [1 << 23, 500])
