@@ -50,12 +50,15 @@ def load(source: str, columns: dict[str, str] | None = None, data_dir: str | Non
             `logs/part-*.parquet` (`features.shards`).
         columns: for generic files, role -> column name: `user`, `item`, `time`, optional
             `rating`, and side features as `user.NAME` or `item.NAME`.
-        data_dir: TFDS data directory holding an already prepared copy.
+        data_dir: for `tfds:NAME` only: the TFDS data directory, e.g. holding a prepared copy.
         seed: seed of the synthetic generator.
         delimiter: for text logs, the character between fields (`\\t` or `tab` for a tab);
             None detects it from the header.
     """
     delimiter = _delimiter_option(source, delimiter)
+    if data_dir is not None and not source.startswith("tfds:"):
+        raise DataError(f"--data-dir {data_dir}: {source} is not a TensorFlow Datasets source; "
+                        "the option applies only to tfds:NAME")
     if source == "synthetic" or source.startswith("synthetic:"):
         from tworec.features.synthetic import PRESETS, SHARDS_ONLY, generate
         preset = source.partition(":")[2] or "default"
@@ -764,10 +767,10 @@ def load_tfds(name: str, data_dir: str | None = None) -> Interactions:
                         f"download; install it (pip install {error.name}) and try again") from None
     except Exception as error:  # TFDS raises many kinds of download and preparation errors.
         raise DataError(
-            f"tfds:{name}: could not load it ({type(error).__name__}: {str(error)[:300]}). "
+            f"tfds:{name}: could not load it ({type(error).__name__}: {_one_line(error)}). "
             "TFDS downloads a data set the first time; without network access, prepare it "
-            "elsewhere and pass --data-dir, or pass the GroupLens release instead: "
-            "--data path/to/ml-100k.zip (or its unpacked folder)") from None
+            "elsewhere and pass its data directory with --data-dir, or pass the GroupLens "
+            "release instead: --data path/to/ml-100k.zip (or its unpacked folder)") from None
     genre_names = tuple(f"genre_{i}" for i in range(int(movies["movie_genres"].max(initial=0)) + 1))
     genres = np.zeros((len(movies["movie_id"]), len(genre_names)), dtype=np.float32)
     genres[movies["movie_genres_rows"], movies["movie_genres"]] = 1.0

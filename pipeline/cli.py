@@ -16,10 +16,14 @@ from tworec.pipeline.config import PRESETS
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, out_required: bool = True) -> None:
-    """--data, --columns, --delimiter, --out, --split, --preset and --epochs."""
+    """--data, --data-dir, --columns, --delimiter, --out, --split, --preset, --epochs and the
+    other flags every run script takes."""
     parser.add_argument("--data", default=None,
                         help="synthetic[:PRESET], tfds:NAME, a GroupLens folder or .zip, or a "
                              ".csv/.tsv/.parquet log (default: synthetic)")
+    parser.add_argument("--data-dir",
+                        help="for --data tfds:NAME: the TFDS data directory, e.g. one holding a "
+                             "copy prepared elsewhere (default: TFDS's own)")
     parser.add_argument("--columns", default="",
                         help="for generic files: ROLE=COLUMN,... with roles user, item, time, "
                              "rating, user.NAME, item.NAME")
@@ -50,9 +54,13 @@ def fail(message: str) -> int:
 
 
 def source_of(args) -> dict:
-    """The data source of parsed arguments, as RUN/config.json records it."""
-    return {"data": args.data or "synthetic", "columns": parse_columns(args.columns),
-            "delimiter": args.delimiter}
+    """The data source of parsed arguments, as RUN/config.json records it ("data_dir" only
+    when given)."""
+    source = {"data": args.data or "synthetic", "columns": parse_columns(args.columns),
+              "delimiter": args.delimiter}
+    if args.data_dir is not None:
+        source["data_dir"] = args.data_dir
+    return source
 
 
 def run(args, steps: tuple[str, ...], continue_run: bool = False, verbose: int = 1,

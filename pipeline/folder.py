@@ -23,6 +23,12 @@ class RunFolderError(ValueError):
 RUN_ENTRIES = ("config.json", "report.json", "report.md", "plots", "export", "vocab",
                "retrieval", "checkpoints", "tensorboard", "retrieval_config.json",
                "retrieval_train.json", "ranking_config.json", "ranking_train.json")
+# What a retrieval training that was interrupted leaves, and nothing else: a rerun of the
+# command that started it resumes it from its checkpoint.
+INTERRUPTED_RETRIEVAL = {"config.json", "retrieval_config.json", "checkpoints", "tensorboard"}
+# The version of `fingerprint`: 2 digests every column a run reads (1 left out the ratings and
+# the side features).
+FINGERPRINT_FORMAT = 2
 
 
 @dataclasses.dataclass
@@ -43,15 +49,18 @@ class CheckedRun:
 def check_run(out: str, source: dict, configs: Configs, continue_run: bool = False,
               overwrite: bool = False) -> CheckedRun:
     """Loads the log and checks everything before any training: the folder, the configs
-    against the log, and for a continued run that only the ranking config changed and that the
-    source still gives the log the run was trained on. Raises DataError, ValueError or
-    RunFolderError with a one-line message; changes nothing on disk.
+    against the log, for a continued run that only the ranking config changed and that the
+    source still gives the log the run was trained on, and for an interrupted retrieval
+    training that it is rerun with the same source, log and configs. Raises DataError,
+    ValueError or RunFolderError with a one-line message; changes nothing on disk.
 
     Args:
         out: the run folder: new (or empty) for a fresh run, a run folder to replace with
-            `overwrite`, or for `continue_run` the run whose retrieval model is reused.
+            `overwrite`, a folder holding only an interrupted retrieval training to resume, or
+            for `continue_run` the run whose retrieval model is reused.
         source: {"data": a `features.load` source, "columns": role -> column name, and
-            optionally "delimiter" of a text log (detected when absent)}.
+            optionally "delimiter" of a text log (detected when absent) and "data_dir", the
+            TFDS data directory}.
         configs: the resolved configs (for a continued run, resolved from `read_run(out)`).
     """
     if continue_run:
@@ -65,21 +74,30 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
         if saved.data.cold_start_window is None:
             raise RunFolderError(f"{out}: made before runs recorded what users never seen are "
                                  "served; train a new run (scripts/pipeline.py)")
-    else:
-        check_fresh(out, overwrite)
+        check_fingerprint_format(out, saved_source, "train a new run (scripts/pipeline.py)")
+        if "retrieval" not in run_report.read(out):
+            raise RunFolderError(f"{out}: its retrieval stage did not finish (no report.json with "
+                                 "retrieval's results); rerun scripts/train_retrieval.py or "
+                                 "scripts/pipeline.py into it with --overwrite")
+    resume = not continue_run and check_fresh(out, overwrite)
     configs.validate()                  # all but what depends on the log, before it loads
     log = load(source["data"], columns=source.get("columns") or {},
-               delimiter=source.get("delimiter"))
+               delimiter=source.get("delimiter"), data_dir=source.get("data_dir"))
     configs.validate(has_ratings=log.rating is not None)
     log_fingerprint = fingerprint(log)
     if continue_run and source.get("fingerprint") != log_fingerprint:
         raise RunFolderError(f"{out}: {source['data']} now gives another log than the run was "
-                             "trained on; train a new run")
+                             "trained on (its rows, ids, ratings or features differ); train a "
+                             "new run")
     run, notices = configs.run.for_catalogue(log.num_items)
-    return CheckedRun(out, log, dataclasses.replace(configs, run=run),
-                      {**source, "fingerprint": log_fingerprint},
-                      run_report.read(out) if continue_run else {}, notices, continue_run,
-                      overwrite)
+    configs, source = dataclasses.replace(configs, run=run), {**source,
+                                                              "fingerprint": log_fingerprint}
+    if resume:
+        check_resumable(out, source, configs)
+        notices.append("resumes the interrupted retrieval training from its last finished epoch "
+                       f"({os.path.join(out, 'checkpoints', 'retrieval')})")
+    return CheckedRun(out, log, configs, source, run_report.read(out) if continue_run else {},
+                      notices, continue_run, overwrite)
 
 
 def read_run(out: str) -> tuple[dict, Configs]:
@@ -91,19 +109,57 @@ def read_run(out: str) -> tuple[dict, Configs]:
     return run_config.read(path)
 
 
-def check_fresh(out: str, overwrite: bool) -> None:
-    """Raises RunFolderError unless `out` can take a new run: absent or an empty folder, or
-    with `overwrite` a run folder (nothing else is ever deleted)."""
+def check_fresh(out: str, overwrite: bool) -> bool:
+    """Raises RunFolderError unless `out` can take a new run: absent or an empty folder, with
+    `overwrite` a run folder (nothing else is ever deleted), or without it a folder holding
+    only an interrupted retrieval training; returns whether the run resumes that one."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise RunFolderError(f"--out {out} is a file; name a folder for the run")
     if not os.path.isdir(out) or not os.listdir(out):
-        return
+        return False
     if not os.path.exists(os.path.join(out, "config.json")):
         raise RunFolderError(f"--out {out} is a folder with other files in it; name a new or "
                              "empty folder for the run")
-    if not overwrite:
-        raise RunFolderError(f"--out {out} already holds a run; pass --overwrite to replace it, "
-                             "or name a new folder")
+    if overwrite:
+        return False
+    if interrupted_retrieval(out):
+        return True
+    raise RunFolderError(f"--out {out} already holds a run; pass --overwrite to replace it, "
+                         "or name a new folder")
+
+
+def interrupted_retrieval(out: str) -> bool:
+    """Whether the run folder `out` holds a retrieval checkpoint and nothing a finished step
+    writes (`INTERRUPTED_RETRIEVAL`)."""
+    return (os.path.isdir(os.path.join(out, "checkpoints", "retrieval"))
+            and set(os.listdir(out)) <= INTERRUPTED_RETRIEVAL)
+
+
+def check_resumable(out: str, source: dict, configs: Configs) -> None:
+    """Raises RunFolderError unless the interrupted training in `out` was started with
+    `source` (with the fingerprint of the log loaded now) and `configs` (fitted to it); a
+    cold-start window the run chose counts as not given, as it is chosen again alike."""
+    saved_source, saved = read_run(out)
+    check_fingerprint_format(out, saved_source, "pass --overwrite to start over")
+    if configs.data.cold_start_window is None:
+        saved = dataclasses.replace(saved, data=dataclasses.replace(saved.data,
+                                                                    cold_start_window=None))
+    changed = [f"{name} config" for name in ("data", "retrieval", "ranking", "run")
+               if getattr(configs, name) != getattr(saved, name)]
+    changed += [f"source {key}" for key in sorted(set(source) | set(saved_source))
+                if source.get(key) != saved_source.get(key)]
+    if changed:
+        raise RunFolderError(f"--out {out} holds an interrupted training started otherwise "
+                             f"(these differ: {changed}); rerun the command that started it to "
+                             "resume it, or pass --overwrite to start over")
+
+
+def check_fingerprint_format(out: str, saved_source: dict, advice: str) -> None:
+    """Raises RunFolderError, ending with `advice`, when the folder's log fingerprint is of an
+    older format, which cannot vouch for the log's ratings and side features."""
+    if (saved_source.get("fingerprint") or {}).get("format") != FINGERPRINT_FORMAT:
+        raise RunFolderError(f"{out}: made before runs fingerprinted the log's ratings and side "
+                             f"features, so a change to them would go unnoticed; {advice}")
 
 
 def clear(out: str) -> None:
@@ -117,10 +173,32 @@ def clear(out: str) -> None:
 
 
 def fingerprint(log: Interactions) -> dict:
-    """What identifies a log: its sizes, time span and a digest of its rows."""
+    """What identifies a log: its sizes and a digest of every column a run reads (the rows,
+    ratings, ids, genre names and user and item features)."""
+    columns = {"user": log.user, "item": log.item, "time": log.timestamp, "rating": log.rating,
+               "user_ids": log.user_ids, "item_ids": log.item_ids,
+               "genre_names": np.asarray(log.genre_names, dtype=str),
+               **{f"user.{name}": values for name, values in log.user_features.items()},
+               **{f"item.{name}": values for name, values in log.item_features.items()}}
     digest = hashlib.sha256()
-    for column in (log.user, log.item, log.timestamp):
-        digest.update(np.ascontiguousarray(column).tobytes())
-    digest.update("\n".join(log.user_ids).encode() + b"\0" + "\n".join(log.item_ids).encode())
-    return {"interactions": int(len(log)), "users": int(log.num_users),
-            "items": int(log.num_items), "sha256": digest.hexdigest()}
+    for name in sorted(columns):
+        digest.update(f"{name}\0".encode())
+        add_column(digest, columns[name])
+    return {"format": FINGERPRINT_FORMAT, "interactions": int(len(log)),
+            "users": int(log.num_users), "items": int(log.num_items),
+            "sha256": digest.hexdigest()}
+
+
+def add_column(digest, values) -> None:
+    """Adds a column (None: absent) to a hashlib `digest`: its type, shape and values, text as
+    UTF-8 with each value ended by a NUL (the values, not object pointers)."""
+    if values is None:
+        digest.update(b"absent\0")
+        return
+    values = np.asarray(values)
+    if values.dtype.kind in "OUS":
+        digest.update(f"text {values.shape}\0".encode())
+        digest.update("".join(f"{value}\0" for value in values.ravel()).encode())
+    else:
+        digest.update(f"{values.dtype.str} {values.shape}\0".encode())
+        digest.update(np.ascontiguousarray(values).tobytes())

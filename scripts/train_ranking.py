@@ -35,11 +35,14 @@ def main(argv=None) -> int:
                         help="retrieval candidates to re-rank (default 100; a retrieval run "
                              "keeps its own)")
     args = parser.parse_args(argv)
-    kept = [flag for flag, value in (("--data", args.data), ("--split", args.split),
+    kept = [flag for flag, value in (("--data", args.data), ("--data-dir", args.data_dir),
+                                     ("--split", args.split),
                                      ("--preset", args.preset), ("--top-k", args.top_k),
                                      ("--columns", args.columns or None),
                                      ("--delimiter", args.delimiter),
-                                     ("--cold-start-window", args.cold_start_window))
+                                     ("--cold-start-window", args.cold_start_window),
+                                     ("--keep-seen", args.keep_seen or None),
+                                     ("--overwrite", args.overwrite or None))
             if value is not None]
     if args.out and args.out != args.retrieval_run:
         kept.append("--out")

@@ -1,0 +1,160 @@
+"""What a run folder refuses before any training: a continued run on a log that changed in any
+column it reads, on a folder made before runs fingerprinted every column, or on a folder whose
+retrieval stage did not finish; flags a continued run would ignore; and `--data-dir` anywhere
+but with a TFDS source (with one, it reaches TFDS)."""
+import dataclasses
+import json
+import os
+import runpy
+
+import numpy as np
+import pytest
+
+from tworec.features import DataError, load
+from tworec.pipeline import config, folder
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COLUMNS = {"user": "user", "item": "item", "time": "time", "rating": "rating",
+           "user.age": "age", "item.color": "color"}
+USERS, ITEMS, ROWS_PER_USER = 30, 12, 8
+
+
+def write_log(path, changed: str | None = None) -> str:
+    """A CSV log with ratings, a user feature `age` and an item feature `color`; `changed`
+    ("age", "color" or "rating") gives the same rows with that column's values moved around."""
+    rng = np.random.default_rng(0)
+    users = np.repeat(np.arange(USERS), ROWS_PER_USER)
+    items = np.concatenate([rng.choice(ITEMS, ROWS_PER_USER, replace=False)
+                            for _ in range(USERS)])
+    ratings = rng.integers(1, 6, len(users))
+    ages, colors = rng.integers(18, 70, USERS), rng.choice(["red", "blue", "green"], ITEMS)
+    if changed == "age":
+        ages = np.roll(ages, 1)                       # the same ages, other users
+    elif changed == "color":
+        colors = np.roll(colors, 1)
+    elif changed == "rating":
+        ratings = np.random.default_rng(1).permutation(ratings)
+    lines = ["user,item,time,rating,age,color"] + [
+        f"u{user},i{item},{row},{rating},{ages[user]},{colors[item]}"
+        for row, (user, item, rating) in enumerate(zip(users, items, ratings))]
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def trained_run(out, log: str, report: bool = True) -> None:
+    """Writes what a finished retrieval run leaves for a continued run to check: config.json
+    (with the log's fingerprint and a chosen cold-start window) and, with `report`, a
+    report.json with retrieval's results."""
+    checked = folder.check_run(str(out), {"data": log, "columns": COLUMNS}, config.resolve("tiny"))
+    configs = checked.configs
+    configs = dataclasses.replace(configs, data=dataclasses.replace(configs.data,
+                                                                    cold_start_window=1.0))
+    os.makedirs(out)
+    config.write(os.path.join(out, "config.json"), configs, checked.source)
+    if report:
+        (out / "report.json").write_text(json.dumps({"retrieval": {"test": None}}))
+
+
+def continue_run(out) -> folder.CheckedRun:
+    """`check_run` as `train_ranking.py --retrieval-run OUT` calls it."""
+    source, saved = folder.read_run(str(out))
+    return folder.check_run(str(out), source, config.resolve(base=saved), continue_run=True)
+
+
+@pytest.mark.parametrize("changed", ["age", "color", "rating"])
+def test_a_continued_run_refuses_a_log_whose_features_or_ratings_changed(tmp_path, changed):
+    log = write_log(tmp_path / "log.csv")
+    trained_run(tmp_path / "run", log)
+    assert continue_run(tmp_path / "run").log.num_users == USERS        # unchanged: accepted
+    write_log(tmp_path / "log.csv", changed)
+    with pytest.raises(folder.RunFolderError, match="now gives another log than the run was"):
+        continue_run(tmp_path / "run")
+
+
+@pytest.mark.parametrize("interrupted", [False, True])
+def test_a_folder_fingerprinted_by_an_older_version_is_not_continued_or_resumed(tmp_path,
+                                                                                interrupted):
+    """An older fingerprint left out ratings and side features: it cannot vouch for them,
+    neither for a continued run nor for an interrupted retrieval training rerun."""
+    log, out = write_log(tmp_path / "log.csv"), tmp_path / "run"
+    trained_run(out, log, report=not interrupted)
+    values = json.loads((out / "config.json").read_text())
+    del values["source"]["fingerprint"]["format"]
+    (out / "config.json").write_text(json.dumps(values))
+    (out / "checkpoints" / "retrieval").mkdir(parents=True)
+    with pytest.raises(folder.RunFolderError, match="made before runs fingerprinted the log's"):
+        if interrupted:             # the command that started it, run again
+            folder.check_run(str(out), {"data": log, "columns": COLUMNS}, config.resolve("tiny"))
+        else:
+            continue_run(out)
+
+
+@pytest.fixture
+def script(monkeypatch, capsys):
+    """Runs scripts/NAME.py's main in this process (without the process-wide native log
+    filter); returns its exit code and its stderr."""
+    from tworec import console
+    monkeypatch.setattr(console, "filter_native_logs", lambda: None)
+
+    def run(name: str, *args: str) -> tuple[int, str]:
+        code = runpy.run_path(os.path.join(ROOT, "scripts", name))["main"](list(args))
+        return code, capsys.readouterr().err
+    return run
+
+
+def test_a_continued_run_refuses_a_folder_whose_retrieval_stage_did_not_finish(tmp_path, script):
+    """A pipeline that failed after training retrieval leaves no report.json: ranking trained
+    on it would report no retrieval, baselines or index and export no retrieval."""
+    trained_run(tmp_path / "run", write_log(tmp_path / "log.csv"), report=False)
+    code, error = script("train_ranking.py", "--retrieval-run", str(tmp_path / "run"))
+    assert code == 2 and "its retrieval stage did not finish" in error, error
+    assert len(error.strip().splitlines()) == 1, error
+
+
+@pytest.mark.parametrize("flag", [["--keep-seen"], ["--overwrite"], ["--data-dir", "tfds"]])
+def test_a_continued_run_refuses_the_flags_it_would_ignore(tmp_path, script, flag):
+    trained_run(tmp_path / "run", write_log(tmp_path / "log.csv"))
+    code, error = script("train_ranking.py", "--retrieval-run", str(tmp_path / "run"), *flag)
+    assert code == 2 and f"leave out {flag[0]}" in error, error
+    assert len(error.strip().splitlines()) == 1, error
+
+
+def test_data_dir_reaches_tfds_and_is_refused_for_other_sources(tmp_path, script, monkeypatch):
+    """TFDS cannot download here: its load records where it was asked to look and fails, as
+    it does offline; the message says what to pass."""
+    import tensorflow_datasets as tfds
+    asked = []
+
+    def offline_load(name, **kwargs):
+        asked.append(kwargs.get("data_dir"))
+        raise ConnectionError("no network")
+    monkeypatch.setattr(tfds, "load", offline_load)
+    code, error = script("train_retrieval.py", "--data", "tfds:movielens/100k-ratings",
+                         "--data-dir", str(tmp_path / "tfds"), "--out", str(tmp_path / "run"))
+    assert code == 2 and asked == [str(tmp_path / "tfds")], error
+    assert "pass its data directory with --data-dir" in error
+    assert len(error.strip().splitlines()) == 1, error
+    with pytest.raises(DataError, match="--data-dir .*: .* is not a TensorFlow Datasets source"):
+        load(write_log(tmp_path / "log.csv"), columns=COLUMNS, data_dir=str(tmp_path / "tfds"))
+
+
+def test_an_interrupted_retrieval_run_resumes_when_its_command_is_rerun(tmp_path, script,
+                                                                        monkeypatch):
+    """The folder holds config.json and a checkpoint: the same command resumes after the last
+    finished epoch; another config is refused in one line, before any training."""
+    from test_resume import Interrupt
+    from tworec.features import training
+    command = ["--data", "synthetic:tiny", "--preset", "tiny", "--out", str(tmp_path)]
+    callbacks = training.run_callbacks
+    monkeypatch.setattr(training, "run_callbacks", lambda *args: callbacks(*args) + [Interrupt(1)])
+    code, error = script("train_retrieval.py", *command, "--epochs", "4")
+    assert code == 1 and "interrupted after epoch 1" in error, error
+    monkeypatch.setattr(training, "run_callbacks", callbacks)
+    code, error = script("train_retrieval.py", *command, "--epochs", "5")
+    assert code == 2 and "holds an interrupted training started otherwise" in error, error
+    assert len(error.strip().splitlines()) == 1, error
+    code, error = script("train_retrieval.py", *command, "--epochs", "4")
+    assert code == 0, error
+    assert json.loads((tmp_path / "retrieval_train.json").read_text())["epochs"] == 2  # 3 and 4
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["retrieval"]["test"] and "resumes the interrupted" in report["notices"][-1]
