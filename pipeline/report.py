@@ -400,8 +400,8 @@ def index_section(report: dict, plots: list[str]) -> list[str]:
     test = next((value for key, value in index.items() if key.startswith("test_")), None)
     lines = ["", "## Candidate index", ""]
     if index["params"] is None:
-        lines.append("No ScaNN setting reached the recall target; only the brute-force export "
-                     "is written.")
+        reason = index.get("skipped") or "No ScaNN setting reached the recall target"
+        lines.append(f"{reason}; only the brute-force export is written.")
     else:
         lines.append(
             f"{scann_sentence(index['params'])}, tuned on {index['tuned_on']} queries, finds "

@@ -17,7 +17,6 @@ import shutil
 import time
 
 import numpy as np
-import tensorflow as tf
 
 from tworec.evaluation import (baseline_ranks, cold_start_window, eval_set, evaluate_ranks,
                                rank_metrics)
@@ -33,8 +32,8 @@ from tworec.ranking import train as ranking
 from tworec.ranking.export import export as export_ranking
 from tworec.retrieval import train as retrieval
 from tworec.retrieval.export import export as export_retrieval, scann_fetch
-from tworec.retrieval.index import (ScannParams, build_index, exact_top_k, recall_against,
-                                    tune_scann)
+from tworec.retrieval.index import (ScannParams, build_index, exact_top_k, found_codes,
+                                    recall_against, tune_scann)
 from tworec.serving.client import Client
 from tworec.serving.compose import compose_recommender
 from tworec.serving.layout import list_versions, write_models_config, write_version
@@ -180,7 +179,7 @@ class Run:
     def tune_index(self) -> None:
         """Tunes ScaNN on validation queries (training queries when the split has no
         validation) and reports the chosen setting's recall against exact search on test
-        queries."""
+        queries; a catalogue ScaNN cannot index is noticed, and only brute force exported."""
         run, model = self.configs.run, self.retrieval_model
         candidates = retrieval.candidate_embeddings(model, self.inputs.num_items)
         part = "validation" if len(self.parts.validation) else "train"
@@ -191,13 +190,16 @@ class Run:
         self.report["index"] = {"kind": "scann", "tuned_on": part,
                                 **{key: self.tuning[key] for key in (
                                     "params", recall_key, "latency_ms_p50",
-                                    "exact_latency_ms_p50", "table")}}
+                                    "exact_latency_ms_p50", "table", "skipped")}}
+        if self.tuning["skipped"]:
+            notice = f"{self.tuning['skipped']}; only the brute-force retrieval export is written"
+            self.report.setdefault("notices", []).append(notice)
+            print(f"[run] note: {notice}", flush=True)
         if self.tuning["params"] and self.evaluating:
             test = retrieval.query_embeddings(model, self.inputs.examples["test"])
             index = build_index(candidates, run.tuning_k, ScannParams(**self.tuning["params"]))
-            _, found = index(tf.constant(test))
             self.report["index"][f"test_{recall_key}"] = recall_against(
-                found.numpy(), exact_top_k(candidates, test, run.tuning_k))
+                found_codes(index, test), exact_top_k(candidates, test, run.tuning_k))
 
     def train_ranking(self) -> None:
         run, model = self.configs.run, self.retrieval_model

@@ -1,16 +1,26 @@
 """Candidate indexes over item embeddings: exact brute force and ScaNN, both through
-`tfrs.layers.factorized_top_k`, and recall-targeted ScaNN tuning."""
+`tfrs.layers.factorized_top_k`, exact NumPy scoring in which equal candidates tie, and
+recall-targeted ScaNN tuning."""
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import time
+import uuid
+from typing import Callable
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_recommenders as tfrs
+from scann import scann_ops
 
 from tworec.console import quiet_native_logs
+from tworec.evaluation import top_k_rows
+
+# ScaNN's asymmetric hashing (lut16) trains 16 centres per block on the candidates themselves:
+# a smaller catalogue cannot be indexed ("Number of clusters per block (16) is greater than
+# asymmetric hashing training data size").
+SCANN_MIN_ITEMS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,38 +39,94 @@ class ScannParams:
                                            max(self.num_leaves_to_search, enough_leaves)),
             num_reordering_candidates=max(self.num_reordering_candidates, k))
 
+    def work(self, num_items: int) -> float:
+        """Candidates one query scores over `num_items`, a cost that does not vary run to run:
+        every leaf centre, the items of the searched leaves (quantized; num_items / num_leaves
+        a leaf on average) and the reordered ones (exactly)."""
+        return (self.num_leaves + self.num_leaves_to_search * num_items / self.num_leaves
+                + self.num_reordering_candidates)
+
+
+class SeededScaNN(tfrs.layers.factorized_top_k.ScaNN):
+    """TFRS's ScaNN layer with the partitioner's k-means started from k-means++ centres (ScaNN's
+    fixed seed) instead of randomly drawn ones, which TFRS does not let one choose: the same
+    candidates then build the same index, and answer the same."""
+
+    def __init__(self, k: int, params: ScannParams, training_iterations: int = 10):
+        super().__init__(k=k, distance_measure="dot_product", num_leaves=params.num_leaves,
+                         num_leaves_to_search=params.num_leaves_to_search,
+                         num_reordering_candidates=params.num_reordering_candidates,
+                         dimensions_per_block=params.dimensions_per_block,
+                         training_iterations=training_iterations)
+
+        def build_searcher(candidates: tf.Tensor):     # TFRS's builder, random_init=False
+            return (scann_ops.builder(candidates, k, "dot_product")
+                    .tree(num_leaves=params.num_leaves,
+                          num_leaves_to_search=params.num_leaves_to_search,
+                          training_iterations=training_iterations, random_init=False)
+                    .score_ah(dimensions_per_block=params.dimensions_per_block)
+                    .reorder(params.num_reordering_candidates)
+                    .build(shared_name=f"{self.name}/{uuid.uuid4()}"))
+        self._build_searcher = build_searcher
+
 
 def build_index(candidates: np.ndarray, k: int, scann: ScannParams | None = None):
     """A top-k layer over [num_items, d] candidates whose identifiers are catalogue codes.
 
     Returns:
         A `tfrs.layers.factorized_top_k` layer: queries [b, d] -> (scores [b, k], codes [b, k]).
-        ScaNN is built with `scann.with_enough_answers`, so it has k answers to give.
+        ScaNN is built with `scann.with_enough_answers`, so it has k answers to give, and
+        deterministically (`SeededScaNN`).
+
+    Raises:
+        ValueError: k exceeds the catalogue, or ScaNN is asked for one under SCANN_MIN_ITEMS.
     """
     if k > len(candidates):
         raise ValueError(f"k={k} is larger than the catalogue ({len(candidates)} items)")
     codes = tf.range(len(candidates), dtype=tf.int64)
     if scann is None:
         layer = tfrs.layers.factorized_top_k.BruteForce(k=k)
+    elif len(candidates) < SCANN_MIN_ITEMS:
+        raise ValueError(f"ScaNN cannot index {len(candidates)} candidates: its asymmetric "
+                         f"hashing trains on at least {SCANN_MIN_ITEMS}")
     else:
-        scann = scann.with_enough_answers(len(candidates), k)
-        layer = tfrs.layers.factorized_top_k.ScaNN(
-            k=k, distance_measure="dot_product", num_leaves=scann.num_leaves,
-            num_leaves_to_search=scann.num_leaves_to_search,
-            num_reordering_candidates=scann.num_reordering_candidates,
-            dimensions_per_block=scann.dimensions_per_block, training_iterations=10)
+        layer = SeededScaNN(k, scann.with_enough_answers(len(candidates), k))
     with quiet_native_logs():                   # ScaNN's partitioner logs its training
         layer.index(tf.constant(candidates, tf.float32), codes)
     return layer
 
 
+def exact_scorer(candidates: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    """queries [b, d] -> [b, num_items] dot products with candidates [num_items, d], equal
+    candidate rows scoring bit-identically: a batched product can score equal columns an ulp
+    apart (by their position), which would break their tie at random, so every later copy of
+    a row is given the score of its first occurrence."""
+    _, first, inverse = np.unique(candidates, axis=0, return_index=True, return_inverse=True)
+    source = first[inverse.ravel()]                  # [num_items] first item with that row
+    copies = np.flatnonzero(source != np.arange(len(candidates)))
+
+    def score(queries: np.ndarray) -> np.ndarray:
+        scores = queries @ candidates.T                                   # [b, d] x [d, I]
+        scores[:, copies] = scores[:, source[copies]]
+        return scores
+    return score
+
+
 def exact_top_k(candidates: np.ndarray, queries: np.ndarray, k: int) -> np.ndarray:
-    """[b, k] codes of the k best dot products, by a full NumPy argsort."""
-    return np.argsort(-(queries @ candidates.T), axis=1, kind="stable")[:, :k]
+    """[b, k] codes of the k best dot products (`exact_scorer`), ties to the lower code."""
+    return top_k_rows(exact_scorer(candidates)(queries), k)
+
+
+def found_codes(index, queries: np.ndarray) -> np.ndarray:
+    """[b, <=k] codes an index answers for queries [b, d], best first, -1 in the slots ScaNN
+    pads (a NaN score and code 0 when the searched leaves hold fewer than k items)."""
+    scores, codes = index(tf.constant(queries))
+    return np.where(np.isfinite(scores.numpy()), codes.numpy(), -1)
 
 
 def recall_against(found: np.ndarray, exact: np.ndarray) -> float:
-    """Share of the exact top-k found, averaged over queries ([b, k] each)."""
+    """Share of the exact top-k found, averaged over queries ([b, k] each; -1 finds nothing:
+    use `found_codes`, not an index's raw codes, whose padding is code 0)."""
     hits = [len(np.intersect1d(a, b)) for a, b in zip(found, exact)]
     return float(np.sum(hits) / exact.size)
 
@@ -78,38 +144,55 @@ def single_query_latency_ms(index, queries: np.ndarray, repeats: int = 200) -> f
     return 1000 * float(np.median(times))
 
 
-def tune_scann(candidates: np.ndarray, queries: np.ndarray, k: int = 10,
-               target_recall: float = 0.95, repeats: int = 100) -> dict:
-    """Searches num_leaves, num_leaves_to_search and reordering candidates and picks the fastest
-    setting whose recall@k against exact search meets the target.
-
-    Returns:
-        {"params": ScannParams as a dict (None if no setting met the target), "table": every
-        measured setting with recall and latency, "exact_latency_ms_p50": brute force}.
-    """
-    num_items = len(candidates)
-    exact = exact_top_k(candidates, queries, k)
+def scann_settings(num_items: int, k: int) -> list[ScannParams]:
+    """The settings `tune_scann` tries for top-k over `num_items`, each as `build_index` builds
+    it (`ScannParams.with_enough_answers`) and once; none under SCANN_MIN_ITEMS items."""
+    if num_items < SCANN_MIN_ITEMS:
+        return []
     root = max(1, int(np.sqrt(num_items)))
-    table, measured = [], set()
     leaves_options = sorted({max(1, root // 2), root, min(num_items, 2 * root)})
+    settings = []
     for leaves, share, reorder in itertools.product(leaves_options, (0.05, 0.1, 0.25),
                                                     (4 * k, 10 * k, 50 * k)):
         params = ScannParams(leaves, max(1, int(round(share * leaves))), min(reorder, num_items)
                              ).with_enough_answers(num_items, k)
-        if params in measured:
-            continue                                  # raised onto a setting already measured
-        measured.add(params)
+        if params not in settings:                # not raised onto a setting already there
+            settings.append(params)
+    return settings
+
+
+def tune_scann(candidates: np.ndarray, queries: np.ndarray, k: int = 10,
+               target_recall: float = 0.95, repeats: int = 100) -> dict:
+    """Measures the `scann_settings` and picks, of those whose recall@k against exact search
+    meets the target, the one with the least work per query (`ScannParams.work`; ties to the
+    higher recall, then the smaller setting). Builds are deterministic (`SeededScaNN`), so the
+    same candidates and queries always give the same choice; latency, which varies from run
+    to run, is measured and reported, not chosen by.
+
+    Returns:
+        {"params": ScannParams as a dict (None if no setting met the target or ScaNN cannot
+        index the catalogue), "skipped": why no setting was tried (None when they were),
+        "table": every setting with recall, work and latency, "exact_latency_ms_p50": brute
+        force}.
+    """
+    num_items = len(candidates)
+    exact = exact_top_k(candidates, queries, k)
+    table = []
+    for params in scann_settings(num_items, k):
         index = build_index(candidates, k, params)
-        _, found = index(tf.constant(queries))
         table.append({**dataclasses.asdict(params),
-                      "recall": recall_against(found.numpy(), exact),
+                      "recall": recall_against(found_codes(index, queries), exact),
+                      "work": params.work(num_items),
                       "latency_ms_p50": single_query_latency_ms(index, queries, repeats)})
     exact_ms = single_query_latency_ms(build_index(candidates, k), queries, repeats)
-    good = [row for row in table if row["recall"] >= target_recall]
-    best = min(good, key=lambda row: row["latency_ms_p50"]) if good else None
-    return {"params": None if best is None else
-            {key: best[key] for key in ("num_leaves", "num_leaves_to_search",
-                                        "num_reordering_candidates", "dimensions_per_block")},
-            "recall@%d_vs_exact" % k: None if best is None else best["recall"],
+    fields = [field.name for field in dataclasses.fields(ScannParams)]
+    best = min((row for row in table if row["recall"] >= target_recall), default=None,
+               key=lambda row: (row["work"], -row["recall"], [row[name] for name in fields]))
+    skipped = None if num_items >= SCANN_MIN_ITEMS else (
+        f"ScaNN was not tuned: the catalogue's {num_items} items are fewer than the "
+        f"{SCANN_MIN_ITEMS} its asymmetric hashing trains on")
+    return {"params": None if best is None else {name: best[name] for name in fields},
+            f"recall@{k}_vs_exact": None if best is None else best["recall"],
             "latency_ms_p50": None if best is None else best["latency_ms_p50"],
-            "exact_latency_ms_p50": exact_ms, "target_recall": target_recall, "table": table}
+            "exact_latency_ms_p50": exact_ms, "target_recall": target_recall, "table": table,
+            "skipped": skipped}

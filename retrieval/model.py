@@ -6,7 +6,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
-from tworec.features.layers import ItemFeatures
+from tworec.features.layers import ItemFeatures, year_bucket
 from tworec.features.training import TFRSModel
 from tworec.retrieval.config import RetrievalConfig
 
@@ -151,6 +151,18 @@ class TwoTower(TFRSModel):
     def candidate(self, items: tf.Tensor) -> tf.Tensor:
         """[b] int64 catalogue codes -> [b, d] float32."""
         return self._finish(self.candidate_head(self.item_features(items)))
+
+    def candidate_inputs(self) -> np.ndarray:
+        """[num_items, f] float64 what the candidate tower reads of each catalogue code: its
+        id's vocabulary index (1 for every item without training rows), then the year bucket
+        and genres when the tower uses them. Equal rows are one input, one embedding."""
+        features = self.item_features
+        columns = [features.item_index.numpy()[:, None]]                      # [I, 1]
+        if features.year_embedding is not None:
+            columns.append(year_bucket(features.item_year).numpy()[:, None])  # [I, 1]
+        if features.genre_projection is not None:
+            columns.append(features.item_genres.numpy())                      # [I, g]
+        return np.concatenate(columns, axis=1, dtype=np.float64)
 
     def compute_loss(self, features: dict[str, tf.Tensor], training: bool = False) -> tf.Tensor:
         items = features["item"]

@@ -13,6 +13,7 @@ from tworec.features.vocab import FIRST
 from tworec.features.training import (make_optimizer, make_strategy, mixed_precision, train,
                                       worker_seed)
 from tworec.retrieval.config import RetrievalConfig
+from tworec.retrieval.index import exact_scorer
 from tworec.retrieval.model import TwoTower
 
 
@@ -38,10 +39,20 @@ def build_model(config: RetrievalConfig, data: ModelInputs | PreparedLog) -> Two
     return model
 
 
+def embed_items(model: TwoTower, codes: np.ndarray, batch_size: int = 8192) -> np.ndarray:
+    """[n, d] float32 candidate-tower embeddings of catalogue codes [n]."""
+    dataset = tf.data.Dataset.from_tensor_slices(codes.astype(np.int64)).batch(batch_size)
+    return np.concatenate([model.candidate(batch).numpy() for batch in dataset])
+
+
 def candidate_embeddings(model: TwoTower, num_items: int, batch_size: int = 8192) -> np.ndarray:
-    """[num_items, d] float32 embeddings of the whole catalogue."""
-    codes = tf.data.Dataset.range(num_items).batch(batch_size)
-    return np.concatenate([model.candidate(c).numpy() for c in codes])
+    """[num_items, d] float32 embeddings of the whole catalogue, one computed per distinct
+    input of the candidate tower (`TwoTower.candidate_inputs`) and copied to the items that
+    share it: the tower gives an input a few ulps apart at different batch positions, which
+    would break the tie of identical items (such as those without training rows)."""
+    _, first, inverse = np.unique(model.candidate_inputs()[:num_items], axis=0,
+                                  return_index=True, return_inverse=True)
+    return embed_items(model, first, batch_size)[inverse.ravel()]                # [I, d]
 
 
 def query_embeddings(model: TwoTower, examples: dict[str, np.ndarray],
@@ -82,13 +93,14 @@ def popular_order(data: ModelInputs | PreparedLog, part: str) -> np.ndarray:
 
 def catalogue_scorer(model: TwoTower, data: ModelInputs, part: str, evalset: EvalSet):
     """positions [b] into `evalset` -> scores [b, num_items], as the export scores them: the
-    towers' dot products for users it knows, the popular order for the others."""
-    candidates = candidate_embeddings(model, data.num_items)
+    towers' dot products for users it knows (identical items tying exactly: `exact_scorer`),
+    the popular order for the others."""
+    catalogue = exact_scorer(candidate_embeddings(model, data.num_items))
     queries = query_embeddings(model, data.examples[part])
     popular = popular_order(data, part)
 
     def score(positions: np.ndarray) -> np.ndarray:
-        scores = queries[positions] @ candidates.T                                # [b, d] x [d, I]
+        scores = catalogue(queries[positions])                                    # [b, I]
         scores[~evalset.known[positions]] = popular
         return scores
     return score
@@ -116,13 +128,14 @@ def evaluate_prepared(model: TwoTower, prepared: PreparedLog, part: str = "test"
     user training rows (a temporal split) this equals `evaluate_model`; otherwise
     `evaluate_model` also ranks the untrained items (all on the OOV embedding) and can rank a
     held-out untrained item."""
-    candidates = candidate_embeddings(model, prepared.num_items)                  # [I, d]
+    # every item of a prepared log is an input of its own (its own id, no item features)
+    catalogue = exact_scorer(embed_items(model, np.arange(prepared.num_items)))
     popular = popular_order(prepared, part)
 
     def score(rows: dict) -> np.ndarray:
         queries = query_embeddings(model, {"user": rows["user"], "history": rows["history"]},
                                    batch_size=len(rows["user"]))                  # [b, d]
-        scores = queries @ candidates.T                                           # [b, I]
+        scores = catalogue(queries)                                               # [b, I]
         scores[~rows["known"]] = popular
         return scores
     ranks = prepared_ranks({"retrieval": score}, prepared, part, memory_limit)["retrieval"]
@@ -136,9 +149,9 @@ def top_candidates(model: TwoTower, data: ModelInputs, part: str, k: int,
     `catalogue_scorer` does and its excluded items skipped: the export's candidates, with
     `EMPTY_SLOT` where fewer than k items remain (the export's empty id)."""
     if evalset is None:
-        candidates = candidate_embeddings(model, data.num_items)
+        catalogue = exact_scorer(candidate_embeddings(model, data.num_items))
         queries = query_embeddings(model, data.examples[part])
-        score = lambda positions: queries[positions] @ candidates.T          # noqa: E731
+        score = lambda positions: catalogue(queries[positions])              # noqa: E731
     else:
         score = catalogue_scorer(model, data, part, evalset)
     result = []
