@@ -97,13 +97,15 @@ class ModelInputs:
         item_index: [num_items] vocabulary index of every catalogue item.
         item_genres: [num_items, g] float32 multi-hot (g may be 0). item_year: [num_items] int32.
         user_feature_index: name -> [num_users] int64 indexes into `user_feature_vocabs[name]`.
-        examples: part -> {"user": [m], "item": [m] catalogue code, "history": [m, L]}.
-        latest: [num_users, L] every user's last L items of the fit rows (what an export serves).
+        examples: part -> {"user": [m], "item": [m] catalogue code, "history": [m, S]}.
+        latest: [num_users, S] every user's last L items of the fit rows (what an export serves).
+            S = max(L, 1) slots: with L = 0 the one slot is padding everywhere (no history).
         seen: [num_users, num_items] CSR 0/1 of every user's items in the fit rows.
         known: [num_users] bool, users with fit rows (an export serves others the popular items).
         item_probability: [num_items] float32 share of training interactions (logQ correction).
         popular: part ("validation", "test") -> what users its known rows do not hold are
             served (`PopularItems`); the test part's is the exports'.
+        history_length: L, the previous items a history holds (0: none).
         exclude_seen: whether a user's known items are never served nor ranked.
     """
 
@@ -122,16 +124,12 @@ class ModelInputs:
     known: np.ndarray
     item_probability: np.ndarray
     popular: dict[str, PopularItems]
+    history_length: int
     exclude_seen: bool = True
 
     @property
     def num_items(self) -> int:
         return self.interactions.num_items
-
-    @property
-    def history_length(self) -> int:
-        """L, the history slots of every row (at least 1: an empty history is one pad)."""
-        return self.latest.shape[1]
 
     def known_in(self, part: str) -> np.ndarray:
         """[m] bool per row of `part`: whether its user has rows known before the part (all
@@ -160,14 +158,14 @@ def prepare(interactions: Interactions, split: Split, history_length: int,
     items = Vocabulary.from_codes(interactions.item_ids, interactions.item[split.train], "items")
     item_index = items.remap(interactions.item_ids)
     user_index = users.remap(interactions.user_ids)
-    length = max(history_length, 1)
 
     def state_of(rows: np.ndarray) -> np.ndarray:
-        """[num_users, L] every user's last L items among `rows`."""
-        return latest_history(interactions.take(rows), length, item_index=item_index, pad=PAD)
+        """[num_users, S] every user's last L items among `rows`."""
+        return at_least_one_slot(latest_history(interactions.take(rows), history_length,
+                                                item_index=item_index, pad=PAD))
 
-    histories = {"train": build_history(interactions.take(split.train), length,
-                                        item_index=item_index, pad=PAD)}
+    histories = {"train": at_least_one_slot(build_history(
+        interactions.take(split.train), history_length, item_index=item_index, pad=PAD))}
     latest = state_of(split.fit)
     for part, state in (("validation", state_of(split.train)), ("test", latest)):
         histories[part] = state[interactions.user[getattr(split, part)]]
@@ -200,4 +198,10 @@ def prepare(interactions: Interactions, split: Split, history_length: int,
         item_probability=(counts / max(counts.sum(), 1)).astype(np.float32),
         popular={part: popular_items(interactions, rows, cold_start_window)
                  for part, rows in (("validation", split.train), ("test", split.fit))},
-        exclude_seen=exclude_seen)
+        history_length=history_length, exclude_seen=exclude_seen)
+
+
+def at_least_one_slot(history: np.ndarray) -> np.ndarray:
+    """[n, L] histories -> [n, max(L, 1)]: the models read at least one slot, so an empty
+    history (L = 0) becomes one PAD slot, which every model and signal reads as no history."""
+    return history if history.shape[1] else np.full((len(history), 1), PAD, history.dtype)

@@ -66,7 +66,7 @@ from tworec.features.shards import (_sql_list, check_values, dropped_counts, duc
                                     item_table_ids, known_sql, log_sql, needed_columns,
                                     no_known_items_error, parquet_source, whole_seconds)
 from tworec.features.stream import BLOCK_ROWS, SPLIT_CODES, BlockWriter
-from tworec.features.vocab import FIRST, OOV
+from tworec.features.vocab import FIRST, OOV, PAD
 
 ROWS_PER_SHARD = 1 << 22
 ROW_GROUP_ROWS = 1 << 17
@@ -81,7 +81,8 @@ def prepare_shards(source: str, out_folder: str, history_length: int = 20,
     Args:
         source: a folder or glob of Parquet shards, or one `.parquet` file.
         out_folder: a new or empty folder for the shards, vocabularies and manifest.
-        history_length: L, previous items per row (at least 1 slot, as in `inputs.prepare`).
+        history_length: L, previous items per row; 0 gives every row one PAD slot, as
+            `inputs.prepare` does (the models read at least one slot).
         memory_limit: DuckDB's memory limit, e.g. '1GB' or '500MiB'.
         columns: role -> column name, as for `shards.load`.
         rows_per_shard: rows of one output shard (written in row groups of ROW_GROUP_ROWS).
@@ -124,7 +125,7 @@ def prepare_shards(source: str, out_folder: str, history_length: int = 20,
         for table, column in (("users", "u"), ("items", "i")):
             connection.execute(_vocabulary_sql(table, column))
             _write_vocabulary(connection, table, os.path.join(out_folder, f"{table}.parquet"))
-        paths = _write_shards(connection.sql(_shards_sql(length)).to_arrow_reader(
+        paths = _write_shards(connection.sql(_shards_sql(history_length)).to_arrow_reader(
             ROW_GROUP_ROWS), out_folder, length, rows_per_shard, progress)
         blocks = _write_training_blocks(connection, [path for path, _ in paths],
                                         os.path.join(out_folder, "train"), length,
@@ -214,9 +215,11 @@ def _vocabulary_sql(table: str, column: str) -> str:
               FROM labelled WHERE split = 0 GROUP BY {column})"""
 
 
-def _shards_sql(length: int) -> str:
-    """The rows of the shards: codes, history of the previous `length` item indexes."""
-    lags = ", ".join(f"LAG(item, {back}, 0) OVER w" for back in range(length, 0, -1))
+def _shards_sql(history_length: int) -> str:
+    """The rows of the shards: codes, history of the previous `history_length` item indexes
+    (one PAD slot for 0)."""
+    lags = ", ".join(f"LAG(item, {back}, {PAD}) OVER w"
+                     for back in range(history_length, 0, -1)) or str(PAD)
     return f"""
         WITH coded AS (
             SELECT l.row, l.u, l.t, l.r, l.split,

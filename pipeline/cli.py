@@ -12,7 +12,7 @@ from tworec.console import parser_for  # noqa: F401  (every script's parser, fro
 from tworec.features.inputs import PROTOCOLS
 from tworec.features.interactions import DataError
 from tworec.features.sources import DELIMITER_HELP, parse_columns
-from tworec.pipeline.config import PRESETS
+from tworec.pipeline.config import PRESETS, RunConfig
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, out_required: bool = True) -> None:
@@ -53,6 +53,12 @@ def fail(message: str) -> int:
     return 2
 
 
+def candidates_run(top_k: int) -> dict:
+    """The run config fields of a script with --top-k and no --top-n: the recommender returns
+    RunConfig's top_n items, or all K candidates when K is fewer."""
+    return {"candidates": top_k, "top_n": min(RunConfig.top_n, top_k)}
+
+
 def source_of(args) -> dict:
     """The data source of parsed arguments, as RUN/config.json records it ("data_dir" only
     when given)."""
@@ -84,7 +90,7 @@ def run(args, steps: tuple[str, ...], continue_run: bool = False, verbose: int =
             configs = resolve(base=base, ranking=ranking)
         else:
             source = source_of(args)
-            configs = resolve(args.preset or "default", epochs=args.epochs,
+            configs = resolve(args.preset or "default", epochs=args.epochs, steps=steps,
                               **{"data": {"split": args.split or "temporal",
                                           "exclude_seen": not args.keep_seen,
                                           "cold_start_window": args.cold_start_window},

@@ -43,6 +43,10 @@ class RunConfig:
         for field in dataclasses.fields(self):
             if getattr(self, field.name) <= 0:
                 raise ValueError(f"{field.name} must be positive, got {getattr(self, field.name)}")
+        if self.top_n > self.candidates:
+            raise ValueError(f"--top-n (top_n) {self.top_n} is more than the {self.candidates} "
+                             f"candidates the recommender re-ranks (--top-k, candidates): give "
+                             f"--top-n at most {self.candidates} or --top-k at least {self.top_n}")
 
     def for_catalogue(self, num_items: int) -> tuple[RunConfig, list[str]]:
         """The config with every item count clamped to a catalogue of `num_items`, and a notice
@@ -88,10 +92,12 @@ class Configs:
 
 
 def resolve(preset: str = "default", *, base: Configs | None = None, epochs: int | None = None,
-            data: dict | None = None, retrieval: dict | None = None,
-            ranking: dict | None = None, run: dict | None = None) -> Configs:
+            steps: tuple[str, ...] = PIPELINE, data: dict | None = None,
+            retrieval: dict | None = None, ranking: dict | None = None,
+            run: dict | None = None) -> Configs:
     """The configs of a named preset (or of `base`, e.g. a run folder's own) with fields
-    replaced; `epochs` sets both stages'.
+    replaced; `epochs` sets the epochs of the stages that `steps` (of PIPELINE) train, and
+    leaves the others' as they are (a later run that trains them reads them).
 
     Raises:
         ValueError: an unknown preset or field, or popularity periods given to a regression
@@ -101,12 +107,16 @@ def resolve(preset: str = "default", *, base: Configs | None = None, epochs: int
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}; known: {PRESETS}")
         base = Configs(DATA_PRESETS[preset], RETRIEVAL_PRESETS[preset], RANKING_PRESETS[preset])
-    both = {} if epochs is None else {"epochs": epochs}
+    def trained(stage: str) -> dict:
+        """The epochs `stage` takes from `epochs`: none unless `steps` train it."""
+        return {} if epochs is None or f"train {stage}" not in steps else {"epochs": epochs}
+
     try:
         configs = Configs(
             data=dataclasses.replace(base.data, **(data or {})),
-            retrieval=dataclasses.replace(base.retrieval, **{**both, **(retrieval or {})}),
-            ranking=dataclasses.replace(base.ranking, **{**both, **(ranking or {})}),
+            retrieval=dataclasses.replace(base.retrieval,
+                                          **{**trained("retrieval"), **(retrieval or {})}),
+            ranking=dataclasses.replace(base.ranking, **{**trained("ranking"), **(ranking or {})}),
             run=dataclasses.replace(base.run, **(run or {})))
     except TypeError as error:                   # an unknown field name
         raise ValueError(f"config: {error}") from None

@@ -23,11 +23,13 @@ def candidate_lists(data: ModelInputs, part: str, num_negatives: int, hard_share
     Args:
         data: model inputs. part: train, validation or test.
         hard: [m, H] retrieval candidates per row (hard negatives), or None for random only.
-        hard_share: share of the negatives taken from `hard`: never the positive nor any other
-            item of the user's training rows (a later item of the same session is no negative).
-            Only rows whose positive is among `hard` get hard negatives, as at serving time
-            (the ranker sees retrieved lists that hold the target); elsewhere, hard negatives
-            all outscore the positive in retrieval and the ranker would learn to invert it.
+        hard_share: share of the negatives taken from `hard`: never the positive, and the
+            user's other training items only when the pool holds too few others (they are
+            picked last: a later item of the same session is a poor negative). What a pool
+            lacks is drawn at random. Only rows whose positive is among `hard` get hard
+            negatives, as at serving time (the ranker sees retrieved lists that hold the
+            target); elsewhere, hard negatives all outscore the positive in retrieval and the
+            ranker would learn to invert it.
     """
     rng = np.random.default_rng(seed)
     positives = data.examples[part]["item"]                                   # [m]
@@ -38,10 +40,12 @@ def candidate_lists(data: ModelInputs, part: str, num_negatives: int, hard_share
         own = interaction_matrix(data.interactions, data.split.train)          # [U, I]
         keys = rng.random(hard.shape)
         keys[np.asarray(own[users[:, None], hard].todense()) > 0] = 2.0       # the user's items late
-        keys[hard == positives[:, None]] = np.inf                             # the positive last
-        picked = np.take_along_axis(hard, np.argsort(keys, axis=1)[:, :num_hard], axis=1)
+        keys[hard == positives[:, None]] = np.inf                             # the positive never
+        order = np.argsort(keys, axis=1)[:, :num_hard]                        # [m, num_hard]
         retrieved = (hard == positives[:, None]).any(1, keepdims=True)          # [m, 1]
-        negatives.append(np.where(retrieved, picked, _random_items(data, rng, positives, num_hard)))
+        usable = retrieved & np.isfinite(np.take_along_axis(keys, order, axis=1))
+        negatives.append(np.where(usable, np.take_along_axis(hard, order, axis=1),
+                                  _random_items(data, rng, positives, num_hard)))
     negatives.append(_random_items(data, rng, positives, num_negatives - num_hard))
     return np.concatenate([positives[:, None]] + negatives, axis=1).astype(np.int64)
 

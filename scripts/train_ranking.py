@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     if args.retrieval_run:
         return cli.run(args, RANKING_ONLY, continue_run=True, ranking=ranking)
     return cli.run(args, ("train retrieval",) + RANKING_ONLY, ranking=ranking,
-                   run={"candidates": args.top_k or 100})
+                   run=cli.candidates_run(args.top_k or 100))
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def main(argv=None) -> int:
         ("optimizer", args.optimizer),
         ("mixed_precision", args.mixed_precision),
         ("jit_compile", args.jit_compile)) if value is not None}
-    return cli.run(args, RETRIEVAL_ONLY, retrieval=retrieval, run={"candidates": args.top_k})
+    return cli.run(args, RETRIEVAL_ONLY, retrieval=retrieval, run=cli.candidates_run(args.top_k))
 
 
 if __name__ == "__main__":

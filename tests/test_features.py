@@ -263,6 +263,20 @@ def test_history_matches_a_plain_loop(log):
         assert latest[user].tolist() == ([-1] * length + past)[-length:]
 
 
+
+def test_history_length_zero_holds_no_item_anywhere(log):
+    """0 asks for no history: every row's history and every user's served state is one PAD
+    slot (the models read at least one slot), never the previous item."""
+    from tworec.features.inputs import prepare
+    from tworec.features.vocab import PAD
+    inputs = prepare(log, split(log, "temporal"), history_length=0)
+    assert inputs.history_length == 0
+    assert inputs.latest.shape == (log.num_users, 1) and (inputs.latest == PAD).all()
+    for part in ("train", "validation", "test"):
+        history = inputs.examples[part]["history"]
+        assert history.shape == (len(inputs.examples[part]["item"]), 1), part
+        assert (history == PAD).all(), part
+
 # ------------------------------------------------------------------ batches
 
 

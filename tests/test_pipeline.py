@@ -234,6 +234,8 @@ def test_train_ranking_reuses_a_retrieval_run_and_matches_the_pipeline(run, retr
      "does not split the header"),
     ("pipeline.py", ["--top-k", "0", "--out", "OUT/new"], "candidates must be positive"),
     ("pipeline.py", ["--top-n", "0", "--out", "OUT/new"], "top_n must be positive"),
+    ("pipeline.py", ["--top-k", "5", "--top-n", "10", "--out", "OUT/new"],
+     "--top-n (top_n) 10 is more than the 5 candidates"),
     ("train_ranking.py", ["--data", "synthetic:tiny", "--epochs", "0", "--out", "OUT/new"],
      "epochs must be positive"),
     ("train_ranking.py", ["--task", "regression", "--popularity-periods", "5", "--out",
@@ -255,6 +257,7 @@ def test_script_mistakes_fail_before_training_with_one_line(tmp_path, name, args
     ("pipeline.py", ["--data", "OUT/semicolons.csv", "--delimiter", ",", "--out", "OUT/new"]),
     ("train_ranking.py", ["--retrieval-run", "OUT"]),
     ("pipeline.py", ["--out", "OUT/a-run"]),
+    ("pipeline.py", ["--top-k", "5", "--top-n", "10", "--out", "OUT/new"]),
     ("train_retrieval.py", ["--epochs", "0", "--out", "OUT/new"])])
 def test_script_mistakes_are_found_before_tensorflow_loads(tmp_path, name, args):
     """The checks of the folder, the log and the configs need no TensorFlow (~4 s to import):
@@ -329,6 +332,51 @@ def test_run_configs_resolve_validate_and_round_trip(tmp_path):
                          ({"run": {"top_m": 1}}, "unexpected keyword argument 'top_m'")):
         with pytest.raises(ValueError, match=message):
             config.resolve("tiny", **bad).validate()
+
+
+def test_epochs_go_to_the_stages_the_steps_train_only():
+    """`--epochs` is the epochs of every stage the command trains: a retrieval-only run leaves
+    ranking's (which config.json keeps for a later `train_ranking --retrieval-run`) alone."""
+    from tworec.pipeline import config
+    preset_epochs = config.resolve("tiny").ranking.epochs
+    retrieval = config.resolve("tiny", epochs=7, steps=config.RETRIEVAL_ONLY)
+    assert (retrieval.retrieval.epochs, retrieval.ranking.epochs) == (7, preset_epochs)
+    ranking = config.resolve(base=retrieval, epochs=3, steps=config.RANKING_ONLY)
+    assert (ranking.retrieval.epochs, ranking.ranking.epochs) == (7, 3)
+    both = config.resolve("tiny", epochs=4, steps=config.PIPELINE)
+    assert (both.retrieval.epochs, both.ranking.epochs) == (4, 4)
+    assert config.resolve("tiny", epochs=4, steps=config.RETRIEVAL_ONLY,
+                          ranking={"epochs": 6}).ranking.epochs == 6     # named: kept
+
+
+def test_scripts_without_top_n_serve_at_most_their_candidates():
+    """train_retrieval.py and train_ranking.py have --top-k but no --top-n: a K under the
+    recommender's default list length shortens the list instead of being refused."""
+    from tworec.pipeline import cli, config
+    assert cli.candidates_run(5) == {"candidates": 5, "top_n": 5}
+    assert cli.candidates_run(100) == {"candidates": 100, "top_n": config.RunConfig.top_n}
+    config.resolve("tiny", run=cli.candidates_run(5)).validate()
+
+
+def test_train_retrieval_epochs_leave_the_rankers_epochs_in_config_json(tmp_path):
+    """The configs `train_retrieval.py --epochs 7` resolves (and writes to config.json), caught
+    where the run would start, before TensorFlow loads."""
+    argv = [os.path.join(ROOT, "scripts", "train_retrieval.py"), "--data", "synthetic:tiny",
+            "--preset", "tiny", "--epochs", "7", "--out", str(tmp_path / "run")]
+    done = subprocess.run([sys.executable, "-c", (
+        "import runpy, sys, types\n"
+        "fake = types.ModuleType('tworec.pipeline.run')\n"
+        "fake.StepFailed, fake.execute = RuntimeError, None\n"
+        "def start_run(checked, verbose=1):\n"
+        "    epochs = checked.configs.retrieval.epochs, checked.configs.ranking.epochs\n"
+        "    raise ValueError(f'epochs {epochs}')\n"
+        "fake.start_run = start_run\n"
+        "sys.modules['tworec.pipeline.run'] = fake\n"
+        f"sys.argv = {argv!r}\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n")],
+        capture_output=True, text=True, timeout=60)
+    from tworec.pipeline import config
+    assert f"epochs (7, {config.resolve('tiny').ranking.epochs})" in done.stderr, done.stderr
 
 
 def test_popularity_periods_given_to_a_regression_ranker_are_refused():

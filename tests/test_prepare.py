@@ -115,6 +115,16 @@ def test_split_vocabularies_histories_counts_equal_the_in_memory_path(logs):
     assert manifest["short_users"] == 2
 
 
+def test_no_history_asked_gives_one_pad_slot_as_the_in_memory_path(logs, tmp_path):
+    """history_length 0: every row's one slot is PAD, never the previous item."""
+    root, _, _ = logs
+    manifest = prepare_shards(str(root / "log.parquet"), str(tmp_path / "none"),
+                              history_length=0, memory_limit="256MiB")
+    assert_equal_to_the_in_memory_path(str(root / "log.parquet"), str(tmp_path / "none"),
+                                       manifest, length=0)
+    assert (_prepared(str(tmp_path / "none"))["history"] == 0).all()
+
+
 def test_three_shards_prepare_as_one_file(logs):
     root, one, three = logs
     first, second = _prepared(str(root / "one")), _prepared(str(root / "three"))

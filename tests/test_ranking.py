@@ -45,6 +45,19 @@ def test_candidate_lists_put_the_positive_first_and_never_repeat_it(inputs):
     assert from_hard[~retrieved].mean() < 0.05         # random ones where it was not
 
 
+@pytest.mark.parametrize("pool", [4, 5, 9])
+@pytest.mark.parametrize("part", ["train", "validation"])     # a held-out positive is no own item
+def test_hard_negatives_are_never_the_positive_even_when_the_pool_is_no_wider(inputs, part, pool):
+    """A pool of H retrieval candidates holding the positive, with 5 hard negatives asked for:
+    the positive is never one of them; what the pool lacks is drawn at random."""
+    positives = inputs.examples[part]["item"]
+    hard = np.random.default_rng(0).integers(0, inputs.num_items, (len(positives), pool))
+    hard[:, 2] = positives                                  # retrieval found every positive
+    lists = candidate_lists(inputs, part, 5, 1.0, hard, seed=0)
+    assert lists.shape == (len(positives), 6)
+    assert not (lists[:, 1:] == positives[:, None]).any()
+
+
 def test_sequence_transformer_equals_the_literal_layer_on_repeated_sequences():
     """Shared-history BST attention == Keras MultiHeadAttention over [history; target] for
     every candidate, including an empty history."""
@@ -256,6 +269,19 @@ def test_empty_slots_score_below_their_list_as_the_export(inputs, transitions_on
     assert np.isfinite(scores).all()
     hard = np.concatenate([items[:, :1], np.full((len(items), 3), EMPTY_SLOT)], 1)
     assert evaluate(model, inputs, transitions_only, "test", hard=hard)["auc"] is None
+
+
+def test_history_length_zero_gives_the_ranker_no_history():
+    """With no history asked for, the latest-item signal is that of a user without history
+    (no follower counts) in every part, and the sequence model is refused."""
+    log = generate(PRESETS["tiny"], seed=0)
+    data = prepare(log, split(log, "temporal"), history_length=0)
+    transitions = transition_matrix(data)
+    for part in ("train", "validation", "test"):
+        items = candidate_lists(data, part, 4, 0.0, seed=0)
+        assert not transition_features(transitions, data, part, items).any(), part
+    with pytest.raises(ValueError, match="model 'bst' needs history_length > 0, got 0"):
+        fit(data, preset("tiny", model="bst"), signals(data, preset("tiny")), verbose=0)
 
 
 def test_settings_that_cannot_work(inputs, transitions_only):
