@@ -147,9 +147,8 @@ def bench_train_ranking(smoke: bool = False, epochs: int = 2) -> dict:
 def bench_index(smoke: bool = False, dim: int = 64, num_queries: int = 200) -> dict:
     """ScaNN against brute force on a clustered 1M x 64 catalogue: single-query latency
     through the TF path and recall@10 against exact search."""
-    import tensorflow as tf
-    from tworec.retrieval.index import (ScannParams, build_index, exact_top_k, recall_against,
-                                        single_query_latency_ms)
+    from tworec.retrieval.index import (ScannParams, build_index, exact_top_k, found_codes,
+                                        recall_against, single_query_latency_ms)
     num_items = 20_000 if smoke else 1_000_000
     rng = np.random.default_rng(0)
     centres = rng.normal(size=(1000, dim)).astype(np.float32)
