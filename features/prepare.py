@@ -145,7 +145,7 @@ def prepare_shards(source: str, out_folder: str, history_length: int = 20,
                                    "padding": 0, "oov": OOV, "first": FIRST},
                     "split": {part: int(counts.get(code, 0))
                               for part, code in SPLIT_CODES.items()},
-                    "short_users": short, "history_length": length,
+                    "short_users": short, "history_length": history_length, "history_slots": length,
                     "shards": [{"path": os.path.relpath(path, out_folder), "rows": count}
                                for path, count in paths],
                     "block_rows": block_rows,

@@ -139,7 +139,14 @@ class PreparedLog:
 
     @property
     def history_length(self) -> int:
+        """L, the previous items a history holds (0: none)."""
         return self.manifest["history_length"]
+
+    @property
+    def history_slots(self) -> int:
+        """The slots of every row's history: max(L, 1), an empty history one PAD slot (a
+        folder prepared before the two were told apart recorded the slots as its L)."""
+        return self.manifest.get("history_slots", self.manifest["history_length"])
 
     @property
     def train_rows(self) -> int:
@@ -166,7 +173,7 @@ class PreparedLog:
         window_blocks = -(-max(window_rows, 4 * batch_size) // block_rows)
         files = tf.constant(self.train_files)
         seed = tf.cast(seed, tf.int64)
-        length = self.history_length
+        length = self.history_slots
 
         def epoch_windows(epoch: tf.Tensor) -> tf.data.Dataset:
             order = tf.random.experimental.stateless_shuffle(
@@ -202,9 +209,9 @@ class PreparedLog:
                             for shard in self.manifest["shards"]])
         with duckdb_session(self.folder, memory_limit) as connection:
             pairs = connection.sql(
-                f"SELECT history[{self.history_length}] - {FIRST} AS previous, "
+                f"SELECT history[{self.history_slots}] - {FIRST} AS previous, "
                 f"item - {FIRST} AS next, COUNT(*) AS n FROM read_parquet({shards}) "
-                f"WHERE split = 0 AND history[{self.history_length}] >= {FIRST} "
+                f"WHERE split = 0 AND history[{self.history_slots}] >= {FIRST} "
                 "GROUP BY ALL ORDER BY previous, next").to_arrow_table()
         per_row = np.bincount(pairs.column("previous").to_numpy(), minlength=self.num_items)
         return sp.csr_matrix((pairs.column("n").to_numpy().astype(np.float32),
@@ -234,7 +241,7 @@ class PreparedLog:
         shards = _sql_list([os.path.join(self.folder, shard["path"])
                             for shard in self.manifest["shards"]])
         passes = max(1, -(-self.manifest["rows"] // rows_per_pass))
-        length = self.history_length
+        length = self.history_slots
         with duckdb_session(self.folder, memory_limit) as connection:
             for number in range(passes):
                 where = f"FROM read_parquet({shards}) WHERE user % {passes} = {number}"

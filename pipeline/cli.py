@@ -4,6 +4,7 @@ training, 1 a step that failed)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -79,28 +80,42 @@ def run(args, steps: tuple[str, ...], continue_run: bool = False, verbose: int =
         tworec.configure_logs(True)
     else:
         console.filter_native_logs()
+    from tworec.pipeline.folder import RunFolderError, check_run, only_run_into
+    with contextlib.ExitStack() as held:
+        try:
+            configs, source = _configs(args, steps, continue_run, overrides)
+            checked = check_run(args.out, source, configs, continue_run=continue_run,
+                                overwrite=args.overwrite)
+            held.enter_context(only_run_into(args.out))
+            from tworec.pipeline.run import start_run                 # TensorFlow from here
+            prepared = start_run(checked, verbose=verbose)
+        except (DataError, ValueError, RunFolderError) as error:
+            return fail(str(error))
+        return _execute(prepared, steps, args.out)
+
+
+def _configs(args, steps: tuple[str, ...], continue_run: bool, overrides: dict):
+    """The run's (configs, source): a continued run's from its folder, with only ranking's
+    settings (and its epochs) changed; a fresh run's from the arguments."""
     from tworec.pipeline.config import resolve
-    from tworec.pipeline.folder import RunFolderError, check_run, read_run
-    try:
-        if continue_run:              # the folder's source and configs; epochs: ranking's only
-            source, base = read_run(args.out)
-            ranking = dict(overrides.pop("ranking", {}))
-            if args.epochs is not None:
-                ranking["epochs"] = args.epochs
-            configs = resolve(base=base, ranking=ranking)
-        else:
-            source = source_of(args)
-            configs = resolve(args.preset or "default", epochs=args.epochs, steps=steps,
-                              **{"data": {"split": args.split or "temporal",
-                                          "exclude_seen": not args.keep_seen,
-                                          "cold_start_window": args.cold_start_window},
-                                 **overrides})
-        checked = check_run(args.out, source, configs, continue_run=continue_run,
-                            overwrite=args.overwrite)
-        from tworec.pipeline.run import StepFailed, execute, start_run   # TensorFlow from here
-        prepared = start_run(checked, verbose=verbose)
-    except (DataError, ValueError, RunFolderError) as error:
-        return fail(str(error))
+    from tworec.pipeline.folder import read_run
+    if continue_run:
+        source, base = read_run(args.out)
+        ranking = dict(overrides.pop("ranking", {}))
+        if args.epochs is not None:
+            ranking["epochs"] = args.epochs
+        return resolve(base=base, ranking=ranking), source
+    return resolve(args.preset or "default", epochs=args.epochs, steps=steps,
+                   **{"data": {"split": args.split or "temporal",
+                               "exclude_seen": not args.keep_seen,
+                               "cold_start_window": args.cold_start_window},
+                      **overrides}), source_of(args)
+
+
+def _execute(prepared, steps: tuple[str, ...], out: str) -> int:
+    """Executes `steps` of a started run; ends with the headline test figures and where the
+    report is."""
+    from tworec.pipeline.run import StepFailed, execute
     start = time.perf_counter()
     try:
         report = execute(prepared, steps)
@@ -115,6 +130,6 @@ def run(args, steps: tuple[str, ...], continue_run: bool = False, verbose: int =
                if test]
     print(f"[run] done in {time.perf_counter() - start:.0f} s"
           + (f"; test Recall@10 / NDCG@10: {', '.join(figures)}" if figures else ""))
-    print(f"[run] report: {os.path.join(args.out, 'report.md')} "
+    print(f"[run] report: {os.path.join(out, 'report.md')} "
           "(also report.html, report.json, plots/)")
     return 0

@@ -4,7 +4,9 @@ the scripts answer a mistake in well under a second, before the flow (`pipeline.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import os
 import shutil
@@ -126,6 +128,25 @@ def check_fresh(out: str, overwrite: bool) -> bool:
         return True
     raise RunFolderError(f"--out {out} already holds a run; pass --overwrite to replace it, "
                          "or name a new folder")
+
+
+@contextlib.contextmanager
+def only_run_into(out: str):
+    """Holds an exclusive lock on the run folder `out` (created when absent) while a run writes
+    into it. A second command into the same folder is refused in one line (RunFolderError): it
+    would take a training in progress for an interrupted one and resume into it, or clear it
+    with --overwrite. The lock goes with the process, however it ends."""
+    os.makedirs(out, exist_ok=True)
+    descriptor = os.open(out, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunFolderError(f"--out {out}: another process is running into this folder; "
+                                 "wait for it to end, or name another folder") from None
+        yield
+    finally:
+        os.close(descriptor)
 
 
 def interrupted_retrieval(out: str) -> bool:

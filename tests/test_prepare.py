@@ -12,6 +12,7 @@ from tworec.features.inputs import prepare
 from tworec.features.prepare import SPLIT_CODES, main, prepare_shards
 from tworec.features.sources import load
 from tworec.features.splits import temporal_split
+from tworec.features.stream import PreparedLog
 from tworec.features.synthetic import PRESETS, generate
 
 LENGTH = 5
@@ -123,6 +124,8 @@ def test_no_history_asked_gives_one_pad_slot_as_the_in_memory_path(logs, tmp_pat
     assert_equal_to_the_in_memory_path(str(root / "log.parquet"), str(tmp_path / "none"),
                                        manifest, length=0)
     assert (_prepared(str(tmp_path / "none"))["history"] == 0).all()
+    prepared = PreparedLog.load(str(tmp_path / "none"))        # what fit_prepared validates
+    assert (prepared.history_length, prepared.history_slots) == (0, 1)
 
 
 def test_three_shards_prepare_as_one_file(logs):

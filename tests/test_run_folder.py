@@ -141,7 +141,9 @@ def test_data_dir_reaches_tfds_and_is_refused_for_other_sources(tmp_path, script
 def test_an_interrupted_retrieval_run_resumes_when_its_command_is_rerun(tmp_path, script,
                                                                         monkeypatch):
     """The folder holds config.json and a checkpoint: the same command resumes after the last
-    finished epoch; another config is refused in one line, before any training."""
+    finished epoch; another config is refused in one line, before any training, and so is the
+    same command while another process runs into the folder (it would resume into a training
+    in progress, or clear it with --overwrite)."""
     from test_resume import Interrupt
     from tworec.features import training
     command = ["--data", "synthetic:tiny", "--preset", "tiny", "--out", str(tmp_path)]
@@ -153,6 +155,12 @@ def test_an_interrupted_retrieval_run_resumes_when_its_command_is_rerun(tmp_path
     code, error = script("train_retrieval.py", *command, "--epochs", "5")
     assert code == 2 and "holds an interrupted training started otherwise" in error, error
     assert len(error.strip().splitlines()) == 1, error
+    with folder.only_run_into(str(tmp_path)):          # the command still running elsewhere
+        for overwrite in ([], ["--overwrite"]):
+            code, error = script("train_retrieval.py", *command, "--epochs", "4", *overwrite)
+            assert code == 2 and "another process is running into this folder" in error, error
+            assert len(error.strip().splitlines()) == 1, error
+    assert (tmp_path / "checkpoints" / "retrieval").is_dir()         # --overwrite cleared nothing
     code, error = script("train_retrieval.py", *command, "--epochs", "4")
     assert code == 0, error
     assert json.loads((tmp_path / "retrieval_train.json").read_text())["epochs"] == 2  # 3 and 4
