@@ -38,7 +38,7 @@ SQL or BigQuery for a cluster-sized log (`LAG`, `ROW_NUMBER`, `QUALIFY`/a filter
 an array constructor for the history), writing the same shards.
 
 Written to `out_folder`: `shards/part-NNNNN.parquet` (columns `row` int64, the row's position
-in the log; `user`, `item` int32 vocabulary indexes; `history` fixed-size list<int32>[L];
+in the log; `user`, `item` int32 vocabulary indexes; `history` fixed-size list<int32>[max(L, 1)];
 `timestamp` int64; `rating` float32, NaN without ratings; `split` int8: 0 train,
 1 validation, 2 test); the training rows again as `train/part-NNNNN.tfrecord`, blocks that
 TensorFlow streams (`features.stream`); `users.parquet` and `items.parquet` (`index` int32,

@@ -83,10 +83,10 @@ def run(args, steps: tuple[str, ...], continue_run: bool = False, verbose: int =
     from tworec.pipeline.folder import RunFolderError, check_run, only_run_into
     with contextlib.ExitStack() as held:
         try:
+            held.enter_context(only_run_into(args.out))       # before the folder is read
             configs, source = _configs(args, steps, continue_run, overrides)
             checked = check_run(args.out, source, configs, continue_run=continue_run,
                                 overwrite=args.overwrite)
-            held.enter_context(only_run_into(args.out))
             from tworec.pipeline.run import start_run                 # TensorFlow from here
             prepared = start_run(checked, verbose=verbose)
         except (DataError, ValueError, RunFolderError) as error:

@@ -132,21 +132,31 @@ def check_fresh(out: str, overwrite: bool) -> bool:
 
 @contextlib.contextmanager
 def only_run_into(out: str):
-    """Holds an exclusive lock on the run folder `out` (created when absent) while a run writes
-    into it. A second command into the same folder is refused in one line (RunFolderError): it
+    """Holds an exclusive lock on the run folder `out` while a command checks it and runs into
+    it: a second command into the same folder is refused in one line (RunFolderError), as it
     would take a training in progress for an interrupted one and resume into it, or clear it
-    with --overwrite. The lock goes with the process, however it ends."""
+    with --overwrite. A folder it creates is removed again if the command leaves it empty.
+    The lock goes with the process however it ends; a file system without `flock` (some NFS
+    mounts) runs unlocked, and a file at `out` is left to `check_fresh` to refuse."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        yield
+        return
+    created = not os.path.exists(out)
     os.makedirs(out, exist_ok=True)
     descriptor = os.open(out, os.O_RDONLY)
     try:
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise RunFolderError(f"--out {out}: another process is running into this folder; "
-                                 "wait for it to end, or name another folder") from None
+            raise RunFolderError(f"{out}: another process is running into this folder; wait "
+                                 "for it to end, or name another folder") from None
+        except OSError:
+            pass                                        # no flock here: unlocked
         yield
     finally:
         os.close(descriptor)
+        if created and os.path.isdir(out) and not os.listdir(out):
+            os.rmdir(out)
 
 
 def interrupted_retrieval(out: str) -> bool:

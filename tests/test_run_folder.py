@@ -138,6 +138,28 @@ def test_data_dir_reaches_tfds_and_is_refused_for_other_sources(tmp_path, script
         load(write_log(tmp_path / "log.csv"), columns=COLUMNS, data_dir=str(tmp_path / "tfds"))
 
 
+def test_a_refused_command_leaves_no_folder_behind(tmp_path, script):
+    """The folder is locked (and so made) before it is checked; a command refused before
+    anything is written removes what it made."""
+    code, error = script("train_retrieval.py", "--data", str(tmp_path / "missing.csv"),
+                         "--out", str(tmp_path / "run"))
+    assert code == 2 and "missing.csv" in error, error
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("command", [["train_ranking.py", "--retrieval-run", "RUN"],
+                                     ["train_retrieval.py", "--out", "RUN"]])
+def test_a_command_into_a_folder_another_runs_into_is_refused_first(tmp_path, script, command):
+    """The lock is taken before the folder is read: the answer is that another process runs
+    into it, not advice (`--overwrite`, a finished retrieval) drawn from a folder in flux."""
+    trained_run(tmp_path / "run", write_log(tmp_path / "log.csv"))
+    with folder.only_run_into(str(tmp_path / "run")):
+        code, error = script(*[str(tmp_path / "run") if word == "RUN" else word
+                               for word in command])
+    assert code == 2 and "another process is running into this folder" in error, error
+    assert len(error.strip().splitlines()) == 1, error
+
+
 def test_an_interrupted_retrieval_run_resumes_when_its_command_is_rerun(tmp_path, script,
                                                                         monkeypatch):
     """The folder holds config.json and a checkpoint: the same command resumes after the last
