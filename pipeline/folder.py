@@ -135,13 +135,13 @@ def only_run_into(out: str):
     """Holds an exclusive lock on the run folder `out` while a command checks it and runs into
     it: a second command into the same folder is refused in one line (RunFolderError), as it
     would take a training in progress for an interrupted one and resume into it, or clear it
-    with --overwrite. A folder it creates is removed again if the command leaves it empty.
-    The lock goes with the process however it ends; a file system without `flock` (some NFS
-    mounts) runs unlocked, and a file at `out` is left to `check_fresh` to refuse."""
+    with --overwrite. The folders it creates are removed again if the command leaves them
+    empty. The lock goes with the process however it ends; a file system without `flock`
+    (some NFS mounts) runs unlocked, and a file at `out` is left to `check_fresh` to refuse."""
     if os.path.exists(out) and not os.path.isdir(out):
         yield
         return
-    created = not os.path.exists(out)
+    made = _first_missing(os.path.abspath(out))          # None: `out` exists
     os.makedirs(out, exist_ok=True)
     descriptor = os.open(out, os.O_RDONLY)
     try:
@@ -155,8 +155,26 @@ def only_run_into(out: str):
         yield
     finally:
         os.close(descriptor)
-        if created and os.path.isdir(out) and not os.listdir(out):
-            os.rmdir(out)
+        if made:
+            _remove_empty(os.path.abspath(out), up_to=made)
+
+
+def _remove_empty(path: str, up_to: str) -> None:
+    """Removes the folder `path`, then its parents up to `up_to`, while they are empty."""
+    while os.path.isdir(path) and not os.listdir(path):
+        os.rmdir(path)
+        if path == up_to:
+            return
+        path = os.path.dirname(path)
+
+
+def _first_missing(path: str) -> str | None:
+    """The highest folder of absolute `path` that does not exist yet; None if `path` does."""
+    if os.path.exists(path):
+        return None
+    while not os.path.exists(os.path.dirname(path)):
+        path = os.path.dirname(path)
+    return path
 
 
 def interrupted_retrieval(out: str) -> bool:
