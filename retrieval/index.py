@@ -21,6 +21,7 @@ from tworec.evaluation import top_k_rows
 # a smaller catalogue cannot be indexed ("Number of clusters per block (16) is greater than
 # asymmetric hashing training data size").
 SCANN_MIN_ITEMS = 16
+COPY_COLUMNS = 4096        # score columns `exact_scorer` copies to equal candidates at a time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,14 +101,17 @@ def exact_scorer(candidates: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
     """queries [b, d] -> [b, num_items] dot products with candidates [num_items, d], equal
     candidate rows scoring bit-identically: a batched product can score equal columns an ulp
     apart (by their position), which would break their tie at random, so every later copy of
-    a row is given the score of its first occurrence."""
+    a row is given the score of its first occurrence (`COPY_COLUMNS` at a time, so that the
+    copy adds at most [b, COPY_COLUMNS] to the scores' memory)."""
     _, first, inverse = np.unique(candidates, axis=0, return_index=True, return_inverse=True)
     source = first[inverse.ravel()]                  # [num_items] first item with that row
     copies = np.flatnonzero(source != np.arange(len(candidates)))
 
     def score(queries: np.ndarray) -> np.ndarray:
         scores = queries @ candidates.T                                   # [b, d] x [d, I]
-        scores[:, copies] = scores[:, source[copies]]
+        for start in range(0, len(copies), COPY_COLUMNS):
+            columns = copies[start:start + COPY_COLUMNS]
+            scores[:, columns] = scores[:, source[columns]]
         return scores
     return score
 

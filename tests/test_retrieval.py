@@ -247,6 +247,22 @@ def test_identical_candidates_tie_against_the_target():
     assert exact_top_k(candidates, queries, 3).tolist() == [[5, 0, 16]] * 8
 
 
+@pytest.mark.parametrize("copy_columns", [3, 4096])
+def test_equal_candidates_score_alike_however_the_copy_is_cut(monkeypatch, copy_columns):
+    """600 candidates drawn from 5 rows (at this size NumPy's product scores some equal
+    columns apart): every column equals its row's first column exactly, and the product
+    within float32 rounding, whether the copies go 3 columns at a time or all at once."""
+    monkeypatch.setattr(index_module, "COPY_COLUMNS", copy_columns)
+    rng = np.random.default_rng(0)
+    rows = rng.integers(0, 5, 600)
+    candidates = rng.normal(size=(5, 32)).astype(np.float32)[rows]                # [600, 32]
+    queries = rng.normal(size=(16, 32)).astype(np.float32)
+    scores = exact_scorer(candidates)(queries)                                     # [16, 600]
+    firsts = np.array([np.flatnonzero(rows == row)[0] for row in rows])
+    np.testing.assert_array_equal(scores, scores[:, firsts])
+    np.testing.assert_allclose(scores, queries @ candidates.T, rtol=1e-5, atol=1e-5)
+
+
 def log_with_unknown_items(num_plain: int = 20, num_featured: int = 5) -> Interactions:
     """The tiny synthetic log plus new items each taken by four users after every other row:
     a global split holds them out whole, so the model knows none of them (one OOV id). The
