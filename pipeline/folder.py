@@ -240,14 +240,17 @@ def fingerprint(log: Interactions) -> dict:
 
 def add_column(digest, values) -> None:
     """Adds a column (None: absent) to a hashlib `digest`: its type, shape and values, text as
-    UTF-8 with each value ended by a NUL (the values, not object pointers)."""
+    UTF-8 with each value ended by a NUL (the values, not object pointers), an object array's
+    values each with its type (None and "None", 1 and "1" differ)."""
     if values is None:
         digest.update(b"absent\0")
         return
     values = np.asarray(values)
     if values.dtype.kind in "OUS":
+        typed = values.dtype.kind == "O"
         digest.update(f"text {values.shape}\0".encode())
-        digest.update("".join(f"{value}\0" for value in values.ravel()).encode())
+        digest.update("".join(f"{type(value).__name__ + ' ' if typed else ''}{value}\0"
+                              for value in values.ravel()).encode())
     else:
         digest.update(f"{values.dtype.str} {values.shape}\0".encode())
         digest.update(np.ascontiguousarray(values).tobytes())

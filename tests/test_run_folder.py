@@ -3,6 +3,7 @@ column it reads, on a folder made before runs fingerprinted every column, or on 
 retrieval stage did not finish; flags a continued run would ignore; and `--data-dir` anywhere
 but with a TFDS source (with one, it reaches TFDS)."""
 import dataclasses
+import hashlib
 import json
 import os
 import runpy
@@ -87,6 +88,16 @@ def test_a_folder_fingerprinted_by_an_older_version_is_not_continued_or_resumed(
             folder.check_run(str(out), {"data": log, "columns": COLUMNS}, config.resolve("tiny"))
         else:
             continue_run(out)
+
+
+def test_the_fingerprint_tells_text_from_other_values():
+    """Object columns are digested with each value's type: None, 1 and "None", "1" differ."""
+    def digest(values) -> str:
+        sha = hashlib.sha256()
+        folder.add_column(sha, np.array(values, dtype=object))
+        return sha.hexdigest()
+    assert digest([None, 1]) != digest(["None", "1"])
+    assert digest(["a", "b"]) == digest(["a", "b"]) != digest(["b", "a"])
 
 
 @pytest.fixture
