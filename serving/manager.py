@@ -191,20 +191,20 @@ class ModelManager:
                 settled, None if deadline is None else max(deadline - time.monotonic(), 0))
 
     def check_started(self) -> None:
-        """Refuses a start-up as TF Serving's server does: UNKNOWN when a model's latest
-        version on disk ended with a load error ("N servable(s) did not become available"),
-        then FAILED_PRECONDITION when a label points at a version that is not AVAILABLE.
-        Call it once `wait_until_settled` returned."""
+        """Refuses a start-up as TF Serving's server does: UNKNOWN when the latest version a
+        model's policy wants ended with a load error ("N servable(s) did not become
+        available"), then FAILED_PRECONDITION when a label points at a version that is not
+        AVAILABLE. Call it once `wait_until_settled` returned."""
         with self._lock:
-            failed = [(name, max(model.versions), model.versions[max(model.versions)].error)
-                      for name, model in self._models.items() if model.versions]
-            failed = [(name, number, error) for name, number, error in failed if error]
+            failed = []
+            for name, model in self._models.items():
+                latest = model.versions[max(model.versions)] if model.versions else None
+                if latest is not None and latest.error is not None:
+                    failed.append(f"{{{{name: {name} version: {max(model.versions)}}} due to "
+                                  f"error: {latest.error.message}}}, ")
             if failed:
                 raise ServingError("UNKNOWN", f"{len(failed)} servable(s) did not become "
-                                   "available: {" + "".join(
-                                       f"{{{{name: {name} version: {number}}} due to error: "
-                                       f"{error.message}}}, " for name, number, error in failed)
-                                   + "}")
+                                   f"available: {{{''.join(failed)}}}")
             self._update_labels([model.config for model in self._models.values()])
 
     def stop(self) -> None:
