@@ -141,7 +141,10 @@ def only_run_into(out: str):
     if os.path.exists(out) and not os.path.isdir(out):
         yield
         return
-    made = _first_missing(os.path.abspath(out))          # None: `out` exists
+    made, path = [], os.path.abspath(out)                 # the folders it makes, deepest first
+    while not os.path.exists(path):
+        made.append(path)
+        path = os.path.dirname(path)
     os.makedirs(out, exist_ok=True)
     descriptor = os.open(out, os.O_RDONLY)
     try:
@@ -155,26 +158,11 @@ def only_run_into(out: str):
         yield
     finally:
         os.close(descriptor)
-        if made:
-            _remove_empty(os.path.abspath(out), up_to=made)
-
-
-def _remove_empty(path: str, up_to: str) -> None:
-    """Removes the folder `path`, then its parents up to `up_to`, while they are empty."""
-    while os.path.isdir(path) and not os.listdir(path):
-        os.rmdir(path)
-        if path == up_to:
-            return
-        path = os.path.dirname(path)
-
-
-def _first_missing(path: str) -> str | None:
-    """The highest folder of absolute `path` that does not exist yet; None if `path` does."""
-    if os.path.exists(path):
-        return None
-    while not os.path.exists(os.path.dirname(path)):
-        path = os.path.dirname(path)
-    return path
+        for folder in made:
+            try:
+                os.rmdir(folder)                          # refused once the run wrote in it
+            except OSError:
+                break
 
 
 def interrupted_retrieval(out: str) -> bool:
