@@ -97,14 +97,21 @@ def build_index(candidates: np.ndarray, k: int, scann: ScannParams | None = None
     return layer
 
 
+def equal_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows [n, f] grouped by value: ([u] the first row of each distinct value, [n] each row's
+    distinct value), so that `rows[first][inverse]` equals `rows`."""
+    _, first, inverse = np.unique(rows, axis=0, return_index=True, return_inverse=True)
+    return first, inverse.ravel()
+
+
 def exact_scorer(candidates: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
     """queries [b, d] -> [b, num_items] dot products with candidates [num_items, d], equal
     candidate rows scoring bit-identically: a batched product can score equal columns an ulp
     apart (by their position), which would break their tie at random, so every later copy of
     a row is given the score of its first occurrence (`COPY_COLUMNS` at a time, so that the
     copy adds at most [b, COPY_COLUMNS] to the scores' memory)."""
-    _, first, inverse = np.unique(candidates, axis=0, return_index=True, return_inverse=True)
-    source = first[inverse.ravel()]                  # [num_items] first item with that row
+    first, inverse = equal_rows(candidates)
+    source = first[inverse]                          # [num_items] first item with that row
     copies = np.flatnonzero(source != np.arange(len(candidates)))
 
     def score(queries: np.ndarray) -> np.ndarray:
@@ -181,8 +188,8 @@ def tune_scann(candidates: np.ndarray, queries: np.ndarray, k: int = 10,
     """
     num_items = len(candidates)
     exact = exact_top_k(candidates, queries, k)
-    table = []
-    for params in scann_settings(num_items, k):
+    table, settings = [], scann_settings(num_items, k)
+    for params in settings:
         index = build_index(candidates, k, params)
         table.append({**dataclasses.asdict(params),
                       "recall": recall_against(found_codes(index, queries), exact),
@@ -192,7 +199,7 @@ def tune_scann(candidates: np.ndarray, queries: np.ndarray, k: int = 10,
     fields = [field.name for field in dataclasses.fields(ScannParams)]
     best = min((row for row in table if row["recall"] >= target_recall), default=None,
                key=lambda row: (row["work"], -row["recall"], [row[name] for name in fields]))
-    skipped = None if num_items >= SCANN_MIN_ITEMS else (
+    skipped = None if settings else (
         f"ScaNN was not tuned: the catalogue's {num_items} items are fewer than the "
         f"{SCANN_MIN_ITEMS} its asymmetric hashing trains on")
     return {"params": None if best is None else {name: best[name] for name in fields},

@@ -13,7 +13,7 @@ from tworec.features.vocab import FIRST
 from tworec.features.training import (make_optimizer, make_strategy, mixed_precision, train,
                                       worker_seed)
 from tworec.retrieval.config import RetrievalConfig
-from tworec.retrieval.index import exact_scorer
+from tworec.retrieval.index import equal_rows, exact_scorer
 from tworec.retrieval.model import TwoTower
 
 
@@ -50,9 +50,8 @@ def candidate_embeddings(model: TwoTower, num_items: int, batch_size: int = 8192
     input of the candidate tower (`TwoTower.candidate_inputs`) and copied to the items that
     share it: the tower gives an input a few ulps apart at different batch positions, which
     would break the tie of identical items (such as those without training rows)."""
-    _, first, inverse = np.unique(model.candidate_inputs()[:num_items], axis=0,
-                                  return_index=True, return_inverse=True)
-    return embed_items(model, first, batch_size)[inverse.ravel()]                # [I, d]
+    first, inverse = equal_rows(model.candidate_inputs()[:num_items])
+    return embed_items(model, first, batch_size)[inverse]                        # [I, d]
 
 
 def query_embeddings(model: TwoTower, examples: dict[str, np.ndarray],
