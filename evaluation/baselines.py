@@ -85,13 +85,14 @@ def ease_scorer(interactions: Interactions, train: np.ndarray, evalset: EvalSet,
     weights = (-inverse / np.diag(inverse)).astype(np.float32)          # [u, u]
     np.fill_diagonal(weights, 0.0)
     history = evalset.history[:, used]
-    counts = np.bincount(interactions.item[train], minlength=interactions.num_items)
+    popular = popularity_scorer(interactions, train, evalset)
     has_history = history.getnnz(axis=1) > 0                              # [m]
 
     def score(positions):
         scores = np.full((len(positions), interactions.num_items), -1e9, dtype=np.float32)
         scores[:, used] = history[positions] @ weights                    # [b, u] x [u, u]
-        scores[~has_history[positions]] = counts
+        without = ~has_history[positions]
+        scores[without] = popular(positions[without])
         return scores
     return score
 
