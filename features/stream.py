@@ -5,17 +5,18 @@ TFRecord files of blocks (`train/part-NNNNN.tfrecord`), in an order DuckDB sorts
 each row's position, so that every file and block is a uniform sample of the training rows
 (the window functions leave rows grouped by user). Each record is one block of up to
 `block_rows` rows, a `tf.train.Example` whose features `user`, `item` and `history` hold the
-columns as raw little-endian int32 bytes ([n], [n], [n * L]). TFRecord and `tf.io.decode_raw`
-are stock TensorFlow: every worker of a cluster (`ParameterServerStrategy`) reads the files
-itself, from a local disk or a shared file system, and a block is parsed with one op, never
-row by row.
+columns as raw little-endian int32 bytes ([n], [n], [n * S], S = max(L, 1) history slots).
+TFRecord and `tf.io.decode_raw` are stock TensorFlow: every worker of a cluster
+(`ParameterServerStrategy`) reads the files itself, from a local disk or a shared file system,
+and a block is parsed with one op, never row by row.
 
-`PreparedLog.training_batches` streams them: each epoch shuffles the file order, interleaves
-blocks from several files, shuffles blocks in a bounded buffer, gathers them into windows of
-`window_rows` rows and hands the windows to `batches.window_batches`, the same function that
-cuts an in-memory log (one window per epoch) into batches. The input's memory is the block
-buffer and a few windows, whatever the log's size; rows are permuted within a window, and
-their order on disk is already random.
+`PreparedLog.training_batches` streams them: each pass over the files shuffles their order,
+interleaves blocks from several files, shuffles blocks in a bounded buffer (both by seed and
+pass), gathers them into windows of `window_rows` rows and hands the windows to
+`batches.window_batches`, the same function that cuts an in-memory log (one window per
+epoch) into batches; a window's last rows fill a batch with the next one's. The input's memory
+is the block buffer and a few windows, whatever the log's size; rows are permuted within a
+window, and their order on disk is already random.
 
 The catalogue of a prepared log is its item vocabulary: catalogue code c is vocabulary index
 c + FIRST. Items that occur only in held-out rows are out of vocabulary: they cannot be

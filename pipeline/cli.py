@@ -101,7 +101,7 @@ def _configs(args, steps: tuple[str, ...], continue_run: bool, overrides: dict):
     from tworec.pipeline.folder import read_run
     if continue_run:
         source, base = read_run(args.out)
-        ranking = dict(overrides.pop("ranking", {}))
+        ranking = dict(overrides.get("ranking", {}))
         if args.epochs is not None:
             ranking["epochs"] = args.epochs
         return resolve(base=base, ranking=ranking), source
