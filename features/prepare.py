@@ -62,9 +62,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tworec.features.interactions import DataError
-from tworec.features.shards import (_sql_list, check_values, dropped_counts, duckdb_session,
-                                    item_table_ids, known_sql, log_sql, needed_columns,
-                                    no_known_items_error, parquet_source, whole_seconds)
+from tworec.features.shards import (_sql_list, dropped_counts, duckdb_session, item_table_ids,
+                                    parquet_log, whole_seconds)
 from tworec.features.stream import BLOCK_ROWS, SPLIT_CODES, BlockWriter
 from tworec.features.vocab import FIRST, OOV, PAD
 
@@ -99,22 +98,14 @@ def prepare_shards(source: str, out_folder: str, history_length: int = 20,
         raise DataError(f"{out_folder}: a file, not a folder; pass a new or empty folder")
     if os.path.isdir(out_folder) and os.listdir(out_folder):
         raise DataError(f"{out_folder}: not empty; pass a new or empty folder")
-    shards = parquet_source(source)
-    mapping, schema = needed_columns(shards, columns or {})
-    catalogue = None if shards.items is None else item_table_ids(shards.items, mapping["item"])
-    shard_rows = [pq.ParquetFile(path).metadata.num_rows for path in shards.files]
-    if sum(shard_rows) == 0:
-        raise DataError(f"{source}: the log is empty")
-    log, known = log_sql(shards, shard_rows, mapping, schema), known_sql(shards, mapping)
+    parquet = parquet_log(source, columns, item_table_ids)
+    mapping, schema, shard_rows = parquet.mapping, parquet.schema, parquet.shard_rows
+    catalogue, log, known = parquet.catalogue, parquet.log, parquet.known
     length = max(history_length, 1)
     started = time.perf_counter()
     with _left_as_it_was_on_failure(out_folder), \
             duckdb_session(source, memory_limit, "prepare.duckdb") as connection:
-        check_values(connection, source, shards, shard_rows, mapping, schema)
-        if catalogue is not None and not connection.execute(
-                f"SELECT i FROM ({log}) WHERE {known} LIMIT 1").fetchone():
-            raise no_known_items_error(source, connection.execute(
-                f"SELECT i FROM ({log}) LIMIT 1").fetchone()[0], catalogue[:1])
+        parquet.check(connection, source, catalogue)
         for folder in ("shards", "train"):
             os.makedirs(os.path.join(out_folder, folder), exist_ok=True)
         setting = connection.execute("SELECT current_setting('memory_limit')").fetchone()[0]

@@ -299,17 +299,12 @@ def describe(source: str, columns: dict[str, str] | None = None,
         memory_limit: DuckDB's memory limit, e.g. '1GB' or '500MiB'.
     """
     limit = memory_bytes(memory_limit)
-    shards = parquet_source(source)
-    mapping, schema = needed_columns(shards, columns or {})
-    catalogue = None if shards.items is None else read_item_table(shards.items, mapping["item"])
-    shard_rows = [pq.ParquetFile(path).metadata.num_rows for path in shards.files]
-    rows = sum(shard_rows)
-    if rows == 0:
-        raise DataError(f"{source}: the log is empty")
-    log, known = log_sql(shards, shard_rows, mapping, schema), known_sql(shards, mapping)
+    parquet = parquet_log(source, columns, read_item_table)
+    catalogue, mapping, rows = parquet.catalogue, parquet.mapping, parquet.rows
+    log, known = parquet.log, parquet.known
     passes = -(-rows // max(1, limit // DISTINCT_ROW_BYTES))
     with duckdb_session(source, memory_limit) as connection:
-        check_values(connection, source, shards, shard_rows, mapping, schema)
+        parquet.check(connection, source, catalogue and catalogue["catalogue"])
         distinct_rows = kept = 0
         for part in range(passes):
             some_users = "" if passes == 1 else f"WHERE hash(u) % {passes} = {part}"
@@ -317,9 +312,6 @@ def describe(source: str, columns: dict[str, str] | None = None,
                 f"SELECT COUNT(*), COUNT(*) FILTER (WHERE {known}) "
                 f"FROM (SELECT DISTINCT u, i, f, r FROM ({log}) {some_users})").fetchone()
             distinct_rows, kept = distinct_rows + counts[0], kept + counts[1]
-        if kept == 0:
-            raise no_known_items_error(source, connection.execute(
-                f"SELECT i FROM ({log}) LIMIT 1").fetchone()[0], catalogue["catalogue"][:1])
         users, items, first, last = connection.execute(
             f"SELECT COUNT(DISTINCT u), COUNT(DISTINCT i), MIN(t), MAX(t) "
             f"FROM ({log}) WHERE {known}").fetchone()
@@ -333,7 +325,7 @@ def describe(source: str, columns: dict[str, str] | None = None,
             "dropped": dropped_counts(rows, distinct_rows, kept),
             "time_range": [first, last],
             "shards": [{"path": path, "rows": count}
-                       for path, count in zip(shards.files, shard_rows)],
+                       for path, count in zip(parquet.shards.files, parquet.shard_rows)],
             "duckdb": {"memory_limit": memory_limit, "distinct_passes": passes}}
 
 
@@ -351,6 +343,53 @@ def parquet_source(source: str) -> ShardSet:
                         "shards or one .parquet file: write the log as Parquet first (e.g. "
                         "pyarrow.csv.read_csv, then pyarrow.parquet.write_table)")
     return ShardSet(source, (source,))
+
+
+@dataclasses.dataclass(frozen=True)
+class ParquetLog:
+    """A Parquet log as DuckDB's `describe` and `prepare` read it.
+
+    Attributes:
+        shards: its files. mapping: role -> column name. schema: the shards' schema.
+        shard_rows: the rows of every shard (from the footers).
+        catalogue: what `read_items` gave for the item table, or None without one.
+        log: SQL of its rows (`log_sql`). known: SQL condition of a row whose item is in the
+            catalogue (`known_sql`).
+    """
+    shards: ShardSet
+    mapping: dict
+    schema: pa.Schema
+    shard_rows: list
+    catalogue: object
+    log: str
+    known: str
+
+    @property
+    def rows(self) -> int:
+        return sum(self.shard_rows)
+
+    def check(self, connection, source: str, catalogue_ids) -> None:
+        """`check_values`, then a one-line DataError when no row's item is among
+        `catalogue_ids` (the item table's ids; None without a table)."""
+        check_values(connection, source, self.shards, self.shard_rows, self.mapping, self.schema)
+        if catalogue_ids is not None and not connection.execute(
+                f"SELECT i FROM ({self.log}) WHERE {self.known} LIMIT 1").fetchone():
+            raise no_known_items_error(source, connection.execute(
+                f"SELECT i FROM ({self.log}) LIMIT 1").fetchone()[0], catalogue_ids[:1])
+
+
+def parquet_log(source: str, columns: dict[str, str] | None, read_items) -> ParquetLog:
+    """The shards of `source` with the columns each role reads, its item table read by
+    `read_items(path, id_column)` first (its mistakes come before the log's), and its rows
+    counted from the footers: a one-line DataError for an empty log."""
+    shards = parquet_source(source)
+    mapping, schema = needed_columns(shards, columns or {})
+    catalogue = None if shards.items is None else read_items(shards.items, mapping["item"])
+    shard_rows = [pq.ParquetFile(path).metadata.num_rows for path in shards.files]
+    if sum(shard_rows) == 0:
+        raise DataError(f"{source}: the log is empty")
+    return ParquetLog(shards, mapping, schema, shard_rows, catalogue,
+                      log_sql(shards, shard_rows, mapping, schema), known_sql(shards, mapping))
 
 
 def dropped_counts(rows: int, distinct_rows: int, kept: int) -> dict[str, int]:
