@@ -11,14 +11,16 @@ in-process models, and write RUN/report.json, RUN/report.md and RUN/plots/.
 import sys
 
 from tworec.pipeline import cli
-from tworec.pipeline.config import PIPELINE
+from tworec.pipeline.config import PIPELINE, RunConfig
 
 
 def main(argv=None) -> int:
     parser = cli.parser_for(__doc__)
     cli.add_run_arguments(parser, out_required=False)
-    parser.add_argument("--top-k", type=int, default=100, help="retrieval candidates to re-rank")
-    parser.add_argument("--top-n", type=int, default=10, help="items the recommender returns")
+    parser.add_argument("--top-k", type=int, default=RunConfig.candidates,
+                        help="retrieval candidates to re-rank")
+    parser.add_argument("--top-n", type=int, default=RunConfig.top_n,
+                        help="items the recommender returns")
     args = parser.parse_args(argv)
     args.out = args.out or "runs/demo"
     return cli.run(args, PIPELINE, run={"candidates": args.top_k, "top_n": args.top_n})

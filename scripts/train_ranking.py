@@ -14,7 +14,7 @@ otherwise retrieval is trained first, into the same new run folder.
 import sys
 
 from tworec.pipeline import cli
-from tworec.pipeline.config import MODELS, RANKING_ONLY, TASKS
+from tworec.pipeline.config import MODELS, RANKING_ONLY, TASKS, RunConfig
 
 
 def main(argv=None) -> int:
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     if args.retrieval_run:
         return cli.run(args, RANKING_ONLY, continue_run=True, ranking=ranking)
     return cli.run(args, ("train retrieval",) + RANKING_ONLY, ranking=ranking,
-                   run=cli.candidates_run(args.top_k or 100))
+                   run=cli.candidates_run(args.top_k or RunConfig.candidates))
 
 
 if __name__ == "__main__":

@@ -11,13 +11,14 @@ The run folder can then be given to `train_ranking.py --retrieval-run RUN`.
 import sys
 
 from tworec.pipeline import cli
-from tworec.pipeline.config import ENCODERS, OPTIMIZERS, RETRIEVAL_ONLY, STRATEGIES
+from tworec.pipeline.config import ENCODERS, OPTIMIZERS, RETRIEVAL_ONLY, STRATEGIES, RunConfig
 
 
 def main(argv=None) -> int:
     parser = cli.parser_for(__doc__)
     cli.add_run_arguments(parser)
-    parser.add_argument("--top-k", type=int, default=100, help="items the exports return")
+    parser.add_argument("--top-k", type=int, default=RunConfig.candidates,
+                        help="items the exports return")
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--history-encoder", choices=ENCODERS)
     parser.add_argument("--strategy", choices=STRATEGIES)
