@@ -34,8 +34,9 @@ import pyarrow.parquet as pq
 
 from tworec.console import OneLineParser
 from tworec.features.interactions import DataError, Interactions
-from tworec.features.sources import (_column_numpy, _log_from_roles, _one_line,
-                                     _resolve_columns, empty_ids_error, no_known_items_error)
+from tworec.features.sources import (MISSING, TICKS_PER_SECOND, _column_numpy,
+                                     _log_from_roles, _one_line, _resolve_columns,
+                                     empty_ids_error, no_known_items_error)
 
 ITEM_TABLE = "items.parquet"
 GENRE_NAMES_KEY = b"tworec.genre_names"      # item-table metadata: JSON list, one per column
@@ -417,34 +418,52 @@ def memory_bytes(text: str) -> int:
 def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int],
                  mapping: dict[str, str], schema: pa.Schema) -> None:
     """The values `load` refuses, counted by DuckDB in one pass before any other work: missing
-    (null, or NaN in a float column) ids, times and ratings, and empty ids."""
-    checks = []                                      # (condition, column, empty id?)
+    ids, times and ratings (null, NaN in a float column, Arrow's markers such as `NA` in a
+    text one), empty ids, and text ratings that are not numbers; also text times that are not
+    numbers, which `load` reads as ISO dates and times but this SQL cannot read as it does."""
+    checks = []                                      # (condition, column, what is wrong)
     for role in ("user", "item", "time", "rating"):
         if role in mapping:
             name, kind = mapping[role], schema.field(mapping[role]).type
+            text = pa.types.is_string(kind) or pa.types.is_large_string(kind)
             nan = (f" OR isnan({_name(name)})" if role in ("time", "rating")
                    and pa.types.is_floating(kind) else "")
-            checks.append((f"{_name(name)} IS NULL{nan}", name, False))
-            if role in ("user", "item") and (pa.types.is_string(kind) or pa.types.is_binary(kind)
-                                             or pa.types.is_large_string(kind)
+            if role in ("time", "rating") and text:         # Arrow's markers, as `load` reads
+                nan = f" OR list_contains({_sql_list(MISSING.to_pylist())}, {_name(name)})"
+            checks.append((f"{_name(name)} IS NULL{nan}", name, "missing"))
+            if role in ("user", "item") and (text or pa.types.is_binary(kind)
                                              or pa.types.is_large_binary(kind)):
-                checks.append((f"{_name(name)} = ''", name, True))
+                checks.append((f"{_name(name)} = ''", name, "empty"))
+            if role in ("time", "rating") and text:
+                checks.append((f"TRY_CAST({_name(name)} AS DOUBLE) IS NULL AND "
+                               f"{_name(name)} IS NOT NULL", name, f"text {role}"))
     row = _row_sql(shards.files, shard_rows)
     # Parquet's min/max statistics leave NaN out, and DuckDB's statistics propagation then
     # folds isnan() to false (DuckDB 2.0): the count is taken without it.
     connection.execute("SET disabled_optimizers = 'statistics_propagation'")
     try:
         found = connection.execute("SELECT " + ", ".join(
-            f"COUNT(*) FILTER (WHERE {condition}), MIN({row}) FILTER (WHERE {condition})"
-            for condition, _, _ in checks) + f" FROM {_scan_sql(shards.files)}").fetchone()
+            f"COUNT(*) FILTER (WHERE {condition}), MIN({row}) FILTER (WHERE {condition}), "
+            f"arg_min(CAST({_name(name)} AS VARCHAR), {row}) FILTER (WHERE {condition})"
+            for condition, name, _ in checks) + f" FROM {_scan_sql(shards.files)}").fetchone()
     finally:                                         # the session's other queries keep it
         connection.execute("RESET disabled_optimizers")
-    for (_, name, empty), count, first in zip(checks, found[::2], found[1::2]):
-        if count and empty:
+    for (_, name, wrong), count, first, value in zip(checks, found[::3], found[1::3],
+                                                      found[2::3]):
+        if not count:
+            continue
+        if wrong == "empty":
             raise empty_ids_error(source, name, count, first)
-        if count:
+        if wrong == "missing":
             raise DataError(f"{source}: column {name!r} has {count} missing or NaN values "
                             f"(first at row {first})")
+        if wrong == "text rating":
+            raise DataError(f"{source}: column {name!r} is not numeric (first value that is "
+                            f"not a number: {value!r}, at row {first})")
+        raise DataError(f"{source}: column {name!r} holds text that is not a number ({value!r} "
+                        f"at row {first}); read out of core, a text time must be a number: "
+                        "write the column as a Parquet timestamp (pyarrow.compute.strptime), "
+                        "or load the log in memory, which reads ISO dates and times")
 
 
 def log_sql(shards: ShardSet, shard_rows: list[int], mapping: dict[str, str],
@@ -478,32 +497,36 @@ def _row_sql(files, shard_rows: list[int]) -> str:
 
 
 def whole_seconds(field: pa.Field) -> bool:
-    """Whether a time column holds whole seconds by its type (integers, dates, timestamp[s])."""
+    """Whether a time column holds whole seconds by its type (integers, dates, timestamp[s],
+    duration[s])."""
     return (pa.types.is_integer(field.type) or pa.types.is_date(field.type)
-            or (pa.types.is_timestamp(field.type) and field.type.unit == "s"))
+            or ((pa.types.is_timestamp(field.type) or pa.types.is_duration(field.type))
+                and field.type.unit == "s"))
 
 
 def _time_sql(field: pa.Field) -> str:
     """SQL for the int64 seconds `load` makes of the time column: integers as they are,
-    timestamps and dates as whole seconds since the epoch, anything else through float64,
-    truncated."""
+    timestamps and dates as whole seconds since the epoch, durations (DuckDB reads their
+    ticks) as whole seconds, anything else through float64, truncated."""
     name = _name(field.name)
     if pa.types.is_integer(field.type):
         return f"CAST({name} AS BIGINT)"
     if pa.types.is_timestamp(field.type):
         return f"epoch_ns({name}) // 1000000000"        # truncated, as `from_columns` divides
+    if pa.types.is_duration(field.type):
+        return f"{name} // {TICKS_PER_SECOND[field.type.unit]}"
     if pa.types.is_date(field.type):
         return f"CAST(epoch({name}) AS BIGINT)"
     return f"CAST(trunc(CAST({name} AS DOUBLE)) AS BIGINT)"
 
 
 def _moment_sql(field: pa.Field) -> str:
-    """SQL for the time at full precision, as `from_columns` compares it: numbers and
-    timestamps as they are, dates as seconds, anything else through float64."""
+    """SQL for the time at full precision, as `from_columns` compares it: numbers,
+    timestamps and durations as they are, dates as seconds, anything else through float64."""
     if pa.types.is_date(field.type):
         return _time_sql(field)
     if (pa.types.is_integer(field.type) or pa.types.is_floating(field.type)
-            or pa.types.is_timestamp(field.type)):
+            or pa.types.is_timestamp(field.type) or pa.types.is_duration(field.type)):
         return _name(field.name)
     return f"CAST({_name(field.name)} AS DOUBLE)"
 

@@ -107,7 +107,8 @@ def from_columns(source: str, user, item, timestamp, rating=None, *, catalogue=N
     Args:
         source: name used in error messages.
         user, item: [n] ids, any dtype; compared as strings, none empty.
-        timestamp: [n] numbers or datetime64, made whole seconds (truncated). Below a second
+        timestamp: [n] numbers, datetime64, timedelta64 (seconds from an origin) or text
+            (numbers or ISO dates and times), made whole seconds (truncated). Below a second
             the full-precision time still tells rows apart (they are not duplicates) and
             orders them: a user's rows of one second are placed in their true order among
             the positions they hold, so that ties of whole seconds in log order are the true
@@ -130,8 +131,9 @@ def from_columns(source: str, user, item, timestamp, rating=None, *, catalogue=N
         if len(empty):
             raise empty_ids_error(source, names[role], len(empty), int(empty[0]))
     seconds, moment = _times(source, names["time"], timestamp)
-    rating = (None if rating is None else
-              _numeric(source, names["rating"], rating).astype(np.float32))
+    rating = (None if rating is None else _numeric(
+        source, names["rating"], _from_text(source, names["rating"], np.asarray(rating),
+                                            (pa.float64(),))).astype(np.float32))
     keep = drop_duplicate_rows(user, item, moment, rating)
     _count(dropped, "duplicate_row", len(keep) - int(keep.sum()))
     if catalogue is not None:
@@ -172,27 +174,44 @@ def no_known_items_error(source: str, log_item: str, table_items) -> DataError:
                      "column with the log's item ids")
 
 
-_TIME_UNITS = {"s": 1, "ms": 1000, "us": 1000_000, "ns": 1000_000_000}
+TICKS_PER_SECOND = {"s": 1, "ms": 1000, "us": 1000_000, "ns": 1000_000_000}
 
 
 def _times(source: str, name: str, values) -> tuple[np.ndarray, np.ndarray]:
     """([n] int64 whole seconds, truncated, [n] the times at full precision): the same array
-    twice when every time is a whole second (nothing below a second to order by)."""
-    values = np.asarray(values)
-    if values.dtype.kind == "M":                  # a timestamp or date column, as datetime64
+    twice when every time is a whole second (nothing below a second to order by). Text is
+    read as a text log's time column is (`_as_number`: numbers, else ISO dates and times);
+    a duration counts its whole seconds, as from an origin."""
+    values = _from_text(source, name, np.asarray(values), TIME_TYPES)
+    if values.dtype.kind in "mM":      # a timestamp, date or duration column, in its own unit
         unit = np.datetime_data(values.dtype)[0]
         ticks = values.view(np.int64)
         if unit in ("D", "s"):
             seconds = ticks * (86_400 if unit == "D" else 1)
             return seconds, seconds
-        per_second = _TIME_UNITS[unit]
+        per_second = TICKS_PER_SECOND[unit]
         below = np.fmod(ticks, per_second)
         seconds = (ticks - below) // per_second
         return seconds, (ticks if below.any() else seconds)
-    values = _numeric(source, name, values)
+    values = _numeric(source, name, values, "numbers or ISO dates and times")
     seconds = values.astype(np.int64)
     return seconds, (values if values.dtype.kind == "f" and (values != seconds).any()
                      else seconds)
+
+
+def _from_text(source: str, name: str, values: np.ndarray,
+               types: tuple[pa.DataType, ...]) -> np.ndarray:
+    """`values` with text cast as a text log's column is (`_as_number` with `types`: Arrow's
+    missing-value markers refused as missing); anything else, and text no type reads, as it
+    is, for `_numeric` to name the first bad value."""
+    if values.dtype.kind not in "OUS":
+        return values
+    try:
+        text = pa.array(values, pa.string())
+    except (pa.ArrowInvalid, pa.ArrowTypeError):         # not all text: `_numeric` says why
+        return values
+    column = _as_number(pa.table({name: text}), name, types).column(name)
+    return values if pa.types.is_string(column.type) else _column_numpy(source, name, column)
 
 
 def _true_order_within_seconds(user: np.ndarray, seconds: np.ndarray,
@@ -221,8 +240,9 @@ def _count(dropped: dict[str, int], reason: str, number: int) -> None:
         dropped[reason] = dropped.get(reason, 0) + number
 
 
-def _numeric(source: str, name: str, values) -> np.ndarray:
-    """[n] float64 or int64 values of a numeric column; a clear error otherwise."""
+def _numeric(source: str, name: str, values, expected: str = "numeric") -> np.ndarray:
+    """[n] float64 or int64 values of a numeric column; a clear error otherwise, saying the
+    column is not `expected`."""
     values = np.asarray(values)
     if values.dtype.kind not in "iuf":
         try:
@@ -231,8 +251,8 @@ def _numeric(source: str, name: str, values) -> np.ndarray:
             bad = next(v for v in values if not _parses(v))
             decimal_comma = _parses(str(bad).replace(",", "."))
             advice = "; write numbers with a decimal point" if decimal_comma else ""
-            raise DataError(f"{source}: column {name!r} is not numeric "
-                            f"(first bad value {bad!r}{advice})") from None
+            raise DataError(f"{source}: column {name!r} is not {expected} "
+                            f"(first value that is not a number: {str(bad)!r}{advice})") from None
     if values.dtype.kind == "f":
         missing = np.flatnonzero(np.isnan(values))
         if len(missing):

@@ -187,7 +187,12 @@ LOG = {"user_id": ["a", "a", "b", "b"], "item_id": ["x", "y", "x", "z"], "timest
     ("rating", [1.0, float("nan"), 3.0, float("nan")], "column 'rating' has 2 missing or NaN"),
     ("item_id", ["x", "y", "", ""], "column 'item_id' has 2 empty ids (first at row 2)"),
     ("user_id", ["a", "", "b", "b"], "column 'user_id' has 1 empty ids (first at row 1)"),
-], ids=["null-user", "null-time", "nan-time", "nan-rating", "empty-item", "empty-user"])
+    ("rating", ["1", "2", "x", "4"],
+     "column 'rating' is not numeric (first value that is not a number: 'x'"),
+    ("rating", ["1", "NA", "3", "4"], "column 'rating' has 1 missing"),
+    ("timestamp", ["1", "2", "nan", "4"], "column 'timestamp' has 1 missing"),
+], ids=["null-user", "null-time", "nan-time", "nan-rating", "empty-item", "empty-user",
+        "text-rating", "NA-text-rating", "nan-text-time"])
 def test_prepare_refuses_the_values_load_refuses(tmp_path, column, values, expected):
     source = _write(tmp_path / "log", pa.table({**LOG, column: values}))
     for message in _three_ways(source, str(tmp_path / "out")):
@@ -252,7 +257,10 @@ def test_prepare_says_what_it_reads_and_where_it_writes(tmp_path, capsys):
     pa.array(np.array([10_900, 10_200, 5_000, 1_000, 10_900, 10_950, 10_100, 10_500],
                       "datetime64[ms]")),
     pa.array([10.9, 10.2, 5.0, 1.0, 10.9, 10.95, 10.1, 10.5]),
-], ids=["timestamp-ms", "float-seconds"])
+    pa.array(np.array([10_900, 10_200, 5_000, 1_000, 10_900, 10_950, 10_100, 10_500],
+                      "timedelta64[ms]")),
+    pa.array(["10.9", "10.2", "5", "1", "10.9", "10.95", "10.1", "10.5"]),
+], ids=["timestamp-ms", "float-seconds", "duration-ms", "text-seconds"])
 def test_rows_within_one_second_keep_their_true_order_on_both_paths(tmp_path, times):
     # u: d c b a in time, a repeated exactly; v: f e e in time, its e rows apart by 0.45 s
     table = pa.table({"user_id": ["u", "u", "u", "u", "u", "v", "v", "v"],
@@ -281,3 +289,29 @@ def test_a_date_column_is_seconds_on_both_paths(tmp_path):
     log = assert_equal_to_the_in_memory_path(source, str(tmp_path / "out"), manifest, length=2)
     assert log.timestamp.tolist() == [3 * 86_400, 86_400, 2 * 86_400, 86_400, 5 * 86_400]
     assert shards.describe(source)["time_range"] == [86_400, 5 * 86_400]
+
+
+def test_iso_text_times_load_as_in_a_csv_and_out_of_core_are_refused_in_one_line(tmp_path):
+    import importlib
+    times = ["2020-01-02 10:00:00", "2020-01-01T10:00:00.5", "2020-01-01", "2020-01-03"]
+    source = _write(tmp_path / "log", pa.table({**LOG, "timestamp": times}))
+    rows = zip(LOG["user_id"], LOG["item_id"], times, LOG["rating"])
+    (tmp_path / "log.csv").write_text("user_id,item_id,timestamp,rating\n" + "".join(
+        ",".join(map(str, row)) + "\n" for row in rows))
+    log, text = load(source), load(str(tmp_path / "log.csv"))
+    assert log.timestamp.tolist() == text.timestamp.tolist() == [
+        1577959200, 1577872800, 1577836800, 1578009600]
+    assert log.item_ids[log.item].tolist() == text.item_ids[text.item].tolist()
+    out = str(tmp_path / "out")
+    prepare_module = importlib.import_module("tworec.features.prepare")
+    for call in (lambda: shards.describe(source),
+                 lambda: prepare_shards(source, out, memory_limit="256MiB")):
+        with pytest.MonkeyPatch.context() as patch, pytest.raises(DataError) as error:
+            patch.setattr(prepare_module, "_labelled_sql", lambda *a, **k: pytest.fail("labelled"))
+            call()
+        assert str(error.value) == (
+            f"{source}: column 'timestamp' holds text that is not a number "
+            "('2020-01-02 10:00:00' at row 0); read out of core, a text time must be a number: "
+            "write the column as a Parquet timestamp (pyarrow.compute.strptime), or load the "
+            "log in memory, which reads ISO dates and times")
+    assert not os.path.exists(out)

@@ -131,8 +131,8 @@ def test_decimal_commas_in_a_file_not_separated_by_commas(tmp_path):
                     commas)
     quoted = [row[:3] + (f'"{row[3]}"',) + row[4:] for row in rows]
     message = load_error(write_log(tmp_path / "quoted.csv", ",", quoted))
-    assert message.endswith("column 'rating' is not numeric (first bad value '4,5'; write "
-                            "numbers with a decimal point)")
+    assert message.endswith("column 'rating' is not numeric (first value that is not a number: "
+                            "'4,5'; write numbers with a decimal point)")
 
 
 def test_the_run_scripts_record_the_delimiter():
