@@ -418,25 +418,33 @@ def memory_bytes(text: str) -> int:
 def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int],
                  mapping: dict[str, str], schema: pa.Schema) -> None:
     """The values `load` refuses, counted by DuckDB in one pass before any other work: missing
-    ids, times and ratings (null, NaN in a float column, Arrow's markers such as `NA` in a
-    text one), empty ids, and text ratings that are not numbers; also text times that are not
-    numbers, which `load` reads as ISO dates and times but this SQL cannot read as it does."""
+    ids, times and ratings (null, NaN, Arrow's markers such as `NA` in text), empty ids,
+    infinite times and text ratings that are not numbers; also the text times this SQL
+    cannot read as `load` does: those that are not numbers (`load` reads ISO dates and times)
+    and integers beyond 2^53 (read through float64 here)."""
     checks = []                                      # (condition, column, what is wrong)
     for role in ("user", "item", "time", "rating"):
-        if role in mapping:
-            name, kind = mapping[role], schema.field(mapping[role]).type
-            text = pa.types.is_string(kind) or pa.types.is_large_string(kind)
-            nan = (f" OR isnan({_name(name)})" if role in ("time", "rating")
-                   and pa.types.is_floating(kind) else "")
-            if role in ("time", "rating") and text:         # Arrow's markers, as `load` reads
-                nan = f" OR list_contains({_sql_list(MISSING.to_pylist())}, {_name(name)})"
-            checks.append((f"{_name(name)} IS NULL{nan}", name, "missing"))
-            if role in ("user", "item") and (text or pa.types.is_binary(kind)
-                                             or pa.types.is_large_binary(kind)):
-                checks.append((f"{_name(name)} = ''", name, "empty"))
-            if role in ("time", "rating") and text:
-                checks.append((f"TRY_CAST({_name(name)} AS DOUBLE) IS NULL AND "
-                               f"{_name(name)} IS NOT NULL", name, f"text {role}"))
+        if role not in mapping:
+            continue
+        name, kind = _name(mapping[role]), schema.field(mapping[role]).type
+        text = _is_text(kind)
+        number = f"TRY_CAST({name} AS DOUBLE)" if text else name
+        missing = f"{name} IS NULL"
+        if role in ("time", "rating") and text:           # Arrow's markers, as `load` reads
+            missing += f" OR list_contains({_sql_list(MISSING.to_pylist())}, {name})"
+        if role in ("time", "rating") and (text or pa.types.is_floating(kind)):
+            missing += f" OR isnan({number})"
+        checks.append((missing, mapping[role], "missing"))
+        if role in ("user", "item") and (text or pa.types.is_binary(kind)
+                                         or pa.types.is_large_binary(kind)):
+            checks.append((f"{name} = ''", mapping[role], "empty"))
+        if role in ("time", "rating") and text:
+            checks.append((f"{number} IS NULL AND {name} IS NOT NULL", mapping[role],
+                           f"text {role}"))
+        if role == "time" and (text or pa.types.is_floating(kind)):
+            checks.append((f"isinf({number})", mapping[role], "infinite"))
+        if role == "time" and text:                        # read through float64 below
+            checks.append((f"abs({number}) >= {2 ** 53}", mapping[role], "beyond 2^53"))
     row = _row_sql(shards.files, shard_rows)
     # Parquet's min/max statistics leave NaN out, and DuckDB's statistics propagation then
     # folds isnan() to false (DuckDB 2.0): the count is taken without it.
@@ -454,16 +462,30 @@ def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int
             continue
         if wrong == "empty":
             raise empty_ids_error(source, name, count, first)
-        if wrong == "missing":
-            raise DataError(f"{source}: column {name!r} has {count} missing or NaN values "
+        if wrong in ("missing", "infinite"):
+            what = "missing or NaN" if wrong == "missing" else "infinite"
+            raise DataError(f"{source}: column {name!r} has {count} {what} values "
                             f"(first at row {first})")
+        if wrong == "beyond 2^53":
+            raise DataError(f"{source}: column {name!r} holds a time beyond 2^53 as text "
+                            f"({value!r} at row {first}), which out of core is read through "
+                            "float64 and would lose digits: write the column as int64")
         if wrong == "text rating":
             raise DataError(f"{source}: column {name!r} is not numeric (first value that is "
                             f"not a number: {value!r}, at row {first})")
         raise DataError(f"{source}: column {name!r} holds text that is not a number ({value!r} "
                         f"at row {first}); read out of core, a text time must be a number: "
-                        "write the column as a Parquet timestamp (pyarrow.compute.strptime), "
-                        "or load the log in memory, which reads ISO dates and times")
+                        "write the column as a Parquet timestamp (pyarrow.compute.cast(column, "
+                        "pyarrow.timestamp('us'))), or load the log in memory, which reads ISO "
+                        "dates and times")
+
+
+def _is_text(kind: pa.DataType) -> bool:
+    """Whether a Parquet column's Arrow type is text (dictionary-encoded text included)."""
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    return (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+            or pa.types.is_string_view(kind))
 
 
 def log_sql(shards: ShardSet, shard_rows: list[int], mapping: dict[str, str],

@@ -178,25 +178,37 @@ TICKS_PER_SECOND = {"s": 1, "ms": 1000, "us": 1000_000, "ns": 1000_000_000}
 
 
 def _times(source: str, name: str, values) -> tuple[np.ndarray, np.ndarray]:
-    """([n] int64 whole seconds, truncated, [n] the times at full precision): the same array
-    twice when every time is a whole second (nothing below a second to order by). Text is
-    read as a text log's time column is (`_as_number`: numbers, else ISO dates and times);
-    a duration counts its whole seconds, as from an origin."""
+    """([n] int64 whole seconds, truncated toward zero, [n] the times at full precision): the
+    same array twice when every time is a whole second (nothing below a second to order by).
+    Text is read as a text log's time column is (`_as_number`: numbers, else ISO dates and
+    times); a duration counts its whole seconds, as from an origin. Missing (NaT) and
+    infinite times are refused."""
     values = _from_text(source, name, np.asarray(values), TIME_TYPES)
     if values.dtype.kind in "mM":      # a timestamp, date or duration column, in its own unit
-        unit = np.datetime_data(values.dtype)[0]
+        _refuse(source, name, np.isnat(values), "missing values")
+        unit, count = np.datetime_data(values.dtype)
+        if unit not in TICKS_PER_SECOND or count != 1:     # days, hours, 10 ms, ...
+            unit = "s" if unit in ("Y", "M", "W", "D", "h", "m", "s") else "ns"
+            values = values.astype(f"{values.dtype.kind}8[{unit}]")
         ticks = values.view(np.int64)
-        if unit in ("D", "s"):
-            seconds = ticks * (86_400 if unit == "D" else 1)
-            return seconds, seconds
         per_second = TICKS_PER_SECOND[unit]
         below = np.fmod(ticks, per_second)
         seconds = (ticks - below) // per_second
         return seconds, (ticks if below.any() else seconds)
-    values = _numeric(source, name, values, "numbers or ISO dates and times")
+    values = _numeric(source, name, values, "neither all numbers nor all ISO dates and times")
+    if values.dtype.kind == "f":
+        _refuse(source, name, np.isinf(values), "infinite values")
     seconds = values.astype(np.int64)
     return seconds, (values if values.dtype.kind == "f" and (values != seconds).any()
                      else seconds)
+
+
+def _refuse(source: str, name: str, wrong: np.ndarray, what: str) -> None:
+    """A DataError counting the rows `wrong` [n] marks, and naming the first, if any."""
+    rows = np.flatnonzero(wrong)
+    if len(rows):
+        raise DataError(f"{source}: column {name!r} has {len(rows)} {what} "
+                        f"(first at row {rows[0]})")
 
 
 def _from_text(source: str, name: str, values: np.ndarray,
@@ -240,9 +252,9 @@ def _count(dropped: dict[str, int], reason: str, number: int) -> None:
         dropped[reason] = dropped.get(reason, 0) + number
 
 
-def _numeric(source: str, name: str, values, expected: str = "numeric") -> np.ndarray:
+def _numeric(source: str, name: str, values, wrong: str = "not numeric") -> np.ndarray:
     """[n] float64 or int64 values of a numeric column; a clear error otherwise, saying the
-    column is not `expected`."""
+    column is `wrong`."""
     values = np.asarray(values)
     if values.dtype.kind not in "iuf":
         try:
@@ -251,13 +263,10 @@ def _numeric(source: str, name: str, values, expected: str = "numeric") -> np.nd
             bad = next(v for v in values if not _parses(v))
             decimal_comma = _parses(str(bad).replace(",", "."))
             advice = "; write numbers with a decimal point" if decimal_comma else ""
-            raise DataError(f"{source}: column {name!r} is not {expected} "
+            raise DataError(f"{source}: column {name!r} is {wrong} "
                             f"(first value that is not a number: {str(bad)!r}{advice})") from None
     if values.dtype.kind == "f":
-        missing = np.flatnonzero(np.isnan(values))
-        if len(missing):
-            raise DataError(f"{source}: column {name!r} has {len(missing)} missing or NaN values "
-                            f"(first at row {missing[0]})")
+        _refuse(source, name, np.isnan(values), "missing or NaN values")
     return values
 
 
@@ -736,6 +745,7 @@ def _read_csv(path: str, delimiter: str, columns: list[str], **convert) -> pa.Ta
 
 TIME_TYPES = (pa.int64(), pa.float64(), pa.timestamp("ns"), pa.timestamp("ns", tz="UTC"),
               pa.timestamp("us"), pa.timestamp("us", tz="UTC"))   # us: before 1677, after 2262
+DATE_LIKE = r"^\s*[+-]?\d{4,}-\d\d-\d\d"        # text a timestamp cast may read
 MISSING = pa.array(pacsv.ConvertOptions().null_values)        # Arrow's markers of a missing value
 MISSING_IDS = pc.filter(MISSING, pc.not_equal(MISSING, ""))   # an empty id has its own message
 
@@ -754,6 +764,8 @@ def _as_number(table: pa.Table, name: str, types: tuple[pa.DataType, ...],
     for `_numeric` to name the first bad value."""
     text = _marked_missing(table.column(name))
     tries = [text, pc.replace_substring(text, ",", ".")] if decimal_comma else [text]
+    if not pc.any(pc.match_substring_regex(text, DATE_LIKE)).as_py():
+        types = tuple(kind for kind in types if not pa.types.is_timestamp(kind))  # fails faster
     for candidate in tries:
         for kind in types:
             try:

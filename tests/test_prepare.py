@@ -191,8 +191,17 @@ LOG = {"user_id": ["a", "a", "b", "b"], "item_id": ["x", "y", "x", "z"], "timest
      "column 'rating' is not numeric (first value that is not a number: 'x'"),
     ("rating", ["1", "NA", "3", "4"], "column 'rating' has 1 missing"),
     ("timestamp", ["1", "2", "nan", "4"], "column 'timestamp' has 1 missing"),
+    ("rating", ["1", "NAN", "3", "4"], "column 'rating' has 1 missing or NaN values (first at "
+                                       "row 1)"),
+    ("rating", pa.array(["1", "2", "x", "4"]).dictionary_encode(),
+     "column 'rating' is not numeric (first value that is not a number: 'x'"),
+    ("timestamp", ["1", "inf", "3", "4"], "column 'timestamp' has 1 infinite values (first at "
+                                          "row 1)"),
+    ("timestamp", [1.0, 2.0, 3.0, float("-inf")], "column 'timestamp' has 1 infinite values "
+                                                  "(first at row 3)"),
 ], ids=["null-user", "null-time", "nan-time", "nan-rating", "empty-item", "empty-user",
-        "text-rating", "NA-text-rating", "nan-text-time"])
+        "text-rating", "NA-text-rating", "nan-text-time", "NAN-text-rating",
+        "dictionary-text-rating", "inf-text-time", "inf-time"])
 def test_prepare_refuses_the_values_load_refuses(tmp_path, column, values, expected):
     source = _write(tmp_path / "log", pa.table({**LOG, column: values}))
     for message in _three_ways(source, str(tmp_path / "out")):
@@ -280,6 +289,22 @@ def test_rows_within_one_second_keep_their_true_order_on_both_paths(tmp_path, ti
     assert sorted(log.timestamp[split.test].tolist()) == [10, 10]
 
 
+def test_durations_are_seconds_truncated_toward_zero_on_both_paths(tmp_path):
+    # u's rows lie within one second 200 days in, 1 ns apart: as float64 all three are
+    # late + 4, and log order would make c the latest
+    late = 200 * 86_400 * 10**9
+    ticks = [late + 5, late + 3, late + 4, -1_500_000_000, -400_000_000, 2_500_000_000]
+    source = _write(tmp_path / "log", pa.table({
+        "user_id": ["u", "u", "u", "v", "v", "v"], "item_id": ["a", "b", "c", "a", "b", "c"],
+        "timestamp": pa.array(np.array(ticks, "timedelta64[ns]"))}))
+    manifest = prepare_shards(source, str(tmp_path / "out"), history_length=2)
+    log = assert_equal_to_the_in_memory_path(source, str(tmp_path / "out"), manifest, length=2)
+    assert log.timestamp.tolist() == [200 * 86_400] * 3 + [-1, 0, 2]
+    split = temporal_split(log)
+    assert log.item_ids[log.item[np.sort(split.test)]].tolist() == ["a", "c"]    # latest by ns
+    assert shards.describe(source)["time_range"] == [-1, 200 * 86_400]
+
+
 def test_a_date_column_is_seconds_on_both_paths(tmp_path):
     days = pa.array(np.array([3, 1, 2, 1, 5], "datetime64[D]"))
     source = _write(tmp_path / "log", pa.table({"user_id": ["u", "u", "u", "v", "v"],
@@ -312,6 +337,21 @@ def test_iso_text_times_load_as_in_a_csv_and_out_of_core_are_refused_in_one_line
         assert str(error.value) == (
             f"{source}: column 'timestamp' holds text that is not a number "
             "('2020-01-02 10:00:00' at row 0); read out of core, a text time must be a number: "
-            "write the column as a Parquet timestamp (pyarrow.compute.strptime), or load the "
-            "log in memory, which reads ISO dates and times")
+            "write the column as a Parquet timestamp (pyarrow.compute.cast(column, "
+            "pyarrow.timestamp('us'))), or load the log in memory, which reads ISO dates and "
+            "times")
     assert not os.path.exists(out)
+
+
+def test_text_times_beyond_float64_digits_load_exactly_and_out_of_core_are_refused(tmp_path):
+    times = ["1577836800123456789", "1577836800123456790", "1577836800123456800", "5"]
+    source = _write(tmp_path / "log", pa.table({**LOG, "timestamp": times}))
+    assert load(source).timestamp.tolist() == [int(t) for t in times]   # three rows, not two
+    for call in (lambda: shards.describe(source),
+                 lambda: prepare_shards(source, str(tmp_path / "out"))):
+        with pytest.raises(DataError) as error:
+            call()
+        assert str(error.value) == (
+            f"{source}: column 'timestamp' holds a time beyond 2^53 as text "
+            "('1577836800123456789' at row 0), which out of core is read through float64 and "
+            "would lose digits: write the column as int64")
