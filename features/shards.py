@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 
 from tworec.console import OneLineParser
 from tworec.features.interactions import DataError, Interactions
-from tworec.features.sources import (MISSING, TICKS_PER_SECOND, _column_numpy,
+from tworec.features.sources import (MISSING, OUT_OF_RANGE, TICKS_PER_SECOND, _column_numpy,
                                      _log_from_roles, _one_line, _resolve_columns,
                                      empty_ids_error, no_known_items_error)
 
@@ -442,7 +442,9 @@ def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int
             checks.append((f"{number} IS NULL AND {name} IS NOT NULL", mapping[role],
                            f"text {role}"))
         if role == "time" and (text or pa.types.is_floating(kind)):
-            checks.append((f"isinf({number})", mapping[role], "infinite"))
+            checks.append((f"NOT (abs({number}) < {2.0 ** 63!r})", mapping[role], "out of range"))
+        if role == "time" and pa.types.is_unsigned_integer(kind):
+            checks.append((f"{name} > {2 ** 63 - 1}", mapping[role], "out of range"))
         if role == "time" and text:                        # read through float64 below
             checks.append((f"abs({number}) >= {2 ** 53}", mapping[role], "beyond 2^53"))
     row = _row_sql(shards.files, shard_rows)
@@ -462,9 +464,9 @@ def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int
             continue
         if wrong == "empty":
             raise empty_ids_error(source, name, count, first)
-        if wrong in ("missing", "infinite"):
-            what = "missing or NaN" if wrong == "missing" else "infinite"
-            raise DataError(f"{source}: column {name!r} has {count} {what} values "
+        if wrong in ("missing", "out of range"):
+            what = "missing or NaN values" if wrong == "missing" else OUT_OF_RANGE
+            raise DataError(f"{source}: column {name!r} has {count} {what} "
                             f"(first at row {first})")
         if wrong == "beyond 2^53":
             raise DataError(f"{source}: column {name!r} holds a time beyond 2^53 as text "

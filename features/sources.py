@@ -188,19 +188,48 @@ def _times(source: str, name: str, values) -> tuple[np.ndarray, np.ndarray]:
         _refuse(source, name, np.isnat(values), "missing values")
         unit, count = np.datetime_data(values.dtype)
         if unit not in TICKS_PER_SECOND or count != 1:     # days, hours, 10 ms, ...
-            unit = "s" if unit in ("Y", "M", "W", "D", "h", "m", "s") else "ns"
+            unit = unit if unit in TICKS_PER_SECOND else "s" if unit in "YMWDhm" else "ns"
             values = values.astype(f"{values.dtype.kind}8[{unit}]")
         ticks = values.view(np.int64)
         per_second = TICKS_PER_SECOND[unit]
         below = np.fmod(ticks, per_second)
         seconds = (ticks - below) // per_second
         return seconds, (ticks if below.any() else seconds)
-    values = _numeric(source, name, values, "neither all numbers nor all ISO dates and times")
-    if values.dtype.kind == "f":
-        _refuse(source, name, np.isinf(values), "infinite values")
+    values = _numeric(source, name, _date_like_first(source, name, values),
+                      "neither all numbers nor all ISO dates and times")
+    if values.dtype.kind in "fu":
+        _refuse(source, name, ~(np.abs(values) < 2.0 ** 63) if values.dtype.kind == "f" else
+                values > np.iinfo(np.int64).max, OUT_OF_RANGE)
     seconds = values.astype(np.int64)
     return seconds, (values if values.dtype.kind == "f" and (values != seconds).any()
                      else seconds)
+
+
+OUT_OF_RANGE = "times that are infinite or beyond ±2^63 seconds"
+
+
+def _date_like_first(source: str, name: str, values: np.ndarray) -> np.ndarray:
+    """Text `values` that no type read, when some of them look like dates: a DataError naming
+    the first value that looks like neither a number nor a date (else the first that is not
+    a date), not the first date; anything else as it is."""
+    if values.dtype.kind not in "OUS":
+        return values
+    try:
+        text = pa.array(values, pa.string())
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        return values
+    date = pc.fill_null(pc.match_substring_regex(text, DATE_LIKE), False).to_numpy(
+        zero_copy_only=False)
+    if not date.any():
+        return values
+    number = pc.fill_null(pc.match_substring_regex(text, NUMBER_LIKE), False).to_numpy(
+        zero_copy_only=False)
+    odd = np.flatnonzero(~date & ~number)
+    if not len(odd):                                   # numbers and dates: the fewer kind
+        odd = np.flatnonzero(date if date.sum() <= number.sum() else ~date)
+    first = odd[0] if len(odd) else 0
+    raise DataError(f"{source}: column {name!r} is neither all numbers nor all ISO dates and "
+                    f"times (first odd value: {str(values[first])!r}, at row {first})")
 
 
 def _refuse(source: str, name: str, wrong: np.ndarray, what: str) -> None:
@@ -746,6 +775,7 @@ def _read_csv(path: str, delimiter: str, columns: list[str], **convert) -> pa.Ta
 TIME_TYPES = (pa.int64(), pa.float64(), pa.timestamp("ns"), pa.timestamp("ns", tz="UTC"),
               pa.timestamp("us"), pa.timestamp("us", tz="UTC"))   # us: before 1677, after 2262
 DATE_LIKE = r"^\s*[+-]?\d{4,}-\d\d-\d\d"        # text a timestamp cast may read
+NUMBER_LIKE = r"^\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*$"
 MISSING = pa.array(pacsv.ConvertOptions().null_values)        # Arrow's markers of a missing value
 MISSING_IDS = pc.filter(MISSING, pc.not_equal(MISSING, ""))   # an empty id has its own message
 
@@ -764,7 +794,7 @@ def _as_number(table: pa.Table, name: str, types: tuple[pa.DataType, ...],
     for `_numeric` to name the first bad value."""
     text = _marked_missing(table.column(name))
     tries = [text, pc.replace_substring(text, ",", ".")] if decimal_comma else [text]
-    if not pc.any(pc.match_substring_regex(text, DATE_LIKE)).as_py():
+    if not pc.all(pc.match_substring_regex(text, DATE_LIKE)).as_py():
         types = tuple(kind for kind in types if not pa.types.is_timestamp(kind))  # fails faster
     for candidate in tries:
         for kind in types:

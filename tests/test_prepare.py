@@ -195,13 +195,21 @@ LOG = {"user_id": ["a", "a", "b", "b"], "item_id": ["x", "y", "x", "z"], "timest
                                        "row 1)"),
     ("rating", pa.array(["1", "2", "x", "4"]).dictionary_encode(),
      "column 'rating' is not numeric (first value that is not a number: 'x'"),
-    ("timestamp", ["1", "inf", "3", "4"], "column 'timestamp' has 1 infinite values (first at "
-                                          "row 1)"),
-    ("timestamp", [1.0, 2.0, 3.0, float("-inf")], "column 'timestamp' has 1 infinite values "
-                                                  "(first at row 3)"),
+    ("timestamp", ["1", "inf", "3", "4"], "column 'timestamp' has 1 times that are infinite or "
+                                          "beyond ±2^63 seconds (first at row 1)"),
+    ("timestamp", [1.0, 2.0, 3.0, float("-inf")], "column 'timestamp' has 1 times that are "
+                                                  "infinite or beyond ±2^63 seconds (first at "
+                                                  "row 3)"),
+    ("timestamp", [1.0, 1e19, 3.0, 4.0], "has 1 times that are infinite or beyond ±2^63 "
+                                         "seconds (first at row 1)"),
+    ("timestamp", ["1", "2", "-99999999999999999999", "4"],
+     "has 1 times that are infinite or beyond ±2^63 seconds (first at row 2)"),
+    ("timestamp", pa.array([1, 2, 3, 2**63 + 5], pa.uint64()),
+     "has 1 times that are infinite or beyond ±2^63 seconds (first at row 3)"),
 ], ids=["null-user", "null-time", "nan-time", "nan-rating", "empty-item", "empty-user",
         "text-rating", "NA-text-rating", "nan-text-time", "NAN-text-rating",
-        "dictionary-text-rating", "inf-text-time", "inf-time"])
+        "dictionary-text-rating", "inf-text-time", "inf-time", "1e19-time", "huge-text-time",
+        "uint64-time"])
 def test_prepare_refuses_the_values_load_refuses(tmp_path, column, values, expected):
     source = _write(tmp_path / "log", pa.table({**LOG, column: values}))
     for message in _three_ways(source, str(tmp_path / "out")):

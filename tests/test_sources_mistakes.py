@@ -242,3 +242,28 @@ def test_times_below_a_second_order_a_text_log_and_are_not_duplicates(tmp_path):
     assert log.item_ids[log.item[parts.test]].tolist() == ["a"]            # the one at 10.95
     assert log.item_ids[log.item[parts.validation]].tolist() == ["a"]      # the one at 10.9
     assert log.item_ids[log.item[parts.train]].tolist() == ["b", "c", "d"]
+
+
+@pytest.mark.parametrize("times, expected", [
+    (np.array([1, 2, 3], "timedelta64[m]"), [60, 120, 180]),
+    (np.array([1, 2, 3], "timedelta64[h]"), [3600, 7200, 10800]),
+    (np.array([-1500, 100, 2500], "timedelta64[ms]"), [-1, 0, 2]),       # toward zero
+    (np.array(["2300-01-01", "1600-01-01", "2000-01-01"], "datetime64[10ms]"),
+     [10413792000, -11676096000, 946684800]),
+    (np.array([1, "NaT", 3], "timedelta64[s]"), "column 'timestamp' has 1 missing values "
+                                                "(first at row 1)"),
+    (np.array(["1", "2020-01-01", "3"], object), "column 'timestamp' is neither all numbers "
+     "nor all ISO dates and times (first odd value: '2020-01-01', at row 1)"),
+    (np.array(["2020-01-01", "oops", "2020-01-03"]), "column 'timestamp' is neither all "
+     "numbers nor all ISO dates and times (first odd value: 'oops', at row 1)"),
+], ids=["minutes", "hours", "negative-ms", "10ms-dates", "NaT", "a-date-among-numbers",
+        "a-typo-among-dates"])
+def test_library_callers_times_are_seconds_or_refused_in_one_line(times, expected):
+    def log():
+        return sources.from_columns("log", ["u", "u", "v"], ["a", "b", "a"], times)
+    if isinstance(expected, str):
+        with pytest.raises(DataError, match=None) as error:
+            log()
+        assert str(error.value) == f"log: {expected}"
+    else:
+        assert sorted(log().timestamp.tolist()) == sorted(expected)
