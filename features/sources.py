@@ -181,8 +181,8 @@ def _times(source: str, name: str, values) -> tuple[np.ndarray, np.ndarray]:
     """([n] int64 whole seconds, truncated toward zero, [n] the times at full precision): the
     same array twice when every time is a whole second (nothing below a second to order by).
     Text is read as a text log's time column is (`_as_number`: numbers, else ISO dates and
-    times); a duration counts its whole seconds, as from an origin. Missing (NaT) and
-    infinite times are refused."""
+    times); a duration counts its whole seconds, as from an origin. Missing (NaT), infinite
+    and out-of-range times are refused, and text mixing numbers and dates."""
     values = _from_text(source, name, np.asarray(values), TIME_TYPES)
     if values.dtype.kind in "mM":      # a timestamp, date or duration column, in its own unit
         _refuse(source, name, np.isnat(values), "missing values")
@@ -195,8 +195,8 @@ def _times(source: str, name: str, values) -> tuple[np.ndarray, np.ndarray]:
         below = np.fmod(ticks, per_second)
         seconds = (ticks - below) // per_second
         return seconds, (ticks if below.any() else seconds)
-    values = _numeric(source, name, _date_like_first(source, name, values),
-                      "neither all numbers nor all ISO dates and times")
+    _refuse_mixed_times(source, name, values)
+    values = _numeric(source, name, values, "neither all numbers nor all ISO dates and times")
     if values.dtype.kind in "fu":
         _refuse(source, name, ~(np.abs(values) < 2.0 ** 63) if values.dtype.kind == "f" else
                 values > np.iinfo(np.int64).max, OUT_OF_RANGE)
@@ -208,20 +208,17 @@ def _times(source: str, name: str, values) -> tuple[np.ndarray, np.ndarray]:
 OUT_OF_RANGE = "times that are infinite or beyond ±2^63 seconds"
 
 
-def _date_like_first(source: str, name: str, values: np.ndarray) -> np.ndarray:
-    """Text `values` that no type read, when some of them look like dates: a DataError naming
-    the first value that looks like neither a number nor a date (else the first that is not
-    a date), not the first date; anything else as it is."""
-    if values.dtype.kind not in "OUS":
-        return values
-    try:
-        text = pa.array(values, pa.string())
-    except (pa.ArrowInvalid, pa.ArrowTypeError):
-        return values
+def _refuse_mixed_times(source: str, name: str, values: np.ndarray) -> None:
+    """For text times no type read, some of which look like dates: a DataError naming the
+    first value that looks like neither a number nor a date (else the first of the fewer
+    kind), where `_numeric` would name the first date."""
+    text = _arrow_text(values)
+    if text is None:
+        return
     date = pc.fill_null(pc.match_substring_regex(text, DATE_LIKE), False).to_numpy(
         zero_copy_only=False)
     if not date.any():
-        return values
+        return
     number = pc.fill_null(pc.match_substring_regex(text, NUMBER_LIKE), False).to_numpy(
         zero_copy_only=False)
     odd = np.flatnonzero(~date & ~number)
@@ -240,16 +237,23 @@ def _refuse(source: str, name: str, wrong: np.ndarray, what: str) -> None:
                         f"(first at row {rows[0]})")
 
 
+def _arrow_text(values: np.ndarray) -> pa.Array | None:
+    """[n] NumPy text as an Arrow string array; None when `values` are not all text."""
+    if values.dtype.kind not in "OUS":
+        return None
+    try:
+        return pa.array(values, pa.string())
+    except (pa.ArrowInvalid, pa.ArrowTypeError):         # not all text: `_numeric` says why
+        return None
+
+
 def _from_text(source: str, name: str, values: np.ndarray,
                types: tuple[pa.DataType, ...]) -> np.ndarray:
     """`values` with text cast as a text log's column is (`_as_number` with `types`: Arrow's
     missing-value markers refused as missing); anything else, and text no type reads, as it
     is, for `_numeric` to name the first bad value."""
-    if values.dtype.kind not in "OUS":
-        return values
-    try:
-        text = pa.array(values, pa.string())
-    except (pa.ArrowInvalid, pa.ArrowTypeError):         # not all text: `_numeric` says why
+    text = _arrow_text(values)
+    if text is None:
         return values
     column = _as_number(pa.table({name: text}), name, types).column(name)
     return values if pa.types.is_string(column.type) else _column_numpy(source, name, column)
