@@ -222,9 +222,13 @@ def _refuse_mixed_times(source: str, name: str, values: np.ndarray) -> None:
     number = pc.fill_null(pc.match_substring_regex(text, NUMBER_LIKE), False).to_numpy(
         zero_copy_only=False)
     odd = np.flatnonzero(~date & ~number)
+    if not len(odd) and date.all():
+        raise DataError(f"{source}: column {name!r} holds ISO dates and times that no one "
+                        "timestamp type reads all of (an impossible date such as 2020-02-30, "
+                        "or times with an offset beside times without one)")
     if not len(odd):                                   # numbers and dates: the fewer kind
         odd = np.flatnonzero(date if date.sum() <= number.sum() else ~date)
-    first = odd[0] if len(odd) else 0
+    first = odd[0]
     raise DataError(f"{source}: column {name!r} is neither all numbers nor all ISO dates and "
                     f"times (first odd value: {str(values[first])!r}, at row {first})")
 
@@ -798,16 +802,21 @@ def _as_number(table: pa.Table, name: str, types: tuple[pa.DataType, ...],
     for `_numeric` to name the first bad value."""
     text = _marked_missing(table.column(name))
     tries = [text, pc.replace_substring(text, ",", ".")] if decimal_comma else [text]
-    if not pc.all(pc.match_substring_regex(text, DATE_LIKE)).as_py():
-        types = tuple(kind for kind in types if not pa.types.is_timestamp(kind))  # fails faster
     for candidate in tries:
         for kind in types:
+            if pa.types.is_timestamp(kind) and not _dates_only(candidate):
+                continue                                  # a cast that fails, and slowly
             try:
                 return table.set_column(table.column_names.index(name), name,
                                         pc.cast(candidate, kind))
             except pa.ArrowInvalid:
                 continue
     return table.set_column(table.column_names.index(name), name, text)
+
+
+def _dates_only(text: pa.ChunkedArray) -> bool:
+    """Whether every value of `text` looks like an ISO date (`DATE_LIKE`)."""
+    return bool(pc.all(pc.match_substring_regex(text, DATE_LIKE)).as_py())
 
 
 def _one_line(error: Exception) -> str:

@@ -256,8 +256,20 @@ def test_times_below_a_second_order_a_text_log_and_are_not_duplicates(tmp_path):
      "nor all ISO dates and times (first odd value: '2020-01-01', at row 1)"),
     (np.array(["2020-01-01", "oops", "2020-01-03"]), "column 'timestamp' is neither all "
      "numbers nor all ISO dates and times (first odd value: 'oops', at row 1)"),
+    (np.array(["2020-01-01", "2020-01-02", "5x"]), "column 'timestamp' is neither all "
+     "numbers nor all ISO dates and times (first odd value: '5x', at row 2)"),
+    (np.array(["2020-01-01", "2020-01-02", "5"]), "column 'timestamp' is neither all "
+     "numbers nor all ISO dates and times (first odd value: '5', at row 2)"),
+    (np.array(["2020-01-01", "5", "oops", "2020-01-02"]), "column 'timestamp' is neither all "
+     "numbers nor all ISO dates and times (first odd value: 'oops', at row 2)"),
+    (np.array(["2020-01-01", "2020-02-30", "2020-01-03"]), "column 'timestamp' holds ISO "
+     "dates and times that no one timestamp type reads all of (an impossible date such as "
+     "2020-02-30, or times with an offset beside times without one)"),
+    (np.array(["2300-01-01", "2300-01-02", "1600-01-01"], "datetime64[D]"),
+     [10413792000, 10413878400, -11676096000]),
 ], ids=["minutes", "hours", "negative-ms", "10ms-dates", "NaT", "a-date-among-numbers",
-        "a-typo-among-dates"])
+        "a-typo-among-dates", "a-non-number-among-dates", "a-number-among-dates", "a-typo-among-both",
+        "an-impossible-date", "days-past-2262"])
 def test_library_callers_times_are_seconds_or_refused_in_one_line(times, expected):
     def log():
         return sources.from_columns("log", ["u", "u", "v"], ["a", "b", "a"], times)
