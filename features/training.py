@@ -15,6 +15,7 @@ import shutil
 import sys
 import time
 
+import numpy as np
 import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
@@ -215,11 +216,13 @@ def mixed_precision(enabled: bool):
         yield
 
 
-def run_callbacks(run_dir: str | None, stage: str, config_json: str) -> list:
+def run_callbacks(run_dir: str | None, stage: str, config_json: str,
+                  early_stopping: list = ()) -> list:
     """Writes RUN/STAGE_config.json and returns the callbacks every stage's training uses in a
-    run folder: TensorBoard logs and resumable checkpoints (`BackupAndRestore`). An
-    interrupted training's checkpoint resumes only under the config that wrote it: one left
-    by another config (the folder's STAGE_config.json differs) is removed first."""
+    run folder: TensorBoard logs and resumable checkpoints (`ResumableTraining`, carrying the
+    state of `early_stopping`). An interrupted training's checkpoint resumes only under the
+    config that wrote it: one left by another config (the folder's STAGE_config.json differs)
+    is removed first."""
     if not run_dir:
         return []
     os.makedirs(run_dir, exist_ok=True)
@@ -232,7 +235,101 @@ def run_callbacks(run_dir: str | None, stage: str, config_json: str) -> list:
     with open(written, "w") as f:
         f.write(config_json)
     return [tf.keras.callbacks.TensorBoard(os.path.join(run_dir, "tensorboard", stage)),
-            tf.keras.callbacks.BackupAndRestore(backup)]
+            ResumableTraining(backup, early_stopping)]
+
+
+class ResumableTraining(tf.keras.callbacks.BackupAndRestore):
+    """Keras's `BackupAndRestore`, which checkpoints the weights, the optimizer and the epoch
+    after every epoch and restores them when the training is run again, and also what it
+    leaves out, so that a resumed training ends where the uninterrupted one would: the logs
+    and seconds of the epochs before (`before`), and each `EarlyStopping`'s state (its best
+    value, epoch and weights, its wait). `train` starts the batches where those epochs left
+    them (`finished_epochs`).
+
+    That state is written to BACKUP/state before each checkpoint, a file per epoch, so the
+    checkpoint's epoch always has its state, whenever the training stops. Place it after the
+    `EarlyStopping` callbacks it carries: it reads their state once they have updated it."""
+
+    EPOCH_KEY = "ckpt_saved_epoch/.ATTRIBUTES/VARIABLE_VALUE"   # WorkerTrainingState's
+
+    def __init__(self, backup_dir: str, early_stopping: list = ()):
+        super().__init__(backup_dir)
+        self.early_stopping = list(early_stopping)
+        self.state_dir = os.path.join(backup_dir, "state")
+        self.before = {"history": {}, "seconds": 0.0}
+
+    def finished_epochs(self) -> int:
+        """Epochs the checkpoint in the backup folder holds; 0 when there is none."""
+        latest = tf.train.latest_checkpoint(os.path.join(self.backup_dir, "chief"))
+        if latest is None:
+            return 0
+        return int(tf.train.load_checkpoint(latest).get_tensor(self.EPOCH_KEY)) + 1
+
+    def state_file(self, epochs: int) -> str:
+        """BACKUP/state/after_epoch_N.json: the state after `epochs` epochs."""
+        return os.path.join(self.state_dir, f"after_epoch_{epochs}.json")
+
+    def files_of(self, epochs: int) -> set[str]:
+        """The names of the files the state after `epochs` epochs holds (its JSON and the
+        best weights it names); none when it was not written."""
+        if not os.path.exists(self.state_file(epochs)):
+            return set()
+        with open(self.state_file(epochs)) as f:
+            weights = {saved["best_weights"] for saved in json.load(f)["early_stopping"]}
+        return {os.path.basename(self.state_file(epochs))} | (weights - {None})
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)               # restores weights, optimizer and epoch
+        self.start = time.perf_counter()
+        done = self.finished_epochs()
+        state = {"history": {}, "seconds": 0.0, "early_stopping": []}
+        if done:
+            with open(self.state_file(done)) as f:
+                state = json.load(f)
+        self.before = {"history": state["history"], "seconds": state["seconds"]}
+        self.history = {name: list(values) for name, values in state["history"].items()}
+        for callback, saved in zip(self.early_stopping, state["early_stopping"]):
+            callback.wait, callback.best, callback.best_epoch = (
+                saved["wait"], saved["best"], saved["best_epoch"])
+            if saved["best_weights"]:
+                with np.load(os.path.join(self.state_dir, saved["best_weights"])) as weights:
+                    callback.best_weights = [weights[f"arr_{i}"] for i in range(len(weights))]
+
+    def on_epoch_end(self, epoch, logs=None):
+        for name, value in (logs or {}).items():
+            self.history.setdefault(name, []).append(float(value))
+        if self.model.distribute_strategy.extended.should_checkpoint:
+            self.write_state(epoch + 1)
+        super().on_epoch_end(epoch, logs)           # the checkpoint, once its state is written
+
+    def write_state(self, epochs: int) -> None:
+        """Writes the state after `epochs` epochs, and removes all but the previous epoch's
+        (the checkpoint's until the new one is written)."""
+        os.makedirs(self.state_dir, exist_ok=True)
+        saved = []
+        for i, callback in enumerate(self.early_stopping):
+            best_weights = None
+            if callback.best_weights is not None:
+                best_weights = f"best_weights_{i}_epoch_{callback.best_epoch + 1}.npz"
+                path = os.path.join(self.state_dir, best_weights)
+                if not os.path.exists(path):
+                    np.savez(path + ".tmp.npz", *callback.best_weights)
+                    os.replace(path + ".tmp.npz", path)
+            saved.append({"wait": callback.wait, "best": float(callback.best),
+                          "best_epoch": callback.best_epoch, "best_weights": best_weights})
+        state = {"history": self.history, "early_stopping": saved,
+                 "seconds": self.before["seconds"] + time.perf_counter() - self.start}
+        with open(self.state_file(epochs) + ".tmp", "w") as f:
+            json.dump(state, f)
+        os.replace(self.state_file(epochs) + ".tmp", self.state_file(epochs))
+        for name in (set(os.listdir(self.state_dir)) - self.files_of(epochs)
+                     - self.files_of(epochs - 1)):
+            os.remove(os.path.join(self.state_dir, name))
+
+    def on_train_end(self, logs=None):
+        super().on_train_end(logs)                  # removes the checkpoint
+        if self.model.distribute_strategy.extended.should_checkpoint:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
 
 
 class EpochLog(tf.keras.callbacks.Callback):
@@ -282,10 +379,17 @@ def train(model: tf.keras.Model, dataset: tf.data.Dataset, *, stage: str, config
           verbose: int = 1) -> dict:
     """Runs `model.fit` for `config.epochs` and returns the run summary, also written to
     RUN/STAGE_train.json: per-epoch logs (`history`), `seconds`, `epochs`, `best_epoch` and
-    `examples_per_second`. With `verbose`, a terminal gets Keras's progress bar and any other
+    `examples_per_second`. In a run folder, an interrupted training resumes after its last
+    finished epoch, on the batches the uninterrupted one would have read next (`dataset` is
+    endless and depends only on its position, as `features.batches`'s are), and its summary
+    counts every epoch. With `verbose`, a terminal gets Keras's progress bar and any other
     output (and the parameter-server strategy, where Keras has no progress bar) one line per
     epoch."""
-    callbacks = list(callbacks) + run_callbacks(run_dir, stage, config.to_json())
+    early_stopping = [c for c in callbacks if isinstance(c, tf.keras.callbacks.EarlyStopping)]
+    callbacks = list(callbacks) + run_callbacks(run_dir, stage, config.to_json(), early_stopping)
+    resumable = next((c for c in callbacks if isinstance(c, ResumableTraining)), None)
+    if resumable and isinstance(dataset, tf.data.Dataset):
+        dataset = dataset.skip(resumable.finished_epochs() * steps_per_epoch)
     keras_verbose = verbose
     coordinated = isinstance(model.distribute_strategy, tf.distribute.ParameterServerStrategy)
     if verbose and (coordinated or not sys.stdout.isatty()):
@@ -294,17 +398,19 @@ def train(model: tf.keras.Model, dataset: tf.data.Dataset, *, stage: str, config
     start = time.perf_counter()
     history = model.fit(dataset, epochs=config.epochs, steps_per_epoch=steps_per_epoch,
                         validation_data=validation, callbacks=callbacks, verbose=keras_verbose)
-    seconds = time.perf_counter() - start
-    epochs = len(history.history.get("loss", []))
+    before = resumable.before if resumable else {"history": {}, "seconds": 0.0}
+    seconds = before["seconds"] + time.perf_counter() - start
+    logs = {name: before["history"].get(name, []) + [float(v) for v in values]
+            for name, values in history.history.items()}
+    epochs = len(logs.get("loss", []))
     summary = {"seconds": seconds, "epochs": epochs,
                "best_epoch": best_epoch(callbacks, config.epochs, stage, verbose),
                "examples_per_second": epochs * examples_per_epoch / max(seconds, 1e-9),
-               "history": {k: [float(v) for v in vs] for k, vs in history.history.items()}}
+               "history": logs}
     if run_dir:
         with open(os.path.join(run_dir, f"{stage}_train.json"), "w") as f:
             json.dump(summary, f, indent=2)
     return summary
-
 
 if __name__ == "__main__":
     serve_task()

@@ -196,6 +196,6 @@ def test_an_interrupted_retrieval_run_resumes_when_its_command_is_rerun(tmp_path
     assert (tmp_path / "checkpoints" / "retrieval").is_dir()         # --overwrite cleared nothing
     code, error = script("train_retrieval.py", *command, "--epochs", "4")
     assert code == 0, error
-    assert json.loads((tmp_path / "retrieval_train.json").read_text())["epochs"] == 2  # 3 and 4
+    assert json.loads((tmp_path / "retrieval_train.json").read_text())["epochs"] == 4  # 1 to 4
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["retrieval"]["test"] and "resumes the interrupted" in report["notices"][-1]
