@@ -137,11 +137,34 @@ def to_json(name: str, value: np.ndarray):
         if value.dtype not in _JSON_DTYPES:
             raise ServingError("INVALID_ARGUMENT", "Failed to write JSON value for tensor "
                                f"type: {_type_string(value.dtype)}")
+        if value.dtype == np.float32:
+            return as_tf_serving_writes(value).tolist()
         return value.tolist()
     encode = _b64 if name.endswith("_bytes") else _text
     flat = np.empty(value.size, object)
     flat[:] = [encode(item) for item in value.reshape(-1)]
     return flat.reshape(value.shape).tolist()
+
+
+def as_tf_serving_writes(value: np.ndarray) -> np.ndarray:
+    """float32 [...] -> float64 [...]: the numbers of the decimals TF Serving writes for them.
+
+    TF Serving writes a float32 in six significant digits (`%g`) when they read back as the
+    same float32, else in nine (`WriteDecimal` in util/json_tensor.cc): 0.1f as 0.1. The
+    float32's own double, which `tolist` gives, is another number (0.10000000149011612) to a
+    client that reads JSON numbers as doubles. NaN and infinities stay as they are.
+
+    The six digits are read back as a double, then rounded to float32, where TF Serving's
+    reader (absl::SimpleAtof) rounds the decimal once. The two differ only for a decimal that
+    is not halfway between two float32s but reads as a double that is; a check of every
+    six-digit decimal within float32's range found none.
+    """
+    flat = value.reshape(-1)
+    numbers = np.array([float(f"{x:.6g}") for x in flat.tolist()], np.float64)
+    with np.errstate(invalid="ignore"):                 # signalling NaNs
+        reads_back = numbers.astype(np.float32) == flat
+    numbers[~reads_back] = [float(f"{x:.9g}") for x in flat[~reads_back].tolist()]
+    return numbers.reshape(value.shape)
 
 
 def _write(name: str, value: np.ndarray, pieces: list[str]) -> None:

@@ -17,6 +17,7 @@ import json
 import os
 import threading
 import time
+from fractions import Fraction
 
 import grpc
 import numpy as np
@@ -395,6 +396,36 @@ def test_json_responses_are_shaped_as_tf_serving_shapes_them():
         _formatted({"a": np.zeros(2), "b": np.zeros(3)}, row_form=True)
     assert _formatted({"a": np.zeros(2), "b": np.zeros(3)}, row_form=False)["outputs"] == {
         "a": [0.0, 0.0], "b": [0.0, 0.0, 0.0]}
+
+
+
+def _tf_serving_decimal(value: np.float32) -> float:
+    """The number of TF Serving's text for a float32 (`WriteDecimal`): `%g` when its decimal,
+    rounded once to the nearest float32 (ties to even, as absl::SimpleAtof), is `value`,
+    else `%.9g`. Rounded here exactly, with fractions."""
+    if not np.isfinite(value):
+        return float(value)
+    text, exact = f"{value:.6g}", Fraction(f"{value:.6g}")
+    neighbours = [np.nextafter(value, np.float32(side)) for side in (-np.inf, np.inf)]
+    nearest = min([value] + [n for n in neighbours if np.isfinite(n)], key=lambda candidate: (
+        abs(Fraction(float(candidate)) - exact), int(candidate.view(np.uint32)) & 1))
+    return float(text) if nearest == value else float(f"{value:.9g}")
+
+
+def test_float32_answers_are_the_numbers_tf_serving_writes():
+    """TF Serving writes 0.1f as 0.1, which a client reads as the double 0.1; the float32's own
+    double is 0.10000000149011612. Values by hand, then random bit patterns against an exact
+    rounding."""
+    values = np.float32([0.1, 1 / 3, 1e6, 16777216, 3.4028235e38, 1e-45, -0.0, np.inf])
+    answer = _formatted({"s": values}, row_form=False)["outputs"]
+    assert answer == [0.1, 0.333333343, 1e6, 16777216.0, 3.40282347e38, 1.4013e-45, -0.0, np.inf]
+    assert str(answer[-2]) == "-0.0" and np.isnan(_formatted(
+        {"s": np.float32([np.nan])}, row_form=True)["predictions"][0])
+    bits = np.random.default_rng(0).integers(0, 2**32, 4000, dtype=np.uint64)
+    values = bits.astype(np.uint32).view(np.float32)
+    values = values[np.isfinite(values)]
+    answer = _formatted({"s": values.reshape(-1, 2)}, row_form=True)["predictions"]
+    assert np.ravel(answer).tolist() == [_tf_serving_decimal(v) for v in values]
 
 
 @pytest.mark.parametrize("piece", [1, 5, 1 << 16])
