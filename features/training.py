@@ -247,7 +247,11 @@ class ResumableTraining(tf.keras.callbacks.BackupAndRestore):
     them (`finished_epochs`).
 
     That state is written to BACKUP/state before each checkpoint, a file per epoch, so the
-    checkpoint's epoch always has its state, whenever the training stops. Place it after the
+    checkpoint's epoch always has its state, whenever the training stops; a state written
+    after the checkpoint's epoch (stopped before its checkpoint) is removed when training
+    resumes. The last epoch, where early stopping or the epoch count ends the training, is not
+    checkpointed: stopped after it, the training resumes before it and repeats it, where a
+    checkpoint would resume into epochs the training never runs. Place it after the
     `EarlyStopping` callbacks it carries: it reads their state once they have updated it."""
 
     EPOCH_KEY = "ckpt_saved_epoch/.ATTRIBUTES/VARIABLE_VALUE"   # WorkerTrainingState's
@@ -259,11 +263,19 @@ class ResumableTraining(tf.keras.callbacks.BackupAndRestore):
         self.before = {"history": {}, "seconds": 0.0}
 
     def finished_epochs(self) -> int:
-        """Epochs the checkpoint in the backup folder holds; 0 when there is none."""
+        """Epochs the checkpoint in the backup folder holds; 0 when there is none.
+
+        Raises:
+            ValueError: the checkpoint has no state (an older tworec wrote it).
+        """
         latest = tf.train.latest_checkpoint(os.path.join(self.backup_dir, "chief"))
         if latest is None:
             return 0
-        return int(tf.train.load_checkpoint(latest).get_tensor(self.EPOCH_KEY)) + 1
+        done = int(tf.train.load_checkpoint(latest).get_tensor(self.EPOCH_KEY)) + 1
+        if not os.path.exists(self.state_file(done)):
+            raise ValueError(f"{self.backup_dir} holds a checkpoint without the state resuming "
+                             "needs (an older tworec wrote it); remove it to start over")
+        return done
 
     def state_file(self, epochs: int) -> str:
         """BACKUP/state/after_epoch_N.json: the state after `epochs` epochs."""
@@ -286,6 +298,10 @@ class ResumableTraining(tf.keras.callbacks.BackupAndRestore):
         if done:
             with open(self.state_file(done)) as f:
                 state = json.load(f)
+        if self.model.distribute_strategy.extended.should_checkpoint and os.path.isdir(
+                self.state_dir):
+            for name in set(os.listdir(self.state_dir)) - self.files_of(done):
+                os.remove(os.path.join(self.state_dir, name))      # a lost epoch's
         self.before = {"history": state["history"], "seconds": state["seconds"]}
         self.history = {name: list(values) for name, values in state["history"].items()}
         for callback, saved in zip(self.early_stopping, state["early_stopping"]):
@@ -298,6 +314,8 @@ class ResumableTraining(tf.keras.callbacks.BackupAndRestore):
     def on_epoch_end(self, epoch, logs=None):
         for name, value in (logs or {}).items():
             self.history.setdefault(name, []).append(float(value))
+        if self.model.stop_training or epoch + 1 >= self.params["epochs"]:
+            return                                  # the last epoch (class docstring)
         if self.model.distribute_strategy.extended.should_checkpoint:
             self.write_state(epoch + 1)
         super().on_epoch_end(epoch, logs)           # the checkpoint, once its state is written
@@ -312,7 +330,7 @@ class ResumableTraining(tf.keras.callbacks.BackupAndRestore):
             if callback.best_weights is not None:
                 best_weights = f"best_weights_{i}_epoch_{callback.best_epoch + 1}.npz"
                 path = os.path.join(self.state_dir, best_weights)
-                if not os.path.exists(path):
+                if not os.path.exists(path):         # else written at that best epoch
                     np.savez(path + ".tmp.npz", *callback.best_weights)
                     os.replace(path + ".tmp.npz", path)
             saved.append({"wait": callback.wait, "best": float(callback.best),
@@ -411,6 +429,7 @@ def train(model: tf.keras.Model, dataset: tf.data.Dataset, *, stage: str, config
         with open(os.path.join(run_dir, f"{stage}_train.json"), "w") as f:
             json.dump(summary, f, indent=2)
     return summary
+
 
 if __name__ == "__main__":
     serve_task()

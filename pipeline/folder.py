@@ -178,6 +178,12 @@ def check_resumable(out: str, source: dict, configs: Configs) -> None:
     cold-start window the run chose counts as not given, as it is chosen again alike."""
     saved_source, saved = read_run(out)
     check_fingerprint_format(out, saved_source, "pass --overwrite to start over")
+    backup = os.path.join(out, "checkpoints", "retrieval")
+    if (os.path.exists(os.path.join(backup, "chief", "checkpoint"))
+            and not os.path.isdir(os.path.join(backup, "state"))):
+        raise RunFolderError(f"--out {out} holds an interrupted training checkpointed by an "
+                             "older tworec, without the early stopping state resuming needs; "
+                             "pass --overwrite to start over")
     if configs.data.cold_start_window is None:
         saved = dataclasses.replace(saved, data=dataclasses.replace(saved.data,
                                                                     cold_start_window=None))

@@ -1,5 +1,7 @@
 """Resumable training: a run interrupted mid-epoch resumes into the uninterrupted run."""
+import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -31,48 +33,123 @@ class Interrupt(tf.keras.callbacks.Callback):
             raise RuntimeError(f"interrupted after epoch {self.after}")
 
 
+class InterruptAtEpochEnd(tf.keras.callbacks.Callback):
+    """Stops training with an error at the end of epoch `at` (0-based), once the callbacks
+    before it have run."""
+
+    def __init__(self, at: int):
+        super().__init__()
+        self.at = at
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.at:
+            raise RuntimeError(f"interrupted at the end of epoch {epoch}")
+
+
 @pytest.fixture(scope="module")
 def log():
     return generate(PRESETS["tiny"], seed=0)
 
 
-def train_retrieval(log, run_dir):
-    """Stops early at epoch 3 of 8 on this log, keeping epoch 2's weights."""
-    config = retrieval_preset("tiny", epochs=8, early_stopping_patience=1)
+def train_retrieval(log, run_dir, epochs=8, patience=1):
+    """With patience 1, stops early at epoch 3 of 8 on this log, keeping epoch 2's weights;
+    with patience 2, at epoch 8 of 10, keeping epoch 6's (no gain at epoch 7 or 8)."""
+    config = retrieval_preset("tiny", epochs=epochs, early_stopping_patience=patience)
     inputs = prepare(log, split(log, "temporal"), history_length=5)
     return retrieval_train.fit(inputs, config, run_dir=run_dir, verbose=0)
 
 
-def train_ranking(log, run_dir):
+def train_ranking(log, run_dir, epochs=8, patience=1):
     """Stops early at epoch 4 of 8 on this log, keeping epoch 3's weights."""
-    config = ranking_preset("tiny", epochs=8, early_stopping_patience=1)
+    config = ranking_preset("tiny", epochs=epochs, early_stopping_patience=patience)
     inputs = prepare(log, split(log, "temporal"), history_length=5)
     return ranking_train.fit(inputs, config, signals(inputs, config), run_dir=run_dir,
                              verbose=0)
 
 
-@pytest.mark.parametrize("train, stage, after", [(train_retrieval, "retrieval", 1),
-                                                 (train_ranking, "ranking", 2)])
+@pytest.fixture(scope="module")
+def uninterrupted(log, tmp_path_factory):
+    """(model, summary) of an uninterrupted training, once per (train, epochs, patience)."""
+    runs = {}
+
+    def run(train, epochs, patience):
+        if (train, epochs, patience) not in runs:
+            runs[train, epochs, patience] = train(log, str(tmp_path_factory.mktemp("fresh")),
+                                                  epochs, patience)
+        return runs[train, epochs, patience]
+    return run
+
+
+# (train, its stage, epochs, patience, how it is interrupted, after which epoch (0-based),
+#  and what the uninterrupted run's best and last epochs (1-based) are)
+CASES = {
+    # after its best epoch so far: the best value and weights must carry over
+    "mid-epoch": (train_retrieval, "retrieval", 8, 1, "mid-epoch", 1, 2, 3),
+    "ranking mid-epoch": (train_ranking, "ranking", 8, 1, "mid-epoch", 2, 3, 4),
+    # after an epoch without gain: its wait (1) must carry over, or training would go on
+    "waiting": (train_retrieval, "retrieval", 10, 2, "mid-epoch", 6, 6, 8),
+    # stopped after epoch 2's state was written, before its checkpoint, then again mid-epoch
+    # 3: the lost epoch's best weights must not be read
+    "before its checkpoint": (train_retrieval, "retrieval", 8, 1, "before checkpoint", 1, 2, 3),
+    # stopped after early stopping's last epoch: resumed, it must not train on
+    "after the last epoch": (train_retrieval, "retrieval", 8, 1, "at the end", 2, 2, 3),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_an_interrupted_run_resumes_into_the_uninterrupted_one(log, tmp_path, monkeypatch,
-                                                               train, stage, after):
-    """Interrupted after its best epoch so far, the resumed training reads the batches the
-    uninterrupted one reads next and keeps its early stopping's best value, wait and weights:
-    it stops at the same epoch with the same weights, bit for bit, and its summary counts
-    every epoch. Without any of these it would train on: the best would restart at the
-    first resumed epoch, which is worse."""
-    fresh_model, fresh = train(log, str(tmp_path / "fresh"))
-    assert fresh["best_epoch"] == after + 1 < fresh["epochs"] == after + 2 < 8
-    callbacks = training.run_callbacks
-    monkeypatch.setattr(training, "run_callbacks",
-                        lambda *args: callbacks(*args) + [Interrupt(after)])
-    with pytest.raises(RuntimeError, match=f"interrupted after epoch {after}"):
-        train(log, str(tmp_path / "run"))
+                                                               uninterrupted, case):
+    """The resumed training reads the batches the uninterrupted one reads next and carries
+    its early stopping's best value, epoch, wait and weights: it stops at the same epoch with
+    the same weights, bit for bit, and its summary counts every epoch and its seconds."""
+    train, stage, epochs, patience, how, after, best, last = CASES[case]
+    fresh_model, fresh = uninterrupted(train, epochs, patience)
+    assert (fresh["best_epoch"], fresh["epochs"]) == (best, last)
+    run, callbacks = tmp_path / "run", training.run_callbacks
+    state = run / "checkpoints" / stage / "state"
+    if how == "before checkpoint":
+        backup = tf.keras.callbacks.BackupAndRestore._backup
+
+        def lost(self, epoch, batch=0):
+            if epoch == after:
+                raise RuntimeError(f"interrupted before the checkpoint of epoch {epoch}")
+            backup(self, epoch, batch)
+        monkeypatch.setattr(tf.keras.callbacks.BackupAndRestore, "_backup", lost)
+        with pytest.raises(RuntimeError, match="interrupted"):
+            train(log, str(run), epochs, patience)
+        monkeypatch.undo()
+        # The lost epoch's best weights, as another device would have trained them; the
+        # resumed training repeats that epoch, and is interrupted again after it.
+        lost_weights = state / f"best_weights_0_epoch_{after + 1}.npz"
+        np.savez(lost_weights, *[w + 1 for w in np.load(lost_weights).values()])
+    interrupt = InterruptAtEpochEnd(after) if how == "at the end" else Interrupt(after)
+    monkeypatch.setattr(training, "run_callbacks", lambda *args: callbacks(*args) + [interrupt])
+    with pytest.raises(RuntimeError, match="interrupted"):
+        train(log, str(run), epochs, patience)
     monkeypatch.undo()
-    assert (tmp_path / "run" / "checkpoints" / stage / "state").is_dir()
-    resumed_model, resumed = train(log, str(tmp_path / "run"))
+    done = max(int(name[len("after_epoch_"):-len(".json")]) for name in os.listdir(state)
+               if name.startswith("after_epoch_"))
+    saved = json.loads((state / f"after_epoch_{done}.json").read_text())
+    if case == "waiting":
+        assert saved["early_stopping"][0]["wait"] == 1
+    resumed_model, resumed = train(log, str(run), epochs, patience)
     assert {key: resumed[key] for key in ("epochs", "best_epoch", "history")} == {
         key: fresh[key] for key in ("epochs", "best_epoch", "history")}
+    assert resumed["seconds"] > saved["seconds"] > 0
     for resumed_weights, fresh_weights in zip(resumed_model.get_weights(),
                                               fresh_model.get_weights(), strict=True):
         np.testing.assert_array_equal(resumed_weights, fresh_weights)
-    assert not os.listdir(tmp_path / "run" / "checkpoints" / stage)      # removed once done
+    assert not os.listdir(run / "checkpoints" / stage)                  # removed once done
+
+
+def test_a_checkpoint_without_its_state_is_refused_before_training(log, tmp_path,
+                                                                   monkeypatch):
+    """A checkpoint an older tworec wrote has no early stopping state to resume with."""
+    callbacks = training.run_callbacks
+    monkeypatch.setattr(training, "run_callbacks", lambda *args: callbacks(*args) + [Interrupt(0)])
+    with pytest.raises(RuntimeError, match="interrupted"):
+        train_retrieval(log, str(tmp_path))
+    monkeypatch.undo()
+    shutil.rmtree(tmp_path / "checkpoints" / "retrieval" / "state")
+    with pytest.raises(ValueError, match="holds a checkpoint without the state resuming needs"):
+        train_retrieval(log, str(tmp_path))

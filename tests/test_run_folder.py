@@ -185,6 +185,12 @@ def test_an_interrupted_retrieval_run_resumes_when_its_command_is_rerun(tmp_path
     code, error = script("train_retrieval.py", *command, "--epochs", "4")
     assert code == 1 and "interrupted after epoch 1" in error, error
     monkeypatch.setattr(training, "run_callbacks", callbacks)
+    state = tmp_path / "checkpoints" / "retrieval" / "state"
+    state.rename(state.with_name("aside"))          # as an older tworec's checkpoint
+    code, error = script("train_retrieval.py", *command, "--epochs", "4")
+    assert code == 2 and "checkpointed by an older tworec" in error, error
+    assert len(error.strip().splitlines()) == 1, error
+    state.with_name("aside").rename(state)
     code, error = script("train_retrieval.py", *command, "--epochs", "5")
     assert code == 2 and "holds an interrupted training started otherwise" in error, error
     assert len(error.strip().splitlines()) == 1, error
