@@ -428,6 +428,12 @@ def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int
             continue
         name, kind = _name(mapping[role]), schema.field(mapping[role]).type
         text = _is_text(kind)
+        if role in ("time", "rating") and not _read_as(role, kind):
+            binary = pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
+            raise DataError(f"{source}: column {mapping[role]!r} is of type {kind}, which out of "
+                            f"core is not read as a {role}: write it as {READ_AS[role]}"
+                            + (", or load the log in memory, which reads bytes as text"
+                               if binary else ""))
         number = f"TRY_CAST({name} AS DOUBLE)" if text else name
         missing = f"{name} IS NULL"
         if role in ("time", "rating") and text:           # Arrow's markers, as `load` reads
@@ -480,6 +486,23 @@ def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int
                         "write the column as a Parquet timestamp (pyarrow.compute.cast(column, "
                         "pyarrow.timestamp('us'))), or load the log in memory, which reads ISO "
                         "dates and times")
+
+
+# What the SQL below reads as each role (and text of numbers, `_is_text`).
+READ_AS = {"time": "integers, floats, timestamps, durations or dates",
+           "rating": "integers or floats"}
+
+
+def _read_as(role: str, kind: pa.DataType) -> bool:
+    """Whether the SQL below reads a Parquet column of Arrow type `kind` as the `role` (time
+    or rating) column: numbers (booleans and decimals too) and text; for times, timestamps,
+    durations and dates as well."""
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    moment = (pa.types.is_timestamp(kind) or pa.types.is_duration(kind)
+              or pa.types.is_date(kind))
+    return (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
+            or pa.types.is_decimal(kind) or _is_text(kind) or (role == "time" and moment))
 
 
 def _is_text(kind: pa.DataType) -> bool:

@@ -351,6 +351,31 @@ def test_iso_text_times_load_as_in_a_csv_and_out_of_core_are_refused_in_one_line
     assert not os.path.exists(out)
 
 
+@pytest.mark.parametrize("column, values, advice", [
+    ("timestamp", pa.array([b"1", b"2", b"3", b"4"], pa.binary()), "integers, floats, "
+     "timestamps, durations or dates, or load the log in memory, which reads bytes as text"),
+    ("rating", pa.array([b"1", b"2", b"3", b"4"], pa.large_binary()),
+     "integers or floats, or load the log in memory, which reads bytes as text"),
+    ("timestamp", pa.array([1, 2, 3, 4], pa.time32("s")), "integers, floats, timestamps, "
+     "durations or dates"),
+], ids=["binary-time", "binary-rating", "time-of-day"])
+def test_columns_of_a_type_sql_cannot_read_are_refused_out_of_core_in_one_line(
+        tmp_path, column, values, advice):
+    """Bytes load in memory (read as text), but DuckDB casts no BLOB (or time of day) to a
+    number: out of core they are refused by type, before any value is read."""
+    source = _write(tmp_path / "log", pa.table({**LOG, column: values}))
+    kind = pq.read_schema(os.path.join(source, "part-0.parquet")).field(column).type
+    if "bytes" in advice:
+        assert getattr(load(source), column).tolist() == LOG[column]
+    for call in (lambda: shards.describe(source),
+                 lambda: prepare_shards(source, str(tmp_path / "out"))):
+        with pytest.raises(DataError) as error:
+            call()
+        assert str(error.value) == (f"{source}: column {column!r} is of type {kind}, which out "
+                                    f"of core is not read as a {column.replace('stamp', '')}: "
+                                    f"write it as {advice}")
+
+
 def test_text_times_beyond_float64_digits_load_exactly_and_out_of_core_are_refused(tmp_path):
     times = ["1577836800123456789", "1577836800123456790", "1577836800123456800", "5"]
     source = _write(tmp_path / "log", pa.table({**LOG, "timestamp": times}))
