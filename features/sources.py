@@ -187,9 +187,16 @@ def _times(source: str, name: str, values) -> tuple[np.ndarray, np.ndarray]:
     if values.dtype.kind in "mM":      # a timestamp, date or duration column, in its own unit
         _refuse(source, name, np.isnat(values), "missing values")
         unit, count = np.datetime_data(values.dtype)
+        if unit == "generic":
+            raise DataError(f"{source}: column {name!r} is a {values.dtype} without a unit; "
+                            f"give it one (values.astype('{values.dtype.kind}8[s]'))")
         if unit not in TICKS_PER_SECOND or count != 1:     # days, hours, 10 ms, ...
-            unit = unit if unit in TICKS_PER_SECOND else "s" if unit in "YMWDhm" else "ns"
-            values = values.astype(f"{values.dtype.kind}8[{unit}]")
+            finer = unit in TICKS_PER_SECOND or unit in COARSE_UNITS
+            unit = unit if unit in TICKS_PER_SECOND else "s" if unit in COARSE_UNITS else "ns"
+            converted = values.astype(f"{values.dtype.kind}8[{unit}]")
+            if finer:                                       # NumPy wraps around silently
+                _refuse(source, name, converted.astype(values.dtype) != values, OUT_OF_RANGE)
+            values = converted
         ticks = values.view(np.int64)
         per_second = TICKS_PER_SECOND[unit]
         below = np.fmod(ticks, per_second)
@@ -206,6 +213,7 @@ def _times(source: str, name: str, values) -> tuple[np.ndarray, np.ndarray]:
 
 
 OUT_OF_RANGE = "times that are infinite or beyond ±2^63 seconds"
+COARSE_UNITS = ("Y", "M", "W", "D", "h", "m")                 # NumPy's units above a second
 
 
 def _refuse_mixed_times(source: str, name: str, values: np.ndarray) -> None:

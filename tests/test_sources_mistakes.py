@@ -267,9 +267,17 @@ def test_times_below_a_second_order_a_text_log_and_are_not_duplicates(tmp_path):
      "2020-02-30, or times with an offset beside times without one)"),
     (np.array(["2300-01-01", "2300-01-02", "1600-01-01"], "datetime64[D]"),
      [10413792000, 10413878400, -11676096000]),
+    (np.array([1, 2, 3], "timedelta64"), "column 'timestamp' is a timedelta64 without a unit; "
+                                         "give it one (values.astype('m8[s]'))"),
+    (np.array([0, 2**50, 1], "datetime64[D]"),
+     "column 'timestamp' has 1 times that are infinite or beyond ±2^63 seconds (first at row 1)"),
+    (np.array([0, 1, 2**62], "timedelta64[m]"),
+     "column 'timestamp' has 1 times that are infinite or beyond ±2^63 seconds (first at row 2)"),
+    (np.array([1, 2, 3], "timedelta64[ps]"), [0, 0, 0]),
 ], ids=["minutes", "hours", "negative-ms", "10ms-dates", "NaT", "a-date-among-numbers",
         "a-typo-among-dates", "a-non-number-among-dates", "a-number-among-dates", "a-typo-among-both",
-        "an-impossible-date", "days-past-2262"])
+        "an-impossible-date", "days-past-2262", "no-unit", "days-beyond-2^63-seconds",
+        "minutes-that-wrap-to-0", "picoseconds"])
 def test_library_callers_times_are_seconds_or_refused_in_one_line(times, expected):
     def log():
         return sources.from_columns("log", ["u", "u", "v"], ["a", "b", "a"], times)
