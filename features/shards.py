@@ -36,7 +36,8 @@ from tworec.console import OneLineParser
 from tworec.features.interactions import DataError, Interactions
 from tworec.features.sources import (MISSING, OUT_OF_RANGE, TICKS_PER_SECOND, _column_numpy,
                                      _log_from_roles, _one_line, _resolve_columns,
-                                     empty_ids_error, no_known_items_error)
+                                     decimal_comma_advice, empty_ids_error,
+                                     no_known_items_error)
 
 ITEM_TABLE = "items.parquet"
 GENRE_NAMES_KEY = b"tworec.genre_names"      # item-table metadata: JSON list, one per column
@@ -480,7 +481,8 @@ def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int
                             "float64 and would lose digits: write the column as int64")
         if wrong == "text rating":
             raise DataError(f"{source}: column {name!r} is not numeric (first value that is "
-                            f"not a number: {value!r}, at row {first})")
+                            f"not a number: {value!r}, at row {first}"
+                            f"{decimal_comma_advice(value)})")
         raise DataError(f"{source}: column {name!r} holds text that is not a number ({value!r} "
                         f"at row {first}); read out of core, a text time must be a number: "
                         "write the column as a Parquet timestamp (pyarrow.compute.cast(column, "

@@ -305,14 +305,19 @@ def _numeric(source: str, name: str, values, wrong: str = "not numeric") -> np.n
         try:
             values = values.astype(np.float64)
         except (TypeError, ValueError):
-            bad = next(v for v in values if not _parses(v))
-            decimal_comma = _parses(str(bad).replace(",", "."))
-            advice = "; write numbers with a decimal point" if decimal_comma else ""
-            raise DataError(f"{source}: column {name!r} is {wrong} "
-                            f"(first value that is not a number: {str(bad)!r}{advice})") from None
+            row = next(row for row, value in enumerate(values) if not _parses(value))
+            raise DataError(f"{source}: column {name!r} is {wrong} (first value that is not a "
+                            f"number: {str(values[row])!r}, at row {row}"
+                            f"{decimal_comma_advice(values[row])})") from None
     if values.dtype.kind == "f":
         _refuse(source, name, np.isnan(values), "missing or NaN values")
     return values
+
+
+def decimal_comma_advice(value) -> str:
+    """"; write numbers with a decimal point" when `value` reads as a number with a decimal
+    comma (`3,5`), else ""."""
+    return "; write numbers with a decimal point" if _parses(str(value).replace(",", ".")) else ""
 
 
 def _parses(value) -> bool:
@@ -419,7 +424,7 @@ def _column_numpy(where: str, name: str, column: pa.ChunkedArray) -> np.ndarray:
     """[n] NumPy values of a column without missing values; timestamps and dates as
     datetime64 in their own unit (`from_columns` makes seconds of a time column)."""
     if column.null_count:
-        raise DataError(f"{where}: column {name!r} has {column.null_count} missing values")
+        _refuse(where, name, pc.is_null(column).to_numpy(zero_copy_only=False), "missing values")
     return column.to_numpy()
 
 

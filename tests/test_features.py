@@ -112,7 +112,7 @@ def test_generic_csv_and_parquet(tmp_path):
     ("user_id,item_id,timestamp\n", "the log is empty"),
     ("user_id,item_id,timestamp\na,x,yesterday\n",
      r"column 'timestamp' is neither all numbers nor all ISO dates and times \(first value "
-     r"that is not a number: 'yesterday'\)"),
+     r"that is not a number: 'yesterday', at row 0\)"),
     ("user_id,item_id,timestamp,rating\na,x,1,good\n", "column 'rating' is not numeric"),
     ("user_id,item_id,timestamp,rating\na,x,1,\n", "'rating' has 1 missing"),
     ("user_id,item_id,timestamp,rating\na,x,1,nan\n", "'rating' has 1 missing"),

@@ -190,6 +190,8 @@ LOG = {"user_id": ["a", "a", "b", "b"], "item_id": ["x", "y", "x", "z"], "timest
     ("rating", ["1", "2", "x", "4"],
      "column 'rating' is not numeric (first value that is not a number: 'x'"),
     ("rating", ["1", "NA", "3", "4"], "column 'rating' has 1 missing"),
+    ("rating", ["1", "2", "4,5", "4"], "column 'rating' is not numeric (first value that is not "
+     "a number: '4,5', at row 2; write numbers with a decimal point)"),
     ("timestamp", ["1", "2", "nan", "4"], "column 'timestamp' has 1 missing"),
     ("rating", ["1", "NAN", "3", "4"], "column 'rating' has 1 missing or NaN values (first at "
                                        "row 1)"),
@@ -207,7 +209,7 @@ LOG = {"user_id": ["a", "a", "b", "b"], "item_id": ["x", "y", "x", "z"], "timest
     ("timestamp", pa.array([1, 2, 3, 2**63 + 5], pa.uint64()),
      "has 1 times that are infinite or beyond ±2^63 seconds (first at row 3)"),
 ], ids=["null-user", "null-time", "nan-time", "nan-rating", "empty-item", "empty-user",
-        "text-rating", "NA-text-rating", "nan-text-time", "NAN-text-rating",
+        "text-rating", "NA-text-rating", "decimal-comma-rating", "nan-text-time", "NAN-text-rating",
         "dictionary-text-rating", "inf-text-time", "inf-time", "1e19-time", "huge-text-time",
         "uint64-time"])
 def test_prepare_refuses_the_values_load_refuses(tmp_path, column, values, expected):

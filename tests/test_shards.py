@@ -133,7 +133,8 @@ def test_shard_mistakes_are_one_line_naming_the_path_and_what_works(tmp_path):
     holes = a_log().set_column(3, "stars", pa.array([None, 2.0] * (a_log().num_rows // 2)))
     pq.write_table(holes, paths[2], row_group_size=9)
     message = one_line(lambda: load(str(tmp_path / "mixed" / "*.parquet"), columns=MAPPING))
-    assert message == f"{paths[2]}: column 'stars' has {a_log().num_rows // 2} missing values"
+    assert message == (f"{paths[2]}: column 'stars' has {a_log().num_rows // 2} missing values "
+                       "(first at row 0)")
     message = one_line(lambda: shards.describe(str(tmp_path / "mixed" / "*.parquet"), MAPPING))
     assert "column 'stars' has" in message
 

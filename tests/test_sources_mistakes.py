@@ -132,7 +132,7 @@ def test_decimal_commas_in_a_file_not_separated_by_commas(tmp_path):
     quoted = [row[:3] + (f'"{row[3]}"',) + row[4:] for row in rows]
     message = load_error(write_log(tmp_path / "quoted.csv", ",", quoted))
     assert message.endswith("column 'rating' is not numeric (first value that is not a number: "
-                            "'4,5'; write numbers with a decimal point)")
+                            "'4,5', at row 0; write numbers with a decimal point)")
 
 
 def test_the_run_scripts_record_the_delimiter():
@@ -219,7 +219,8 @@ def test_late_rows_cannot_break_the_types_of_the_first_block(tmp_path, monkeypat
     late = load(write_log(tmp_path / "late.csv", rows=rows))
     assert late.timestamp[149] == 1 and len(late) == 300
     rows[200] = rows[200][:2] + ("NA",) + rows[200][3:]             # a late missing time
-    with pytest.raises(DataError, match="holes.csv: column 'timestamp' has 1 missing values$"):
+    with pytest.raises(DataError, match=r"holes.csv: column 'timestamp' has 1 missing values "
+                                        r"\(first at row 199\)$"):
         load(write_log(tmp_path / "holes.csv", rows=rows))
 
 
