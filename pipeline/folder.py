@@ -96,8 +96,10 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
                                                               "fingerprint": log_fingerprint}
     if resume:
         check_resumable(out, source, configs)
+        backup = os.path.join(out, "checkpoints", "retrieval")
         notices.append("resumes the interrupted retrieval training from its last finished epoch "
-                       f"({os.path.join(out, 'checkpoints', 'retrieval')})")
+                       f"({backup})" if os.path.isdir(os.path.join(backup, "chief")) else
+                       "starts the interrupted retrieval training over: it finished no epoch")
     return CheckedRun(out, log, configs, source, run_report.read(out) if continue_run else {},
                       notices, continue_run, overwrite)
 
@@ -166,10 +168,10 @@ def only_run_into(out: str):
 
 
 def interrupted_retrieval(out: str) -> bool:
-    """Whether the run folder `out` holds a retrieval checkpoint and nothing a finished step
-    writes (`INTERRUPTED_RETRIEVAL`)."""
-    return (os.path.isdir(os.path.join(out, "checkpoints", "retrieval"))
-            and set(os.listdir(out)) <= INTERRUPTED_RETRIEVAL)
+    """Whether the run folder `out` holds nothing a finished step writes
+    (`INTERRUPTED_RETRIEVAL`): a retrieval training that stopped, with a checkpoint to resume
+    from or, stopped in its first epoch, none."""
+    return set(os.listdir(out)) <= INTERRUPTED_RETRIEVAL
 
 
 def check_resumable(out: str, source: dict, configs: Configs) -> None:

@@ -93,6 +93,8 @@ CASES = {
     "before its checkpoint": (train_retrieval, "retrieval", 8, 1, "before checkpoint", 1, 2, 3),
     # stopped after early stopping's last epoch: resumed, it must not train on
     "after the last epoch": (train_retrieval, "retrieval", 8, 1, "at the end", 2, 2, 3),
+    # stopped after the last of its epochs: resumed, it must not fail for want of epochs
+    "after the epoch count": (train_retrieval, "retrieval", 3, 5, "at the end", 2, 2, 3),
 }
 
 

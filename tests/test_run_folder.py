@@ -205,3 +205,26 @@ def test_an_interrupted_retrieval_run_resumes_when_its_command_is_rerun(tmp_path
     assert json.loads((tmp_path / "retrieval_train.json").read_text())["epochs"] == 4  # 1 to 4
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["retrieval"]["test"] and "resumes the interrupted" in report["notices"][-1]
+
+
+def test_a_retrieval_run_stopped_in_its_first_epoch_starts_over_when_its_command_is_rerun(
+        tmp_path, script, monkeypatch):
+    """Stopped before its first checkpoint, the folder holds only config.json,
+    retrieval_config.json and TensorBoard logs: the same command starts the training over,
+    and says so (it was refused as a folder that "already holds a run")."""
+    from test_resume import Interrupt
+    from tworec.features import training
+    command = ["--data", "synthetic:tiny", "--preset", "tiny", "--out", str(tmp_path),
+               "--epochs", "2"]
+    callbacks = training.run_callbacks
+    monkeypatch.setattr(training, "run_callbacks", lambda *args: callbacks(*args) + [Interrupt(-1)])
+    code, error = script("train_retrieval.py", *command)
+    assert code == 1 and "interrupted after epoch -1" in error, error
+    monkeypatch.setattr(training, "run_callbacks", callbacks)
+    assert "config.json" in os.listdir(tmp_path)
+    assert not (tmp_path / "checkpoints" / "retrieval" / "chief").exists()
+    code, error = script("train_retrieval.py", *command)
+    assert code == 0, error
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert "starts the interrupted retrieval training over" in report["notices"][-1]
+    assert json.loads((tmp_path / "retrieval_train.json").read_text())["epochs"] == 2
