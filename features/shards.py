@@ -34,7 +34,8 @@ import pyarrow.parquet as pq
 
 from tworec.console import OneLineParser
 from tworec.features.interactions import DataError, Interactions
-from tworec.features.sources import (MISSING, OUT_OF_RANGE, TICKS_PER_SECOND, _column_numpy,
+from tworec.features.sources import (FLOAT32_MAX, MISSING, OUT_OF_RANGE, RATINGS_OUT_OF_RANGE,
+                                     TICKS_PER_SECOND, _column_numpy,
                                      _log_from_roles, _one_line, _resolve_columns,
                                      decimal_comma_advice, empty_ids_error,
                                      no_known_items_error)
@@ -430,7 +431,7 @@ def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int
         name, kind = _name(mapping[role]), schema.field(mapping[role]).type
         text = _is_text(kind)
         if role in ("time", "rating") and not _read_as(role, kind):
-            binary = pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
+            binary = _is_binary(kind.value_type if pa.types.is_dictionary(kind) else kind)
             raise DataError(f"{source}: column {mapping[role]!r} is of type {kind}, which out of "
                             f"core is not read as a {role}: write it as {READ_AS[role]}"
                             + (", or load the log in memory, which reads bytes as text"
@@ -448,8 +449,12 @@ def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int
         if role in ("time", "rating") and text:
             checks.append((f"{number} IS NULL AND {name} IS NOT NULL", mapping[role],
                            f"text {role}"))
-        if role == "time" and (text or pa.types.is_floating(kind)):
-            checks.append((f"NOT (abs({number}) < {2.0 ** 63!r})", mapping[role], "out of range"))
+        if role == "time" and (text or pa.types.is_floating(kind) or _is_decimal(kind)):
+            checks.append((f"NOT (abs(CAST({number} AS DOUBLE)) < {2.0 ** 63!r})", mapping[role],
+                           "out of range"))
+        if role == "rating" and (text or pa.types.is_floating(kind) or _is_decimal(kind)):
+            checks.append((f"NOT (abs(CAST({number} AS DOUBLE)) <= {FLOAT32_MAX!r})",
+                           mapping[role], "rating out of range"))
         if role == "time" and pa.types.is_unsigned_integer(kind):
             checks.append((f"{name} > {2 ** 63 - 1}", mapping[role], "out of range"))
         if role == "time" and text:                        # read through float64 below
@@ -471,8 +476,9 @@ def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int
             continue
         if wrong == "empty":
             raise empty_ids_error(source, name, count, first)
-        if wrong in ("missing", "out of range"):
-            what = "missing or NaN values" if wrong == "missing" else OUT_OF_RANGE
+        if wrong in ("missing", "out of range", "rating out of range"):
+            what = {"missing": "missing or NaN values", "out of range": OUT_OF_RANGE,
+                    "rating out of range": RATINGS_OUT_OF_RANGE}[wrong]
             raise DataError(f"{source}: column {name!r} has {count} {what} "
                             f"(first at row {first})")
         if wrong == "beyond 2^53":
@@ -504,7 +510,17 @@ def _read_as(role: str, kind: pa.DataType) -> bool:
     moment = (pa.types.is_timestamp(kind) or pa.types.is_duration(kind)
               or pa.types.is_date(kind))
     return (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
-            or pa.types.is_decimal(kind) or _is_text(kind) or (role == "time" and moment))
+            or pa.types.is_decimal(kind) or pa.types.is_null(kind) or _is_text(kind)
+            or (role == "time" and moment))
+
+
+def _is_binary(kind: pa.DataType) -> bool:
+    return (pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
+            or pa.types.is_binary_view(kind) or pa.types.is_fixed_size_binary(kind))
+
+
+def _is_decimal(kind: pa.DataType) -> bool:
+    return pa.types.is_decimal(kind.value_type if pa.types.is_dictionary(kind) else kind)
 
 
 def _is_text(kind: pa.DataType) -> bool:
@@ -560,8 +576,10 @@ def _time_sql(field: pa.Field) -> str:
     name = _name(field.name)
     if pa.types.is_integer(field.type):
         return f"CAST({name} AS BIGINT)"
-    if pa.types.is_timestamp(field.type):
-        return f"epoch_ns({name}) // 1000000000"        # truncated, as `from_columns` divides
+    if pa.types.is_timestamp(field.type):               # truncated, as `from_columns` divides
+        if field.type.unit == "ns":
+            return f"epoch_ns({name}) // 1000000000"
+        return f"epoch_us({name}) // 1000000"          # beyond 1677-2262, which ns cannot hold
     if pa.types.is_duration(field.type):
         return f"{name} // {TICKS_PER_SECOND[field.type.unit]}"
     if pa.types.is_date(field.type):

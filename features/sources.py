@@ -131,9 +131,7 @@ def from_columns(source: str, user, item, timestamp, rating=None, *, catalogue=N
         if len(empty):
             raise empty_ids_error(source, names[role], len(empty), int(empty[0]))
     seconds, moment = _times(source, names["time"], timestamp)
-    rating = (None if rating is None else _numeric(
-        source, names["rating"], _from_text(source, names["rating"], np.asarray(rating),
-                                            (pa.float64(),))).astype(np.float32))
+    rating = None if rating is None else _ratings_float32(source, names["rating"], rating)
     keep = drop_duplicate_rows(user, item, moment, rating)
     _count(dropped, "duplicate_row", len(keep) - int(keep.sum()))
     if catalogue is not None:
@@ -190,13 +188,12 @@ def _times(source: str, name: str, values) -> tuple[np.ndarray, np.ndarray]:
         if unit == "generic":
             raise DataError(f"{source}: column {name!r} is a {values.dtype} without a unit; "
                             f"give it one (values.astype('{values.dtype.kind}8[s]'))")
-        if unit not in TICKS_PER_SECOND or count != 1:     # days, hours, 10 ms, ...
-            finer = unit in TICKS_PER_SECOND or unit in COARSE_UNITS
-            unit = unit if unit in TICKS_PER_SECOND else "s" if unit in COARSE_UNITS else "ns"
-            converted = values.astype(f"{values.dtype.kind}8[{unit}]")
-            if finer:                                       # NumPy wraps around silently
-                _refuse(source, name, converted.astype(values.dtype) != values, OUT_OF_RANGE)
-            values = converted
+        if count != 1:                                     # 10 ms, 2 D, 3 ps: one tick
+            values = _in_finer_unit(source, name, values, unit)
+        if unit in COARSE_UNITS:                           # days, hours, ...: seconds
+            values, unit = _in_finer_unit(source, name, values, "s"), "s"
+        elif unit not in TICKS_PER_SECOND:                 # ps, fs, as: ns, truncated
+            values, unit = values.astype(f"{values.dtype.kind}8[ns]"), "ns"
         ticks = values.view(np.int64)
         per_second = TICKS_PER_SECOND[unit]
         below = np.fmod(ticks, per_second)
@@ -205,15 +202,35 @@ def _times(source: str, name: str, values) -> tuple[np.ndarray, np.ndarray]:
     _refuse_mixed_times(source, name, values)
     values = _numeric(source, name, values, "neither all numbers nor all ISO dates and times")
     if values.dtype.kind in "fu":
-        _refuse(source, name, ~(np.abs(values) < 2.0 ** 63) if values.dtype.kind == "f" else
-                values > np.iinfo(np.int64).max, OUT_OF_RANGE)
+        _refuse(source, name, ~(np.abs(values.astype(np.float64)) < 2.0 ** 63)
+                if values.dtype.kind == "f" else values > np.iinfo(np.int64).max, OUT_OF_RANGE)
     seconds = values.astype(np.int64)
     return seconds, (values if values.dtype.kind == "f" and (values != seconds).any()
                      else seconds)
 
 
 OUT_OF_RANGE = "times that are infinite or beyond ±2^63 seconds"
+RATINGS_OUT_OF_RANGE = "ratings that are infinite or beyond float32's ±3.4e38"
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 COARSE_UNITS = ("Y", "M", "W", "D", "h", "m")                 # NumPy's units above a second
+
+
+def _in_finer_unit(source: str, name: str, values: np.ndarray, unit: str) -> np.ndarray:
+    """NumPy times in a finer `unit`; those it cannot hold (NumPy wraps them around
+    silently) refused as out of range."""
+    converted = values.astype(f"{values.dtype.kind}8[{unit}]")
+    _refuse(source, name, converted.astype(values.dtype) != values, OUT_OF_RANGE)
+    return converted
+
+
+def _ratings_float32(source: str, name: str, values) -> np.ndarray:
+    """[n] float32 ratings; text read as a text log's, and missing, NaN, infinite and
+    out-of-float32 ratings refused."""
+    values = _numeric(source, name, _from_text(source, name, np.asarray(values),
+                                               (pa.float64(),)))
+    _refuse(source, name, ~(np.abs(values.astype(np.float64)) <= FLOAT32_MAX),
+            RATINGS_OUT_OF_RANGE)
+    return values.astype(np.float32)
 
 
 def _refuse_mixed_times(source: str, name: str, values: np.ndarray) -> None:

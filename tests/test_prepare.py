@@ -1,6 +1,7 @@
 """features.prepare: DuckDB's out-of-core preparation equals the in-memory path exactly."""
 import json
 import os
+from decimal import Decimal
 
 import numpy as np
 import pyarrow as pa
@@ -208,10 +209,21 @@ LOG = {"user_id": ["a", "a", "b", "b"], "item_id": ["x", "y", "x", "z"], "timest
      "has 1 times that are infinite or beyond ±2^63 seconds (first at row 2)"),
     ("timestamp", pa.array([1, 2, 3, 2**63 + 5], pa.uint64()),
      "has 1 times that are infinite or beyond ±2^63 seconds (first at row 3)"),
+    ("timestamp", pa.array([Decimal(1), Decimal(2), Decimal(10**20), Decimal(4)],
+                           pa.decimal128(38, 0)),
+     "has 1 times that are infinite or beyond ±2^63 seconds (first at row 2)"),
+    ("rating", [1.0, 1e300, 3.0, 4.0], "column 'rating' has 1 ratings that are infinite or "
+                                       "beyond float32's ±3.4e38 (first at row 1)"),
+    ("rating", ["1", "2", "-1e39", "4"], "column 'rating' has 1 ratings that are infinite or "
+                                         "beyond float32's ±3.4e38 (first at row 2)"),
+    ("rating", [1.0, 2.0, 3.0, float("inf")], "column 'rating' has 1 ratings that are infinite "
+                                              "or beyond float32's ±3.4e38 (first at row 3)"),
+    ("rating", pa.nulls(4), "column 'rating' has 4 missing"),
 ], ids=["null-user", "null-time", "nan-time", "nan-rating", "empty-item", "empty-user",
         "text-rating", "NA-text-rating", "decimal-comma-rating", "nan-text-time", "NAN-text-rating",
         "dictionary-text-rating", "inf-text-time", "inf-time", "1e19-time", "huge-text-time",
-        "uint64-time"])
+        "uint64-time", "decimal-1e20-time", "1e300-rating", "text-1e39-rating", "inf-rating",
+        "null-typed-rating"])
 def test_prepare_refuses_the_values_load_refuses(tmp_path, column, values, expected):
     source = _write(tmp_path / "log", pa.table({**LOG, column: values}))
     for message in _three_ways(source, str(tmp_path / "out")):
@@ -315,6 +327,21 @@ def test_durations_are_seconds_truncated_toward_zero_on_both_paths(tmp_path):
     assert shards.describe(source)["time_range"] == [-1, 200 * 86_400]
 
 
+@pytest.mark.parametrize("unit", ["s", "ms", "us"])
+def test_timestamps_beyond_1677_to_2262_are_seconds_on_both_paths(tmp_path, unit):
+    """Nanoseconds cannot hold them, so out of core they are not read through them."""
+    times = np.array(["3000-01-01T00:00:00.5", "1500-01-01T00:00:00.5", "2000-01-01",
+                      "1500-01-01"], "datetime64[ms]").astype(f"datetime64[{unit}]")
+    source = _write(tmp_path / "log", pa.table({"user_id": ["u", "u", "v", "v"],
+                                                "item_id": ["a", "b", "a", "b"],
+                                                "timestamp": pa.array(times)}))
+    manifest = prepare_shards(source, str(tmp_path / "out"), history_length=2)
+    log = assert_equal_to_the_in_memory_path(source, str(tmp_path / "out"), manifest, length=2)
+    half_past = -14831769600 if unit == "s" else -14831769599            # toward zero
+    assert log.timestamp.tolist() == [32503680000, half_past, 946684800, -14831769600]
+    assert shards.describe(source)["time_range"] == [-14831769600, 32503680000]
+
+
 def test_a_date_column_is_seconds_on_both_paths(tmp_path):
     days = pa.array(np.array([3, 1, 2, 1, 5], "datetime64[D]"))
     source = _write(tmp_path / "log", pa.table({"user_id": ["u", "u", "u", "v", "v"],
@@ -360,7 +387,9 @@ def test_iso_text_times_load_as_in_a_csv_and_out_of_core_are_refused_in_one_line
      "integers or floats, or load the log in memory, which reads bytes as text"),
     ("timestamp", pa.array([1, 2, 3, 4], pa.time32("s")), "integers, floats, timestamps, "
      "durations or dates"),
-], ids=["binary-time", "binary-rating", "time-of-day"])
+    ("rating", pa.array([b"1", b"2", b"3", b"4"]).dictionary_encode(),
+     "integers or floats, or load the log in memory, which reads bytes as text"),
+], ids=["binary-time", "binary-rating", "time-of-day", "dictionary-binary-rating"])
 def test_columns_of_a_type_sql_cannot_read_are_refused_out_of_core_in_one_line(
         tmp_path, column, values, advice):
     """Bytes load in memory (read as text), but DuckDB casts no BLOB (or time of day) to a
