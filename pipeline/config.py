@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 from tworec.features.inputs import DATA_PRESETS, DataConfig
 from tworec.ranking.config import MODELS, PRESETS as RANKING_PRESETS, TASKS, RankingConfig
@@ -129,9 +130,11 @@ def resolve(preset: str = "default", *, base: Configs | None = None, epochs: int
 
 
 def write(path: str, configs: Configs, source: dict) -> None:
-    """Writes RUN/config.json: the data source (`source`, `columns`) and the resolved configs."""
-    with open(path, "w") as f:
+    """Writes RUN/config.json: the data source (`source`, `columns`) and the resolved configs;
+    whole or not at all (a stopped write leaves the previous file)."""
+    with open(path + ".tmp", "w") as f:
         json.dump({"source": source, **configs.to_dict()}, f, indent=2)
+    os.replace(path + ".tmp", path)
 
 
 def read(path: str) -> tuple[dict, Configs]:

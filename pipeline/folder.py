@@ -98,7 +98,7 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
         check_resumable(out, source, configs)
         backup = os.path.join(out, "checkpoints", "retrieval")
         notices.append("resumes the interrupted retrieval training from its last finished epoch "
-                       f"({backup})" if os.path.isdir(os.path.join(backup, "chief")) else
+                       f"({backup})" if checkpointed(backup) else
                        "starts the interrupted retrieval training over: it finished no epoch")
     return CheckedRun(out, log, configs, source, run_report.read(out) if continue_run else {},
                       notices, continue_run, overwrite)
@@ -110,7 +110,11 @@ def read_run(out: str) -> tuple[dict, Configs]:
     if not os.path.exists(path):
         raise RunFolderError(f"{out}: not a run folder (no config.json); train retrieval "
                              "into it first (scripts/train_retrieval.py)")
-    return run_config.read(path)
+    try:
+        return run_config.read(path)
+    except (ValueError, KeyError, TypeError) as error:      # json's errors are ValueErrors
+        raise RunFolderError(f"{path} cannot be read as a run's config ({type(error).__name__}: "
+                             f"{error}); pass --overwrite to start over") from None
 
 
 def check_fresh(out: str, overwrite: bool) -> bool:
@@ -174,6 +178,11 @@ def interrupted_retrieval(out: str) -> bool:
     return set(os.listdir(out)) <= INTERRUPTED_RETRIEVAL
 
 
+def checkpointed(backup: str) -> bool:
+    """Whether a training's backup folder holds a checkpoint (`BackupAndRestore`'s)."""
+    return os.path.exists(os.path.join(backup, "chief", "checkpoint"))
+
+
 def check_resumable(out: str, source: dict, configs: Configs) -> None:
     """Raises RunFolderError unless the interrupted training in `out` was started with
     `source` (with the fingerprint of the log loaded now) and `configs` (fitted to it); a
@@ -181,8 +190,7 @@ def check_resumable(out: str, source: dict, configs: Configs) -> None:
     saved_source, saved = read_run(out)
     check_fingerprint_format(out, saved_source, "pass --overwrite to start over")
     backup = os.path.join(out, "checkpoints", "retrieval")
-    if (os.path.exists(os.path.join(backup, "chief", "checkpoint"))
-            and not os.path.isdir(os.path.join(backup, "state"))):
+    if checkpointed(backup) and not os.path.isdir(os.path.join(backup, "state")):
         raise RunFolderError(f"--out {out} holds an interrupted training checkpointed by an "
                              "older tworec, without the early stopping state resuming needs; "
                              "pass --overwrite to start over")

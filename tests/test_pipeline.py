@@ -245,6 +245,7 @@ def test_script_mistakes_fail_before_training_with_one_line(tmp_path, name, args
     (tmp_path / "a-file").write_text("not a folder")
     (tmp_path / "a-run").mkdir()
     (tmp_path / "a-run" / "config.json").write_text("{}")
+    (tmp_path / "a-run" / "report.json").write_text("{}")      # a step finished
     (tmp_path / "a-folder").mkdir()
     (tmp_path / "a-folder" / "notes.txt").write_text("mine")
     (tmp_path / "semicolons.csv").write_text("user_id;item_id;timestamp\nu1;i1;1\nu1;i2;2\n")
@@ -265,6 +266,7 @@ def test_script_mistakes_are_found_before_tensorflow_loads(tmp_path, name, args)
     (tmp_path / "semicolons.csv").write_text("user_id;item_id;timestamp\nu1;i1;1\n")
     (tmp_path / "a-run").mkdir()
     (tmp_path / "a-run" / "config.json").write_text("{}")
+    (tmp_path / "a-run" / "report.json").write_text("{}")      # a step finished
     argv = [os.path.join(ROOT, "scripts", name)] + [a.replace("OUT", str(tmp_path)) for a in args]
     done = subprocess.run([sys.executable, "-c", (
         "import runpy, sys\n"

@@ -228,3 +228,14 @@ def test_a_retrieval_run_stopped_in_its_first_epoch_starts_over_when_its_command
     report = json.loads((tmp_path / "report.json").read_text())
     assert "starts the interrupted retrieval training over" in report["notices"][-1]
     assert json.loads((tmp_path / "retrieval_train.json").read_text())["epochs"] == 2
+
+
+@pytest.mark.parametrize("text", ["", '{"source": {"data": "synthetic:tiny"}, "data": {'])
+def test_a_config_that_cannot_be_read_is_named_in_one_line(tmp_path, script, text):
+    """A folder holding only a config.json cut short (config.json is now written whole or not
+    at all, but older runs and other writers may leave one) names the file."""
+    (tmp_path / "config.json").write_text(text)
+    code, error = script("train_retrieval.py", "--data", "synthetic:tiny", "--preset", "tiny",
+                         "--out", str(tmp_path))
+    assert code == 2 and f"{tmp_path / 'config.json'} cannot be read as a run's config" in error
+    assert "pass --overwrite to start over" in error and len(error.strip().splitlines()) == 1
