@@ -181,7 +181,7 @@ def _times(source: str, name: str, values) -> tuple[np.ndarray, np.ndarray]:
     Text is read as a text log's time column is (`_as_number`: numbers, else ISO dates and
     times); a duration counts its whole seconds, as from an origin. Missing (NaT), infinite
     and out-of-range times are refused, and text mixing numbers and dates."""
-    values = _from_text(source, name, np.asarray(values), TIME_TYPES)
+    values = _from_text(source, name, _numpy_times(np.asarray(values)), TIME_TYPES)
     if values.dtype.kind in "mM":      # a timestamp, date or duration column, in its own unit
         _refuse(source, name, np.isnat(values), "missing values")
         unit, count = np.datetime_data(values.dtype)
@@ -213,6 +213,17 @@ OUT_OF_RANGE = "times that are infinite or beyond ±2^63 seconds"
 RATINGS_OUT_OF_RANGE = "ratings that are infinite or beyond float32's ±3.4e38"
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 COARSE_UNITS = ("Y", "M", "W", "D", "h", "m")                 # NumPy's units above a second
+
+
+def _numpy_times(values: np.ndarray) -> np.ndarray:
+    """An object array of NumPy datetime64 (or timedelta64) scalars as one datetime64 (or
+    timedelta64) array in their finest unit; anything else as it is (read as a number, a
+    datetime64 scalar would be its count of ticks)."""
+    if values.dtype == object and len(values):
+        for kind in (np.datetime64, np.timedelta64):
+            if all(isinstance(value, kind) for value in values.ravel()):
+                return np.array(list(values))
+    return values
 
 
 def _in_finer_unit(source: str, name: str, values: np.ndarray, unit: str) -> np.ndarray:
