@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 
 from tworec.console import OneLineParser
 from tworec.features.interactions import DataError, Interactions
-from tworec.features.sources import (FLOAT32_MAX, MISSING, OUT_OF_RANGE, RATINGS_OUT_OF_RANGE,
+from tworec.features.sources import (FLOAT32_OVERFLOW, MISSING, OUT_OF_RANGE, RATINGS_OUT_OF_RANGE,
                                      TICKS_PER_SECOND, _column_numpy,
                                      _log_from_roles, _one_line, _resolve_columns,
                                      decimal_comma_advice, empty_ids_error,
@@ -443,8 +443,8 @@ def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int
         if role in ("time", "rating") and (text or pa.types.is_floating(kind)):
             missing += f" OR isnan({number})"
         checks.append((missing, mapping[role], "missing"))
-        if role in ("user", "item") and (text or pa.types.is_binary(kind)
-                                         or pa.types.is_large_binary(kind)):
+        if role in ("user", "item") and (text or _is_binary(
+                kind.value_type if pa.types.is_dictionary(kind) else kind)):
             checks.append((f"{name} = ''", mapping[role], "empty"))
         if role in ("time", "rating") and text:
             checks.append((f"{number} IS NULL AND {name} IS NOT NULL", mapping[role],
@@ -453,7 +453,7 @@ def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int
             checks.append((f"NOT (abs(CAST({number} AS DOUBLE)) < {2.0 ** 63!r})", mapping[role],
                            "out of range"))
         if role == "rating" and (text or pa.types.is_floating(kind) or _is_decimal(kind)):
-            checks.append((f"NOT (abs(CAST({number} AS DOUBLE)) <= {FLOAT32_MAX!r})",
+            checks.append((f"NOT (abs(CAST({number} AS DOUBLE)) < {FLOAT32_OVERFLOW!r})",
                            mapping[role], "rating out of range"))
         if role == "time" and pa.types.is_unsigned_integer(kind):
             checks.append((f"{name} > {2 ** 63 - 1}", mapping[role], "out of range"))

@@ -181,7 +181,8 @@ def _times(source: str, name: str, values) -> tuple[np.ndarray, np.ndarray]:
     Text is read as a text log's time column is (`_as_number`: numbers, else ISO dates and
     times); a duration counts its whole seconds, as from an origin. Missing (NaT), infinite
     and out-of-range times are refused, and text mixing numbers and dates."""
-    values = _from_text(source, name, _numpy_times(np.asarray(values)), TIME_TYPES)
+    values = _from_text(source, name, _numpy_times(source, name, np.asarray(values)),
+                        TIME_TYPES)
     if values.dtype.kind in "mM":      # a timestamp, date or duration column, in its own unit
         _refuse(source, name, np.isnat(values), "missing values")
         unit, count = np.datetime_data(values.dtype)
@@ -202,7 +203,7 @@ def _times(source: str, name: str, values) -> tuple[np.ndarray, np.ndarray]:
     _refuse_mixed_times(source, name, values)
     values = _numeric(source, name, values, "neither all numbers nor all ISO dates and times")
     if values.dtype.kind in "fu":
-        _refuse(source, name, ~(np.abs(values.astype(np.float64)) < 2.0 ** 63)
+        _refuse(source, name, ~(np.abs(values.astype(np.float64, copy=False)) < 2.0 ** 63)
                 if values.dtype.kind == "f" else values > np.iinfo(np.int64).max, OUT_OF_RANGE)
     seconds = values.astype(np.int64)
     return seconds, (values if values.dtype.kind == "f" and (values != seconds).any()
@@ -211,19 +212,24 @@ def _times(source: str, name: str, values) -> tuple[np.ndarray, np.ndarray]:
 
 OUT_OF_RANGE = "times that are infinite or beyond ±2^63 seconds"
 RATINGS_OUT_OF_RANGE = "ratings that are infinite or beyond float32's ±3.4e38"
-FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_OVERFLOW = 2.0 ** 128 - 2.0 ** 103      # from here on a double rounds to float32 inf
 COARSE_UNITS = ("Y", "M", "W", "D", "h", "m")                 # NumPy's units above a second
 
 
-def _numpy_times(values: np.ndarray) -> np.ndarray:
-    """An object array of NumPy datetime64 (or timedelta64) scalars as one datetime64 (or
-    timedelta64) array in their finest unit; anything else as it is (read as a number, a
-    datetime64 scalar would be its count of ticks)."""
-    if values.dtype == object and len(values):
-        for kind in (np.datetime64, np.timedelta64):
-            if all(isinstance(value, kind) for value in values.ravel()):
-                return np.array(list(values))
-    return values
+def _numpy_times(source: str, name: str, values: np.ndarray) -> np.ndarray:
+    """An object array of NumPy datetime64 (or timedelta64) scalars of one type as an array of
+    that type; other arrays as they are. Read as numbers, such scalars would be their counts
+    of ticks, so scalars of several types (or among other values) are refused. Only arrays
+    that start with one are looked through (to keep text cheap)."""
+    times = (np.datetime64, np.timedelta64)
+    if values.dtype != object or not len(values) or not isinstance(values.flat[0], times):
+        return values
+    kinds = {value.dtype if isinstance(value, times) else type(value) for value in values.flat}
+    if len(kinds) > 1:
+        raise DataError(f"{source}: column {name!r} holds NumPy times of several types, or "
+                        f"beside other values ({', '.join(sorted(map(str, kinds)))}); give them "
+                        "one type (np.array(values, 'datetime64[s]'))")
+    return np.array(list(values), dtype=kinds.pop())
 
 
 def _in_finer_unit(source: str, name: str, values: np.ndarray, unit: str) -> np.ndarray:
@@ -239,8 +245,9 @@ def _ratings_float32(source: str, name: str, values) -> np.ndarray:
     out-of-float32 ratings refused."""
     values = _numeric(source, name, _from_text(source, name, np.asarray(values),
                                                (pa.float64(),)))
-    _refuse(source, name, ~(np.abs(values.astype(np.float64)) <= FLOAT32_MAX),
-            RATINGS_OUT_OF_RANGE)
+    if values.dtype.kind == "f":
+        _refuse(source, name, ~(np.abs(values.astype(np.float64, copy=False))
+                                < FLOAT32_OVERFLOW), RATINGS_OUT_OF_RANGE)
     return values.astype(np.float32)
 
 

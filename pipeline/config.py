@@ -132,9 +132,13 @@ def resolve(preset: str = "default", *, base: Configs | None = None, epochs: int
 def write(path: str, configs: Configs, source: dict) -> None:
     """Writes RUN/config.json: the data source (`source`, `columns`) and the resolved configs;
     whole or not at all (a stopped write leaves the previous file)."""
-    with open(path + ".tmp", "w") as f:
-        json.dump({"source": source, **configs.to_dict()}, f, indent=2)
-    os.replace(path + ".tmp", path)
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump({"source": source, **configs.to_dict()}, f, indent=2)
+        os.replace(path + ".tmp", path)
+    finally:
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
 
 
 def read(path: str) -> tuple[dict, Configs]:

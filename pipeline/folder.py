@@ -22,12 +22,13 @@ class RunFolderError(ValueError):
     """A run folder that cannot be used; the message names the folder and the problem."""
 
 # What a run folder holds (and `clear` removes before a run replaces it).
-RUN_ENTRIES = ("config.json", "report.json", "report.md", "plots", "export", "vocab",
-               "retrieval", "checkpoints", "tensorboard", "retrieval_config.json",
+RUN_ENTRIES = ("config.json", "config.json.tmp", "report.json", "report.md", "plots", "export",
+               "vocab", "retrieval", "checkpoints", "tensorboard", "retrieval_config.json",
                "retrieval_train.json", "ranking_config.json", "ranking_train.json")
 # What a retrieval training that was interrupted leaves, and nothing else: a rerun of the
 # command that started it resumes it from its checkpoint.
-INTERRUPTED_RETRIEVAL = {"config.json", "retrieval_config.json", "checkpoints", "tensorboard"}
+INTERRUPTED_RETRIEVAL = {"config.json", "config.json.tmp", "retrieval_config.json", "checkpoints",
+                         "tensorboard"}
 # The version of `fingerprint`: 2 digests every column a run reads (1 left out the ratings and
 # the side features).
 FINGERPRINT_FORMAT = 2
@@ -112,7 +113,7 @@ def read_run(out: str) -> tuple[dict, Configs]:
                              "into it first (scripts/train_retrieval.py)")
     try:
         return run_config.read(path)
-    except (ValueError, KeyError, TypeError) as error:      # json's errors are ValueErrors
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as error:
         raise RunFolderError(f"{path} cannot be read as a run's config ({type(error).__name__}: "
                              f"{error}); pass --overwrite to start over") from None
 

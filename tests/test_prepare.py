@@ -219,11 +219,13 @@ LOG = {"user_id": ["a", "a", "b", "b"], "item_id": ["x", "y", "x", "z"], "timest
     ("rating", [1.0, 2.0, 3.0, float("inf")], "column 'rating' has 1 ratings that are infinite "
                                               "or beyond float32's ±3.4e38 (first at row 3)"),
     ("rating", pa.nulls(4), "column 'rating' has 4 missing"),
+    ("user_id", pa.array([b"a", b"", b"b", b"b"]).dictionary_encode(),
+     "column 'user_id' has 1 empty ids (first at row 1)"),
 ], ids=["null-user", "null-time", "nan-time", "nan-rating", "empty-item", "empty-user",
         "text-rating", "NA-text-rating", "decimal-comma-rating", "nan-text-time", "NAN-text-rating",
         "dictionary-text-rating", "inf-text-time", "inf-time", "1e19-time", "huge-text-time",
         "uint64-time", "decimal-1e20-time", "1e300-rating", "text-1e39-rating", "inf-rating",
-        "null-typed-rating"])
+        "null-typed-rating", "dictionary-binary-empty-user"])
 def test_prepare_refuses_the_values_load_refuses(tmp_path, column, values, expected):
     source = _write(tmp_path / "log", pa.table({**LOG, column: values}))
     for message in _three_ways(source, str(tmp_path / "out")):
@@ -378,6 +380,16 @@ def test_iso_text_times_load_as_in_a_csv_and_out_of_core_are_refused_in_one_line
             "pyarrow.timestamp('us'))), or load the log in memory, which reads ISO dates and "
             "times")
     assert not os.path.exists(out)
+
+
+@pytest.mark.parametrize("ratings", [[3.4028235e38, -3.4028235e38, 1.0, 2.0],
+                                     ["3.4028235e38", "-3.4028235e38", "1", "2"]])
+def test_ratings_that_round_to_float32s_largest_load_on_both_paths(tmp_path, ratings):
+    source = _write(tmp_path / "log", pa.table({**LOG, "rating": ratings}))
+    largest = float(np.finfo(np.float32).max)
+    assert load(source).rating.tolist() == [largest, -largest, 1.0, 2.0]
+    assert shards.describe(source)["interactions"] == 4
+    assert prepare_shards(source, str(tmp_path / "out"))["rows"] == 4
 
 
 @pytest.mark.parametrize("column, values, advice", [

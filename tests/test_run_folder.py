@@ -230,7 +230,8 @@ def test_a_retrieval_run_stopped_in_its_first_epoch_starts_over_when_its_command
     assert json.loads((tmp_path / "retrieval_train.json").read_text())["epochs"] == 2
 
 
-@pytest.mark.parametrize("text", ["", '{"source": {"data": "synthetic:tiny"}, "data": {'])
+@pytest.mark.parametrize("text", ["", '{"source": {"data": "synthetic:tiny"}, "data": {',
+                                  '{"source": {}, "data": "x"}'])
 def test_a_config_that_cannot_be_read_is_named_in_one_line(tmp_path, script, text):
     """A folder holding only a config.json cut short (config.json is now written whole or not
     at all, but older runs and other writers may leave one) names the file."""

@@ -278,13 +278,21 @@ def test_times_below_a_second_order_a_text_log_and_are_not_duplicates(tmp_path):
     (np.array([0, 1, 2**62], "timedelta64[3ps]"),
      "column 'timestamp' has 1 times that are infinite or beyond ±2^63 seconds (first at row 2)"),
     (np.array([1.0, 2.0, 3.0], np.float16), [1, 2, 3]),
-    (np.array([np.datetime64("2020-01-01"), np.datetime64("2020-01-01T10:00:00.5"),
-               np.datetime64("1970-01-02")], object), [1577836800, 1577872800, 86400]),
+    (np.array([np.datetime64("2020-01-01T00:00:00.0"), np.datetime64("2020-01-01T10:00:00.5"),
+               np.datetime64("1970-01-02T00:00:00.0")], object), [1577836800, 1577872800, 86400]),
+    (np.array([np.datetime64("3000-01-01"), np.datetime64("2020-01-01T00:00:00.000000001"),
+               np.datetime64("1970-01-02")], object), "column 'timestamp' holds NumPy times of "
+     "several types, or beside other values (datetime64[D], datetime64[ns]); give them one type "
+     "(np.array(values, 'datetime64[s]'))"),
+    (np.array([np.datetime64("2020-01-01"), 5, 6], object), "column 'timestamp' holds NumPy "
+     "times of several types, or beside other values (<class 'int'>, datetime64[D]); give them "
+     "one type (np.array(values, 'datetime64[s]'))"),
 ], ids=["minutes", "hours", "negative-ms", "10ms-dates", "NaT", "a-date-among-numbers",
         "a-typo-among-dates", "a-non-number-among-dates", "a-number-among-dates", "a-typo-among-both",
         "an-impossible-date", "days-past-2262", "no-unit", "days-beyond-2^63-seconds",
         "minutes-that-wrap-to-0", "picoseconds", "3-picosecond-ticks-that-wrap", "float16",
-        "datetime64-objects"])
+        "datetime64-objects", "datetime64-objects-of-two-units", "a-datetime64-among-numbers"])
+@pytest.mark.filterwarnings("error::RuntimeWarning")             # float16 warned, overflowing
 def test_library_callers_times_are_seconds_or_refused_in_one_line(times, expected):
     def log():
         return sources.from_columns("log", ["u", "u", "v"], ["a", "b", "a"], times)
