@@ -242,8 +242,9 @@ class ResumableTraining(tf.keras.callbacks.BackupAndRestore):
     """Keras's `BackupAndRestore`, which checkpoints the weights, the optimizer and the epoch
     after every epoch and restores them when the training is run again, and also what it
     leaves out, so that a resumed training ends where the uninterrupted one would: the logs
-    and seconds of the epochs before (`before`), and each `EarlyStopping`'s state (its best
-    value, epoch and weights, its wait). `train` starts the batches where those epochs left
+    of every epoch (`history`), the seconds of those an earlier process ran
+    (`seconds_before`), and each `EarlyStopping`'s state (its best value, epoch and weights,
+    its wait). `train` starts the batches where those epochs left
     them (`finished_epochs`).
 
     That state is written to BACKUP/state before each checkpoint, a file per epoch, so the
@@ -260,7 +261,7 @@ class ResumableTraining(tf.keras.callbacks.BackupAndRestore):
         super().__init__(backup_dir)
         self.early_stopping = list(early_stopping)
         self.state_dir = os.path.join(backup_dir, "state")
-        self.before = {"history": {}, "seconds": 0.0}
+        self.history, self.seconds_before = {}, 0.0
 
     def finished_epochs(self) -> int:
         """Epochs the checkpoint in the backup folder holds; 0 when there is none.
@@ -298,12 +299,8 @@ class ResumableTraining(tf.keras.callbacks.BackupAndRestore):
         if done:
             with open(self.state_file(done)) as f:
                 state = json.load(f)
-        if self.model.distribute_strategy.extended.should_checkpoint and os.path.isdir(
-                self.state_dir):
-            for name in set(os.listdir(self.state_dir)) - self.files_of(done):
-                os.remove(os.path.join(self.state_dir, name))      # a lost epoch's
-        self.before = {"history": state["history"], "seconds": state["seconds"]}
-        self.history = {name: list(values) for name, values in state["history"].items()}
+        self.keep_only(done)                       # not a lost epoch's state
+        self.history, self.seconds_before = state["history"], state["seconds"]
         for callback, saved in zip(self.early_stopping, state["early_stopping"]):
             callback.wait, callback.best, callback.best_epoch = (
                 saved["wait"], saved["best"], saved["best_epoch"])
@@ -336,12 +333,19 @@ class ResumableTraining(tf.keras.callbacks.BackupAndRestore):
             saved.append({"wait": callback.wait, "best": float(callback.best),
                           "best_epoch": callback.best_epoch, "best_weights": best_weights})
         state = {"history": self.history, "early_stopping": saved,
-                 "seconds": self.before["seconds"] + time.perf_counter() - self.start}
+                 "seconds": self.seconds_before + time.perf_counter() - self.start}
         with open(self.state_file(epochs) + ".tmp", "w") as f:
             json.dump(state, f)
         os.replace(self.state_file(epochs) + ".tmp", self.state_file(epochs))
-        for name in (set(os.listdir(self.state_dir)) - self.files_of(epochs)
-                     - self.files_of(epochs - 1)):
+        self.keep_only(epochs, epochs - 1)
+
+    def keep_only(self, *epochs: int) -> None:
+        """Removes, on the chief, every state file but those of the states after `epochs`."""
+        if not (self.model.distribute_strategy.extended.should_checkpoint
+                and os.path.isdir(self.state_dir)):
+            return
+        kept = set().union(*(self.files_of(n) for n in epochs))
+        for name in set(os.listdir(self.state_dir)) - kept:
             os.remove(os.path.join(self.state_dir, name))
 
     def on_train_end(self, logs=None):
@@ -416,10 +420,9 @@ def train(model: tf.keras.Model, dataset: tf.data.Dataset, *, stage: str, config
     start = time.perf_counter()
     history = model.fit(dataset, epochs=config.epochs, steps_per_epoch=steps_per_epoch,
                         validation_data=validation, callbacks=callbacks, verbose=keras_verbose)
-    before = resumable.before if resumable else {"history": {}, "seconds": 0.0}
-    seconds = before["seconds"] + time.perf_counter() - start
-    logs = {name: before["history"].get(name, []) + [float(v) for v in values]
-            for name, values in history.history.items()}
+    seconds = (resumable.seconds_before if resumable else 0.0) + time.perf_counter() - start
+    logs = resumable.history if resumable else {
+        name: [float(v) for v in values] for name, values in history.history.items()}
     epochs = len(logs.get("loss", []))
     summary = {"seconds": seconds, "epochs": epochs,
                "best_epoch": best_epoch(callbacks, config.epochs, stage, verbose),
