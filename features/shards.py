@@ -428,10 +428,10 @@ def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int
     for role in ("user", "item", "time", "rating"):
         if role not in mapping:
             continue
-        name, kind = _name(mapping[role]), schema.field(mapping[role]).type
+        name, kind = _name(mapping[role]), _stored(schema.field(mapping[role]).type)
         text = _is_text(kind)
         if role in ("time", "rating") and not _read_as(role, kind):
-            binary = _is_binary(kind.value_type if pa.types.is_dictionary(kind) else kind)
+            binary = _is_binary(kind)
             raise DataError(f"{source}: column {mapping[role]!r} is of type {kind}, which out of "
                             f"core is not read as a {role}: write it as {READ_AS[role]}"
                             + (", or load the log in memory, which reads bytes as text"
@@ -443,16 +443,16 @@ def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int
         if role in ("time", "rating") and (text or pa.types.is_floating(kind)):
             missing += f" OR isnan({number})"
         checks.append((missing, mapping[role], "missing"))
-        if role in ("user", "item") and (text or _is_binary(
-                kind.value_type if pa.types.is_dictionary(kind) else kind)):
+        if role in ("user", "item") and (text or _is_binary(kind)):
             checks.append((f"{name} = ''", mapping[role], "empty"))
         if role in ("time", "rating") and text:
             checks.append((f"{number} IS NULL AND {name} IS NOT NULL", mapping[role],
                            f"text {role}"))
-        if role == "time" and (text or pa.types.is_floating(kind) or _is_decimal(kind)):
+        if role == "time" and (text or pa.types.is_floating(kind) or pa.types.is_decimal(kind)):
             checks.append((f"NOT (abs(CAST({number} AS DOUBLE)) < {2.0 ** 63!r})", mapping[role],
                            "out of range"))
-        if role == "rating" and (text or pa.types.is_floating(kind) or _is_decimal(kind)):
+        if role == "rating" and (text or pa.types.is_floating(kind)
+                                 or pa.types.is_decimal(kind)):
             checks.append((f"NOT (abs(CAST({number} AS DOUBLE)) < {FLOAT32_OVERFLOW!r})",
                            mapping[role], "rating out of range"))
         if role == "time" and pa.types.is_unsigned_integer(kind):
@@ -476,10 +476,8 @@ def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int
             continue
         if wrong == "empty":
             raise empty_ids_error(source, name, count, first)
-        if wrong in ("missing", "out of range", "rating out of range"):
-            what = {"missing": "missing or NaN values", "out of range": OUT_OF_RANGE,
-                    "rating out of range": RATINGS_OUT_OF_RANGE}[wrong]
-            raise DataError(f"{source}: column {name!r} has {count} {what} "
+        if wrong in COUNTED:
+            raise DataError(f"{source}: column {name!r} has {count} {COUNTED[wrong]} "
                             f"(first at row {first})")
         if wrong == "beyond 2^53":
             raise DataError(f"{source}: column {name!r} holds a time beyond 2^53 as text "
@@ -501,12 +499,20 @@ READ_AS = {"time": "integers, floats, timestamps, durations or dates",
            "rating": "integers or floats"}
 
 
+# The checks `check_values` counts, and what their rows are.
+COUNTED = {"missing": "missing or NaN values", "out of range": OUT_OF_RANGE,
+           "rating out of range": RATINGS_OUT_OF_RANGE}
+
+
+def _stored(kind: pa.DataType) -> pa.DataType:
+    """The Arrow type of a column's values: a dictionary's value type."""
+    return kind.value_type if pa.types.is_dictionary(kind) else kind
+
+
 def _read_as(role: str, kind: pa.DataType) -> bool:
-    """Whether the SQL below reads a Parquet column of Arrow type `kind` as the `role` (time
-    or rating) column: numbers (booleans and decimals too) and text; for times, timestamps,
-    durations and dates as well."""
-    if pa.types.is_dictionary(kind):
-        kind = kind.value_type
+    """Whether the SQL below reads a Parquet column of Arrow type `kind` (not a dictionary)
+    as the `role` (time or rating) column: numbers (booleans and decimals too) and text; for
+    times, timestamps, durations and dates as well."""
     moment = (pa.types.is_timestamp(kind) or pa.types.is_duration(kind)
               or pa.types.is_date(kind))
     return (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
@@ -519,14 +525,9 @@ def _is_binary(kind: pa.DataType) -> bool:
             or pa.types.is_binary_view(kind) or pa.types.is_fixed_size_binary(kind))
 
 
-def _is_decimal(kind: pa.DataType) -> bool:
-    return pa.types.is_decimal(kind.value_type if pa.types.is_dictionary(kind) else kind)
-
-
 def _is_text(kind: pa.DataType) -> bool:
     """Whether a Parquet column's Arrow type is text (dictionary-encoded text included)."""
-    if pa.types.is_dictionary(kind):
-        kind = kind.value_type
+    kind = _stored(kind)
     return (pa.types.is_string(kind) or pa.types.is_large_string(kind)
             or pa.types.is_string_view(kind))
 
