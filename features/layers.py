@@ -59,9 +59,11 @@ def hold_model(module: tf.Module, model: tf.keras.Model) -> None:
     weights: a tracked Keras model would have `tf.saved_model.save` trace every layer for Keras
     metadata and save its optimizer's slots and metrics' totals, which no servable uses. A model
     with a layer never called (an untrained model: the signatures' tracing may create its
-    weights) is tracked whole; that is why models create only the layers they call."""
+    weights) is tracked whole; that is why models create only the layers they call. A Keras
+    model inside the model (an ensemble's member, a `Sequential` head) is not checked itself,
+    its layers are: a member whose methods alone are called is never marked built."""
     layers = [layer for layer in model.submodules if isinstance(layer, tf.keras.layers.Layer)
-              and not isinstance(layer, tf.keras.metrics.Metric)]
+              and not isinstance(layer, (tf.keras.metrics.Metric, tf.keras.Model))]
     if not all(layer.built for layer in layers):
         module.model = model
         return

@@ -81,7 +81,7 @@ def bench_train_retrieval(smoke: bool = False) -> dict:
     data = prepare(log, split(log, "temporal"), history_length=20)
     epochs = 1 if smoke else 3
     config = preset("tiny" if smoke else "default", epochs=epochs, early_stopping_patience=0,
-                    batch_size=256 if smoke else 1024)
+                    batch_size=256 if smoke else 1024, members=1)   # one model, as the tutorial
     _, ours = fit(data, config, verbose=0)
     train = data.examples["train"]
     steps = len(train["user"]) // config.batch_size
@@ -324,7 +324,7 @@ def _scale_job(kind: str, source: str, steps: int, batch_size: int, out: str) ->
     import tensorflow as tf  # noqa: F401  (loaded before any clock starts)
     from tworec.retrieval.config import preset
     config = preset("default", batch_size=batch_size, epochs=1, early_stopping_patience=0,
-                    use_item_features=False, optimizer="lazy_adam")
+                    use_item_features=False, optimizer="lazy_adam", members=1)
     figures = {}
     if kind == "stream":
         from tworec.features.stream import PreparedLog

@@ -13,7 +13,7 @@ from tworec.console import parser_for  # noqa: F401  (every script's parser, fro
 from tworec.features.inputs import PROTOCOLS
 from tworec.features.interactions import DataError
 from tworec.features.sources import DELIMITER_HELP, parse_columns
-from tworec.pipeline.config import PRESETS, RunConfig
+from tworec.pipeline.config import PRESETS, RETRIEVAL_PRESETS, RunConfig
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, out_required: bool = True) -> None:
@@ -46,6 +46,21 @@ def add_run_arguments(parser: argparse.ArgumentParser, out_required: bool = True
                         help="replace the run already in --out")
     parser.add_argument("--verbose", action="store_true",
                         help="show TensorFlow's, absl's and ScaNN's own logs (also: TWOREC_VERBOSE=1)")
+
+
+def add_members_argument(parser: argparse.ArgumentParser) -> None:
+    """--members, of the scripts that train retrieval (`members_given` reads it)."""
+    parser.add_argument("--members", type=int, metavar="M",
+                        help="two-tower models trained side by side and served as one, by the "
+                             "mean of their scores (presets: default "
+                             f"{RETRIEVAL_PRESETS['default'].members}, tiny "
+                             f"{RETRIEVAL_PRESETS['tiny'].members}); more members take longer "
+                             "to train and serve embeddings M times as wide")
+
+
+def members_given(args) -> dict:
+    """The retrieval config field --members sets, when given."""
+    return {} if args.members is None else {"members": args.members}
 
 
 def fail(message: str) -> int:

@@ -13,9 +13,12 @@ from tworec.retrieval.config import (ENCODERS, OPTIMIZERS, PRESETS as RETRIEVAL_
                                      STRATEGIES, RetrievalConfig)
 
 PRESETS = sorted(DATA_PRESETS)
-__all__ = ["Configs", "RunConfig", "resolve", "read", "write", "PRESETS", "ENCODERS",
-           "OPTIMIZERS", "STRATEGIES", "MODELS", "TASKS", "PIPELINE", "RETRIEVAL_ONLY",
-           "RANKING_ONLY"]
+__all__ = ["Configs", "RunConfig", "resolve", "read", "write", "PRESETS", "RETRIEVAL_PRESETS",
+           "ENCODERS", "OPTIMIZERS", "STRATEGIES", "MODELS", "TASKS", "PIPELINE",
+           "RETRIEVAL_ONLY", "RANKING_ONLY"]
+
+# Settings added after run folders were first written, with the value every earlier run had.
+EARLIER_RUNS = {"retrieval": {"members": 1}}
 
 # The steps in the order they run; an entry point runs a subset.
 PIPELINE = ("train retrieval", "baselines", "tune index", "train ranking", "export",
@@ -84,11 +87,14 @@ class Configs:
 
     @classmethod
     def from_dict(cls, values: dict) -> Configs:
-        """The inverse of `to_dict` (tuples, which JSON stores as lists, restored)."""
+        """The inverse of `to_dict` (tuples, which JSON stores as lists, restored); a setting
+        that a run folder of an earlier tworec lacks takes the value it had then
+        (`EARLIER_RUNS`), not today's default."""
         types = {"data": DataConfig, "retrieval": RetrievalConfig, "ranking": RankingConfig,
                  "run": RunConfig}
         return cls(**{name: kind(**{key: tuple(value) if isinstance(value, list) else value
-                                    for key, value in values[name].items()})
+                                    for key, value in {**EARLIER_RUNS.get(name, {}),
+                                                       **values[name]}.items()})
                       for name, kind in types.items()})
 
 

@@ -17,7 +17,7 @@ from tworec.features.training import mixed_precision
 from tworec.features.vocab import Vocabulary
 from tworec.pipeline.folder import RunFolderError
 from tworec.retrieval.config import RetrievalConfig
-from tworec.retrieval.model import TwoTower
+from tworec.retrieval.model import RetrievalModel
 from tworec.retrieval.train import build_model
 
 
@@ -42,11 +42,11 @@ def _weights_path(run_dir: str) -> str:
     return os.path.join(run_dir, "retrieval", "weights")
 
 
-def save_retrieval(run_dir: str, model: TwoTower) -> None:
+def save_retrieval(run_dir: str, model: RetrievalModel) -> None:
     tf.train.Checkpoint(model=model).write(_weights_path(run_dir))
 
 
-def load_retrieval(run_dir: str, inputs: ModelInputs, config: RetrievalConfig) -> TwoTower:
+def load_retrieval(run_dir: str, inputs: ModelInputs, config: RetrievalConfig) -> RetrievalModel:
     """The run's trained two-tower model, rebuilt from its config and the inputs and restored."""
     path = _weights_path(run_dir)
     if not tf.io.gfile.exists(path + ".index"):

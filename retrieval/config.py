@@ -15,7 +15,9 @@ PARTITIONER = re.compile(r"min_size(:0*[1-9][0-9]*)?|fixed:0*[1-9][0-9]*")   # p
 class RetrievalConfig:
     """Everything that decides a retrieval run."""
 
-    embedding_dim: int = 64
+    embedding_dim: int = 64               # per member
+    members: int = 3                      # two-tower models trained side by side, served as
+                                          # one (`TowerEnsemble`: the mean of their scores)
     history_encoder: str = "gru"          # none | mean | gru | transformer
     use_user_id: bool = True
     use_user_features: bool = True
@@ -55,7 +57,7 @@ class RetrievalConfig:
             raise ValueError("mixed_precision with strategy 'parameter_server': Keras's loss "
                              "scaling does not support it; use mirrored or multi_worker, or "
                              "float32")
-        for name in ("embedding_dim", "batch_size", "epochs"):
+        for name in ("embedding_dim", "members", "batch_size", "epochs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_hard_negatives is not None and self.num_hard_negatives <= 0:
@@ -70,8 +72,8 @@ class RetrievalConfig:
 
 PRESETS = {
     "default": RetrievalConfig(),
-    "tiny": RetrievalConfig(embedding_dim=16, batch_size=128, epochs=3, early_stopping_patience=0,
-                            learning_rate=1e-2),
+    "tiny": RetrievalConfig(embedding_dim=16, members=1, batch_size=128, epochs=3,
+                            early_stopping_patience=0, learning_rate=1e-2),
 }
 
 

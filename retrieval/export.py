@@ -14,6 +14,9 @@ Signatures (batch is dimension 0):
     with_history: user_id [b] string, history [b, L] string -> item_ids, scores
     embed_user: user_id [b] string -> embedding [b, d] float32
     embed_items: item_ids [n] string -> embedding [n, d] float32
+d is the model's query and candidate width: `embedding_dim` times its members; a user's
+embedding dotted with an item's is the score served (with several members, the mean of
+theirs: the user's embedding is the members' side by side divided by their number).
 
 `assets.extra/state.json` records the state: the fit rows, their users and items, the last
 timestamp, and whether seen items are excluded.
@@ -28,7 +31,7 @@ import tensorflow as tf
 from tworec.features.inputs import ModelInputs
 from tworec.features.layers import UserInputs, hold_model, id_lookup, write_state
 from tworec.retrieval.index import ScannParams, build_index
-from tworec.retrieval.model import TwoTower
+from tworec.retrieval.model import RetrievalModel
 from tworec.retrieval.train import candidate_embeddings
 from tworec.serving.layout import write_version, write_warmup_requests
 
@@ -59,7 +62,7 @@ def usable_top_k(scores: tf.Tensor, codes: tf.Tensor, excluded: tf.Tensor, k: in
 class RetrievalModule(tf.Module):
     """The servable: lookups, the user state, the query tower and a top-k search."""
 
-    def __init__(self, model: TwoTower, data: ModelInputs, k: int,
+    def __init__(self, model: RetrievalModel, data: ModelInputs, k: int,
                  scann: ScannParams | None = None, exclude_seen: bool = True):
         super().__init__()
         interactions = data.interactions
@@ -139,7 +142,7 @@ class RetrievalModule(tf.Module):
         return {"embedding": self.model.candidate(tf.maximum(codes, 0))}
 
 
-def export(model: TwoTower, data: ModelInputs, base_path: str, k: int,
+def export(model: RetrievalModel, data: ModelInputs, base_path: str, k: int,
            scann: ScannParams | None = None, version: int | None = None,
            warmup_users: np.ndarray | None = None) -> str:
     """Writes a new version of the retrieval SavedModel, answering the top `k` items, under

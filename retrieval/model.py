@@ -2,6 +2,8 @@
 candidate tower over the item and its features, trained with TFRS's in-batch softmax."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import tensorflow as tf
 import tensorflow_recommenders as tfrs
@@ -171,3 +173,39 @@ class TwoTower(TFRSModel):
         return in_batch_softmax_loss(
             self.query(features), self.candidate(items), self.config.temperature, probability,
             items if self.config.remove_accidental_hits else None, self.config.num_hard_negatives)
+
+
+class TowerEnsemble(TFRSModel):
+    """`config.members` two-tower models (`TwoTower`) trained side by side on the same batches,
+    each on its own loss from its own initial weights, and served as one model: its query
+    embedding is the members' side by side divided by their number, its candidate embedding
+    theirs side by side, so that one dot product (and one ScaNN index) gives the mean of the
+    members' scores. Each member alone varies with its seed; their mean varies less.
+
+    `query`: features -> [b, members * d] float32; `candidate`: [b] codes -> [b, members * d].
+    Each member's loss is its own (its gradients are those it would get alone); the loss
+    logged is their sum.
+    """
+
+    def __init__(self, config: RetrievalConfig, **towers):
+        super().__init__()
+        self.config = config
+        one = dataclasses.replace(config, members=1)
+        self.members = [TwoTower(one, **towers) for _ in range(config.members)]
+
+    def query(self, features: dict[str, tf.Tensor]) -> tf.Tensor:
+        return tf.concat([member.query(features) for member in self.members], axis=-1) / \
+            float(len(self.members))
+
+    def candidate(self, items: tf.Tensor) -> tf.Tensor:
+        return tf.concat([member.candidate(items) for member in self.members], axis=-1)
+
+    def candidate_inputs(self) -> np.ndarray:
+        """What every member's candidate tower reads (`TwoTower.candidate_inputs`): the same."""
+        return self.members[0].candidate_inputs()
+
+    def compute_loss(self, features: dict[str, tf.Tensor], training: bool = False) -> tf.Tensor:
+        return tf.add_n([member.compute_loss(features, training) for member in self.members])
+
+
+RetrievalModel = TwoTower | TowerEnsemble    # what `retrieval.train.build_model` gives

@@ -14,10 +14,10 @@ from tworec.features.training import (make_optimizer, make_strategy, mixed_preci
                                       worker_seed)
 from tworec.retrieval.config import RetrievalConfig
 from tworec.retrieval.index import equal_rows, exact_scorer
-from tworec.retrieval.model import TwoTower
+from tworec.retrieval.model import RetrievalModel, TowerEnsemble, TwoTower
 
 
-def build_model(config: RetrievalConfig, data: ModelInputs | PreparedLog) -> TwoTower:
+def build_model(config: RetrievalConfig, data: ModelInputs | PreparedLog) -> RetrievalModel:
     """A compiled two-tower model for the vocabularies and item features of in-memory inputs,
     or of a prepared log (its catalogue is its item vocabulary; no item or user features)."""
     if isinstance(data, PreparedLog):
@@ -31,21 +31,23 @@ def build_model(config: RetrievalConfig, data: ModelInputs | PreparedLog) -> Two
                      item_vocab_size=data.items.size, item_genres=data.item_genres,
                      item_year=data.item_year,
                      user_feature_sizes={n: v.size for n, v in data.user_feature_vocabs.items()})
-    model = TwoTower(config, history_length=data.history_length,
-                     item_probability=data.item_probability, **sizes)
+    kind = TwoTower if config.members == 1 else TowerEnsemble
+    model = kind(config, history_length=data.history_length,
+                 item_probability=data.item_probability, **sizes)
     model.compile(optimizer=make_optimizer(config.optimizer, config.learning_rate,
                                            config.mixed_precision),
                   jit_compile=config.jit_compile)
     return model
 
 
-def embed_items(model: TwoTower, codes: np.ndarray, batch_size: int = 8192) -> np.ndarray:
+def embed_items(model: RetrievalModel, codes: np.ndarray, batch_size: int = 8192) -> np.ndarray:
     """[n, d] float32 candidate-tower embeddings of catalogue codes [n]."""
     dataset = tf.data.Dataset.from_tensor_slices(codes.astype(np.int64)).batch(batch_size)
     return np.concatenate([model.candidate(batch).numpy() for batch in dataset])
 
 
-def candidate_embeddings(model: TwoTower, num_items: int, batch_size: int = 8192) -> np.ndarray:
+def candidate_embeddings(model: RetrievalModel, num_items: int,
+                         batch_size: int = 8192) -> np.ndarray:
     """[num_items, d] float32 embeddings of the whole catalogue, one computed per distinct
     input of the candidate tower (`TwoTower.candidate_inputs`) and copied to the items that
     share it: the tower gives an input a few ulps apart at different batch positions, which
@@ -54,15 +56,15 @@ def candidate_embeddings(model: TwoTower, num_items: int, batch_size: int = 8192
     return embed_items(model, first, batch_size)[inverse]                        # [I, d]
 
 
-def query_embeddings(model: TwoTower, examples: dict[str, np.ndarray],
+def query_embeddings(model: RetrievalModel, examples: dict[str, np.ndarray],
                      batch_size: int = 4096) -> np.ndarray:
-    """[m, d] float32 query embeddings of example rows."""
+    """[m, d] float32 query embeddings of example rows (d: `embedding_dim` x members)."""
     if not len(examples["user"]):
-        return np.zeros((0, model.config.embedding_dim), np.float32)
+        return np.zeros((0, model.config.embedding_dim * model.config.members), np.float32)
     return np.concatenate([model.query(b).numpy() for b in batches(examples, batch_size)])
 
 
-def latest_queries(model: TwoTower, data: ModelInputs) -> np.ndarray:
+def latest_queries(model: RetrievalModel, data: ModelInputs) -> np.ndarray:
     """[num_users, d] every user's query embedding from their state (`data.latest`, what the
     export serves for a user id)."""
     features = {"user": data.users.remap(data.interactions.user_ids), "history": data.latest}
@@ -70,7 +72,7 @@ def latest_queries(model: TwoTower, data: ModelInputs) -> np.ndarray:
     return query_embeddings(model, features)
 
 
-def embeddings_for_ranking(model: TwoTower, data: ModelInputs) -> dict:
+def embeddings_for_ranking(model: RetrievalModel, data: ModelInputs) -> dict:
     """The arrays the ranking stage takes as its retrieval signal: `queries` (part -> [m, d]),
     `latest` ([num_users, d]) and `items` ([num_items, d])."""
     return {"queries": {part: query_embeddings(model, examples)
@@ -90,7 +92,7 @@ def popular_order(data: ModelInputs | PreparedLog, part: str) -> np.ndarray:
     return scores
 
 
-def catalogue_scorer(model: TwoTower, data: ModelInputs, part: str, evalset: EvalSet):
+def catalogue_scorer(model: RetrievalModel, data: ModelInputs, part: str, evalset: EvalSet):
     """positions [b] into `evalset` -> scores [b, num_items], as the export scores them: the
     towers' dot products for users it knows (identical items tying exactly: `exact_scorer`),
     the popular order for the others."""
@@ -105,7 +107,7 @@ def catalogue_scorer(model: TwoTower, data: ModelInputs, part: str, evalset: Eva
     return score
 
 
-def evaluate_model(model: TwoTower, data: ModelInputs, part: str = "test", ks=KS,
+def evaluate_model(model: RetrievalModel, data: ModelInputs, part: str = "test", ks=KS,
                    evalset: EvalSet | None = None) -> dict[str, float]:
     """Recall@K (the hit rate of the held-out item) and NDCG@K over the full catalogue, each
     user's known items excluded (unless `data.exclude_seen` is off), as the export serves."""
@@ -114,7 +116,7 @@ def evaluate_model(model: TwoTower, data: ModelInputs, part: str = "test", ks=KS
     return evaluate(catalogue_scorer(model, data, part, evalset), evalset, ks, name="retrieval")
 
 
-def evaluate_prepared(model: TwoTower, prepared: PreparedLog, part: str = "test", ks=KS,
+def evaluate_prepared(model: RetrievalModel, prepared: PreparedLog, part: str = "test", ks=KS,
                       memory_limit: str = "1GB") -> dict[str, float]:
     """`evaluate_model` for a prepared log, in bounded memory: held-out rows arrive in batches
     with their users' known items (`PreparedLog.heldout_batches`), and each batch is scored
@@ -141,7 +143,7 @@ def evaluate_prepared(model: TwoTower, prepared: PreparedLog, part: str = "test"
     return rank_metrics(ranks, ks)
 
 
-def top_candidates(model: TwoTower, data: ModelInputs, part: str, k: int,
+def top_candidates(model: RetrievalModel, data: ModelInputs, part: str, k: int,
                    evalset: EvalSet | None = None, batch_size: int = 2048) -> np.ndarray:
     """[m, k] catalogue codes of the best k items for every row of `part`, best first (ties to
     the lower code, as the export). With `evalset` (of that part) rows are scored as
@@ -183,7 +185,7 @@ class ValidationRecall(tf.keras.callbacks.Callback):
 
 def fit(data: ModelInputs, config: RetrievalConfig, run_dir: str | None = None,
         verbose: int = 1, steps_per_epoch: int | None = None,
-        validate: bool = True) -> tuple[TwoTower, dict]:
+        validate: bool = True) -> tuple[RetrievalModel, dict]:
     """Trains a two-tower model on in-memory inputs.
 
     Args:
@@ -216,7 +218,7 @@ def fit(data: ModelInputs, config: RetrievalConfig, run_dir: str | None = None,
 
 
 def fit_prepared(prepared: PreparedLog, config: RetrievalConfig, steps_per_epoch: int | None = None,
-                 run_dir: str | None = None, verbose: int = 1) -> tuple[TwoTower, dict]:
+                 run_dir: str | None = None, verbose: int = 1) -> tuple[RetrievalModel, dict]:
     """Trains a two-tower model on a prepared log streamed from its shards
     (`PreparedLog.training_batches`), for `config.epochs` epochs of `steps_per_epoch` steps
     (default: one pass over the training rows). No validation runs between epochs
@@ -231,7 +233,7 @@ def fit_prepared(prepared: PreparedLog, config: RetrievalConfig, steps_per_epoch
 
 
 def _fit(data: ModelInputs | PreparedLog, config: RetrievalConfig, steps: int, callbacks: list,
-         run_dir: str | None, verbose: int, dataset) -> tuple[TwoTower, dict]:
+         run_dir: str | None, verbose: int, dataset) -> tuple[RetrievalModel, dict]:
     """Builds the model under the config's strategy and trains it on `dataset(seed)`, an
     endless dataset of batches."""
     tf.keras.utils.set_random_seed(config.seed)

@@ -1,7 +1,7 @@
 """One command from a log to served recommendations and a report.
 
     python scripts/pipeline.py --data SOURCE --out RUN [--split temporal|random]
-        [--preset tiny|default] [--epochs N] [--top-k K] [--top-n N]
+        [--preset tiny|default] [--epochs N] [--members M] [--top-k K] [--top-n N]
 
 Steps: load and split, train retrieval, evaluate it beside the baselines, tune the ScaNN index,
 train ranking on retrieval's candidates, export every model with `models.config`, serve them
@@ -21,9 +21,11 @@ def main(argv=None) -> int:
                         help="retrieval candidates to re-rank")
     parser.add_argument("--top-n", type=int, default=RunConfig.top_n,
                         help="items the recommender returns")
+    cli.add_members_argument(parser)
     args = parser.parse_args(argv)
     args.out = args.out or "runs/demo"
-    return cli.run(args, PIPELINE, run={"candidates": args.top_k, "top_n": args.top_n})
+    return cli.run(args, PIPELINE, retrieval=cli.members_given(args),
+                   run={"candidates": args.top_k, "top_n": args.top_n})
 
 
 if __name__ == "__main__":

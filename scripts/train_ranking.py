@@ -5,7 +5,7 @@ stage over retrieval's top-K, and exports `ranking` and the composed `recommende
         [--task listwise|binary|regression] [--cooccurrence-neighbors K]
         [--popularity-periods P] [--epochs N]
     python scripts/train_ranking.py --data SOURCE --out RUN [--split temporal|random]
-        [--preset tiny|default] [--top-k 100] ...
+        [--preset tiny|default] [--members M] [--top-k 100] ...
 
 With --retrieval-run, the retrieval model trained in RUN (by train_retrieval.py or the
 pipeline) is reloaded, with RUN's own data source and configs, and ranking is trained into RUN;
@@ -34,10 +34,12 @@ def main(argv=None) -> int:
     parser.add_argument("--top-k", type=int,
                         help="retrieval candidates to re-rank (default 100; a retrieval run "
                              "keeps its own)")
+    cli.add_members_argument(parser)
     args = parser.parse_args(argv)
     kept = [flag for flag, value in (("--data", args.data), ("--data-dir", args.data_dir),
                                      ("--split", args.split),
                                      ("--preset", args.preset), ("--top-k", args.top_k),
+                                     ("--members", args.members),
                                      ("--columns", args.columns or None),
                                      ("--delimiter", args.delimiter),
                                      ("--cold-start-window", args.cold_start_window),
@@ -59,6 +61,7 @@ def main(argv=None) -> int:
     if args.retrieval_run:
         return cli.run(args, RANKING_ONLY, continue_run=True, ranking=ranking)
     return cli.run(args, ("train retrieval",) + RANKING_ONLY, ranking=ranking,
+                   retrieval=cli.members_given(args),
                    run=cli.candidates_run(args.top_k or RunConfig.candidates))
 
 

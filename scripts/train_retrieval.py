@@ -2,7 +2,7 @@
 and exports `retrieval` (brute force) and `retrieval_scann` SavedModels.
 
     python scripts/train_retrieval.py --data SOURCE --out RUN [--split temporal|random]
-        [--preset tiny|default] [--epochs N]
+        [--preset tiny|default] [--epochs N] [--members M]
         [--strategy default|mirrored|multi_worker|parameter_server] [--partitioner min_size]
         [--optimizer adam|lazy_adam|adagrad|sgd]
 
@@ -19,6 +19,7 @@ def main(argv=None) -> int:
     cli.add_run_arguments(parser)
     parser.add_argument("--top-k", type=int, default=RunConfig.candidates,
                         help="items the exports return")
+    cli.add_members_argument(parser)
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--history-encoder", choices=ENCODERS)
     parser.add_argument("--strategy", choices=STRATEGIES)
@@ -39,7 +40,7 @@ def main(argv=None) -> int:
         ("strategy", args.strategy), ("partitioner", args.partitioner),
         ("optimizer", args.optimizer),
         ("mixed_precision", args.mixed_precision),
-        ("jit_compile", args.jit_compile)) if value is not None}
+        ("jit_compile", args.jit_compile)) if value is not None} | cli.members_given(args)
     return cli.run(args, RETRIEVAL_ONLY, retrieval=retrieval, run=cli.candidates_run(args.top_k))
 
 

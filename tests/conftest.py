@@ -10,11 +10,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="session")
 def retrieval_run(tmp_path_factory):
-    """A run folder of train_retrieval.py on the tiny synthetic log (retrieval, baselines,
-    index, retrieval exports, report); tests that change it copy it first."""
+    """A run folder of train_retrieval.py on the tiny synthetic log, two retrieval members
+    (retrieval, baselines, index, retrieval exports, report); tests that change it copy it
+    first."""
     out = tmp_path_factory.mktemp("retrieval_run")
     done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train_retrieval.py"),
-                           "--data", "synthetic:tiny", "--preset", "tiny", "--out", str(out)],
+                           "--data", "synthetic:tiny", "--preset", "tiny", "--members", "2",
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return out

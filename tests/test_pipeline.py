@@ -29,7 +29,8 @@ SCHEMA = {
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
     done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "pipeline.py"),
-                           "--data", "synthetic:tiny", "--preset", "tiny", "--out", str(out)],
+                           "--data", "synthetic:tiny", "--preset", "tiny", "--members", "2",
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     (out / "command_output.txt").write_text(done.stdout + done.stderr)
@@ -111,6 +112,9 @@ def test_every_export_loads_and_answers(run):
         outputs = signature(**inputs)
         assert np.isfinite(outputs["scores"].numpy()).all(), name
         answers[name] = outputs
+        if name.startswith("retrieval"):       # two members of 16 dimensions (--members 2)
+            embedding = model.signatures["embed_user"](user_id=tf.constant(["u0"]))["embedding"]
+            assert embedding.shape == (1, 32), name
         if name == "ranking":                  # the held-out popularity signals are served
             assert "period_popularity" in op_scopes(path)
         assert os.path.exists(os.path.join(path, "assets.extra", "tf_serving_warmup_requests"))
@@ -188,6 +192,7 @@ def test_train_retrieval_script_writes_its_part_of_the_run(retrieval_run):
     assert (retrieval_run / "vocab" / "items.json").exists()
     assert (retrieval_run / "retrieval" / "weights.index").exists()
     assert "| popularity |" in (retrieval_run / "report.md").read_text()
+    assert json.load(open(retrieval_run / "config.json"))["retrieval"]["members"] == 2
 
 
 def test_train_ranking_reuses_a_retrieval_run_and_matches_the_pipeline(run, retrieval_run,
@@ -226,6 +231,7 @@ def test_train_ranking_reuses_a_retrieval_run_and_matches_the_pipeline(run, retr
      "leave out --split"),
     ("train_ranking.py", ["--retrieval-run", "OUT/a-run", "--delimiter", ";"],
      "leave out --delimiter"),
+    ("train_retrieval.py", ["--members", "0", "--out", "OUT/new"], "members must be positive"),
     ("train_retrieval.py", ["--partitioner", "fixed:2", "--out", "OUT/new"],
      "it goes with --strategy parameter_server"),
     ("train_retrieval.py", ["--strategy", "parameter_server", "--mixed-precision", "--out",
@@ -334,6 +340,18 @@ def test_run_configs_resolve_validate_and_round_trip(tmp_path):
                          ({"run": {"top_m": 1}}, "unexpected keyword argument 'top_m'")):
         with pytest.raises(ValueError, match=message):
             config.resolve("tiny", **bad).validate()
+
+
+def test_a_config_json_of_an_earlier_tworec_reads_as_it_was_trained(tmp_path):
+    """A run folder written before retrieval had members holds one two-tower model: its
+    config reads as 1 member, not today's default, so its weights load."""
+    from tworec.pipeline import config
+    configs = config.resolve("default")
+    assert configs.retrieval.members > 1
+    values = {"source": {"data": "synthetic"}, **configs.to_dict()}
+    del values["retrieval"]["members"]
+    (tmp_path / "config.json").write_text(json.dumps(values))
+    assert config.read(str(tmp_path / "config.json"))[1].retrieval.members == 1
 
 
 def test_epochs_go_to_the_stages_the_steps_train_only():

@@ -70,6 +70,57 @@ def test_training_learns_the_planted_structure(trained):
     assert summary["history"]["loss"][-1] < summary["history"]["loss"][0]
 
 
+@pytest.fixture(scope="module")
+def ensemble(trained):
+    """(log, parts, model, data) of three members trained side by side on `trained`'s inputs."""
+    log, parts, _, data, _ = trained
+    model, _ = fit(data, preset("tiny", epochs=4, members=3), verbose=0)
+    return log, parts, model, data
+
+
+def test_an_ensemble_scores_the_mean_of_members_that_each_learn(ensemble):
+    """The served dot product is the mean of the members' own; each member trains on its own
+    loss from its own initial weights, so each alone learns the planted structure."""
+    log, parts, model, data = ensemble
+    queries = query_embeddings(model, data.examples["test"])                     # [m, 3 * 16]
+    items = candidate_embeddings(model, data.num_items)                          # [I, 3 * 16]
+    assert queries.shape[1] == items.shape[1] == 48
+    members = [(query_embeddings(member, data.examples["test"]),
+                candidate_embeddings(member, data.num_items)) for member in model.members]
+    np.testing.assert_allclose(queries @ items.T,
+                               np.mean([q @ c.T for q, c in members], axis=0), atol=1e-6)
+    assert not np.allclose(members[0][1], members[1][1])
+    popularity = baselines(log, parts, eval_set(log, parts, "test"))["popularity"]["recall@10"]
+    for member in model.members:
+        assert evaluate_model(member, data, "test")["recall@10"] > 1.5 * popularity
+
+
+def test_an_ensemble_export_serves_the_keras_top_k_and_reloads(ensemble, tmp_path):
+    """The exports and the run folder's weights hold every member: the brute-force and ScaNN
+    SavedModels answer the ensemble's own top k, and the model rebuilt from the checkpoint
+    embeds as the trained one."""
+    from tworec.pipeline.store import load_retrieval, save_retrieval
+    from tworec.retrieval.export import export
+    log, _, model, data = ensemble
+    users = np.flatnonzero(data.known)[:5]
+    seen = data.seen[users].toarray()
+    expected = log.item_ids[keras_top_k(model, data, users, 10, seen)].tolist()
+    exact = export(model, data, str(tmp_path / "retrieval"), k=10)
+    scann = export(model, data, str(tmp_path / "retrieval_scann"), k=10,
+                   scann=ScannParams(4, 4, data.num_items))
+    for path in (exact, scann):
+        run, _ = load_like_tf_serving(path)
+        assert run("serving_default", user_id=log.user_ids[users])["item_ids"].astype(
+            str).tolist() == expected
+        assert_holds_the_weights_alone(path, model)
+    save_retrieval(str(tmp_path / "run"), model)
+    loaded = load_retrieval(str(tmp_path / "run"), data, model.config)
+    np.testing.assert_array_equal(candidate_embeddings(loaded, data.num_items),
+                                  candidate_embeddings(model, data.num_items))
+    np.testing.assert_array_equal(query_embeddings(loaded, data.examples["test"]),
+                                  query_embeddings(model, data.examples["test"]))
+
+
 @pytest.mark.parametrize("encoder", ["none", "mean", "transformer"])
 def test_every_history_encoder_trains(encoder):
     log = generate(PRESETS["tiny"], seed=1)

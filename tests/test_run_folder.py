@@ -191,6 +191,14 @@ def test_an_interrupted_retrieval_run_resumes_when_its_command_is_rerun(tmp_path
     assert code == 2 and "checkpointed by an older tworec" in error, error
     assert len(error.strip().splitlines()) == 1, error
     state.with_name("aside").rename(state)
+    written = tmp_path / "retrieval_config.json"
+    trained_with = written.read_text()
+    older = json.loads(trained_with)
+    del older["members"]                 # as a tworec before retrieval had members wrote it
+    written.write_text(json.dumps(older, indent=2))
+    code, error = script("train_retrieval.py", *command, "--epochs", "4")
+    assert code == 2 and "checkpointed by an older tworec" in error, error
+    written.write_text(trained_with)
     code, error = script("train_retrieval.py", *command, "--epochs", "5")
     assert code == 2 and "holds an interrupted training started otherwise" in error, error
     assert len(error.strip().splitlines()) == 1, error
