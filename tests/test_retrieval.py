@@ -129,13 +129,15 @@ def test_every_history_encoder_trains(encoder):
     assert query_embeddings(model, data.examples["test"]).shape == (len(data.examples["test"]["user"]), 16)
 
 
-@pytest.mark.parametrize("encoder, jit_compile", [("transformer", True), ("gru", False)])
-def test_mixed_precision_and_jit_compile_run_on_cpu(encoder, jit_compile):
+@pytest.mark.parametrize("encoder, jit_compile, members", [("transformer", True, 1),
+                                                           ("gru", False, 2)])
+def test_mixed_precision_and_jit_compile_run_on_cpu(encoder, jit_compile, members):
     """The GPU settings, run on the CPU. XLA with the transformer history encoder: XLA
     compiles the (default) GRU's loop for ~45 s on this CPU, the transformer in ~5 s."""
     log = generate(PRESETS["tiny"], seed=2)
     model, data, summary = train(log, split(log), preset(
-        "tiny", epochs=1, mixed_precision=True, jit_compile=jit_compile, history_encoder=encoder))
+        "tiny", epochs=1, mixed_precision=True, jit_compile=jit_compile, history_encoder=encoder,
+        members=members))
     assert np.isfinite(summary["history"]["loss"]).all()
     assert tf.keras.mixed_precision.global_policy().name == "float32"
     assert query_embeddings(model, data.examples["test"]).dtype == np.float32

@@ -178,10 +178,11 @@ class _PreparedCodes:
         return self.model.query(features)
 
 
-def test_evaluation_of_a_prepared_log_equals_the_in_memory_evaluation(folders):
+@pytest.mark.parametrize("members", [1, 2])
+def test_evaluation_of_a_prepared_log_equals_the_in_memory_evaluation(folders, members):
     inputs, prepared = folders
     assert prepared.num_items == inputs.items.size - FIRST == inputs.num_items   # all trained
-    model, _ = fit(inputs, preset("tiny", epochs=1), verbose=0)
+    model, _ = fit(inputs, preset("tiny", epochs=1, members=members), verbose=0)
     for part in ("validation", "test"):
         expected = evaluate_model(model, inputs, part)
         got = evaluate_prepared(_PreparedCodes(model, inputs), prepared, part)
