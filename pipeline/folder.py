@@ -190,6 +190,12 @@ def check_resumable(out: str, source: dict, configs: Configs) -> None:
     cold-start window the run chose counts as not given, as it is chosen again alike."""
     saved_source, saved = read_run(out)
     check_fingerprint_format(out, saved_source, "pass --overwrite to start over")
+    backup = os.path.join(out, "checkpoints", "retrieval")
+    if checkpointed(backup) and not (os.path.isdir(os.path.join(backup, "state"))
+                                     and _stage_config(out) == saved.retrieval.to_json()):
+        raise RunFolderError(f"--out {out} holds an interrupted training checkpointed by an "
+                             "older tworec (without the early stopping state resuming needs, or "
+                             "with fewer retrieval settings); pass --overwrite to start over")
     if configs.data.cold_start_window is None:
         saved = dataclasses.replace(saved, data=dataclasses.replace(saved.data,
                                                                     cold_start_window=None))
@@ -201,17 +207,12 @@ def check_resumable(out: str, source: dict, configs: Configs) -> None:
         raise RunFolderError(f"--out {out} holds an interrupted training started otherwise "
                              f"(these differ: {changed}); rerun the command that started it to "
                              "resume it, or pass --overwrite to start over")
-    backup = os.path.join(out, "checkpoints", "retrieval")
-    if checkpointed(backup) and not (os.path.isdir(os.path.join(backup, "state"))
-                                     and _stage_config(out) == configs.retrieval.to_json()):
-        raise RunFolderError(f"--out {out} holds an interrupted training checkpointed by an "
-                             "older tworec (without the early stopping state resuming needs, or "
-                             "with fewer retrieval settings); pass --overwrite to start over")
 
 
 def _stage_config(out: str) -> str | None:
     """The text of the folder's retrieval_config.json (what its checkpoint was trained with:
-    `features.training.run_callbacks` resumes it only under that text), None without one."""
+    `features.training.run_callbacks` resumes it only under that text; the tworec that wrote
+    the folder wrote config.json's retrieval section alike), None without one."""
     path = os.path.join(out, "retrieval_config.json")
     if not os.path.exists(path):
         return None

@@ -231,6 +231,8 @@ def test_train_ranking_reuses_a_retrieval_run_and_matches_the_pipeline(run, retr
      "leave out --split"),
     ("train_ranking.py", ["--retrieval-run", "OUT/a-run", "--delimiter", ";"],
      "leave out --delimiter"),
+    ("train_ranking.py", ["--retrieval-run", "OUT/a-run", "--members", "2"],
+     "leave out --members"),
     ("train_retrieval.py", ["--members", "0", "--out", "OUT/new"], "members must be positive"),
     ("train_retrieval.py", ["--partitioner", "fixed:2", "--out", "OUT/new"],
      "it goes with --strategy parameter_server"),
@@ -378,25 +380,38 @@ def test_scripts_without_top_n_serve_at_most_their_candidates():
     config.resolve("tiny", run=cli.candidates_run(5)).validate()
 
 
-def test_train_retrieval_epochs_leave_the_rankers_epochs_in_config_json(tmp_path):
-    """The configs `train_retrieval.py --epochs 7` resolves (and writes to config.json), caught
-    where the run would start, before TensorFlow loads."""
-    argv = [os.path.join(ROOT, "scripts", "train_retrieval.py"), "--data", "synthetic:tiny",
-            "--preset", "tiny", "--epochs", "7", "--out", str(tmp_path / "run")]
+def resolved(script: str, *args: str, shown: str) -> str:
+    """The error line of `script` run with `args` when the run is about to start: `shown`, an
+    expression of `checked.configs`, the configs it resolved (and would write to
+    config.json), caught before TensorFlow loads."""
+    argv = [os.path.join(ROOT, "scripts", script), *args]
     done = subprocess.run([sys.executable, "-c", (
         "import runpy, sys, types\n"
         "fake = types.ModuleType('tworec.pipeline.run')\n"
         "fake.StepFailed, fake.execute = RuntimeError, None\n"
         "def start_run(checked, verbose=1):\n"
-        "    epochs = checked.configs.retrieval.epochs, checked.configs.ranking.epochs\n"
-        "    raise ValueError(f'epochs {epochs}')\n"
+        f"    raise ValueError(f'resolved {{{shown}}}')\n"
         "fake.start_run = start_run\n"
         "sys.modules['tworec.pipeline.run'] = fake\n"
         f"sys.argv = {argv!r}\n"
         "runpy.run_path(sys.argv[0], run_name='__main__')\n")],
         capture_output=True, text=True, timeout=60)
+    return done.stderr
+
+
+def test_train_retrieval_epochs_leave_the_rankers_epochs_in_config_json(tmp_path):
     from tworec.pipeline import config
-    assert f"epochs (7, {config.resolve('tiny').ranking.epochs})" in done.stderr, done.stderr
+    error = resolved("train_retrieval.py", "--data", "synthetic:tiny", "--preset", "tiny",
+                     "--epochs", "7", "--out", str(tmp_path / "run"),
+                     shown="(checked.configs.retrieval.epochs, checked.configs.ranking.epochs)")
+    assert f"resolved (7, {config.resolve('tiny').ranking.epochs})" in error, error
+
+
+@pytest.mark.parametrize("script", ["pipeline.py", "train_retrieval.py", "train_ranking.py"])
+def test_members_reach_the_retrieval_config(tmp_path, script):
+    error = resolved(script, "--data", "synthetic:tiny", "--members", "2", "--out",
+                     str(tmp_path / "run"), shown="checked.configs.retrieval.members")
+    assert "resolved 2" in error, error
 
 
 def test_popularity_periods_given_to_a_regression_ranker_are_refused():

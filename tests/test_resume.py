@@ -51,12 +51,18 @@ def log():
     return generate(PRESETS["tiny"], seed=0)
 
 
-def train_retrieval(log, run_dir, epochs=8, patience=1):
+def train_retrieval(log, run_dir, epochs=8, patience=1, members=1):
     """With patience 1, stops early at epoch 3 of 8 on this log, keeping epoch 2's weights;
-    with patience 2, at epoch 8 of 10, keeping epoch 6's (no gain at epoch 7 or 8)."""
-    config = retrieval_preset("tiny", epochs=epochs, early_stopping_patience=patience)
+    with patience 2, at epoch 8 of 10, keeping epoch 6's (no gain at epoch 7 or 8). Two
+    members, patience 1: at epoch 5 of 8, keeping epoch 4's."""
+    config = retrieval_preset("tiny", epochs=epochs, early_stopping_patience=patience,
+                              members=members)
     inputs = prepare(log, split(log, "temporal"), history_length=5)
     return retrieval_train.fit(inputs, config, run_dir=run_dir, verbose=0)
+
+
+def train_retrieval_members(log, run_dir, epochs=8, patience=1):
+    return train_retrieval(log, run_dir, epochs, patience, members=2)
 
 
 def train_ranking(log, run_dir, epochs=8, patience=1):
@@ -86,6 +92,8 @@ CASES = {
     # after its best epoch so far: the best value and weights must carry over
     "mid-epoch": (train_retrieval, "retrieval", 8, 1, "mid-epoch", 1, 2, 3),
     "ranking mid-epoch": (train_ranking, "ranking", 8, 1, "mid-epoch", 2, 3, 4),
+    "retrieval members mid-epoch": (train_retrieval_members, "retrieval", 8, 1, "mid-epoch", 3,
+                                    4, 5),
     # after an epoch without gain: its wait (1) must carry over, or training would go on
     "waiting": (train_retrieval, "retrieval", 10, 2, "mid-epoch", 6, 6, 8),
     # stopped after epoch 2's state was written, before its checkpoint, then again mid-epoch

@@ -233,12 +233,14 @@ def test_baselines_of_a_prepared_log_equal_the_in_memory_baselines(tmp_path):
             pytest.approx(baselines(log, parts, evalset, ks=(10,))["item_transition"])
 
 
-def test_a_model_trains_from_the_stream(folders):
+@pytest.mark.parametrize("members", [1, 2])
+def test_a_model_trains_from_the_stream(folders, members):
     inputs, prepared = folders
-    config = preset("tiny", epochs=2, batch_size=64)
+    config = preset("tiny", epochs=2, batch_size=64, members=members)
     model, summary = fit_prepared(prepared, config, steps_per_epoch=20, verbose=0)
     assert summary["epochs"] == 2 and summary["history"]["loss"][1] < summary["history"]["loss"][0]
-    assert model.user_embedding.input_dim == prepared.num_users == inputs.users.size
+    for tower in getattr(model, "members", [model]):
+        assert tower.user_embedding.input_dim == prepared.num_users == inputs.users.size
     metrics = evaluate_prepared(model, prepared, "test", ks=(10,))
     assert 0 < metrics["recall@10"] <= 1
 
