@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 
@@ -185,9 +186,11 @@ def checkpointed(backup: str) -> bool:
 
 
 def check_resumable(out: str, source: dict, configs: Configs) -> None:
-    """Raises RunFolderError unless the interrupted training in `out` was started with
-    `source` (with the fingerprint of the log loaded now) and `configs` (fitted to it); a
-    cold-start window the run chose counts as not given, as it is chosen again alike."""
+    """Raises RunFolderError unless the interrupted training in `out` was checkpointed by
+    this tworec (with early stopping's state, and the retrieval config its config.json
+    holds) and started with `source` (with the fingerprint of the log loaded now) and
+    `configs` (fitted to it); a cold-start window the run chose counts as not given, as it is
+    chosen again alike."""
     saved_source, saved = read_run(out)
     check_fingerprint_format(out, saved_source, "pass --overwrite to start over")
     backup = os.path.join(out, "checkpoints", "retrieval")
@@ -200,13 +203,19 @@ def check_resumable(out: str, source: dict, configs: Configs) -> None:
         saved = dataclasses.replace(saved, data=dataclasses.replace(saved.data,
                                                                     cold_start_window=None))
     changed = [f"{name} config" for name in ("data", "retrieval", "ranking", "run")
-               if getattr(configs, name) != getattr(saved, name)]
+               if _as_json(getattr(configs, name)) != _as_json(getattr(saved, name))]
     changed += [f"source {key}" for key in sorted(set(source) | set(saved_source))
                 if source.get(key) != saved_source.get(key)]
     if changed:
         raise RunFolderError(f"--out {out} holds an interrupted training started otherwise "
                              f"(these differ: {changed}); rerun the command that started it to "
                              "resume it, or pass --overwrite to start over")
+
+
+def _as_json(config) -> str:
+    """A config as config.json (and a stage's checkpoint, STAGE_config.json) hold it: equal
+    values of other types (1 and 1.0) are other configs there."""
+    return json.dumps(dataclasses.asdict(config))
 
 
 def _stage_config(out: str) -> str | None:

@@ -239,7 +239,9 @@ def test_a_model_trains_from_the_stream(folders, members):
     config = preset("tiny", epochs=2, batch_size=64, members=members)
     model, summary = fit_prepared(prepared, config, steps_per_epoch=20, verbose=0)
     assert summary["epochs"] == 2 and summary["history"]["loss"][1] < summary["history"]["loss"][0]
-    for tower in getattr(model, "members", [model]):
+    towers = getattr(model, "members", [model])
+    assert len(towers) == members
+    for tower in towers:
         assert tower.user_embedding.input_dim == prepared.num_users == inputs.users.size
     metrics = evaluate_prepared(model, prepared, "test", ks=(10,))
     assert 0 < metrics["recall@10"] <= 1
