@@ -16,7 +16,8 @@ from tworec.features.sources import DELIMITER_HELP, parse_columns
 from tworec.pipeline.config import PRESETS, RETRIEVAL_PRESETS, RunConfig
 
 
-def add_run_arguments(parser: argparse.ArgumentParser, out_required: bool = True) -> None:
+def add_run_arguments(parser: argparse.ArgumentParser, out_required: bool = True,
+                      out_help: str = "the run folder") -> None:
     """--data, --data-dir, --columns, --delimiter, --out, --split, --preset, --epochs and the
     other flags every run script takes."""
     parser.add_argument("--data", default=None,
@@ -29,7 +30,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, out_required: bool = True
                         help="for generic files: ROLE=COLUMN,... with roles user, item, time, "
                              "rating, user.NAME, item.NAME")
     parser.add_argument("--delimiter", help=DELIMITER_HELP)
-    parser.add_argument("--out", required=out_required, help="the run folder")
+    parser.add_argument("--out", required=out_required, help=out_help)
     parser.add_argument("--split",
                         help=f"evaluation protocol: {', '.join(PROTOCOLS)} (default: temporal; "
                              "global holds out every row after the 0.9 quantile of time, none "
@@ -43,7 +44,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, out_required: bool = True
     parser.add_argument("--keep-seen", action="store_true",
                         help="serve and rank items users already have (catalogues with repeats)")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace the run already in --out")
+                        help="replace what --out already holds")
     parser.add_argument("--verbose", action="store_true",
                         help="show TensorFlow's, absl's and ScaNN's own logs (also: TWOREC_VERBOSE=1)")
 
@@ -89,12 +90,7 @@ def run(args, steps: tuple[str, ...], continue_run: bool = False, verbose: int =
         **overrides) -> int:
     """Resolves the configs, prepares the run and executes `steps`; ends with the headline test
     figures and where the report is. `overrides` go to `pipeline.config.resolve`."""
-    import tworec
-    from tworec import console
-    if args.verbose or tworec.verbose_requested():
-        tworec.configure_logs(True)
-    else:
-        console.filter_native_logs()
+    show_logs(args)
     from tworec.pipeline.folder import RunFolderError, check_run, only_run_into
     with contextlib.ExitStack() as held:
         try:
@@ -109,6 +105,23 @@ def run(args, steps: tuple[str, ...], continue_run: bool = False, verbose: int =
         return _execute(prepared, steps, args.out)
 
 
+def show_logs(args) -> None:
+    """TensorFlow's, absl's and ScaNN's own logs shown with --verbose (or TWOREC_VERBOSE),
+    dropped otherwise."""
+    import tworec
+    from tworec import console
+    if args.verbose or tworec.verbose_requested():
+        tworec.configure_logs(True)
+    else:
+        console.filter_native_logs()
+
+
+def data_given(args) -> dict:
+    """The data config fields of --split, --keep-seen and --cold-start-window."""
+    return {"split": args.split or "temporal", "exclude_seen": not args.keep_seen,
+            "cold_start_window": args.cold_start_window}
+
+
 def _configs(args, steps: tuple[str, ...], continue_run: bool, overrides: dict):
     """The run's (configs, source): a continued run's from its folder, with only ranking's
     settings (and its epochs) changed; a fresh run's from the arguments."""
@@ -121,10 +134,7 @@ def _configs(args, steps: tuple[str, ...], continue_run: bool, overrides: dict):
             ranking["epochs"] = args.epochs
         return resolve(base=base, ranking=ranking), source
     return resolve(args.preset or "default", epochs=args.epochs, steps=steps,
-                   **{"data": {"split": args.split or "temporal",
-                               "exclude_seen": not args.keep_seen,
-                               "cold_start_window": args.cold_start_window},
-                      **overrides}), source_of(args)
+                   **{"data": data_given(args), **overrides}), source_of(args)
 
 
 def _execute(prepared, steps: tuple[str, ...], out: str) -> int:

@@ -85,8 +85,7 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
                                  "scripts/pipeline.py into it with --overwrite")
     resume = not continue_run and check_fresh(out, overwrite)
     configs.validate()                  # all but what depends on the log, before it loads
-    log = load(source["data"], columns=source.get("columns") or {},
-               delimiter=source.get("delimiter"), data_dir=source.get("data_dir"))
+    log = load_source(source)
     configs.validate(has_ratings=log.rating is not None)
     log_fingerprint = fingerprint(log)
     if continue_run and source.get("fingerprint") != log_fingerprint:
@@ -104,6 +103,12 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
                        "starts the interrupted retrieval training over: it finished no epoch")
     return CheckedRun(out, log, configs, source, run_report.read(out) if continue_run else {},
                       notices, continue_run, overwrite)
+
+
+def load_source(source: dict) -> Interactions:
+    """The log of a source as `check_run` takes it (`features.load`)."""
+    return load(source["data"], columns=source.get("columns") or {},
+                delimiter=source.get("delimiter"), data_dir=source.get("data_dir"))
 
 
 def read_run(out: str) -> tuple[dict, Configs]:

@@ -287,7 +287,8 @@ def test_script_mistakes_are_found_before_tensorflow_loads(tmp_path, name, args)
 
 
 @pytest.mark.parametrize("name", ["pipeline.py", "train_retrieval.py", "train_ranking.py",
-                                  "describe_data.py", "benchmark.py", "recommend.py", "serve.py"])
+                                  "describe_data.py", "benchmark.py", "recommend.py", "serve.py",
+                                  "compare.py"])
 def test_every_script_answers_an_argument_mistake_in_one_line(name):
     done = script(name, "--no-such-flag", timeout=60)
     assert done.returncode == 2

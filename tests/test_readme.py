@@ -31,6 +31,8 @@ EXERCISED = {
     "scripts/recommend.py":
         "tests/test_scripts_serving.py::test_recommend_all_script_writes_the_file_and_says_where",
     "scripts/benchmark.py": "tests/test_readme.py::test_benchmark_script_runs_every_part_small",
+    "scripts/compare.py":
+        "tests/test_compare.py::test_the_script_prints_the_table_and_writes_it_with_the_ranks",
     "-m tworec.pipeline.benchmark":      # the scale part runs its jobs with it
         "tests/test_readme.py::test_benchmark_script_runs_every_part_small",
     "-m tworec.serving.soak": "tests/test_readme.py::test_soak_runs_briefly",
