@@ -2,27 +2,38 @@
 
 Each arm replaces some fields of the retrieval config. Every arm trains once per seed on the
 training rows (with early stopping on validation, as a run does) and ranks every validation row
-over the full catalogue as the export serves it (`retrieval.train.catalogue_scorer`: known
+over the full catalogue as the run scores validation (`retrieval.train.catalogue_scorer`: known
 items excluded, users it does not know served the popular list). An arm's per-row Recall@10
 and NDCG@10 are averaged over its seeds, and every arm is compared with the first by the paired
-bootstrap 95% interval of the gain, resampling users. Test rows are never scored.
+bootstrap 95% interval of the gain, resampling users. No test row is scored.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+import os
+import re
 import time
+import typing
 
 import numpy as np
 
 from tworec.evaluation import cold_start_window, eval_set, evaluate_ranks
 from tworec.evaluation.metrics import paired_bootstrap, row_metrics
-from tworec.features import Interactions, split
+from tworec.features import Interactions, Split, split
 from tworec.features.inputs import prepare
 from tworec.pipeline.config import Configs
 from tworec.retrieval.config import RetrievalConfig
 
 METRICS = ("recall@10", "ndcg@10")
 ARM_FORM = "NAME:FIELD=VALUE[,FIELD=VALUE...], e.g. three:members=3"
+ARM_NAME = re.compile(r"[\w.-]+")
+SEEDS = range(2 ** 32)                    # what `tf.keras.utils.set_random_seed` takes
+# Fields whose change lets an arm pick its epoch among more or fewer looks at the rows it is
+# compared on.
+EPOCH_CHOICE = ("epochs", "early_stopping_patience")
+OUTPUTS = ("compare.md", "compare.json", "ranks.npz")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,10 +46,11 @@ class Arm:
 def parse_arm(text: str) -> Arm:
     """`NAME:FIELD=VALUE,...` (or `NAME` alone: the config unchanged) -> Arm, each value read
     as its `RetrievalConfig` field's type (`none` for an optional field's None)."""
-    name, _, fields = text.partition(":")
-    if not name.strip():
-        raise ValueError(f"--arm {text!r} has no name; give {ARM_FORM}")
-    types = {field.name: field.type for field in dataclasses.fields(RetrievalConfig)}
+    name, _, fields = (part.strip() for part in text.partition(":"))
+    if not ARM_NAME.fullmatch(name):
+        raise ValueError(f"--arm {text!r}: name the arm with letters, digits, '_', '.' or "
+                         f"'-'; give {ARM_FORM}")
+    types = typing.get_type_hints(RetrievalConfig)
     replaced = {}
     for item in filter(None, fields.split(",")):
         field, equals, value = (part.strip() for part in item.partition("="))
@@ -48,46 +60,71 @@ def parse_arm(text: str) -> Arm:
         if field == "seed":
             raise ValueError(f"--arm {text!r}: every arm trains with the seeds of --seeds; "
                              "leave seed out")
+        if field in replaced:
+            raise ValueError(f"--arm {text!r}: {field} is given twice")
         replaced[field] = _typed(text, field, types[field], value)
-    return Arm(name.strip(), replaced)
+    return Arm(name, replaced)
 
 
-def _typed(arm: str, field: str, kind: str, value: str):
-    """`value` read as `kind` ('int', 'float', 'bool', 'str', each maybe '| None')."""
-    if "None" in kind and value.lower() == "none":
+def _typed(arm: str, field: str, kind, value: str):
+    """`value` read as `kind` (int, float, bool or str, each maybe optional)."""
+    kinds = typing.get_args(kind) or (kind,)
+    if type(None) in kinds and value.lower() == "none":
         return None
-    base = kind.split("|")[0].strip()
-    if base == "bool" and value.lower() in ("true", "false"):
+    base = kinds[0]
+    if base is bool and value.lower() in ("true", "false"):
         return value.lower() == "true"
     try:
-        return {"int": int, "float": float, "str": str}[base](value)
+        typed = {int: int, float: float, str: str}[base](value)
     except (KeyError, ValueError):
-        raise ValueError(f"--arm {arm!r}: {field} takes {kind.replace('|', 'or')}, got "
-                         f"{value!r}") from None
+        typed = None
+    if typed is None or (base is float and not math.isfinite(typed)):
+        names = " or ".join(getattr(k, "__name__", str(k)).replace("NoneType", "none")
+                            for k in kinds)
+        raise ValueError(f"--arm {arm!r}: {field} takes {names}, got {value!r}")
+    return typed
 
 
 def check_arms(arms: list[Arm], configs: Configs, seeds: list[int]) -> None:
     """Raises ValueError (or DataError) naming the first setting that cannot be compared:
-    the arms, the seeds, the data config and each arm's retrieval config; before the log
+    the data config, the shared retrieval config, the arms and the seeds; before the log
     loads."""
     configs.data.validate()
-    if configs.data.split == "none":
-        raise ValueError("split 'none' holds no validation rows to compare on; use temporal, "
-                         "random or global")
+    if configs.data.split in ("none", "random"):
+        raise ValueError(f"split {configs.data.split!r} holds no validation rows to compare "
+                         "on; use temporal or global[:Q]")
+    configs.retrieval.validate(history_length=configs.data.history_length)
     if len(arms) < 2:
         raise ValueError(f"a comparison needs two arms or more (--arm {ARM_FORM}); got "
                          f"{len(arms)}")
     names = [arm.name for arm in arms]
     if len(set(names)) < len(names):
         raise ValueError(f"arm names must differ; got {names}")
-    if not seeds or len(set(seeds)) < len(seeds):
-        raise ValueError(f"--seeds must be one seed or more, each once; got {seeds}")
+    if not seeds or len(set(seeds)) < len(seeds) or not all(seed in SEEDS for seed in seeds):
+        raise ValueError(f"--seeds must be one seed or more, each once, each from 0 to "
+                         f"2**32 - 1; got {seeds}")
     for arm in arms:
         try:
             arm_configs(arm, configs, seeds[0]).retrieval.validate(
                 history_length=configs.data.history_length)
         except ValueError as error:
             raise ValueError(f"arm {arm.name!r}: {error}") from None
+
+
+def validation_split(log: Interactions, configs: Configs, arms: list[Arm]) -> Split:
+    """The log's split, checked before anything trains: it holds validation rows, and every
+    arm's batch fits in its training rows. Raises ValueError (or DataError) naming what does
+    not."""
+    parts = split(log, configs.data.split)
+    if not len(parts.validation):
+        raise ValueError(f"split {configs.data.split!r} leaves no validation rows in this log "
+                         "to compare on")
+    for arm in arms:
+        batch_size = arm_configs(arm, configs, 0).retrieval.batch_size
+        if batch_size > len(parts.train):
+            raise ValueError(f"arm {arm.name!r}: batch_size {batch_size} is larger than the "
+                             f"training split ({len(parts.train)} rows)")
+    return parts
 
 
 def arm_configs(arm: Arm, configs: Configs, seed: int) -> Configs:
@@ -101,42 +138,55 @@ def compare(log: Interactions, configs: Configs, arms: list[Arm], seeds: list[in
     """Trains every arm with every seed and compares them on the validation rows.
 
     Returns:
-        (result, ranks): result = {"split", "seeds", "validation": {"rows", "users"}, "arms":
-        {name: {"retrieval": the fields it replaces, "runs": [{"seed", "recall@10",
-        "ndcg@10", "epochs", "best_epoch", "seconds"}], "recall@10" and "ndcg@10": the means
-        over seeds, "gain": None for the first arm, else {metric: `paired_bootstrap` of its
-        rows' seed means against the first arm's, users resampled}}}}; ranks = {"users": [m]
-        the validation rows' user codes, "NAME/SEED": [m] each row's rank}.
+        (result, ranks): result = {"split", "seeds", "cold_start_window" (as a run chooses it),
+        "validation": {"rows", "users"}, "epoch_choice_differs": whether arms change
+        EPOCH_CHOICE, "arms": {name: {"retrieval": the fields it replaces, "runs": [{"seed",
+        "recall@10", "ndcg@10", "epochs", "best_epoch", "val_recall@10": early stopping's
+        figure of every epoch, "seconds", "gain": {metric: this
+        seed's mean gain over the first arm's run of the same seed}}], "recall@10" and
+        "ndcg@10": the means over seeds, "gain": None for the first arm, else {metric:
+        `paired_bootstrap` of its rows' seed means against the first arm's, users
+        resampled}}}}; ranks = {"rows": [m] the validation rows (log row positions),
+        "users": [m] their user codes, "NAME/SEED": [m] each row's rank}.
+
+    Raises:
+        ValueError: an arm that failed to train, naming it and the seed.
     """
     from tworec.retrieval import train as retrieval            # TensorFlow from here
 
-    parts = split(log, configs.data.split)
-    if not len(parts.validation):
-        raise ValueError(f"split {configs.data.split!r} holds no validation rows to compare "
-                         "on; use temporal, random or global")
+    parts = validation_split(log, configs, arms)
     window = configs.data.cold_start_window or cold_start_window(log, parts)["window"]
     inputs = prepare(log, parts, configs.data.history_length,
                      exclude_seen=configs.data.exclude_seen, cold_start_window=window)
     evalset = eval_set(log, parts, "validation", exclude_seen=inputs.exclude_seen)
-    ranks = {"users": evalset.users}
-    result = {"split": parts.kind, "seeds": list(seeds),
+    ranks = {"rows": evalset.rows, "users": evalset.users}
+    result = {"split": parts.kind, "seeds": list(seeds), "cold_start_window": window,
               "validation": {"rows": len(evalset), "users": len(np.unique(evalset.users))},
+              "epoch_choice_differs": any(field in arm.retrieval for arm in arms
+                                          for field in EPOCH_CHOICE),
               "arms": {}}
-    first = None                                 # the first arm's [seeds, m] row metrics
+    reference = None                  # the first arm's metric -> [seeds, m] row metrics
     for arm in arms:
         runs, rows = [], {metric: [] for metric in METRICS}          # metric -> [seeds][m]
-        for seed in seeds:
+        for position, seed in enumerate(seeds):
             start = time.perf_counter()
-            config = arm_configs(arm, configs, seed).retrieval
-            model, summary = retrieval.fit(inputs, config, verbose=0)
-            found = evaluate_ranks(retrieval.catalogue_scorer(model, inputs, "validation",
-                                                              evalset), evalset, "retrieval")
+            try:
+                model, summary = retrieval.fit(inputs, arm_configs(arm, configs, seed).retrieval,
+                                               verbose=0)
+                found = evaluate_ranks(retrieval.catalogue_scorer(
+                    model, inputs, "validation", evalset), evalset, "retrieval")
+            except ValueError as error:
+                raise ValueError(f"arm {arm.name!r}, seed {seed}: {error}") from error
             ranks[f"{arm.name}/{seed}"] = found
             for metric, values in row_metrics(found, 10).items():
                 rows[metric].append(values)
-            run = {"seed": seed, **{metric: float(np.mean(rows[metric][-1])) for metric in METRICS},
+            run = {"seed": seed, **{metric: float(rows[metric][-1].mean()) for metric in METRICS},
                    "epochs": summary["epochs"], "best_epoch": summary["best_epoch"],
-                   "seconds": round(time.perf_counter() - start, 1)}
+                   "val_recall@10": summary["history"]["val_recall@10"],
+                   "seconds": round(time.perf_counter() - start, 1),
+                   "gain": None if reference is None else {
+                       metric: float(rows[metric][-1].mean() - reference[metric][position].mean())
+                       for metric in METRICS}}
             runs.append(run)
             if verbose:
                 print(f"[compare] {arm.name}, seed {seed}: validation Recall@10 "
@@ -144,31 +194,51 @@ def compare(log: Interactions, configs: Configs, arms: list[Arm], seeds: list[in
                       f"{run['best_epoch']} of {run['epochs']}, {run['seconds']:.0f} s)",
                       flush=True)
         means = {metric: np.mean(rows[metric], axis=0) for metric in METRICS}        # [m]
-        first = first or means
         result["arms"][arm.name] = {
             "retrieval": arm.retrieval, "runs": runs,
             **{metric: float(means[metric].mean()) for metric in METRICS},
-            "gain": None if means is first else {
-                metric: paired_bootstrap(means[metric], first[metric], groups=evalset.users)
+            "gain": None if reference is None else {
+                metric: paired_bootstrap(means[metric], np.mean(reference[metric], axis=0),
+                                         groups=evalset.users)
                 for metric in METRICS}}
+        if reference is None:
+            reference = rows
     return result, ranks
 
 
 def table(result: dict) -> str:
-    """The comparison as a Markdown table: each arm's means over seeds and its gain over the
-    first arm with the 95% interval."""
+    """The comparison as Markdown: each arm's means over seeds, its gain over the first arm
+    with the 95% interval, and the least and most of its seeds' own gains."""
     names = list(result["arms"])
     lines = [f"Validation ({result['split']}, {result['validation']['rows']} rows of "
              f"{result['validation']['users']} users), mean over seeds "
              f"{', '.join(map(str, result['seeds']))}; gains over {names[0]!r}, paired "
-             "bootstrap 95% over users.", "",
-             "| arm | fields | Recall@10 | NDCG@10 | Recall@10 gain | NDCG@10 gain |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "bootstrap 95% over users (not over seeds: 'seeds' gives the least and most of "
+             "the seeds' own gains). Each run's epoch was chosen on these rows, as a run "
+             "chooses it."]
+    if result["epoch_choice_differs"]:
+        lines.append(f"Note: arms change {' or '.join(EPOCH_CHOICE)}, so they choose their "
+                     "epoch among more or fewer looks at these rows; the arm that looks more "
+                     "often is favoured.")
+    lines += ["", "| arm | fields | Recall@10 | NDCG@10 | Recall@10 gain | NDCG@10 gain | "
+              "NDCG@10 gain, seeds |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, arm in result["arms"].items():
         fields = ", ".join(f"{key}={value}" for key, value in arm["retrieval"].items()) or "-"
-        gains = ["-" if arm["gain"] is None else
-                 "{difference:+.4f} ({ci95[0]:+.4f} to {ci95[1]:+.4f})".format(**arm["gain"][metric])
-                 for metric in METRICS]
+        gains = ["-" if arm["gain"] is None else "{difference:+.4f} ({ci95[0]:+.4f} to "
+                 "{ci95[1]:+.4f})".format(**arm["gain"][metric]) for metric in METRICS]
+        seeds = [run["gain"]["ndcg@10"] for run in arm["runs"] if run["gain"]]
+        spread = f"{min(seeds):+.4f} to {max(seeds):+.4f}" if seeds else "-"
         lines.append(f"| {name} | {fields} | {arm['recall@10']:.4f} | {arm['ndcg@10']:.4f} | "
-                     f"{gains[0]} | {gains[1]} |")
+                     f"{gains[0]} | {gains[1]} | {spread} |")
     return "\n".join(lines) + "\n"
+
+
+def write(out: str, result: dict, ranks: dict[str, np.ndarray], source: dict,
+          configs: Configs) -> None:
+    """Writes OUTPUTS into the folder `out`: the table, the result with the source and the
+    configs, and the ranks."""
+    with open(os.path.join(out, "compare.json"), "w") as f:
+        json.dump({"source": source, "configs": configs.to_dict(), **result}, f, indent=2)
+    with open(os.path.join(out, "compare.md"), "w") as f:
+        f.write(table(result))
+    np.savez(os.path.join(out, "ranks.npz"), **ranks)

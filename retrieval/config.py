@@ -63,8 +63,13 @@ class RetrievalConfig:
         if self.num_hard_negatives is not None and self.num_hard_negatives <= 0:
             raise ValueError("num_hard_negatives must be None or positive, got "
                              f"{self.num_hard_negatives}")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be positive, got {self.temperature}")
+        for name in ("temperature", "learning_rate"):
+            value = getattr(self, name)
+            if not 0 < value < float("inf"):                 # NaN included
+                raise ValueError(f"{name} must be a positive number, got {value}")
+        if self.early_stopping_patience < 0:
+            raise ValueError("early_stopping_patience must be 0 (off) or positive, got "
+                             f"{self.early_stopping_patience}")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)

@@ -3,25 +3,21 @@ trained with every seed, and each arm's gain over the first with its paired boot
 interval over users.
 
     python scripts/compare.py --data SOURCE --out DIR --arm NAME[:FIELD=VALUE,...] --arm ...
-        [--split temporal|random|global] [--preset tiny|default] [--epochs N] [--seeds 0 1 2]
+        [--split temporal|global[:Q]] [--preset tiny|default] [--epochs N] [--seeds 0 1 2]
 
 FIELD=VALUE replaces a field of the retrieval config (`retrieval.config.RetrievalConfig`), e.g.
 `--arm one:members=1 --arm three:members=3`. Prints the table and writes DIR/compare.md,
 DIR/compare.json and DIR/ranks.npz (the rank of every validation row under each arm and seed,
-and the row's user). Test rows are never scored.
+and the row and its user). No test row is scored.
 """
-import json
 import os
 import sys
 
-import numpy as np
-
 from tworec.pipeline import cli
-from tworec.pipeline.compare import ARM_FORM, check_arms, compare, parse_arm, table
+from tworec.pipeline.compare import (ARM_FORM, OUTPUTS, check_arms, compare, parse_arm, table,
+                                     validation_split, write)
 from tworec.pipeline.config import resolve
 from tworec.pipeline.folder import load_source
-
-OUTPUTS = ("compare.md", "compare.json", "ranks.npz")
 
 
 def main(argv=None) -> int:
@@ -33,27 +29,32 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
                         help="every arm trains once with each (default: 0 1 2)")
     args = parser.parse_args(argv)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        return cli.fail(f"--out {args.out} is a file; give a folder")
     if any(os.path.exists(os.path.join(args.out, name)) for name in OUTPUTS) \
             and not args.overwrite:
         return cli.fail(f"{args.out} already holds a comparison; pass --overwrite or another "
                         "--out")
-    source = cli.source_of(args)
     try:
+        source = cli.source_of(args)
         arms = [parse_arm(text) for text in args.arm]
         configs = resolve(args.preset or "default", epochs=args.epochs,
                           steps=("train retrieval",), data=cli.data_given(args))
         check_arms(arms, configs, args.seeds)
+        os.makedirs(args.out, exist_ok=True)
+        cli.show_logs(args)
         log = load_source(source)
+        validation_split(log, configs, arms)
     except ValueError as error:                       # DataError included
         return cli.fail(str(error))
-    cli.show_logs(args)
-    result, ranks = compare(log, configs, arms, args.seeds)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "compare.json"), "w") as f:
-        json.dump({"source": source, "configs": configs.to_dict(), **result}, f, indent=2)
-    with open(os.path.join(args.out, "compare.md"), "w") as f:
-        f.write(table(result))
-    np.savez(os.path.join(args.out, "ranks.npz"), **ranks)
+    except OSError as error:
+        return cli.fail(f"--out {args.out}: {error.strerror or error}")
+    try:
+        result, ranks = compare(log, configs, arms, args.seeds)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    write(args.out, result, ranks, source, configs)
     print(table(result), end="")
     return 0
 

@@ -10,7 +10,8 @@ import pytest
 
 from tworec.evaluation.metrics import paired_bootstrap, row_metrics
 from tworec.features import load, split
-from tworec.pipeline.compare import Arm, check_arms, compare, parse_arm, table
+from tworec.pipeline import compare as comparison
+from tworec.pipeline.compare import Arm, check_arms, compare, parse_arm, table, validation_split
 from tworec.pipeline.config import resolve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,7 +27,12 @@ def test_an_arm_reads_each_value_as_its_field_type():
 
 
 @pytest.mark.parametrize("text, message", [
-    (":members=2", "has no name"),
+    (":members=2", "name the arm with letters"),
+    ("a|b:members=2", "name the arm with letters"),
+    ("a:members=2,members=3", "members is given twice"),
+    ("a:temperature=nan", "temperature takes float, got 'nan'"),
+    ("a:learning_rate=inf", "learning_rate takes float, got 'inf'"),
+    ("a:num_hard_negatives=some", "num_hard_negatives takes int or none, got 'some'"),
     ("a:members", "is not FIELD=VALUE"),
     ("a:width=2", "'width=2' is not FIELD=VALUE of a retrieval config field; known fields: "
                   "embedding_dim, members"),
@@ -46,7 +52,12 @@ def test_an_arm_that_cannot_be_read_is_named_with_what_would_work(text, message)
     (["a"], [0], {}, "a comparison needs two arms or more"),
     (["a", "a:members=2"], [0], {}, "arm names must differ"),
     (["a", "b"], [], {}, "--seeds must be one seed or more"),
-    (["a", "b"], [1, 1], {}, "each once; got [1, 1]"),
+    (["a", "b"], [1, 1], {}, "each once, each from 0 to 2**32 - 1; got [1, 1]"),
+    (["a", "b"], [-1], {}, "each from 0 to 2**32 - 1; got [-1]"),
+    (["a", "b"], [2 ** 32], {}, "each from 0 to 2**32 - 1"),
+    (["a", "b:learning_rate=0"], [0], {}, "arm 'b': learning_rate must be a positive number"),
+    (["a", "b:early_stopping_patience=-1"], [0], {}, "arm 'b': early_stopping_patience must"),
+    (["a", "b"], [0], {"split": "random"}, "split 'random' holds no validation rows"),
     (["a", "b:members=0"], [0], {}, "arm 'b': members must be positive"),
     (["a", "b:history_encoder=lstm"], [0], {}, "arm 'b': history_encoder 'lstm'"),
     (["a", "b"], [0], {"split": "none"}, "split 'none' holds no validation rows"),
@@ -57,6 +68,16 @@ def test_arms_that_cannot_be_compared_are_refused_before_the_log_loads(arms, see
     with pytest.raises(ValueError) as error:
         check_arms([parse_arm(text) for text in arms], resolve("tiny", data=data), seeds)
     assert message in str(error.value)
+
+
+def test_a_setting_every_arm_shares_is_named_as_such_and_a_batch_larger_than_the_log_refused():
+    with pytest.raises(ValueError, match="^epochs must be positive"):
+        check_arms([parse_arm("a"), parse_arm("b")], resolve("tiny", epochs=0), [0])
+    log = load("synthetic:tiny")
+    arms = [parse_arm("a"), parse_arm("b:batch_size=100000")]
+    with pytest.raises(ValueError, match="arm 'b': batch_size 100000 is larger than the "
+                                         "training split"):
+        validation_split(log, resolve("tiny"), arms)
 
 
 def test_each_arm_scores_the_validation_rows_as_its_model_and_gains_are_paired_by_user():
@@ -89,6 +110,9 @@ def test_each_arm_scores_the_validation_rows_as_its_model_and_gains_are_paired_b
         assert arm[metric] == pytest.approx(seed_means("mean", metric).mean(), abs=1e-12)
         assert [run[metric] for run in arm["runs"]] == pytest.approx(
             [row_metrics(ranks[f"mean/{seed}"], 10)[metric].mean() for seed in seeds])
+        assert [run["gain"][metric] for run in arm["runs"]] == pytest.approx(
+            [row_metrics(ranks[f"mean/{seed}"], 10)[metric].mean()
+             - row_metrics(ranks[f"base/{seed}"], 10)[metric].mean() for seed in seeds])
         assert arm["gain"][metric] == paired_bootstrap(
             seed_means("mean", metric), seed_means("base", metric), groups=ranks["users"])
     assert arm["gain"]["ndcg@10"]["units"] == result["validation"]["users"] < len(validation)
@@ -98,24 +122,36 @@ def test_each_arm_scores_the_validation_rows_as_its_model_and_gains_are_paired_b
     assert lines[-1].startswith("| mean | history_encoder=mean | ") and len(lines) == 7
 
 
-def test_each_run_is_the_model_retrieval_fit_trains_scored_as_the_export_serves():
-    """An arm's run equals `retrieval.fit` with the arm's config and seed, evaluated by
-    `evaluate_model` on validation (the early-stopping callback's own figure)."""
+def test_each_run_is_the_model_a_run_trains_with_its_early_stopping_and_seen_items():
+    """An arm's run equals `retrieval.fit` with the arm's config and seed (early stopping on
+    validation; its curve is kept), evaluated by `evaluate_model` on validation, here with the
+    users' known items ranked (--keep-seen) and the cold-start window chosen as a run does."""
     from tworec.features.inputs import prepare
     from tworec.retrieval import train as retrieval
     log = load("synthetic:tiny")
-    configs = resolve("tiny", epochs=2, steps=("train retrieval",),
-                      data={"cold_start_window": 1.0})
-    result, _ = compare(log, configs, [parse_arm("a"), parse_arm("b:embedding_dim=8")], [5],
-                        verbose=0)
+    configs = resolve("tiny", epochs=3, steps=("train retrieval",), data={"exclude_seen": False},
+                      retrieval={"early_stopping_patience": 2, "learning_rate": 0.05,
+                                 "batch_size": 32})     # a setting whose best epoch is not 3
+    prepared = []
+    spy = lambda *args, **kwargs: prepared.append(kwargs) or prepare(*args, **kwargs)  # noqa
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(comparison, "cold_start_window", lambda *args: {"window": 0.5})
+        patch.setattr(comparison, "prepare", spy)
+        result, _ = compare(log, configs, [parse_arm("a"), parse_arm("b:embedding_dim=8")],
+                            [5], verbose=0)
+    assert prepared == [{"exclude_seen": False, "cold_start_window": 0.5}]
+    assert result["cold_start_window"] == 0.5
+    assert result["arms"]["a"]["runs"][0]["best_epoch"] < 3
     inputs = prepare(log, split(log, "temporal"), configs.data.history_length,
-                     cold_start_window=1.0)
+                     exclude_seen=False, cold_start_window=0.5)
     for name, fields in (("a", {}), ("b", {"embedding_dim": 8})):
-        model, _ = retrieval.fit(inputs, dataclasses.replace(configs.retrieval, seed=5,
-                                                             **fields), verbose=0)
+        model, summary = retrieval.fit(inputs, dataclasses.replace(configs.retrieval, seed=5,
+                                                                   **fields), verbose=0)
         expected = retrieval.evaluate_model(model, inputs, "validation", ks=(10,))
         run, = result["arms"][name]["runs"]
         assert {key: run[key] for key in expected} == expected
+        assert run["val_recall@10"] == summary["history"]["val_recall@10"]
+        assert run["best_epoch"] == summary["best_epoch"]
 
 
 def script(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -136,12 +172,18 @@ def test_the_script_prints_the_table_and_writes_it_with_the_ranks(tmp_path):
     assert saved["source"]["data"] == "synthetic:tiny" and saved["configs"]["retrieval"][
         "epochs"] == 1
     with np.load(out / "ranks.npz") as ranks:
-        assert sorted(ranks) == ["one/0", "two/0", "users"]
+        assert sorted(ranks) == ["one/0", "rows", "two/0", "users"]
+        log = load("synthetic:tiny")
+        assert np.array_equal(ranks["rows"], split(log, "temporal").validation)
+        assert np.array_equal(ranks["users"], log.user[ranks["rows"]])
         assert saved["arms"]["two"]["ndcg@10"] == pytest.approx(
             row_metrics(ranks["two/0"], 10)["ndcg@10"].mean())
     again = script(*args)
     assert again.returncode == 2 and "already holds a comparison; pass --overwrite" in \
         again.stderr
+    (out / "compare.md").write_text("older")
+    assert script(*args, "--overwrite").returncode == 0
+    assert (out / "compare.md").read_text() == table_text
 
 
 @pytest.mark.parametrize("args, message", [
@@ -149,8 +191,15 @@ def test_the_script_prints_the_table_and_writes_it_with_the_ranks(tmp_path):
     (["--arm", "a", "--arm", "b:members=x"], "members takes int, got 'x'"),
     (["--arm", "a", "--arm", "b", "--split", "none"], "split 'none' holds no validation rows"),
     (["--arm", "a", "--arm", "b", "--data", "OUT/none.csv"], "no such file"),
+    (["--arm", "a", "--arm", "b", "--split", "random"], "split 'random' holds no validation"),
+    (["--arm", "a", "--arm", "b", "--columns", "garbage"], "'garbage' is not ROLE=COLUMN"),
+    (["--arm", "a", "--arm", "b:batch_size=100000", "--data", "synthetic:tiny"],
+     "arm 'b': batch_size 100000 is larger than the training split"),
+    (["--arm", "a", "--arm", "b", "--out", "OUT/a-file"], "is a file; give a folder"),
+    (["--arm", "a", "--arm", "b", "--epochs", "0"], "error: epochs must be positive"),
 ])
 def test_script_mistakes_are_one_line_before_tensorflow_loads(tmp_path, args, message):
+    (tmp_path / "a-file").write_text("not a folder")
     argv = [os.path.join(ROOT, "scripts", "compare.py"), "--out", str(tmp_path / "new"),
             *(arg.replace("OUT", str(tmp_path)) for arg in args)]
     done = subprocess.run([sys.executable, "-c", (
@@ -162,3 +211,20 @@ def test_script_mistakes_are_one_line_before_tensorflow_loads(tmp_path, args, me
     assert done.stdout.split() == ["2", "False"], done.stdout + done.stderr[-2000:]
     assert done.stderr.startswith("error: ") and message in done.stderr
     assert len(done.stderr.splitlines()) == 1, done.stderr
+
+
+def test_the_table_gives_the_seeds_gains_and_warns_when_arms_choose_epochs_differently():
+    gain = {"difference": 0.01, "ci95": [-0.002, 0.02]}
+    runs = [{"gain": {"ndcg@10": 0.03}}, {"gain": {"ndcg@10": -0.01}}]
+    result = {"split": "temporal", "seeds": [0, 1], "validation": {"rows": 5, "users": 5},
+              "epoch_choice_differs": True, "arms": {
+                  "base": {"retrieval": {}, "runs": [{"gain": None}] * 2, "recall@10": 0.5,
+                           "ndcg@10": 0.25, "gain": None},
+                  "long": {"retrieval": {"epochs": 9}, "runs": runs, "recall@10": 0.51,
+                           "ndcg@10": 0.26, "gain": {"recall@10": gain, "ndcg@10": gain}}}}
+    lines = table(result).splitlines()
+    assert lines[1].startswith("Note: arms change epochs or early_stopping_patience")
+    assert lines[-2] == "| base | - | 0.5000 | 0.2500 | - | - | - |"
+    assert lines[-1] == ("| long | epochs=9 | 0.5100 | 0.2600 | +0.0100 (-0.0020 to +0.0200) | "
+                         "+0.0100 (-0.0020 to +0.0200) | -0.0100 to +0.0300 |")
+    assert "Note:" not in table({**result, "epoch_choice_differs": False})
