@@ -213,9 +213,9 @@ def table(result: dict) -> str:
     lines = [f"Validation ({result['split']}, {result['validation']['rows']} rows of "
              f"{result['validation']['users']} users), mean over seeds "
              f"{', '.join(map(str, result['seeds']))}; gains over {names[0]!r}, paired "
-             "bootstrap 95% over users (not over seeds: 'seeds' gives the least and most of "
-             "the seeds' own gains). Each run's epoch was chosen on these rows, as a run "
-             "chooses it."]
+             "bootstrap 95% over users (not over seeds: the last column gives the least and "
+             "most of the seeds' own NDCG@10 gains). Each run's epoch was chosen on these "
+             "rows, as a run chooses it."]
     if result["epoch_choice_differs"]:
         lines.append(f"Note: arms change {' or '.join(EPOCH_CHOICE)}, so they choose their "
                      "epoch among more or fewer looks at these rows; the arm that looks more "

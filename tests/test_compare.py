@@ -14,6 +14,8 @@ from tworec.pipeline import compare as comparison
 from tworec.pipeline.compare import Arm, check_arms, compare, parse_arm, table, validation_split
 from tworec.pipeline.config import resolve
 
+from conftest import exit_before_tensorflow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -202,12 +204,7 @@ def test_script_mistakes_are_one_line_before_tensorflow_loads(tmp_path, args, me
     (tmp_path / "a-file").write_text("not a folder")
     argv = [os.path.join(ROOT, "scripts", "compare.py"), "--out", str(tmp_path / "new"),
             *(arg.replace("OUT", str(tmp_path)) for arg in args)]
-    done = subprocess.run([sys.executable, "-c", (
-        "import runpy, sys\n"
-        f"sys.argv = {argv!r}\n"
-        "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
-        "except SystemExit as exit:\n    code = exit.code\n"
-        "print(code, 'tensorflow' in sys.modules)")], capture_output=True, text=True, timeout=60)
+    done = exit_before_tensorflow(argv)
     assert done.stdout.split() == ["2", "False"], done.stdout + done.stderr[-2000:]
     assert done.stderr.startswith("error: ") and message in done.stderr
     assert len(done.stderr.splitlines()) == 1, done.stderr

@@ -11,6 +11,8 @@ import time
 import numpy as np
 import pytest
 
+from conftest import exit_before_tensorflow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEMA = {
     "data": {"source", "users", "items", "interactions", "split", "test_users", "dropped",
@@ -276,12 +278,7 @@ def test_script_mistakes_are_found_before_tensorflow_loads(tmp_path, name, args)
     (tmp_path / "a-run" / "config.json").write_text("{}")
     (tmp_path / "a-run" / "report.json").write_text("{}")      # a step finished
     argv = [os.path.join(ROOT, "scripts", name)] + [a.replace("OUT", str(tmp_path)) for a in args]
-    done = subprocess.run([sys.executable, "-c", (
-        "import runpy, sys\n"
-        f"sys.argv = {argv!r}\n"
-        "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
-        "except SystemExit as exit:\n    code = exit.code\n"
-        "print(code, 'tensorflow' in sys.modules)")], capture_output=True, text=True, timeout=60)
+    done = exit_before_tensorflow(argv)
     assert done.stdout.split() == ["2", "False"], done.stdout + done.stderr[-2000:]
     assert done.stderr.startswith("error: "), done.stderr
 
