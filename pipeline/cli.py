@@ -17,7 +17,7 @@ from tworec.pipeline.config import PRESETS, RETRIEVAL_PRESETS, RunConfig
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, out_required: bool = True,
-                      out_help: str = "the run folder") -> None:
+                      out_help: str = "the run folder", split_help: str | None = None) -> None:
     """--data, --data-dir, --columns, --delimiter, --out, --split, --preset, --epochs and the
     other flags every run script takes."""
     parser.add_argument("--data", default=None,
@@ -32,9 +32,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, out_required: bool = True
     parser.add_argument("--delimiter", help=DELIMITER_HELP)
     parser.add_argument("--out", required=out_required, help=out_help)
     parser.add_argument("--split",
-                        help=f"evaluation protocol: {', '.join(PROTOCOLS)} (default: temporal; "
-                             "global holds out every row after the 0.9 quantile of time, none "
-                             "trains on every row and evaluates nothing)")
+                        help=split_help or f"evaluation protocol: {', '.join(PROTOCOLS)} "
+                             "(default: temporal; global holds out every row after the 0.9 "
+                             "quantile of time, none trains on every row and evaluates nothing)")
     parser.add_argument("--preset", choices=PRESETS, help="default (the default) or tiny")
     parser.add_argument("--epochs", type=int, help="epochs of every stage the command trains")
     parser.add_argument("--cold-start-window", type=float, metavar="W",
@@ -68,6 +68,12 @@ def fail(message: str) -> int:
     """Prints a one-line error for a mistake caught before any work; returns exit code 2."""
     print(f"error: {message}", file=sys.stderr)
     return 2
+
+
+def failed(message: str) -> int:
+    """Prints a one-line error for work that failed after it started; returns exit code 1."""
+    print(f"error: {message}", file=sys.stderr)
+    return 1
 
 
 def candidates_run(top_k: int) -> dict:
@@ -145,8 +151,7 @@ def _execute(prepared, steps: tuple[str, ...], out: str) -> int:
     try:
         report = execute(prepared, steps)
     except StepFailed as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+        return failed(str(error))
     for line in report.get("warnings", []):
         print(f"[run] warning: {line}", flush=True)
     figures = [f"{name} {test['recall@10']:.4f} / {test['ndcg@10']:.4f}"

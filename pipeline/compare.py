@@ -19,10 +19,10 @@ import typing
 
 import numpy as np
 
-from tworec.evaluation import cold_start_window, eval_set, evaluate_ranks
+from tworec.evaluation import EvalSet, cold_start_window, eval_set, evaluate_ranks
 from tworec.evaluation.metrics import paired_bootstrap, row_metrics
 from tworec.features import Interactions, Split, split
-from tworec.features.inputs import prepare
+from tworec.features.inputs import ModelInputs, prepare
 from tworec.pipeline.config import Configs
 from tworec.retrieval.config import RetrievalConfig
 
@@ -30,10 +30,11 @@ METRICS = ("recall@10", "ndcg@10")
 ARM_FORM = "NAME:FIELD=VALUE[,FIELD=VALUE...], e.g. three:members=3"
 ARM_NAME = re.compile(r"[\w.-]+")
 SEEDS = range(2 ** 32)                    # what `tf.keras.utils.set_random_seed` takes
-# Fields whose change lets an arm pick its epoch among more or fewer looks at the rows it is
-# compared on.
-EPOCH_CHOICE = ("epochs", "early_stopping_patience")
 OUTPUTS = ("compare.md", "compare.json", "ranks.npz")
+# Fields an arm cannot change, and why.
+NOT_ARMS = {"seed": "every arm trains with the seeds of --seeds",
+            "strategy": "a comparison trains in one process, on this machine's devices",
+            "partitioner": "a comparison trains in one process, without parameter servers"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +58,8 @@ def parse_arm(text: str) -> Arm:
         if not equals or field not in types:
             raise ValueError(f"--arm {text!r}: {item!r} is not FIELD=VALUE of a retrieval "
                              f"config field; known fields: {', '.join(types)}")
-        if field == "seed":
-            raise ValueError(f"--arm {text!r}: every arm trains with the seeds of --seeds; "
-                             "leave seed out")
+        if field in NOT_ARMS:
+            raise ValueError(f"--arm {text!r}: {NOT_ARMS[field]}; leave {field} out")
         if field in replaced:
             raise ValueError(f"--arm {text!r}: {field} is given twice")
         replaced[field] = _typed(text, field, types[field], value)
@@ -113,17 +113,22 @@ def check_arms(arms: list[Arm], configs: Configs, seeds: list[int]) -> None:
 
 def validation_split(log: Interactions, configs: Configs, arms: list[Arm]) -> Split:
     """The log's split, checked before anything trains: it holds validation rows, and every
-    arm's batch fits in its training rows. Raises ValueError (or DataError) naming what does
-    not."""
+    arm's config fits the log (its user features, its training rows). Raises ValueError (or
+    DataError) naming what does not."""
     parts = split(log, configs.data.split)
     if not len(parts.validation):
         raise ValueError(f"split {configs.data.split!r} leaves no validation rows in this log "
                          "to compare on")
     for arm in arms:
-        batch_size = arm_configs(arm, configs, 0).retrieval.batch_size
-        if batch_size > len(parts.train):
-            raise ValueError(f"arm {arm.name!r}: batch_size {batch_size} is larger than the "
-                             f"training split ({len(parts.train)} rows)")
+        config = arm_configs(arm, configs, 0).retrieval
+        try:
+            config.validate(history_length=configs.data.history_length,
+                            has_user_features=bool(log.user_features))
+        except ValueError as error:
+            raise ValueError(f"arm {arm.name!r}: {error}") from None
+        if config.batch_size > len(parts.train):
+            raise ValueError(f"arm {arm.name!r}: batch_size {config.batch_size} is larger than "
+                             f"the training split ({len(parts.train)} rows)")
     return parts
 
 
@@ -133,60 +138,47 @@ def arm_configs(arm: Arm, configs: Configs, seed: int) -> Configs:
         configs.retrieval, **arm.retrieval, seed=seed))
 
 
-def compare(log: Interactions, configs: Configs, arms: list[Arm], seeds: list[int],
-            verbose: int = 1) -> tuple[dict, dict[str, np.ndarray]]:
-    """Trains every arm with every seed and compares them on the validation rows.
+def compare(log: Interactions, parts: Split, configs: Configs, arms: list[Arm],
+            seeds: list[int], verbose: int = 1) -> tuple[dict, dict[str, np.ndarray]]:
+    """Trains every arm with every seed and compares them on the validation rows of `parts`
+    (`validation_split`).
 
     Returns:
         (result, ranks): result = {"split", "seeds", "cold_start_window" (as a run chooses it),
-        "validation": {"rows", "users"}, "epoch_choice_differs": whether arms change
-        EPOCH_CHOICE, "arms": {name: {"retrieval": the fields it replaces, "runs": [{"seed",
-        "recall@10", "ndcg@10", "epochs", "best_epoch", "val_recall@10": early stopping's
-        figure of every epoch, "seconds", "gain": {metric: this
-        seed's mean gain over the first arm's run of the same seed}}], "recall@10" and
-        "ndcg@10": the means over seeds, "gain": None for the first arm, else {metric:
-        `paired_bootstrap` of its rows' seed means against the first arm's, users
+        "validation": {"rows", "users"}, "early_stopping": whether an arm stops early,
+        "epoch_choice_differs": whether arms stop early after other epochs or patience,
+        "arms": {name: {"retrieval": the fields it replaces, "runs": [`_run`'s, with "gain":
+        {metric: this seed's mean gain over the first arm's run of the same seed}],
+        "recall@10" and "ndcg@10": the means over seeds, "gain": None for the first arm, else
+        {metric: `paired_bootstrap` of its rows' seed means against the first arm's, users
         resampled}}}}; ranks = {"rows": [m] the validation rows (log row positions),
         "users": [m] their user codes, "NAME/SEED": [m] each row's rank}.
 
     Raises:
-        ValueError: an arm that failed to train, naming it and the seed.
+        ValueError: an arm that failed to train, naming it, the seed and the error.
     """
-    from tworec.retrieval import train as retrieval            # TensorFlow from here
-
-    parts = validation_split(log, configs, arms)
     window = configs.data.cold_start_window or cold_start_window(log, parts)["window"]
     inputs = prepare(log, parts, configs.data.history_length,
                      exclude_seen=configs.data.exclude_seen, cold_start_window=window)
     evalset = eval_set(log, parts, "validation", exclude_seen=inputs.exclude_seen)
+    stopping = {(config.epochs, config.early_stopping_patience)
+                for config in (arm_configs(arm, configs, 0).retrieval for arm in arms)}
+    early_stopping = any(patience > 0 for _, patience in stopping)
     ranks = {"rows": evalset.rows, "users": evalset.users}
     result = {"split": parts.kind, "seeds": list(seeds), "cold_start_window": window,
               "validation": {"rows": len(evalset), "users": len(np.unique(evalset.users))},
-              "epoch_choice_differs": any(field in arm.retrieval for arm in arms
-                                          for field in EPOCH_CHOICE),
-              "arms": {}}
-    reference = None                  # the first arm's metric -> [seeds, m] row metrics
+              "early_stopping": early_stopping,
+              "epoch_choice_differs": early_stopping and len(stopping) > 1, "arms": {}}
+    reference = None                  # the first arm's metric -> [seeds][m] row metrics
     for arm in arms:
         runs, rows = [], {metric: [] for metric in METRICS}          # metric -> [seeds][m]
         for position, seed in enumerate(seeds):
-            start = time.perf_counter()
-            try:
-                model, summary = retrieval.fit(inputs, arm_configs(arm, configs, seed).retrieval,
-                                               verbose=0)
-                found = evaluate_ranks(retrieval.catalogue_scorer(
-                    model, inputs, "validation", evalset), evalset, "retrieval")
-            except ValueError as error:
-                raise ValueError(f"arm {arm.name!r}, seed {seed}: {error}") from error
-            ranks[f"{arm.name}/{seed}"] = found
-            for metric, values in row_metrics(found, 10).items():
+            run, ranks[f"{arm.name}/{seed}"] = _run(arm, seed, configs, inputs, evalset)
+            for metric, values in row_metrics(ranks[f"{arm.name}/{seed}"], 10).items():
                 rows[metric].append(values)
-            run = {"seed": seed, **{metric: float(rows[metric][-1].mean()) for metric in METRICS},
-                   "epochs": summary["epochs"], "best_epoch": summary["best_epoch"],
-                   "val_recall@10": summary["history"]["val_recall@10"],
-                   "seconds": round(time.perf_counter() - start, 1),
-                   "gain": None if reference is None else {
-                       metric: float(rows[metric][-1].mean() - reference[metric][position].mean())
-                       for metric in METRICS}}
+            run["gain"] = None if reference is None else {
+                metric: run[metric] - float(reference[metric][position].mean())
+                for metric in METRICS}
             runs.append(run)
             if verbose:
                 print(f"[compare] {arm.name}, seed {seed}: validation Recall@10 "
@@ -206,6 +198,32 @@ def compare(log: Interactions, configs: Configs, arms: list[Arm], seeds: list[in
     return result, ranks
 
 
+def _run(arm: Arm, seed: int, configs: Configs, inputs: ModelInputs,
+         evalset: EvalSet) -> tuple[dict, np.ndarray]:
+    """Trains an arm with a seed and ranks the validation rows as a run scores them.
+
+    Returns:
+        ({"seed", "recall@10", "ndcg@10", "epochs", "best_epoch", "val_recall@10": early
+        stopping's figure of every epoch, "seconds"}, [m] each validation row's rank).
+    """
+    from tworec.retrieval import train as retrieval            # TensorFlow from here
+    start = time.perf_counter()
+    try:
+        model, summary = retrieval.fit(inputs, arm_configs(arm, configs, seed).retrieval,
+                                       verbose=0)
+        found = evaluate_ranks(retrieval.catalogue_scorer(model, inputs, "validation", evalset),
+                               evalset, "retrieval")
+    except Exception as error:                 # one line, as a failed step of a run
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        raise ValueError(f"arm {arm.name!r}, seed {seed}: {type(error).__name__}: "
+                         f"{first_line}") from error
+    return {"seed": seed, **{metric: float(values.mean())
+                             for metric, values in row_metrics(found, 10).items()},
+            "epochs": summary["epochs"], "best_epoch": summary["best_epoch"],
+            "val_recall@10": summary["history"]["val_recall@10"],
+            "seconds": round(time.perf_counter() - start, 1)}, found
+
+
 def table(result: dict) -> str:
     """The comparison as Markdown: each arm's means over seeds, its gain over the first arm
     with the 95% interval, and the least and most of its seeds' own gains."""
@@ -214,12 +232,14 @@ def table(result: dict) -> str:
              f"{result['validation']['users']} users), mean over seeds "
              f"{', '.join(map(str, result['seeds']))}; gains over {names[0]!r}, paired "
              "bootstrap 95% over users (not over seeds: the last column gives the least and "
-             "most of the seeds' own NDCG@10 gains). Each run's epoch was chosen on these "
-             "rows, as a run chooses it."]
+             "most of the seeds' own NDCG@10 gains). " + (
+                 "Each run's epoch was chosen by early stopping on these rows, as a run "
+                 "chooses it." if result["early_stopping"] else
+                 "Each run kept its last epoch (no early stopping).")]
     if result["epoch_choice_differs"]:
-        lines.append(f"Note: arms change {' or '.join(EPOCH_CHOICE)}, so they choose their "
-                     "epoch among more or fewer looks at these rows; the arm that looks more "
-                     "often is favoured.")
+        lines.append("Note: arms stop early after other epochs or patience, so they choose "
+                     "their epoch among more or fewer looks at these rows; the arm that looks "
+                     "more often is favoured.")
     lines += ["", "| arm | fields | Recall@10 | NDCG@10 | Recall@10 gain | NDCG@10 gain | "
               "NDCG@10 gain, seeds |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, arm in result["arms"].items():

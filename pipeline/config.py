@@ -73,10 +73,13 @@ class Configs:
     ranking: RankingConfig
     run: RunConfig = RunConfig()
 
-    def validate(self, has_ratings: bool | None = None) -> None:
-        """Raises ValueError (or DataError) naming the first setting that cannot work."""
+    def validate(self, has_ratings: bool | None = None,
+                 has_user_features: bool | None = None) -> None:
+        """Raises ValueError (or DataError) naming the first setting that cannot work (with
+        what the log holds, when given)."""
         self.data.validate()
-        self.retrieval.validate(history_length=self.data.history_length)
+        self.retrieval.validate(history_length=self.data.history_length,
+                                has_user_features=has_user_features)
         self.ranking.validate(has_ratings=True if has_ratings is None else has_ratings,
                               history_length=self.data.history_length)
         self.run.validate()

@@ -86,7 +86,8 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
     resume = not continue_run and check_fresh(out, overwrite)
     configs.validate()                  # all but what depends on the log, before it loads
     log = load_source(source)
-    configs.validate(has_ratings=log.rating is not None)
+    configs.validate(has_ratings=log.rating is not None,
+                     has_user_features=bool(log.user_features))
     log_fingerprint = fingerprint(log)
     if continue_run and source.get("fingerprint") != log_fingerprint:
         raise RunFolderError(f"{out}: {source['data']} now gives another log than the run was "

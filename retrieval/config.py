@@ -38,9 +38,15 @@ class RetrievalConfig:
     partitioner: str = "min_size"         # parameter_server: min_size[:BYTES] | fixed:N
     seed: int = 0
 
-    def validate(self, history_length: int | None = None) -> None:
+    def validate(self, history_length: int | None = None,
+                 has_user_features: bool | None = None) -> None:
         """Raises ValueError naming the first setting that cannot work (with the data config's
-        `history_length` when given)."""
+        `history_length`, and whether the log has user features, when given)."""
+        user_features = self.use_user_features and has_user_features is not False
+        if not (self.use_user_id or user_features or self.history_encoder != "none"):
+            raise ValueError("the query tower reads nothing: keep use_user_id, a history_encoder"
+                             " or use_user_features" + (" (this log has no user features)"
+                                                        if self.use_user_features else ""))
         if self.history_encoder not in ENCODERS:
             raise ValueError(f"history_encoder {self.history_encoder!r}: choose one of {ENCODERS}")
         if self.history_encoder != "none" and history_length is not None and history_length <= 0:

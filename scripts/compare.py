@@ -22,7 +22,9 @@ from tworec.pipeline.folder import load_source
 
 def main(argv=None) -> int:
     parser = cli.parser_for(__doc__)
-    cli.add_run_arguments(parser, out_help="the folder of the comparison's results")
+    cli.add_run_arguments(parser, out_help="the folder of the comparison's results",
+                          split_help="temporal (default) or global[:Q]: the protocols with "
+                                     "validation rows")
     parser.add_argument("--arm", action="append", default=[], metavar="NAME[:FIELD=VALUE,...]",
                         help=f"an arm of the comparison ({ARM_FORM}); two or more, the first "
                              "is the reference")
@@ -35,6 +37,17 @@ def main(argv=None) -> int:
             and not args.overwrite:
         return cli.fail(f"{args.out} already holds a comparison; pass --overwrite or another "
                         "--out")
+    created = not os.path.exists(args.out)
+    try:
+        code = _compare(args)
+    finally:
+        if created and os.path.isdir(args.out) and not os.listdir(args.out):
+            os.rmdir(args.out)               # nothing written: leave no empty folder
+    return code
+
+
+def _compare(args) -> int:
+    """Checks everything, then compares and writes; the exit code."""
     try:
         source = cli.source_of(args)
         arms = [parse_arm(text) for text in args.arm]
@@ -44,16 +57,15 @@ def main(argv=None) -> int:
         os.makedirs(args.out, exist_ok=True)
         cli.show_logs(args)
         log = load_source(source)
-        validation_split(log, configs, arms)
+        parts = validation_split(log, configs, arms)
     except ValueError as error:                       # DataError included
         return cli.fail(str(error))
     except OSError as error:
         return cli.fail(f"--out {args.out}: {error.strerror or error}")
     try:
-        result, ranks = compare(log, configs, arms, args.seeds)
+        result, ranks = compare(log, parts, configs, arms, args.seeds)
     except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+        return cli.failed(str(error))
     write(args.out, result, ranks, source, configs)
     print(table(result), end="")
     return 0

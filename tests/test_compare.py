@@ -14,7 +14,7 @@ from tworec.pipeline import compare as comparison
 from tworec.pipeline.compare import Arm, check_arms, compare, parse_arm, table, validation_split
 from tworec.pipeline.config import resolve
 
-from conftest import exit_before_tensorflow
+from helpers import exit_before_tensorflow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,7 +38,8 @@ def test_an_arm_reads_each_value_as_its_field_type():
     ("a:members", "is not FIELD=VALUE"),
     ("a:width=2", "'width=2' is not FIELD=VALUE of a retrieval config field; known fields: "
                   "embedding_dim, members"),
-    ("a:seed=1", "every arm trains with the seeds of --seeds"),
+    ("a:seed=1", "every arm trains with the seeds of --seeds; leave seed out"),
+    ("a:strategy=mirrored", "a comparison trains in one process"),
     ("a:members=two", "members takes int, got 'two'"),
     ("a:members=none", "members takes int, got 'none'"),
     ("a:l2_normalize=yes", "l2_normalize takes bool, got 'yes'"),
@@ -72,14 +73,45 @@ def test_arms_that_cannot_be_compared_are_refused_before_the_log_loads(arms, see
     assert message in str(error.value)
 
 
-def test_a_setting_every_arm_shares_is_named_as_such_and_a_batch_larger_than_the_log_refused():
+def test_a_setting_every_arm_shares_is_named_as_such():
     with pytest.raises(ValueError, match="^epochs must be positive"):
         check_arms([parse_arm("a"), parse_arm("b")], resolve("tiny", epochs=0), [0])
+
+
+@pytest.mark.parametrize("arm, data, without_user_features, message", [
+    ("b:batch_size=100000", {}, False, "arm 'b': batch_size 100000 is larger than the training"),
+    ("b", {"split": "global:0.0001"}, False, "split 'global:0.0001' leaves no validation rows"),
+    ("b:use_user_id=false,history_encoder=none", {}, True,
+     "arm 'b': the query tower reads nothing: keep use_user_id, a history_encoder or "
+     "use_user_features (this log has no user features)"),
+])
+def test_an_arm_that_does_not_fit_the_log_is_refused_before_training(arm, data,
+                                                                     without_user_features,
+                                                                     message):
     log = load("synthetic:tiny")
-    arms = [parse_arm("a"), parse_arm("b:batch_size=100000")]
-    with pytest.raises(ValueError, match="arm 'b': batch_size 100000 is larger than the "
-                                         "training split"):
-        validation_split(log, resolve("tiny"), arms)
+    if without_user_features:
+        log = dataclasses.replace(log, user_features={})
+    validation_split(log, resolve("tiny"), [parse_arm("a"), parse_arm(arm.split(":")[0])])
+    with pytest.raises(ValueError) as error:
+        validation_split(log, resolve("tiny", data=data), [parse_arm("a"), parse_arm(arm)])
+    assert message in str(error.value)
+
+
+def test_an_arm_that_fails_to_train_is_named_with_its_seed_in_one_line(monkeypatch):
+    from tworec.retrieval import train as retrieval
+
+    def fit(inputs, config, verbose):
+        if config.embedding_dim == 8:
+            raise RuntimeError("out of memory\nwhere it happened")
+        return real_fit(inputs, config, verbose=verbose)
+    real_fit = retrieval.fit
+    monkeypatch.setattr(retrieval, "fit", fit)
+    log = load("synthetic:tiny")
+    configs = resolve("tiny", epochs=1, steps=("train retrieval",))
+    arms = [parse_arm("a"), parse_arm("b:embedding_dim=8")]
+    with pytest.raises(ValueError) as error:
+        compare(log, validation_split(log, configs, arms), configs, arms, [4], verbose=0)
+    assert str(error.value) == "arm 'b', seed 4: RuntimeError: out of memory"
 
 
 def test_each_arm_scores_the_validation_rows_as_its_model_and_gains_are_paired_by_user():
@@ -91,7 +123,9 @@ def test_each_arm_scores_the_validation_rows_as_its_model_and_gains_are_paired_b
     configs = resolve("tiny", epochs=1, steps=("train retrieval",), data={"split": "global"})
     arms = [parse_arm("base"), parse_arm("same"), parse_arm("mean:history_encoder=mean")]
     seeds = [0, 3]
-    result, ranks = compare(log, configs, arms, seeds, verbose=0)
+    result, ranks = compare(log, validation_split(log, configs, arms), configs, arms, seeds,
+                            verbose=0)
+    assert not result["early_stopping"] and not result["epoch_choice_differs"]
 
     validation = split(log, "global").validation
     assert np.array_equal(ranks["users"], log.user[validation])
@@ -135,18 +169,23 @@ def test_each_run_is_the_model_a_run_trains_with_its_early_stopping_and_seen_ite
                       retrieval={"early_stopping_patience": 2, "learning_rate": 0.05,
                                  "batch_size": 32})     # a setting whose best epoch is not 3
     prepared = []
-    spy = lambda *args, **kwargs: prepared.append(kwargs) or prepare(*args, **kwargs)  # noqa
+
+    def spy(*args, **kwargs):
+        prepared.append(kwargs)
+        return prepare(*args, **kwargs)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(comparison, "cold_start_window", lambda *args: {"window": 0.5})
         patch.setattr(comparison, "prepare", spy)
-        result, _ = compare(log, configs, [parse_arm("a"), parse_arm("b:embedding_dim=8")],
-                            [5], verbose=0)
+        arms = [parse_arm("a"), parse_arm("b:embedding_dim=8,epochs=2")]
+        result, _ = compare(log, validation_split(log, configs, arms), configs, arms, [5],
+                            verbose=0)
     assert prepared == [{"exclude_seen": False, "cold_start_window": 0.5}]
     assert result["cold_start_window"] == 0.5
     assert result["arms"]["a"]["runs"][0]["best_epoch"] < 3
+    assert result["early_stopping"] and result["epoch_choice_differs"]
     inputs = prepare(log, split(log, "temporal"), configs.data.history_length,
                      exclude_seen=False, cold_start_window=0.5)
-    for name, fields in (("a", {}), ("b", {"embedding_dim": 8})):
+    for name, fields in (("a", {}), ("b", {"embedding_dim": 8, "epochs": 2})):
         model, summary = retrieval.fit(inputs, dataclasses.replace(configs.retrieval, seed=5,
                                                                    **fields), verbose=0)
         expected = retrieval.evaluate_model(model, inputs, "validation", ks=(10,))
@@ -198,6 +237,7 @@ def test_the_script_prints_the_table_and_writes_it_with_the_ranks(tmp_path):
     (["--arm", "a", "--arm", "b:batch_size=100000", "--data", "synthetic:tiny"],
      "arm 'b': batch_size 100000 is larger than the training split"),
     (["--arm", "a", "--arm", "b", "--out", "OUT/a-file"], "is a file; give a folder"),
+    (["--arm", "a", "--arm", "b", "--out", "OUT/a-file/below"], "--out OUT/a-file/below: "),
     (["--arm", "a", "--arm", "b", "--epochs", "0"], "error: epochs must be positive"),
 ])
 def test_script_mistakes_are_one_line_before_tensorflow_loads(tmp_path, args, message):
@@ -206,22 +246,28 @@ def test_script_mistakes_are_one_line_before_tensorflow_loads(tmp_path, args, me
             *(arg.replace("OUT", str(tmp_path)) for arg in args)]
     done = exit_before_tensorflow(argv)
     assert done.stdout.split() == ["2", "False"], done.stdout + done.stderr[-2000:]
-    assert done.stderr.startswith("error: ") and message in done.stderr
+    assert done.stderr.startswith("error: ") and message.replace("OUT", str(tmp_path)) in \
+        done.stderr
     assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert not (tmp_path / "new").exists()                   # no folder left behind
 
 
 def test_the_table_gives_the_seeds_gains_and_warns_when_arms_choose_epochs_differently():
     gain = {"difference": 0.01, "ci95": [-0.002, 0.02]}
     runs = [{"gain": {"ndcg@10": 0.03}}, {"gain": {"ndcg@10": -0.01}}]
     result = {"split": "temporal", "seeds": [0, 1], "validation": {"rows": 5, "users": 5},
-              "epoch_choice_differs": True, "arms": {
+              "early_stopping": True, "epoch_choice_differs": True, "arms": {
                   "base": {"retrieval": {}, "runs": [{"gain": None}] * 2, "recall@10": 0.5,
                            "ndcg@10": 0.25, "gain": None},
                   "long": {"retrieval": {"epochs": 9}, "runs": runs, "recall@10": 0.51,
                            "ndcg@10": 0.26, "gain": {"recall@10": gain, "ndcg@10": gain}}}}
     lines = table(result).splitlines()
-    assert lines[1].startswith("Note: arms change epochs or early_stopping_patience")
+    assert lines[0].endswith("Each run's epoch was chosen by early stopping on these rows, as "
+                             "a run chooses it.")
+    assert lines[1].startswith("Note: arms stop early after other epochs or patience")
     assert lines[-2] == "| base | - | 0.5000 | 0.2500 | - | - | - |"
     assert lines[-1] == ("| long | epochs=9 | 0.5100 | 0.2600 | +0.0100 (-0.0020 to +0.0200) | "
                          "+0.0100 (-0.0020 to +0.0200) | -0.0100 to +0.0300 |")
+    assert table({**result, "early_stopping": False, "epoch_choice_differs": False}
+                 ).splitlines()[0].endswith("Each run kept its last epoch (no early stopping).")
     assert "Note:" not in table({**result, "epoch_choice_differs": False})

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import exit_before_tensorflow
+from helpers import exit_before_tensorflow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEMA = {

@@ -48,12 +48,26 @@ def trained():
     ({"optimizer": "lamb"}, 5, "optimizer 'lamb'"),
     ({"num_hard_negatives": 0}, 5, "num_hard_negatives must be None or positive"),
     ({"epochs": 0}, 5, "epochs must be positive"),
+    ({"temperature": 0.0}, 5, "temperature must be a positive number"),
+    ({"temperature": float("nan")}, 5, "temperature must be a positive number, got nan"),
+    ({"learning_rate": float("inf")}, 5, "learning_rate must be a positive number"),
+    ({"early_stopping_patience": -1}, 5, "early_stopping_patience must be 0"),
+    ({"use_user_id": False, "use_user_features": False, "history_encoder": "none"}, 5,
+     "the query tower reads nothing"),
 ])
 def test_settings_that_cannot_work_fail_before_training(overrides, history_length, message):
     with pytest.raises(ValueError, match=message):
         preset("tiny", **overrides).validate(history_length=history_length)
     with pytest.raises(ValueError, match="unknown retrieval preset"):
         preset("huge")
+
+
+def test_a_query_tower_left_with_user_features_alone_needs_a_log_that_has_them():
+    config = preset("tiny", use_user_id=False, history_encoder="none")
+    config.validate(history_length=5, has_user_features=True)
+    config.validate(history_length=5)                                     # the log unknown
+    with pytest.raises(ValueError, match=r"reads nothing.*\(this log has no user features\)"):
+        config.validate(history_length=5, has_user_features=False)
 
 
 def test_right_align_moves_padding_to_the_end():
