@@ -161,14 +161,12 @@ def compare(log: Interactions, parts: Split, configs: Configs, arms: list[Arm],
     inputs = prepare(log, parts, configs.data.history_length,
                      exclude_seen=configs.data.exclude_seen, cold_start_window=window)
     evalset = eval_set(log, parts, "validation", exclude_seen=inputs.exclude_seen)
-    stopping = {(config.epochs, config.early_stopping_patience)
-                for config in (arm_configs(arm, configs, 0).retrieval for arm in arms)}
-    early_stopping = any(patience > 0 for _, patience in stopping)
+    early_stopping, epoch_choice_differs = stopping_of(arms, configs)
     ranks = {"rows": evalset.rows, "users": evalset.users}
     result = {"split": parts.kind, "seeds": list(seeds), "cold_start_window": window,
               "validation": {"rows": len(evalset), "users": len(np.unique(evalset.users))},
-              "early_stopping": early_stopping,
-              "epoch_choice_differs": early_stopping and len(stopping) > 1, "arms": {}}
+              "early_stopping": early_stopping, "epoch_choice_differs": epoch_choice_differs,
+              "arms": {}}
     reference = None                  # the first arm's metric -> [seeds][m] row metrics
     for arm in arms:
         runs, rows = [], {metric: [] for metric in METRICS}          # metric -> [seeds][m]
@@ -196,6 +194,15 @@ def compare(log: Interactions, parts: Split, configs: Configs, arms: list[Arm],
         if reference is None:
             reference = rows
     return result, ranks
+
+
+def stopping_of(arms: list[Arm], configs: Configs) -> tuple[bool, bool]:
+    """(whether an arm stops early, whether arms stop early after other epochs or patience:
+    then they choose their epoch among more or fewer looks at the rows they are compared on)."""
+    stopping = {(config.epochs, config.early_stopping_patience)
+                for config in (arm_configs(arm, configs, 0).retrieval for arm in arms)}
+    early_stopping = any(patience > 0 for _, patience in stopping)
+    return early_stopping, early_stopping and len(stopping) > 1
 
 
 def _run(arm: Arm, seed: int, configs: Configs, inputs: ModelInputs,

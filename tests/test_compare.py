@@ -11,7 +11,8 @@ import pytest
 from tworec.evaluation.metrics import paired_bootstrap, row_metrics
 from tworec.features import load, split
 from tworec.pipeline import compare as comparison
-from tworec.pipeline.compare import Arm, check_arms, compare, parse_arm, table, validation_split
+from tworec.pipeline.compare import (Arm, check_arms, compare, parse_arm, stopping_of, table,
+                                     validation_split)
 from tworec.pipeline.config import resolve
 
 from helpers import exit_before_tensorflow
@@ -271,3 +272,15 @@ def test_the_table_gives_the_seeds_gains_and_warns_when_arms_choose_epochs_diffe
     assert table({**result, "early_stopping": False, "epoch_choice_differs": False}
                  ).splitlines()[0].endswith("Each run kept its last epoch (no early stopping).")
     assert "Note:" not in table({**result, "epoch_choice_differs": False})
+
+
+@pytest.mark.parametrize("preset, arms, expected", [
+    ("tiny", ["a", "b:epochs=9"], (False, False)),                # no arm stops early
+    ("default", ["a", "b:members=1"], (True, False)),
+    ("default", ["a", "b:epochs=3"], (True, True)),
+    ("default", ["a", "b:early_stopping_patience=0"], (True, True)),
+    ("default", ["a", "b:epochs=8"], (True, False)),                # the epochs it had
+])
+def test_arms_that_stop_early_differently_are_told_apart_by_their_resolved_configs(
+        preset, arms, expected):
+    assert stopping_of([parse_arm(text) for text in arms], resolve(preset)) == expected
