@@ -33,7 +33,9 @@ SEEDS = range(2 ** 32)                    # what `tf.keras.utils.set_random_seed
 OUTPUTS = ("compare.md", "compare.json", "ranks.npz")
 # Fields an arm cannot change, and why.
 NOT_ARMS = {"seed": "every arm trains with the seeds of --seeds",
-            "strategy": "a comparison trains in one process, on this machine's devices",
+            "strategy": "a comparison trains every arm in one process on one device (two "
+                        "mirrored models of other shapes collide in one process, and the other "
+                        "strategies need other processes)",
             "partitioner": "a comparison trains in one process, without parameter servers"}
 
 
@@ -221,9 +223,11 @@ def _run(arm: Arm, seed: int, configs: Configs, inputs: ModelInputs,
         found = evaluate_ranks(retrieval.catalogue_scorer(model, inputs, "validation", evalset),
                                evalset, "retrieval")
     except Exception as error:                 # one line, as a failed step of a run
-        first_line = (str(error).strip().splitlines() or [""])[0]
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [""]
+        # TensorFlow's op errors open with "Graph execution error:" and end with the cause.
+        cause = lines[-1] if lines[0].endswith(":") else lines[0]
         raise ValueError(f"arm {arm.name!r}, seed {seed}: {type(error).__name__}: "
-                         f"{first_line}") from error
+                         f"{cause}") from error
     return {"seed": seed, **{metric: float(values.mean())
                              for metric, values in row_metrics(found, 10).items()},
             "epochs": summary["epochs"], "best_epoch": summary["best_epoch"],
@@ -240,8 +244,8 @@ def table(result: dict) -> str:
              f"{', '.join(map(str, result['seeds']))}; gains over {names[0]!r}, paired "
              "bootstrap 95% over users (not over seeds: the last column gives the least and "
              "most of the seeds' own NDCG@10 gains). " + (
-                 "Each run's epoch was chosen by early stopping on these rows, as a run "
-                 "chooses it." if result["early_stopping"] else
+                 "A run that stops early (early_stopping_patience > 0) chose its epoch on "
+                 "these rows, as a run chooses it." if result["early_stopping"] else
                  "Each run kept its last epoch (no early stopping).")]
     if result["epoch_choice_differs"]:
         lines.append("Note: arms stop early after other epochs or patience, so they choose "

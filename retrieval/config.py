@@ -44,9 +44,10 @@ class RetrievalConfig:
         `history_length`, and whether the log has user features, when given)."""
         user_features = self.use_user_features and has_user_features is not False
         if not (self.use_user_id or user_features or self.history_encoder != "none"):
-            raise ValueError("the query tower reads nothing: keep use_user_id, a history_encoder"
-                             " or use_user_features" + (" (this log has no user features)"
-                                                        if self.use_user_features else ""))
+            raise ValueError("the query tower reads nothing: keep use_user_id or a "
+                             "history_encoder" + (" (this log has no user features)"
+                                                  if has_user_features is False else
+                                                  ", or use_user_features"))
         if self.history_encoder not in ENCODERS:
             raise ValueError(f"history_encoder {self.history_encoder!r}: choose one of {ENCODERS}")
         if self.history_encoder != "none" and history_length is not None and history_length <= 0:

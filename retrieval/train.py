@@ -198,7 +198,8 @@ def fit(data: ModelInputs, config: RetrievalConfig, run_dir: str | None = None,
     Returns:
         (model, summary) with summary holding per-epoch logs, seconds and examples/s.
     """
-    config.validate(history_length=data.history_length)
+    config.validate(history_length=data.history_length,
+                    has_user_features=bool(data.user_feature_vocabs))
     train_rows = data.examples["train"]
     steps = steps_per_epoch or one_pass(len(train_rows["user"]), config.batch_size,
                                         drop_remainder=True)

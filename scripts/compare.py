@@ -17,7 +17,7 @@ from tworec.pipeline import cli
 from tworec.pipeline.compare import (ARM_FORM, OUTPUTS, check_arms, compare, parse_arm, table,
                                      validation_split, write)
 from tworec.pipeline.config import resolve
-from tworec.pipeline.folder import load_source
+from tworec.pipeline.folder import RunFolderError, load_source, only_run_into
 
 
 def main(argv=None) -> int:
@@ -37,36 +37,40 @@ def main(argv=None) -> int:
             and not args.overwrite:
         return cli.fail(f"{args.out} already holds a comparison; pass --overwrite or another "
                         "--out")
-    created = not os.path.exists(args.out)
     try:
-        code = _compare(args)
-    finally:
-        if created and os.path.isdir(args.out) and not os.listdir(args.out):
-            os.rmdir(args.out)               # nothing written: leave no empty folder
-    return code
+        with only_run_into(args.out):           # locked; folders it makes go if left empty
+            return _compare(args)
+    except RunFolderError as error:
+        return cli.fail(str(error))
+    except OSError as error:                  # --out cannot be made
+        return cli.fail(f"--out {args.out}: {error.strerror or error}")
 
 
 def _compare(args) -> int:
-    """Checks everything, then compares and writes; the exit code."""
+    """Checks everything, then compares and writes into the folder --out; the exit code."""
+    if not os.access(args.out, os.W_OK | os.X_OK):
+        return cli.fail(f"--out {args.out}: cannot write in this folder")
     try:
         source = cli.source_of(args)
         arms = [parse_arm(text) for text in args.arm]
         configs = resolve(args.preset or "default", epochs=args.epochs,
                           steps=("train retrieval",), data=cli.data_given(args))
         check_arms(arms, configs, args.seeds)
-        os.makedirs(args.out, exist_ok=True)
         cli.show_logs(args)
         log = load_source(source)
         parts = validation_split(log, configs, arms)
     except ValueError as error:                       # DataError included
         return cli.fail(str(error))
     except OSError as error:
-        return cli.fail(f"--out {args.out}: {error.strerror or error}")
+        return cli.fail(f"--data {source['data']}: {error}")
     try:
         result, ranks = compare(log, parts, configs, arms, args.seeds)
     except ValueError as error:
         return cli.failed(str(error))
-    write(args.out, result, ranks, source, configs)
+    try:
+        write(args.out, result, ranks, source, configs)
+    except OSError as error:
+        return cli.failed(f"--out {args.out}: the results could not be written: {error}")
     print(table(result), end="")
     return 0
 

@@ -20,4 +20,3 @@ def retrieval_run(tmp_path_factory):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return out
-

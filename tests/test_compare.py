@@ -40,7 +40,7 @@ def test_an_arm_reads_each_value_as_its_field_type():
     ("a:width=2", "'width=2' is not FIELD=VALUE of a retrieval config field; known fields: "
                   "embedding_dim, members"),
     ("a:seed=1", "every arm trains with the seeds of --seeds; leave seed out"),
-    ("a:strategy=mirrored", "a comparison trains in one process"),
+    ("a:strategy=mirrored", "a comparison trains every arm in one process"),
     ("a:members=two", "members takes int, got 'two'"),
     ("a:members=none", "members takes int, got 'none'"),
     ("a:l2_normalize=yes", "l2_normalize takes bool, got 'yes'"),
@@ -83,8 +83,8 @@ def test_a_setting_every_arm_shares_is_named_as_such():
     ("b:batch_size=100000", {}, False, "arm 'b': batch_size 100000 is larger than the training"),
     ("b", {"split": "global:0.0001"}, False, "split 'global:0.0001' leaves no validation rows"),
     ("b:use_user_id=false,history_encoder=none", {}, True,
-     "arm 'b': the query tower reads nothing: keep use_user_id, a history_encoder or "
-     "use_user_features (this log has no user features)"),
+     "arm 'b': the query tower reads nothing: keep use_user_id or a history_encoder (this "
+     "log has no user features)"),
 ])
 def test_an_arm_that_does_not_fit_the_log_is_refused_before_training(arm, data,
                                                                      without_user_features,
@@ -98,21 +98,26 @@ def test_an_arm_that_does_not_fit_the_log_is_refused_before_training(arm, data,
     assert message in str(error.value)
 
 
-def test_an_arm_that_fails_to_train_is_named_with_its_seed_in_one_line(monkeypatch):
+@pytest.mark.parametrize("message, cause", [
+    ("out of memory\nwhere it happened", "out of memory"),
+    ("Graph execution error:\n\nDetected at node x\n  shapes differ\n", "shapes differ"),
+])
+def test_an_arm_that_fails_to_train_is_named_with_its_seed_and_cause_in_one_line(
+        monkeypatch, message, cause):
     from tworec.retrieval import train as retrieval
+    real_fit = retrieval.fit
 
     def fit(inputs, config, verbose):
         if config.embedding_dim == 8:
-            raise RuntimeError("out of memory\nwhere it happened")
+            raise RuntimeError(message)
         return real_fit(inputs, config, verbose=verbose)
-    real_fit = retrieval.fit
     monkeypatch.setattr(retrieval, "fit", fit)
     log = load("synthetic:tiny")
     configs = resolve("tiny", epochs=1, steps=("train retrieval",))
     arms = [parse_arm("a"), parse_arm("b:embedding_dim=8")]
     with pytest.raises(ValueError) as error:
         compare(log, validation_split(log, configs, arms), configs, arms, [4], verbose=0)
-    assert str(error.value) == "arm 'b', seed 4: RuntimeError: out of memory"
+    assert str(error.value) == f"arm 'b', seed 4: RuntimeError: {cause}"
 
 
 def test_each_arm_scores_the_validation_rows_as_its_model_and_gains_are_paired_by_user():
@@ -239,6 +244,8 @@ def test_the_script_prints_the_table_and_writes_it_with_the_ranks(tmp_path):
      "arm 'b': batch_size 100000 is larger than the training split"),
     (["--arm", "a", "--arm", "b", "--out", "OUT/a-file"], "is a file; give a folder"),
     (["--arm", "a", "--arm", "b", "--out", "OUT/a-file/below"], "--out OUT/a-file/below: "),
+    (["--arm", "a", "--arm", "b", "--data", "OUT/none.csv", "--out", "OUT/new/deeper"],
+     "no such file"),
     (["--arm", "a", "--arm", "b", "--epochs", "0"], "error: epochs must be positive"),
 ])
 def test_script_mistakes_are_one_line_before_tensorflow_loads(tmp_path, args, message):
@@ -263,8 +270,8 @@ def test_the_table_gives_the_seeds_gains_and_warns_when_arms_choose_epochs_diffe
                   "long": {"retrieval": {"epochs": 9}, "runs": runs, "recall@10": 0.51,
                            "ndcg@10": 0.26, "gain": {"recall@10": gain, "ndcg@10": gain}}}}
     lines = table(result).splitlines()
-    assert lines[0].endswith("Each run's epoch was chosen by early stopping on these rows, as "
-                             "a run chooses it.")
+    assert lines[0].endswith("A run that stops early (early_stopping_patience > 0) chose its "
+                             "epoch on these rows, as a run chooses it.")
     assert lines[1].startswith("Note: arms stop early after other epochs or patience")
     assert lines[-2] == "| base | - | 0.5000 | 0.2500 | - | - | - |"
     assert lines[-1] == ("| long | epochs=9 | 0.5100 | 0.2600 | +0.0100 (-0.0020 to +0.0200) | "
