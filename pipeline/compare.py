@@ -19,6 +19,7 @@ import typing
 
 import numpy as np
 
+from tworec.console import one_line
 from tworec.evaluation import EvalSet, cold_start_window, eval_set, evaluate_ranks
 from tworec.evaluation.metrics import paired_bootstrap, row_metrics
 from tworec.features import Interactions, Split, split
@@ -77,8 +78,8 @@ def _typed(arm: str, field: str, kind, value: str):
     if base is bool and value.lower() in ("true", "false"):
         return value.lower() == "true"
     try:
-        typed = {int: int, float: float, str: str}[base](value)
-    except (KeyError, ValueError):
+        typed = base(value) if base in (int, float, str) else None
+    except ValueError:
         typed = None
     if typed is None or (base is float and not math.isfinite(typed)):
         names = " or ".join(getattr(k, "__name__", str(k)).replace("NoneType", "none")
@@ -223,11 +224,7 @@ def _run(arm: Arm, seed: int, configs: Configs, inputs: ModelInputs,
         found = evaluate_ranks(retrieval.catalogue_scorer(model, inputs, "validation", evalset),
                                evalset, "retrieval")
     except Exception as error:                 # one line, as a failed step of a run
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [""]
-        # TensorFlow's op errors open with "Graph execution error:" and end with the cause.
-        cause = lines[-1] if lines[0].endswith(":") else lines[0]
-        raise ValueError(f"arm {arm.name!r}, seed {seed}: {type(error).__name__}: "
-                         f"{cause}") from error
+        raise ValueError(f"arm {arm.name!r}, seed {seed}: {one_line(error)}") from error
     return {"seed": seed, **{metric: float(values.mean())
                              for metric, values in row_metrics(found, 10).items()},
             "epochs": summary["epochs"], "best_epoch": summary["best_epoch"],

@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from tworec.console import one_line
 from tworec.evaluation import (baseline_ranks, cold_start_window, eval_set, evaluate_ranks,
                                rank_metrics)
 from tworec.evaluation.metrics import paired_bootstrap, row_metrics
@@ -123,9 +124,7 @@ class Run:
         try:
             yield
         except Exception as error:
-            first_line = (str(error).strip().splitlines() or [""])[0]
-            raise StepFailed(f"step '{name}' failed: {type(error).__name__}: {first_line}") \
-                from error
+            raise StepFailed(f"step '{name}' failed: {one_line(error)}") from error
         self.timings[name] = round(time.perf_counter() - start, 2)
         print(f"[run] {name}: {self.timings[name]:.1f} s", flush=True)
 

@@ -129,3 +129,13 @@ def test_exiting_without_finalizing_keeps_the_exit_code_and_every_filtered_line(
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
     assert done.returncode == 3
     assert done.stderr.decode().splitlines() == [f"line {n}" for n in range(2000)]
+
+
+@pytest.mark.parametrize("message, expected", [
+    ("out of memory\nwhere it happened", "RuntimeError: out of memory"),
+    ("Graph execution error:\n\nDetected at node x\n  shapes differ\n",
+     "RuntimeError: shapes differ"),
+    ("", "RuntimeError: "),
+])
+def test_an_error_is_one_line_of_its_type_and_cause(message, expected):
+    assert console.one_line(RuntimeError(message)) == expected

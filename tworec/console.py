@@ -111,6 +111,14 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see --help)\n")
 
 
+def one_line(error: BaseException) -> str:
+    """An exception as one line, `Type: cause`: the first line of its message, or the last
+    when the first only introduces the rest (TensorFlow's op errors open with "Graph
+    execution error:" and end with the cause)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [""]
+    return f"{type(error).__name__}: {lines[-1] if lines[0].endswith(':') else lines[0]}"
+
+
 def parser_for(doc: str) -> OneLineParser:
     """A command's parser, described by the first line of its docstring."""
     return OneLineParser(description=doc.splitlines()[0])
