@@ -1,14 +1,19 @@
-"""Retrieval configs compared on validation, the way a change is chosen (`scripts/compare.py`).
+"""Configs compared on validation, the way a change is chosen (`scripts/compare.py`).
 
-Each arm replaces some fields of the retrieval config. Every arm trains once per seed on the
+Each arm replaces some fields of one stage's config. Every arm trains once per seed on the
 training rows (with early stopping on validation, as a run does) and ranks every validation row
-over the full catalogue as the run scores validation (`retrieval.train.catalogue_scorer`: known
-items excluded, users it does not know served the popular list). An arm's per-row Recall@10
-and NDCG@10 are averaged over its seeds, and every arm is compared with the first by the paired
-bootstrap 95% interval of the gain, resampling users. No test row is scored.
+as the run scores validation. A retrieval arm ranks the full catalogue
+(`retrieval.train.catalogue_scorer`: known items excluded, users it does not know served the
+popular list). Ranking arms re-rank the validation lists one retrieval model per seed serves
+(retrieval alone is their reference row); a calibrated ranker is calibrated on one half of the
+validation users and scores the other (`cross_fitted_scores`), so no row is scored by a model
+fitted on it. An arm's per-row Recall@10 and NDCG@10 are averaged over its seeds, and every arm
+is compared with the first by the paired bootstrap 95% interval of the gain, resampling users.
+No test row is scored.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -20,16 +25,20 @@ import typing
 import numpy as np
 
 from tworec.console import one_line
-from tworec.evaluation import EvalSet, cold_start_window, eval_set, evaluate_ranks
+from tworec.evaluation import EvalSet, MISS, cold_start_window, eval_set, evaluate_ranks
 from tworec.evaluation.metrics import paired_bootstrap, row_metrics
 from tworec.features import Interactions, Split, split
 from tworec.features.inputs import ModelInputs, prepare
 from tworec.pipeline.config import Configs
+from tworec.ranking.config import RankingConfig
 from tworec.retrieval.config import RetrievalConfig
 
 METRICS = ("recall@10", "ndcg@10")
+STAGES = {"retrieval": RetrievalConfig, "ranking": RankingConfig}
 ARM_FORM = "NAME:FIELD=VALUE[,FIELD=VALUE...], e.g. three:members=3"
 ARM_NAME = re.compile(r"[\w.-]+")
+RETRIEVAL_ALONE = "retrieval"          # the reference row of ranking arms (not an arm's name)
+CALIBRATION_FOLDS = 2                  # of validation users: calibrated on one, scored on the other
 SEEDS = range(2 ** 32)                    # what `tf.keras.utils.set_random_seed` takes
 OUTPUTS = ("compare.md", "compare.json", "ranks.npz")
 # Fields an arm cannot change, and why.
@@ -42,31 +51,35 @@ NOT_ARMS = {"seed": "every arm trains with the seeds of --seeds",
 
 @dataclasses.dataclass(frozen=True)
 class Arm:
-    """One side of a comparison: its name and the retrieval config fields it replaces."""
+    """One side of a comparison: its name and the fields it replaces in its stage's config."""
     name: str
-    retrieval: dict
+    fields: dict
+    stage: str = "retrieval"
 
 
-def parse_arm(text: str) -> Arm:
+def parse_arm(text: str, stage: str = "retrieval") -> Arm:
     """`NAME:FIELD=VALUE,...` (or `NAME` alone: the config unchanged) -> Arm, each value read
-    as its `RetrievalConfig` field's type (`none` for an optional field's None)."""
+    as its field's type in the `stage`'s config (`none` for an optional field's None)."""
     name, _, fields = (part.strip() for part in text.partition(":"))
     if not ARM_NAME.fullmatch(name):
         raise ValueError(f"--arm {text!r}: name the arm with letters, digits, '_', '.' or "
                          f"'-'; give {ARM_FORM}")
-    types = typing.get_type_hints(RetrievalConfig)
+    if stage == "ranking" and name == RETRIEVAL_ALONE:
+        raise ValueError(f"--arm {text!r}: {RETRIEVAL_ALONE!r} names the row of retrieval "
+                         "alone; name the arm otherwise")
+    types = typing.get_type_hints(STAGES[stage])
     replaced = {}
     for item in filter(None, fields.split(",")):
         field, equals, value = (part.strip() for part in item.partition("="))
         if not equals or field not in types:
-            raise ValueError(f"--arm {text!r}: {item!r} is not FIELD=VALUE of a retrieval "
-                             f"config field; known fields: {', '.join(types)}")
+            raise ValueError(f"--arm {text!r}: {item!r} is not FIELD=VALUE of a {stage} config "
+                             f"field; known fields: {', '.join(types)}")
         if field in NOT_ARMS:
             raise ValueError(f"--arm {text!r}: {NOT_ARMS[field]}; leave {field} out")
         if field in replaced:
             raise ValueError(f"--arm {text!r}: {field} is given twice")
         replaced[field] = _typed(text, field, types[field], value)
-    return Arm(name, replaced)
+    return Arm(name, replaced, stage)
 
 
 def _typed(arm: str, field: str, kind, value: str):
@@ -90,13 +103,15 @@ def _typed(arm: str, field: str, kind, value: str):
 
 def check_arms(arms: list[Arm], configs: Configs, seeds: list[int]) -> None:
     """Raises ValueError (or DataError) naming the first setting that cannot be compared:
-    the data config, the shared retrieval config, the arms and the seeds; before the log
-    loads."""
+    the data config, the shared configs, the arms and the seeds; before the log loads."""
     configs.data.validate()
     if configs.data.split in ("none", "random"):
         raise ValueError(f"split {configs.data.split!r} holds no validation rows to compare "
                          "on; use temporal or global[:Q]")
     configs.retrieval.validate(history_length=configs.data.history_length)
+    if arms and arms[0].stage == "ranking":
+        configs.ranking.validate(history_length=configs.data.history_length)
+        configs.run.validate()
     if len(arms) < 2:
         raise ValueError(f"a comparison needs two arms or more (--arm {ARM_FORM}); got "
                          f"{len(arms)}")
@@ -107,38 +122,48 @@ def check_arms(arms: list[Arm], configs: Configs, seeds: list[int]) -> None:
         raise ValueError(f"--seeds must be one seed or more, each once, each from 0 to "
                          f"2**32 - 1; got {seeds}")
     for arm in arms:
-        try:
-            arm_configs(arm, configs, seeds[0]).retrieval.validate(
-                history_length=configs.data.history_length)
-        except ValueError as error:
-            raise ValueError(f"arm {arm.name!r}: {error}") from None
+        _check(arm, arm_configs(arm, configs, seeds[0]))
+
+
+def _check(arm: Arm, configs: Configs, log: Interactions | None = None) -> None:
+    """Raises ValueError naming the arm when its configs cannot work (with the log, when
+    given: its user features and ratings)."""
+    try:
+        configs.retrieval.validate(
+            history_length=configs.data.history_length,
+            has_user_features=None if log is None else bool(log.user_features))
+        if arm.stage == "ranking":
+            configs.ranking.validate(has_ratings=log is None or log.rating is not None,
+                                     history_length=configs.data.history_length)
+    except ValueError as error:
+        raise ValueError(f"arm {arm.name!r}: {error}") from None
 
 
 def validation_split(log: Interactions, configs: Configs, arms: list[Arm]) -> Split:
     """The log's split, checked before anything trains: it holds validation rows, and every
-    arm's config fits the log (its user features, its training rows). Raises ValueError (or
-    DataError) naming what does not."""
+    arm's configs fit the log (its user features and ratings, its training rows). Raises
+    ValueError (or DataError) naming what does not."""
     parts = split(log, configs.data.split)
     if not len(parts.validation):
         raise ValueError(f"split {configs.data.split!r} leaves no validation rows in this log "
                          "to compare on")
     for arm in arms:
-        config = arm_configs(arm, configs, 0).retrieval
-        try:
-            config.validate(history_length=configs.data.history_length,
-                            has_user_features=bool(log.user_features))
-        except ValueError as error:
-            raise ValueError(f"arm {arm.name!r}: {error}") from None
-        if config.batch_size > len(parts.train):
-            raise ValueError(f"arm {arm.name!r}: batch_size {config.batch_size} is larger than "
-                             f"the training split ({len(parts.train)} rows)")
+        arm_config = arm_configs(arm, configs, 0)
+        _check(arm, arm_config, log)
+        if arm_config.retrieval.batch_size > len(parts.train):
+            raise ValueError(f"arm {arm.name!r}: batch_size {arm_config.retrieval.batch_size} "
+                             f"is larger than the training split ({len(parts.train)} rows)")
     return parts
 
 
 def arm_configs(arm: Arm, configs: Configs, seed: int) -> Configs:
-    """The configs an arm trains with one seed."""
-    return dataclasses.replace(configs, retrieval=dataclasses.replace(
-        configs.retrieval, **arm.retrieval, seed=seed))
+    """The configs an arm trains with one seed: its fields replaced in its stage's config,
+    and the seed in every stage it trains."""
+    retrieval = dataclasses.replace(configs.retrieval, seed=seed,
+                                    **(arm.fields if arm.stage == "retrieval" else {}))
+    ranking = configs.ranking if arm.stage == "retrieval" else dataclasses.replace(
+        configs.ranking, **arm.fields, seed=seed)
+    return dataclasses.replace(configs, retrieval=retrieval, ranking=ranking)
 
 
 def compare(log: Interactions, parts: Split, configs: Configs, arms: list[Arm],
@@ -147,15 +172,17 @@ def compare(log: Interactions, parts: Split, configs: Configs, arms: list[Arm],
     (`validation_split`).
 
     Returns:
-        (result, ranks): result = {"split", "seeds", "cold_start_window" (as a run chooses it),
-        "validation": {"rows", "users"}, "early_stopping": whether an arm stops early,
-        "epoch_choice_differs": whether arms stop early after other epochs or patience,
-        "arms": {name: {"retrieval": the fields it replaces, "runs": [`_run`'s, with "gain":
-        {metric: this seed's mean gain over the first arm's run of the same seed}],
-        "recall@10" and "ndcg@10": the means over seeds, "gain": None for the first arm, else
-        {metric: `paired_bootstrap` of its rows' seed means against the first arm's, users
-        resampled}}}}; ranks = {"rows": [m] the validation rows (log row positions),
-        "users": [m] their user codes, "NAME/SEED": [m] each row's rank}.
+        (result, ranks): result = {"stage", "split", "seeds", "cold_start_window" (as a run
+        chooses it), "validation": {"rows", "users"}, "early_stopping": whether an arm stops
+        early, "epoch_choice_differs": whether arms stop early after other epochs or patience,
+        "arms": {name: {"fields": the fields it replaces, "runs": [each seed's run, with
+        "gain": {metric: its mean gain over the first arm's run of the same seed}], "recall@10"
+        and "ndcg@10": the means over seeds, "gain": None for the first arm, else {metric:
+        `paired_bootstrap` of its rows' seed means against the first arm's, users resampled}}},
+        and for ranking arms "retrieval" (retrieval alone: "runs", "recall@10", "ndcg@10") and
+        each arm's "gain_over_retrieval"}; ranks = {"rows": [m] the validation rows (log row
+        positions), "users": [m] their user codes, "NAME/SEED": [m] each row's rank, with
+        "retrieval/SEED" for ranking arms}.
 
     Raises:
         ValueError: an arm that failed to train, naming it, the seed and the error.
@@ -164,38 +191,54 @@ def compare(log: Interactions, parts: Split, configs: Configs, arms: list[Arm],
     inputs = prepare(log, parts, configs.data.history_length,
                      exclude_seen=configs.data.exclude_seen, cold_start_window=window)
     evalset = eval_set(log, parts, "validation", exclude_seen=inputs.exclude_seen)
+    stage = arms[0].stage
     early_stopping, epoch_choice_differs = stopping_of(arms, configs)
     ranks = {"rows": evalset.rows, "users": evalset.users}
-    result = {"split": parts.kind, "seeds": list(seeds), "cold_start_window": window,
-              "validation": {"rows": len(evalset), "users": len(np.unique(evalset.users))},
-              "early_stopping": early_stopping, "epoch_choice_differs": epoch_choice_differs,
-              "arms": {}}
-    reference = None                  # the first arm's metric -> [seeds][m] row metrics
-    for arm in arms:
-        runs, rows = [], {metric: [] for metric in METRICS}          # metric -> [seeds][m]
-        for position, seed in enumerate(seeds):
-            run, ranks[f"{arm.name}/{seed}"] = _run(arm, seed, configs, inputs, evalset)
-            for metric, values in row_metrics(ranks[f"{arm.name}/{seed}"], 10).items():
-                rows[metric].append(values)
-            run["gain"] = None if reference is None else {
-                metric: run[metric] - float(reference[metric][position].mean())
-                for metric in METRICS}
-            runs.append(run)
+    runs: dict[str, list[dict]] = {}
+    for seed in seeds:
+        seed_runs = {"retrieval": _retrieval_runs, "ranking": _ranking_runs}[stage](
+            arms, seed, configs, inputs, evalset)
+        for name, run, found in seed_runs:
+            ranks[f"{name}/{seed}"] = found
+            run = {"seed": seed, **{metric: float(values.mean())
+                                    for metric, values in row_metrics(found, 10).items()}, **run}
+            runs.setdefault(name, []).append(run)
             if verbose:
-                print(f"[compare] {arm.name}, seed {seed}: validation Recall@10 "
+                print(f"[compare] {name}, seed {seed}: validation Recall@10 "
                       f"{run['recall@10']:.4f} / NDCG@10 {run['ndcg@10']:.4f} (epoch "
                       f"{run['best_epoch']} of {run['epochs']}, {run['seconds']:.0f} s)",
                       flush=True)
-        means = {metric: np.mean(rows[metric], axis=0) for metric in METRICS}        # [m]
-        result["arms"][arm.name] = {
-            "retrieval": arm.retrieval, "runs": runs,
-            **{metric: float(means[metric].mean()) for metric in METRICS},
-            "gain": None if reference is None else {
-                metric: paired_bootstrap(means[metric], np.mean(reference[metric], axis=0),
-                                         groups=evalset.users)
-                for metric in METRICS}}
-        if reference is None:
-            reference = rows
+    rows = {name: {metric: np.array([row_metrics(ranks[f"{name}/{seed}"], 10)[metric]
+                                     for seed in seeds]) for metric in METRICS}  # [seeds, m]
+            for name in runs}
+
+    def summary(name: str, reference: str | None) -> dict:
+        """A row's means over seeds, and its gain over `reference`'s rows."""
+        means = {metric: rows[name][metric].mean(0) for metric in METRICS}             # [m]
+        return {"runs": runs[name], **{metric: float(means[metric].mean())
+                                       for metric in METRICS},
+                "gain": None if reference is None else {
+                    metric: paired_bootstrap(means[metric], rows[reference][metric].mean(0),
+                                             groups=evalset.users) for metric in METRICS}}
+
+    first = arms[0].name
+    result = {"stage": stage, "split": parts.kind, "seeds": list(seeds),
+              "cold_start_window": window,
+              "validation": {"rows": len(evalset), "users": len(np.unique(evalset.users))},
+              "early_stopping": early_stopping, "epoch_choice_differs": epoch_choice_differs,
+              "arms": {}}
+    for arm in arms:
+        for position, run in enumerate(runs[arm.name]):
+            run["gain"] = None if arm.name == first else {
+                metric: run[metric] - runs[first][position][metric] for metric in METRICS}
+        result["arms"][arm.name] = {"fields": arm.fields,
+                                    **summary(arm.name, None if arm.name == first else first)}
+        if stage == "ranking":
+            result["arms"][arm.name]["gain_over_retrieval"] = summary(
+                arm.name, RETRIEVAL_ALONE)["gain"]
+    if stage == "ranking":
+        result["retrieval"] = {key: value for key, value in summary(RETRIEVAL_ALONE, None).items()
+                               if key != "gain"}
     return result, ranks
 
 
@@ -203,61 +246,166 @@ def stopping_of(arms: list[Arm], configs: Configs) -> tuple[bool, bool]:
     """(whether an arm stops early, whether arms stop early after other epochs or patience:
     then they choose their epoch among more or fewer looks at the rows they are compared on)."""
     stopping = {(config.epochs, config.early_stopping_patience)
-                for config in (arm_configs(arm, configs, 0).retrieval for arm in arms)}
+                for config in (getattr(arm_configs(arm, configs, 0), arm.stage) for arm in arms)}
     early_stopping = any(patience > 0 for _, patience in stopping)
-    return early_stopping, early_stopping and len(stopping) > 1
+    if arms and arms[0].stage == "ranking":              # its retrieval chooses its epoch too
+        early_stopping |= configs.retrieval.early_stopping_patience > 0
+    return early_stopping, len(stopping) > 1 and any(patience > 0 for _, patience in stopping)
 
 
-def _run(arm: Arm, seed: int, configs: Configs, inputs: ModelInputs,
-         evalset: EvalSet) -> tuple[dict, np.ndarray]:
-    """Trains an arm with a seed and ranks the validation rows as a run scores them.
+@contextlib.contextmanager
+def _failing_as(name: str, seed: int):
+    """Any error inside as one ValueError line naming the arm (or retrieval alone) and seed."""
+    try:
+        yield
+    except Exception as error:                 # one line, as a failed step of a run
+        raise ValueError(f"{name}, seed {seed}: {one_line(error)}") from error
+
+
+def _retrieval_run(config: RetrievalConfig, inputs: ModelInputs, evalset: EvalSet):
+    """Trains retrieval and ranks the validation rows over the catalogue as a run scores them.
 
     Returns:
-        ({"seed", "recall@10", "ndcg@10", "epochs", "best_epoch", "val_recall@10": early
-        stopping's figure of every epoch, "seconds"}, [m] each validation row's rank).
+        (model, {"epochs", "best_epoch", "val_recall@10": early stopping's figure of every
+        epoch}, [m] each validation row's rank).
     """
     from tworec.retrieval import train as retrieval            # TensorFlow from here
+    model, summary = retrieval.fit(inputs, config, verbose=0)
+    found = evaluate_ranks(retrieval.catalogue_scorer(model, inputs, "validation", evalset),
+                           evalset, "retrieval")
+    return model, {"epochs": summary["epochs"], "best_epoch": summary["best_epoch"],
+                   "val_recall@10": summary["history"]["val_recall@10"]}, found
+
+
+def _retrieval_runs(arms: list[Arm], seed: int, configs: Configs, inputs: ModelInputs,
+                    evalset: EvalSet):
+    """Yields (arm name, {"epochs", "best_epoch", "val_recall@10", "seconds"}, [m] ranks) of
+    every retrieval arm trained with `seed`."""
+    for arm in arms:
+        start = time.perf_counter()
+        with _failing_as(f"arm {arm.name!r}", seed):
+            _, run, found = _retrieval_run(arm_configs(arm, configs, seed).retrieval, inputs,
+                                           evalset)
+        yield arm.name, {**run, "seconds": round(time.perf_counter() - start, 1)}, found
+
+
+def _ranking_runs(arms: list[Arm], seed: int, configs: Configs, inputs: ModelInputs,
+                  evalset: EvalSet):
+    """Yields retrieval alone's, then every ranking arm's (name, {"epochs", "best_epoch",
+    "seconds", and a ranker's "calibration": each fold's}, [m] ranks) with `seed`: one
+    retrieval model serves the lists every arm re-ranks, and gives the hard negatives, as in a
+    run; a re-ranked row's rank past the served top_n is a miss."""
+    from tworec.ranking import features as ranking_features        # TensorFlow from here
+    from tworec.ranking import train as ranking
+    from tworec.retrieval import train as retrieval
+    run_config, _ = configs.run.for_catalogue(inputs.num_items)
     start = time.perf_counter()
-    try:
-        model, summary = retrieval.fit(inputs, arm_configs(arm, configs, seed).retrieval,
-                                       verbose=0)
-        found = evaluate_ranks(retrieval.catalogue_scorer(model, inputs, "validation", evalset),
-                               evalset, "retrieval")
-    except Exception as error:                 # one line, as a failed step of a run
-        raise ValueError(f"arm {arm.name!r}, seed {seed}: {one_line(error)}") from error
-    return {"seed": seed, **{metric: float(values.mean())
-                             for metric, values in row_metrics(found, 10).items()},
-            "epochs": summary["epochs"], "best_epoch": summary["best_epoch"],
-            "val_recall@10": summary["history"]["val_recall@10"],
-            "seconds": round(time.perf_counter() - start, 1)}, found
+    with _failing_as(RETRIEVAL_ALONE, seed):
+        model, run, found = _retrieval_run(arm_configs(arms[0], configs, seed).retrieval,
+                                           inputs, evalset)
+        hard = {part: retrieval.top_candidates(model, inputs, part, run_config.hard_negative_pool)
+                for part in ("train", "validation")}
+        served = retrieval.top_candidates(model, inputs, "validation", run_config.candidates,
+                                          evalset=evalset)                        # [m, C]
+        embeddings = retrieval.embeddings_for_ranking(model, inputs)
+    yield RETRIEVAL_ALONE, {**run, "seconds": round(time.perf_counter() - start, 1)}, found
+    for arm in arms:
+        start = time.perf_counter()
+        config = arm_configs(arm, configs, seed).ranking
+        with _failing_as(f"arm {arm.name!r}", seed):
+            signals = ranking_features.signals(inputs, config, embeddings)
+            ranker, summary = ranking.fit(inputs, config, signals, hard=hard, verbose=0)
+            scores, calibration = (cross_fitted_scores(ranker, inputs, signals, served,
+                                                       evalset.users)
+                                   if ranking.calibrates(config) else
+                                   (ranking.score_lists(ranker, inputs, signals, "validation",
+                                                        served), None))
+            positions, _ = ranking.reranked_ranks(scores, served,
+                                                  inputs.examples["validation"]["item"])
+        yield arm.name, {"epochs": summary["epochs"], "best_epoch": summary["best_epoch"],
+                         "calibration": calibration,
+                         "seconds": round(time.perf_counter() - start, 1)}, \
+            np.where(positions >= run_config.top_n, MISS, positions)
+
+
+def calibration_folds(users: np.ndarray, folds: int = CALIBRATION_FOLDS) -> np.ndarray:
+    """[m] each row's fold, 0 .. folds - 1, by its user (`users` [m]: a user's rows share a
+    fold), from a fixed shuffle of the users: the same folds for every arm and seed."""
+    unique, row_user = np.unique(users, return_inverse=True)
+    return np.random.default_rng(0).permutation(len(unique))[row_user] % folds
+
+
+def cross_fitted_scores(model, inputs: ModelInputs, signals, candidates: np.ndarray,
+                        users: np.ndarray) -> tuple[np.ndarray, list[dict]]:
+    """[m, C] the validation lists' scores, each fold's rows scored by the ranker calibrated
+    on the other folds' rows (`ranking.train.calibrate` with `fit_rows`): a run calibrates on
+    every validation row and is scored on test, so validation is scored out of fold. The
+    ranker's trained weights are restored after each fold.
+
+    Args:
+        model: a trained ranker (not calibrated). candidates: [m, C] the served lists.
+        users: [m] each validation row's user.
+
+    Returns:
+        (scores, [each fold's calibration, as `calibrate` returns it]).
+    """
+    from tworec.ranking import train as ranking
+    folds = calibration_folds(users)
+    trained = model.get_weights()
+    scores = np.zeros(candidates.shape, np.float32)
+    calibrations = []
+    for fold in range(CALIBRATION_FOLDS):
+        scored = folds == fold
+        calibrations.append(ranking.calibrate(model, inputs, signals, "validation", candidates,
+                                              fit_rows=~scored))
+        scores[scored] = ranking.score_lists(model, inputs, signals, "validation",
+                                             candidates)[scored]
+        model.set_weights(trained)
+    return scores, calibrations
 
 
 def table(result: dict) -> str:
     """The comparison as Markdown: each arm's means over seeds, its gain over the first arm
-    with the 95% interval, and the least and most of its seeds' own gains."""
+    with the 95% interval, and the least and most of its seeds' own gains; for ranking arms,
+    retrieval alone's row first and each arm's gain over it."""
     names = list(result["arms"])
+    ranking = result.get("stage") == "ranking"
     lines = [f"Validation ({result['split']}, {result['validation']['rows']} rows of "
              f"{result['validation']['users']} users), mean over seeds "
              f"{', '.join(map(str, result['seeds']))}; gains over {names[0]!r}, paired "
-             "bootstrap 95% over users (not over seeds: the last column gives the least and "
-             "most of the seeds' own NDCG@10 gains). " + (
+             "bootstrap 95% over users (not over seeds: 'NDCG@10 gain, seeds' gives the least "
+             "and most of the seeds' own gains). " + (
                  "A run that stops early (early_stopping_patience > 0) chose its epoch on "
                  "these rows, as a run chooses it." if result["early_stopping"] else
                  "Each run kept its last epoch (no early stopping).")]
+    if ranking:
+        lines.append("Each ranking arm re-ranks the lists of the same retrieval model per seed "
+                     "(retrieval alone's row), as the served two-stage list; a calibrated "
+                     "ranker is calibrated on half of the users and scores the other half.")
     if result["epoch_choice_differs"]:
         lines.append("Note: arms stop early after other epochs or patience, so they choose "
                      "their epoch among more or fewer looks at these rows; the arm that looks "
                      "more often is favoured.")
-    lines += ["", "| arm | fields | Recall@10 | NDCG@10 | Recall@10 gain | NDCG@10 gain | "
-              "NDCG@10 gain, seeds |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    columns = ["arm", "fields", "Recall@10", "NDCG@10", "Recall@10 gain", "NDCG@10 gain",
+               "NDCG@10 gain, seeds"] + (["NDCG@10 gain over retrieval"] if ranking else [])
+    lines += ["", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+
+    def interval(gain: dict | None) -> str:
+        return "-" if gain is None else "{difference:+.4f} ({ci95[0]:+.4f} to " \
+            "{ci95[1]:+.4f})".format(**gain)
+
+    if ranking:
+        alone = result["retrieval"]
+        lines.append(f"| retrieval alone | - | {alone['recall@10']:.4f} | "
+                     f"{alone['ndcg@10']:.4f} | - | - | - | - |")
     for name, arm in result["arms"].items():
-        fields = ", ".join(f"{key}={value}" for key, value in arm["retrieval"].items()) or "-"
-        gains = ["-" if arm["gain"] is None else "{difference:+.4f} ({ci95[0]:+.4f} to "
-                 "{ci95[1]:+.4f})".format(**arm["gain"][metric]) for metric in METRICS]
+        fields = ", ".join(f"{key}={value}" for key, value in arm["fields"].items()) or "-"
+        gains = [interval(arm["gain"] and arm["gain"][metric]) for metric in METRICS]
         seeds = [run["gain"]["ndcg@10"] for run in arm["runs"] if run["gain"]]
         spread = f"{min(seeds):+.4f} to {max(seeds):+.4f}" if seeds else "-"
-        lines.append(f"| {name} | {fields} | {arm['recall@10']:.4f} | {arm['ndcg@10']:.4f} | "
-                     f"{gains[0]} | {gains[1]} | {spread} |")
+        over = [interval(arm["gain_over_retrieval"]["ndcg@10"])] if ranking else []
+        lines.append("| " + " | ".join([name, fields, f"{arm['recall@10']:.4f}",
+                                        f"{arm['ndcg@10']:.4f}", *gains, spread, *over]) + " |")
     return "\n".join(lines) + "\n"
 
 

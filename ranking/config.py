@@ -21,6 +21,7 @@ class RankingConfig:
     cross_structure: str = "stacked"      # stacked | parallel
     projection_dim: int | None = None     # low-rank cross layers
     deep_layers: tuple[int, ...] = (256, 128)
+    use_retrieval_score: bool = True      # the retrieval score of each pair, when given
     use_transitions: bool = True          # how often the candidate followed the latest item
     cooccurrence_neighbors: int = 0       # similar items kept per item (0: no co-occurrence)
     cooccurrence_folds: int = 5           # user folds: training rows read out-of-fold values

@@ -49,8 +49,9 @@ class RankingSignals:
 def signals(data: ModelInputs, config: RankingConfig, retrieval: dict | None = None
             ) -> RankingSignals:
     """The signals `config` asks for: `retrieval` holds the retrieval stage's `queries`
-    (part -> [m, e]), `latest` ([num_users, e]) and `items` ([num_items, e]) arrays."""
-    retrieval = retrieval or {}
+    (part -> [m, e]), `latest` ([num_users, e]) and `items` ([num_items, e]) arrays (left out
+    when `config.use_retrieval_score` is off)."""
+    retrieval = (retrieval or {}) if config.use_retrieval_score else {}
     return RankingSignals(
         retrieval_queries=retrieval.get("queries"), retrieval_latest=retrieval.get("latest"),
         retrieval_items=retrieval.get("items"),

@@ -147,7 +147,7 @@ def calibrates(config: RankingConfig) -> bool:
 
 
 def calibrate(model: RankingModel, data: ModelInputs, signals: RankingSignals, part: str,
-              candidates: np.ndarray) -> dict:
+              candidates: np.ndarray, fit_rows: np.ndarray | None = None) -> dict:
     """Refits the balance of the ranker's logit on held-out lists as served, and applies it.
 
     The logit is `head + sum_k w_k * signal_k`; the ranker learnt it on training lists of
@@ -163,6 +163,8 @@ def calibrate(model: RankingModel, data: ModelInputs, signals: RankingSignals, p
 
     Args:
         candidates: [m, C] the served candidates of every row of `part` (`EMPTY_SLOT` pads).
+        fit_rows: [m] bool, the rows it may fit on (default: every row), e.g. one fold of
+            users when the other is scored with the refitted model.
 
     Returns:
         {"rows": lists fitted on, "scale": a, "weights": signal -> its new weight,
@@ -174,6 +176,8 @@ def calibrate(model: RankingModel, data: ModelInputs, signals: RankingSignals, p
                          "calibrate a listwise or binary ranker")
     names = model.logit_signals
     rows = data.known_in(part) & (candidates == data.examples[part]["item"][:, None]).any(1)
+    if fit_rows is not None:
+        rows &= fit_rows
     if not rows.any():
         return {"rows": 0, "skipped": "no served validation list holds its positive"}
     examples = list_examples(data, signals, part, np.maximum(candidates, 0))

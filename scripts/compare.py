@@ -1,14 +1,17 @@
-"""Compares retrieval configs on the validation rows, the way a change is chosen: every arm
-trained with every seed, and each arm's gain over the first with its paired bootstrap 95%
-interval over users.
+"""Compares retrieval or ranking configs on the validation rows, the way a change is chosen:
+every arm trained with every seed, and each arm's gain over the first with its paired
+bootstrap 95% interval over users.
 
     python scripts/compare.py --data SOURCE --out DIR --arm NAME[:FIELD=VALUE,...] --arm ...
-        [--split temporal|global[:Q]] [--preset tiny|default] [--epochs N] [--seeds 0 1 2]
+        [--stage retrieval|ranking] [--split temporal|global[:Q]] [--preset tiny|default]
+        [--epochs N] [--seeds 0 1 2]
 
-FIELD=VALUE replaces a field of the retrieval config (`retrieval.config.RetrievalConfig`), e.g.
-`--arm one:members=1 --arm three:members=3`. Prints the table and writes DIR/compare.md,
-DIR/compare.json and DIR/ranks.npz (the rank of every validation row under each arm and seed,
-and the row and its user). No test row is scored.
+FIELD=VALUE replaces a field of the stage's config (`retrieval.config.RetrievalConfig`, or
+`ranking.config.RankingConfig` with --stage ranking), e.g. `--arm one:members=1 --arm
+three:members=3`. Ranking arms re-rank the lists of one retrieval model per seed, shown as
+retrieval alone. Prints the table and writes DIR/compare.md, DIR/compare.json and
+DIR/ranks.npz (the rank of every validation row under each arm and seed, and the row and its
+user). No test row is scored.
 """
 import os
 import sys
@@ -20,6 +23,10 @@ from tworec.pipeline.config import resolve
 from tworec.pipeline.folder import RunFolderError, load_source, only_run_into
 
 
+TRAINED = {"retrieval": ("train retrieval",),          # the stages --epochs sets
+           "ranking": ("train retrieval", "train ranking")}
+
+
 def main(argv=None) -> int:
     parser = cli.parser_for(__doc__)
     cli.add_run_arguments(parser, out_help="the folder of the comparison's results",
@@ -28,6 +35,9 @@ def main(argv=None) -> int:
     parser.add_argument("--arm", action="append", default=[], metavar="NAME[:FIELD=VALUE,...]",
                         help=f"an arm of the comparison ({ARM_FORM}); two or more, the first "
                              "is the reference")
+    parser.add_argument("--stage", choices=("retrieval", "ranking"), default="retrieval",
+                        help="the config the arms change: retrieval (default) or ranking, "
+                             "whose arms re-rank one retrieval model's lists per seed")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
                         help="every arm trains once with each (default: 0 1 2)")
     args = parser.parse_args(argv)
@@ -52,9 +62,9 @@ def _compare(args) -> int:
         return cli.fail(f"--out {args.out}: cannot write in this folder")
     try:
         source = cli.source_of(args)
-        arms = [parse_arm(text) for text in args.arm]
+        arms = [parse_arm(text, args.stage) for text in args.arm]
         configs = resolve(args.preset or "default", epochs=args.epochs,
-                          steps=("train retrieval",), data=cli.data_given(args))
+                          steps=TRAINED[args.stage], data=cli.data_given(args))
         check_arms(arms, configs, args.seeds)
         cli.show_logs(args)
         log = load_source(source)

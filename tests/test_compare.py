@@ -25,8 +25,8 @@ def test_an_arm_reads_each_value_as_its_field_type():
                     "num_hard_negatives=none,history_encoder=mean")
     assert arm == Arm("mine", {"members": 2, "temperature": 0.1, "l2_normalize": False,
                                "num_hard_negatives": None, "history_encoder": "mean"})
-    assert type(arm.retrieval["temperature"]) is float and parse_arm("base") == Arm("base", {})
-    assert parse_arm("hard:num_hard_negatives=4").retrieval == {"num_hard_negatives": 4}
+    assert type(arm.fields["temperature"]) is float and parse_arm("base") == Arm("base", {})
+    assert parse_arm("hard:num_hard_negatives=4").fields == {"num_hard_negatives": 4}
 
 
 @pytest.mark.parametrize("text, message", [
@@ -158,7 +158,7 @@ def test_each_arm_scores_the_validation_rows_as_its_model_and_gains_are_paired_b
         assert arm["gain"][metric] == paired_bootstrap(
             seed_means("mean", metric), seed_means("base", metric), groups=ranks["users"])
     assert arm["gain"]["ndcg@10"]["units"] == result["validation"]["users"] < len(validation)
-    assert [run["seed"] for run in arm["runs"]] == seeds and arm["retrieval"] == {
+    assert [run["seed"] for run in arm["runs"]] == seeds and arm["fields"] == {
         "history_encoder": "mean"}
     lines = table(result).splitlines()
     assert lines[-1].startswith("| mean | history_encoder=mean | ") and len(lines) == 7
@@ -199,6 +199,91 @@ def test_each_run_is_the_model_a_run_trains_with_its_early_stopping_and_seen_ite
         assert {key: run[key] for key in expected} == expected
         assert run["val_recall@10"] == summary["history"]["val_recall@10"]
         assert run["best_epoch"] == summary["best_epoch"]
+
+
+def test_ranking_arms_rerank_one_retrieval_model_per_seed_calibrated_out_of_fold():
+    """Ranking arms re-rank the validation lists one retrieval model per seed serves (its own
+    row, "retrieval"), as a run trains and serves them; a calibrated ranker scores each fold
+    of users calibrated on the other fold only (here by hiding the scored fold's lists), an
+    uncalibrated one as trained; a rank past the served top_n is a miss."""
+    from tworec.evaluation import MISS, eval_set, evaluate_ranks
+    from tworec.features.inputs import EMPTY_SLOT, prepare
+    from tworec.ranking import features as ranking_features
+    from tworec.ranking import train as ranking
+    from tworec.retrieval import train as retrieval
+    log = load("synthetic:tiny")
+    configs = resolve("tiny", epochs=1, steps=("train retrieval", "train ranking"),
+                      run={"top_n": 5})
+    arms = [parse_arm("cal", "ranking"), parse_arm("raw:calibrate=false", "ranking")]
+    result, ranks = compare(log, validation_split(log, configs, arms), configs, arms, [2],
+                            verbose=0)
+
+    parts = split(log, "temporal")
+    inputs = prepare(log, parts, configs.data.history_length,
+                     cold_start_window=result["cold_start_window"])
+    evalset = eval_set(log, parts, "validation", exclude_seen=True)
+    model, _ = retrieval.fit(inputs, dataclasses.replace(configs.retrieval, seed=2), verbose=0)
+    assert np.array_equal(ranks["retrieval/2"], evaluate_ranks(
+        retrieval.catalogue_scorer(model, inputs, "validation", evalset), evalset, "retrieval"))
+    run, _ = configs.run.for_catalogue(inputs.num_items)
+    served = retrieval.top_candidates(model, inputs, "validation", run.candidates,
+                                      evalset=evalset)
+    hard = {part: retrieval.top_candidates(model, inputs, part, run.hard_negative_pool)
+            for part in ("train", "validation")}
+    folds = comparison.calibration_folds(evalset.users)
+    assert sorted(np.unique(folds)) == [0, 1] and all(
+        len(np.unique(folds[evalset.users == user])) == 1 for user in evalset.users)
+    targets = inputs.examples["validation"]["item"]
+    for name, calibrated in (("cal", True), ("raw", False)):
+        config = dataclasses.replace(configs.ranking, seed=2, calibrate=calibrated)
+        signals = ranking_features.signals(inputs, config,
+                                           retrieval.embeddings_for_ranking(model, inputs))
+        ranker, _ = ranking.fit(inputs, config, signals, hard=hard, verbose=0)
+        trained, expected = ranker.get_weights(), np.full(len(targets), -7)
+        for fold in (0, 1):
+            if calibrated:
+                hidden = np.where((folds == fold)[:, None], EMPTY_SLOT, served)
+                ranking.calibrate(ranker, inputs, signals, "validation", hidden)
+            positions, _ = ranking.reranked_ranks(
+                ranking.score_lists(ranker, inputs, signals, "validation", served), served,
+                targets)
+            expected[folds == fold] = np.where(positions < 5, positions, MISS)[folds == fold]
+            ranker.set_weights(trained)
+        assert np.array_equal(ranks[f"{name}/2"], expected), name
+    cal, raw = result["arms"]["cal"], result["arms"]["raw"]
+    assert [fold["rows"] > 0 for fold in cal["runs"][0]["calibration"]] == [True, True]
+    assert raw["runs"][0]["calibration"] is None and raw["fields"] == {"calibrate": False}
+    assert result["retrieval"]["ndcg@10"] == pytest.approx(
+        row_metrics(ranks["retrieval/2"], 10)["ndcg@10"].mean())
+    assert cal["gain_over_retrieval"]["ndcg@10"] == paired_bootstrap(
+        row_metrics(ranks["cal/2"], 10)["ndcg@10"], row_metrics(ranks["retrieval/2"], 10)[
+            "ndcg@10"], groups=ranks["users"])
+    lines = table(result).splitlines()
+    assert lines[-3].startswith("| retrieval alone | - | ") and lines[-1].startswith(
+        "| raw | calibrate=False | ") and lines[-1].count("|") == 9
+
+
+def test_a_ranking_arm_reads_ranking_fields_and_is_checked_as_a_ranking_config():
+    arm = parse_arm("b:model=bst,num_negatives=4,projection_dim=none", "ranking")
+    assert arm == Arm("b", {"model": "bst", "num_negatives": 4, "projection_dim": None},
+                      "ranking")
+    for text, message in (("retrieval:model=bst", "names the row of retrieval alone"),
+                          ("b:members=2", "of a ranking config field; known fields: model"),
+                          ("b:seed=3", "leave seed out")):
+        with pytest.raises(ValueError, match="^--arm") as error:
+            parse_arm(text, "ranking")
+        assert message in str(error.value)
+    configs = resolve("tiny")
+    with pytest.raises(ValueError, match="^arm 'b': task 'pairwise'"):
+        check_arms([parse_arm("a", "ranking"), parse_arm("b:task=pairwise", "ranking")],
+                   configs, [0])
+    log = dataclasses.replace(load("synthetic:tiny"), rating=None)
+    with pytest.raises(ValueError, match="^arm 'b': task 'regression' needs ratings"):
+        validation_split(log, configs, [parse_arm("a", "ranking"),
+                                        parse_arm("b:task=regression", "ranking")])
+    ranking_arms = [parse_arm("a", "ranking"), parse_arm("b:epochs=9", "ranking")]
+    assert stopping_of(ranking_arms, resolve("default")) == (True, True)
+    assert stopping_of(ranking_arms, resolve("tiny")) == (False, False)
 
 
 def script(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -247,6 +332,8 @@ def test_the_script_prints_the_table_and_writes_it_with_the_ranks(tmp_path):
     (["--arm", "a", "--arm", "b", "--data", "OUT/none.csv", "--out", "OUT/new/deeper"],
      "no such file"),
     (["--arm", "a", "--arm", "b", "--epochs", "0"], "error: epochs must be positive"),
+    (["--stage", "ranking", "--arm", "a", "--arm", "b:model=xgb"], "arm 'b': model 'xgb'"),
+    (["--stage", "ranking", "--arm", "a", "--arm", "b:members=2"], "of a ranking config"),
 ])
 def test_script_mistakes_are_one_line_before_tensorflow_loads(tmp_path, args, message):
     (tmp_path / "a-file").write_text("not a folder")
@@ -265,9 +352,9 @@ def test_the_table_gives_the_seeds_gains_and_warns_when_arms_choose_epochs_diffe
     runs = [{"gain": {"ndcg@10": 0.03}}, {"gain": {"ndcg@10": -0.01}}]
     result = {"split": "temporal", "seeds": [0, 1], "validation": {"rows": 5, "users": 5},
               "early_stopping": True, "epoch_choice_differs": True, "arms": {
-                  "base": {"retrieval": {}, "runs": [{"gain": None}] * 2, "recall@10": 0.5,
+                  "base": {"fields": {}, "runs": [{"gain": None}] * 2, "recall@10": 0.5,
                            "ndcg@10": 0.25, "gain": None},
-                  "long": {"retrieval": {"epochs": 9}, "runs": runs, "recall@10": 0.51,
+                  "long": {"fields": {"epochs": 9}, "runs": runs, "recall@10": 0.51,
                            "ndcg@10": 0.26, "gain": {"recall@10": gain, "ndcg@10": gain}}}}
     lines = table(result).splitlines()
     assert lines[0].endswith("A run that stops early (early_stopping_patience > 0) chose its "

@@ -332,6 +332,11 @@ def test_retrieval_scores_are_the_dot_products_of_the_pairs(inputs, signal):
                                rtol=1e-5, atol=1e-6)
     examples = list_examples(inputs, signal, "test", items)
     assert set(examples) >= {"items", "retrieval_scores", "transitions", "rating", "history"}
+    without = signals(inputs, preset("tiny", use_retrieval_score=False), retrieval={
+        "queries": signal.retrieval_queries, "latest": signal.retrieval_latest,
+        "items": signal.retrieval_items})                  # the ablation: given, not read
+    assert not without.has_retrieval and "retrieval_scores" not in list_examples(
+        inputs, without, "test", items)
 
 
 def test_retrieval_signal_feeds_the_ranker(inputs, signal):
