@@ -49,6 +49,20 @@ def add_run_arguments(parser: argparse.ArgumentParser, out_required: bool = True
                         help="show TensorFlow's, absl's and ScaNN's own logs (also: TWOREC_VERBOSE=1)")
 
 
+def add_list_arguments(parser: argparse.ArgumentParser) -> None:
+    """--top-k and --top-n: the retrieval candidates the recommender re-ranks, and the items
+    it returns (`list_run`)."""
+    parser.add_argument("--top-k", type=int, default=RunConfig.candidates,
+                        help="retrieval candidates to re-rank")
+    parser.add_argument("--top-n", type=int, default=RunConfig.top_n,
+                        help="items the recommender returns")
+
+
+def list_run(args) -> dict:
+    """The run config fields of `add_list_arguments`'s arguments."""
+    return {"candidates": args.top_k, "top_n": args.top_n}
+
+
 def add_members_argument(parser: argparse.ArgumentParser) -> None:
     """--members, of the scripts that train retrieval (`members_given` reads it)."""
     parser.add_argument("--members", type=int, metavar="M",

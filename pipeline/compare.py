@@ -6,8 +6,9 @@ as the run scores validation. A retrieval arm ranks the full catalogue
 (`retrieval.train.catalogue_scorer`: known items excluded, users it does not know served the
 popular list). Ranking arms re-rank the validation lists one retrieval model per seed serves
 (retrieval alone is their reference row); a calibrated ranker is calibrated on one half of the
-validation users and scores the other (`cross_fitted_scores`), so no row is scored by a model
-fitted on it. An arm's per-row Recall@10 and NDCG@10 are averaged over its seeds, and every arm
+validation users and scores the other (`cross_fitted_scores`), so no row is scored by a
+calibration fitted on it (early stopping still chooses epochs on every validation row, as a run
+does). An arm's per-row Recall@10 and NDCG@10 are averaged over its seeds, and every arm
 is compared with the first by the paired bootstrap 95% interval of the gain, resampling users.
 No test row is scored.
 """
@@ -35,7 +36,7 @@ from tworec.retrieval.config import RetrievalConfig
 
 METRICS = ("recall@10", "ndcg@10")
 STAGES = {"retrieval": RetrievalConfig, "ranking": RankingConfig}
-ARM_FORM = "NAME:FIELD=VALUE[,FIELD=VALUE...], e.g. three:members=3"
+ARM_FORM = "NAME:FIELD=VALUE[,FIELD=VALUE...], e.g. three:members=3 (layers: 256/128)"
 ARM_NAME = re.compile(r"[\w.-]+")
 RETRIEVAL_ALONE = "retrieval"          # the reference row of ranking arms (not an arm's name)
 CALIBRATION_FOLDS = 2                  # of validation users: calibrated on one, scored on the other
@@ -83,7 +84,14 @@ def parse_arm(text: str, stage: str = "retrieval") -> Arm:
 
 
 def _typed(arm: str, field: str, kind, value: str):
-    """`value` read as `kind` (int, float, bool or str, each maybe optional)."""
+    """`value` read as `kind` (int, float, bool or str, each maybe optional, or a tuple of
+    ints given as `256/128`)."""
+    if typing.get_origin(kind) is tuple:
+        try:
+            return tuple(int(units) for units in value.split("/"))
+        except ValueError:
+            raise ValueError(f"--arm {arm!r}: {field} takes integers joined by '/', e.g. "
+                             f"256/128, got {value!r}") from None
     kinds = typing.get_args(kind) or (kind,)
     if type(None) in kinds and value.lower() == "none":
         return None
@@ -118,6 +126,9 @@ def check_arms(arms: list[Arm], configs: Configs, seeds: list[int]) -> None:
     names = [arm.name for arm in arms]
     if len(set(names)) < len(names):
         raise ValueError(f"arm names must differ; got {names}")
+    if len({arm.stage for arm in arms}) > 1:
+        raise ValueError("arms of one comparison change one stage's config; got "
+                         f"{sorted({arm.stage for arm in arms})}")
     if not seeds or len(set(seeds)) < len(seeds) or not all(seed in SEEDS for seed in seeds):
         raise ValueError(f"--seeds must be one seed or more, each once, each from 0 to "
                          f"2**32 - 1; got {seeds}")
@@ -135,6 +146,9 @@ def _check(arm: Arm, configs: Configs, log: Interactions | None = None) -> None:
         if arm.stage == "ranking":
             configs.ranking.validate(has_ratings=log is None or log.rating is not None,
                                      history_length=configs.data.history_length)
+            if arm.fields.get("popularity_periods") and configs.ranking.task == "regression":
+                raise ValueError("popularity_periods: a regression ranker reads no popularity "
+                                 "periods; leave it out, or use task listwise or binary")
     except ValueError as error:
         raise ValueError(f"arm {arm.name!r}: {error}") from None
 
@@ -151,8 +165,10 @@ def validation_split(log: Interactions, configs: Configs, arms: list[Arm]) -> Sp
         arm_config = arm_configs(arm, configs, 0)
         _check(arm, arm_config, log)
         if arm_config.retrieval.batch_size > len(parts.train):
-            raise ValueError(f"arm {arm.name!r}: batch_size {arm_config.retrieval.batch_size} "
-                             f"is larger than the training split ({len(parts.train)} rows)")
+            whose = (f"arm {arm.name!r}" if arm.stage == "retrieval" else
+                     "the retrieval config every ranking arm re-ranks")
+            raise ValueError(f"{whose}: batch_size {arm_config.retrieval.batch_size} is larger "
+                             f"than the training split ({len(parts.train)} rows)")
     return parts
 
 
@@ -195,30 +211,32 @@ def compare(log: Interactions, parts: Split, configs: Configs, arms: list[Arm],
     early_stopping, epoch_choice_differs = stopping_of(arms, configs)
     ranks = {"rows": evalset.rows, "users": evalset.users}
     runs: dict[str, list[dict]] = {}
+    rows: dict[str, dict[str, list]] = {}                  # name -> metric -> [seeds][m]
     for seed in seeds:
         seed_runs = {"retrieval": _retrieval_runs, "ranking": _ranking_runs}[stage](
             arms, seed, configs, inputs, evalset)
         for name, run, found in seed_runs:
             ranks[f"{name}/{seed}"] = found
-            run = {"seed": seed, **{metric: float(values.mean())
-                                    for metric, values in row_metrics(found, 10).items()}, **run}
+            metrics = row_metrics(found, 10)
+            for metric in METRICS:
+                rows.setdefault(name, {}).setdefault(metric, []).append(metrics[metric])
+            run = {"seed": seed, **{metric: float(metrics[metric].mean())
+                                    for metric in METRICS}, **run}
             runs.setdefault(name, []).append(run)
             if verbose:
                 print(f"[compare] {name}, seed {seed}: validation Recall@10 "
                       f"{run['recall@10']:.4f} / NDCG@10 {run['ndcg@10']:.4f} (epoch "
                       f"{run['best_epoch']} of {run['epochs']}, {run['seconds']:.0f} s)",
                       flush=True)
-    rows = {name: {metric: np.array([row_metrics(ranks[f"{name}/{seed}"], 10)[metric]
-                                     for seed in seeds]) for metric in METRICS}  # [seeds, m]
-            for name in runs}
+    means = {name: {metric: np.mean(values, axis=0) for metric, values in metrics.items()}
+             for name, metrics in rows.items()}                   # name -> metric -> [m]
 
     def summary(name: str, reference: str | None) -> dict:
         """A row's means over seeds, and its gain over `reference`'s rows."""
-        means = {metric: rows[name][metric].mean(0) for metric in METRICS}             # [m]
-        return {"runs": runs[name], **{metric: float(means[metric].mean())
+        return {"runs": runs[name], **{metric: float(means[name][metric].mean())
                                        for metric in METRICS},
                 "gain": None if reference is None else {
-                    metric: paired_bootstrap(means[metric], rows[reference][metric].mean(0),
+                    metric: paired_bootstrap(means[name][metric], means[reference][metric],
                                              groups=evalset.users) for metric in METRICS}}
 
     first = arms[0].name
@@ -382,6 +400,12 @@ def table(result: dict) -> str:
         lines.append("Each ranking arm re-ranks the lists of the same retrieval model per seed "
                      "(retrieval alone's row), as the served two-stage list; a calibrated "
                      "ranker is calibrated on half of the users and scores the other half.")
+    skipped = [f"{name}, seed {run['seed']}" for name, arm in result["arms"].items()
+               for run in arm["runs"] if any("skipped" in fold
+                                             for fold in run.get("calibration") or [])]
+    if skipped:
+        lines.append(f"Note: a fold kept the trained weights, its calibration skipped "
+                     f"(compare.json says why): {'; '.join(skipped)}.")
     if result["epoch_choice_differs"]:
         lines.append("Note: arms stop early after other epochs or patience, so they choose "
                      "their epoch among more or fewer looks at these rows; the arm that looks "

@@ -67,6 +67,25 @@ class RankingConfig:
                              f"off), got {self.popularity_periods}")
         if not 0 <= self.hard_negative_share <= 1:
             raise ValueError(f"hard_negative_share must be in [0, 1], got {self.hard_negative_share}")
+        for name in ("embedding_dim", "bst_heads", "batch_size", "epochs"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("cross_layers", "early_stopping_patience"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)}")
+        if self.projection_dim is not None and self.projection_dim <= 0:
+            raise ValueError(f"projection_dim must be None or positive, got {self.projection_dim}")
+        for name in ("deep_layers", "bst_layers"):
+            layers = getattr(self, name)
+            if not isinstance(layers, (tuple, list)) or not all(
+                    isinstance(units, int) and units > 0 for units in layers):
+                raise ValueError(f"{name} must be positive layer widths, got {layers}")
+        if not 0 < self.learning_rate < float("inf"):                 # NaN included
+            raise ValueError(f"learning_rate must be a positive number, got {self.learning_rate}")
+        for name in ("rating_weight", "ranking_weight"):
+            if not 0 <= getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be 0 or a positive number, got "
+                                 f"{getattr(self, name)}")
 
     @property
     def held_out_periods(self) -> int:

@@ -96,6 +96,9 @@ def fit(data: ModelInputs, config: RankingConfig, signals: RankingSignals,
     config.validate(has_ratings=data.interactions.rating is not None,
                     history_length=data.history_length)
     built = signals.cooccurrence
+    if signals.has_retrieval and not config.use_retrieval_score:
+        raise ValueError("use_retrieval_score is False but the signals carry the retrieval "
+                         "score: build them with ranking.features.signals(data, config)")
     for setting, wanted, signal in (
             ("use_transitions", config.use_transitions, signals.transitions),
             ("cooccurrence_neighbors", config.cooccurrence_neighbors, built),

@@ -4,7 +4,7 @@ bootstrap 95% interval over users.
 
     python scripts/compare.py --data SOURCE --out DIR --arm NAME[:FIELD=VALUE,...] --arm ...
         [--stage retrieval|ranking] [--split temporal|global[:Q]] [--preset tiny|default]
-        [--epochs N] [--seeds 0 1 2]
+        [--epochs N] [--seeds 0 1 2] [--top-k 100] [--top-n 10]
 
 FIELD=VALUE replaces a field of the stage's config (`retrieval.config.RetrievalConfig`, or
 `ranking.config.RankingConfig` with --stage ranking), e.g. `--arm one:members=1 --arm
@@ -19,7 +19,7 @@ import sys
 from tworec.pipeline import cli
 from tworec.pipeline.compare import (ARM_FORM, OUTPUTS, check_arms, compare, parse_arm, table,
                                      validation_split, write)
-from tworec.pipeline.config import resolve
+from tworec.pipeline.config import RunConfig, resolve
 from tworec.pipeline.folder import RunFolderError, load_source, only_run_into
 
 
@@ -38,6 +38,7 @@ def main(argv=None) -> int:
     parser.add_argument("--stage", choices=("retrieval", "ranking"), default="retrieval",
                         help="the config the arms change: retrieval (default) or ranking, "
                              "whose arms re-rank one retrieval model's lists per seed")
+    cli.add_list_arguments(parser)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
                         help="every arm trains once with each (default: 0 1 2)")
     args = parser.parse_args(argv)
@@ -63,8 +64,13 @@ def _compare(args) -> int:
     try:
         source = cli.source_of(args)
         arms = [parse_arm(text, args.stage) for text in args.arm]
+        if args.stage == "retrieval" and (args.top_k, args.top_n) != (RunConfig.candidates,
+                                                                       RunConfig.top_n):
+            return cli.fail("--top-k and --top-n set the lists ranking arms re-rank; give "
+                            "them with --stage ranking (retrieval arms rank the catalogue)")
         configs = resolve(args.preset or "default", epochs=args.epochs,
-                          steps=TRAINED[args.stage], data=cli.data_given(args))
+                          steps=TRAINED[args.stage], data=cli.data_given(args),
+                          run=cli.list_run(args))
         check_arms(arms, configs, args.seeds)
         cli.show_logs(args)
         log = load_source(source)

@@ -11,21 +11,18 @@ in-process models, and write RUN/report.json, RUN/report.md and RUN/plots/.
 import sys
 
 from tworec.pipeline import cli
-from tworec.pipeline.config import PIPELINE, RunConfig
+from tworec.pipeline.config import PIPELINE
 
 
 def main(argv=None) -> int:
     parser = cli.parser_for(__doc__)
     cli.add_run_arguments(parser, out_required=False)
-    parser.add_argument("--top-k", type=int, default=RunConfig.candidates,
-                        help="retrieval candidates to re-rank")
-    parser.add_argument("--top-n", type=int, default=RunConfig.top_n,
-                        help="items the recommender returns")
+    cli.add_list_arguments(parser)
     cli.add_members_argument(parser)
     args = parser.parse_args(argv)
     args.out = args.out or "runs/demo"
     return cli.run(args, PIPELINE, retrieval=cli.members_given(args),
-                   run={"candidates": args.top_k, "top_n": args.top_n})
+                   run=cli.list_run(args))
 
 
 if __name__ == "__main__":

@@ -273,10 +273,26 @@ def test_a_ranking_arm_reads_ranking_fields_and_is_checked_as_a_ranking_config()
         with pytest.raises(ValueError, match="^--arm") as error:
             parse_arm(text, "ranking")
         assert message in str(error.value)
+    assert parse_arm("b:deep_layers=64/32", "ranking").fields == {"deep_layers": (64, 32)}
+    with pytest.raises(ValueError, match="'32' is not FIELD=VALUE"):
+        parse_arm("b:deep_layers=64,32", "ranking")        # ',' parts FIELD=VALUE pairs
+    with pytest.raises(ValueError, match="deep_layers takes integers joined by '/', e.g. "
+                                         "256/128, got 'wide'"):
+        parse_arm("b:deep_layers=wide", "ranking")
     configs = resolve("tiny")
-    with pytest.raises(ValueError, match="^arm 'b': task 'pairwise'"):
-        check_arms([parse_arm("a", "ranking"), parse_arm("b:task=pairwise", "ranking")],
-                   configs, [0])
+    for arm, message in (("b:task=pairwise", "^arm 'b': task 'pairwise'"),
+                         ("b:learning_rate=-1", "^arm 'b': learning_rate must be a positive"),
+                         ("b:deep_layers=64/0", "^arm 'b': deep_layers must be positive layer"),
+                         ("b:task=regression,popularity_periods=5",
+                          "^arm 'b': popularity_periods: a regression ranker reads no")):
+        with pytest.raises(ValueError, match=message):
+            check_arms([parse_arm("a", "ranking"), parse_arm(arm, "ranking")], configs, [0])
+    with pytest.raises(ValueError, match="^the retrieval config every ranking arm re-ranks: "
+                                         "batch_size 100000 is larger than the training"):
+        validation_split(load("synthetic:tiny"), resolve("tiny", retrieval={
+            "batch_size": 100000}), [parse_arm("a", "ranking"), parse_arm("b", "ranking")])
+    with pytest.raises(ValueError, match="^arms of one comparison change one stage's config"):
+        check_arms([parse_arm("a", "ranking"), parse_arm("b")], configs, [0])
     log = dataclasses.replace(load("synthetic:tiny"), rating=None)
     with pytest.raises(ValueError, match="^arm 'b': task 'regression' needs ratings"):
         validation_split(log, configs, [parse_arm("a", "ranking"),
@@ -334,6 +350,9 @@ def test_the_script_prints_the_table_and_writes_it_with_the_ranks(tmp_path):
     (["--arm", "a", "--arm", "b", "--epochs", "0"], "error: epochs must be positive"),
     (["--stage", "ranking", "--arm", "a", "--arm", "b:model=xgb"], "arm 'b': model 'xgb'"),
     (["--stage", "ranking", "--arm", "a", "--arm", "b:members=2"], "of a ranking config"),
+    (["--stage", "ranking", "--arm", "a", "--arm", "b", "--top-k", "5"],
+     "--top-n (top_n) 10 is more than the 5 candidates"),
+    (["--arm", "a", "--arm", "b", "--top-k", "50"], "give them with --stage ranking"),
 ])
 def test_script_mistakes_are_one_line_before_tensorflow_loads(tmp_path, args, message):
     (tmp_path / "a-file").write_text("not a folder")
@@ -366,6 +385,20 @@ def test_the_table_gives_the_seeds_gains_and_warns_when_arms_choose_epochs_diffe
     assert table({**result, "early_stopping": False, "epoch_choice_differs": False}
                  ).splitlines()[0].endswith("Each run kept its last epoch (no early stopping).")
     assert "Note:" not in table({**result, "epoch_choice_differs": False})
+    over = {"ndcg@10": {"difference": 0.03, "ci95": [0.01, 0.05]}}
+    ranking = {**result, "stage": "ranking", "epoch_choice_differs": False,
+               "retrieval": {"recall@10": 0.4, "ndcg@10": 0.2}, "arms": {
+                   "base": {**result["arms"]["base"], "gain_over_retrieval": over},
+                   "long": {**result["arms"]["long"], "gain_over_retrieval": over, "runs": [
+                       {**runs[0], "seed": 0, "calibration": [{"rows": 9}, {"rows": 0,
+                                                                         "skipped": "none"}]},
+                       {**runs[1], "seed": 1, "calibration": None}]}}}
+    lines = table(ranking).splitlines()
+    assert lines[1].startswith("Each ranking arm re-ranks the lists of the same retrieval")
+    assert lines[2] == ("Note: a fold kept the trained weights, its calibration skipped "
+                        "(compare.json says why): long, seed 0.")
+    assert lines[-3] == "| retrieval alone | - | 0.4000 | 0.2000 | - | - | - | - |"
+    assert lines[-2].endswith("| - | +0.0300 (+0.0100 to +0.0500) |")
 
 
 @pytest.mark.parametrize("preset, arms, expected", [

@@ -1,5 +1,6 @@
 """The ranking stage: candidate lists, both models, the tasks, two-stage metrics, export."""
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -314,6 +315,27 @@ def test_settings_that_cannot_work(inputs, transitions_only):
         preset("tiny", popularity_periods=-1).validate()
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("epochs", 0, "epochs must be positive, got 0"),
+    ("batch_size", -1, "batch_size must be positive"),
+    ("embedding_dim", 0, "embedding_dim must be positive"),
+    ("bst_heads", 0, "bst_heads must be positive"),
+    ("cross_layers", -1, "cross_layers must be 0 or more"),
+    ("early_stopping_patience", -1, "early_stopping_patience must be 0 or more"),
+    ("projection_dim", 0, "projection_dim must be None or positive"),
+    ("deep_layers", 64, "deep_layers must be positive layer widths, got 64"),
+    ("bst_layers", (32, 0), "bst_layers must be positive layer widths, got (32, 0)"),
+    ("learning_rate", float("nan"), "learning_rate must be a positive number, got nan"),
+    ("learning_rate", 0.0, "learning_rate must be a positive number"),
+    ("rating_weight", -0.1, "rating_weight must be 0 or a positive number"),
+    ("ranking_weight", float("inf"), "ranking_weight must be 0 or a positive number"),
+])
+def test_a_ranking_config_that_cannot_train_names_its_field(field, value, message):
+    preset("tiny").validate()
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+        preset("tiny", **{field: value}).validate()
+
+
 @pytest.fixture(scope="module")
 def signal(inputs):
     from tworec.retrieval.config import preset as retrieval_preset
@@ -337,6 +359,8 @@ def test_retrieval_scores_are_the_dot_products_of_the_pairs(inputs, signal):
         "items": signal.retrieval_items})                  # the ablation: given, not read
     assert not without.has_retrieval and "retrieval_scores" not in list_examples(
         inputs, without, "test", items)
+    with pytest.raises(ValueError, match="use_retrieval_score is False but the signals carry"):
+        fit(inputs, preset("tiny", use_retrieval_score=False), signal, verbose=0)
 
 
 def test_retrieval_signal_feeds_the_ranker(inputs, signal):
