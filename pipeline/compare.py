@@ -326,7 +326,8 @@ def _ranking_runs(arms: list[Arm], seed: int, configs: Configs, inputs: ModelInp
         served = retrieval.top_candidates(model, inputs, "validation", run_config.candidates,
                                           evalset=evalset)                        # [m, C]
         embeddings = retrieval.embeddings_for_ranking(model, inputs)
-    yield RETRIEVAL_ALONE, {**run, "seconds": round(time.perf_counter() - start, 1)}, found
+    yield RETRIEVAL_ALONE, {**run, "seconds": round(time.perf_counter() - start, 1)}, \
+        np.where(found >= run_config.candidates, MISS, found)     # as the export serves it
     for arm in arms:
         start = time.perf_counter()
         config = arm_configs(arm, configs, seed).ranking

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 
 MODELS = ("dcn", "bst")
 TASKS = ("listwise", "binary", "regression")
@@ -78,7 +79,8 @@ class RankingConfig:
         for name in ("deep_layers", "bst_layers"):
             layers = getattr(self, name)
             if not isinstance(layers, (tuple, list)) or not all(
-                    isinstance(units, int) and units > 0 for units in layers):
+                    isinstance(units, numbers.Integral) and not isinstance(units, bool)
+                    and units > 0 for units in layers):
                 raise ValueError(f"{name} must be positive layer widths, got {layers}")
         if not 0 < self.learning_rate < float("inf"):                 # NaN included
             raise ValueError(f"learning_rate must be a positive number, got {self.learning_rate}")
@@ -86,6 +88,9 @@ class RankingConfig:
             if not 0 <= getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be 0 or a positive number, got "
                                  f"{getattr(self, name)}")
+        if self.ranking_weight == 0 and self.task != "regression":
+            raise ValueError(f"ranking_weight 0 leaves a {self.task} ranker's scores untrained; "
+                             "give a positive ranking_weight, or task regression")
 
     @property
     def held_out_periods(self) -> int:

@@ -182,7 +182,8 @@ def calibrate(model: RankingModel, data: ModelInputs, signals: RankingSignals, p
     if fit_rows is not None:
         rows &= fit_rows
     if not rows.any():
-        return {"rows": 0, "skipped": "no served validation list holds its positive"}
+        return {"rows": 0, "skipped": "no served validation list holds its positive" + (
+            "" if fit_rows is None else " among the rows it may fit on")}
     examples = list_examples(data, signals, part, np.maximum(candidates, 0))
     logits = np.concatenate([model(b).numpy() for b in batches(examples, 1024)])[rows]  # [r, C]
     signal = (np.stack([examples[name][rows] for name in names], -1) if names    # [r, C, k]

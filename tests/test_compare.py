@@ -203,7 +203,7 @@ def test_each_run_is_the_model_a_run_trains_with_its_early_stopping_and_seen_ite
 
 def test_ranking_arms_rerank_one_retrieval_model_per_seed_calibrated_out_of_fold():
     """Ranking arms re-rank the validation lists one retrieval model per seed serves (its own
-    row, "retrieval"), as a run trains and serves them; a calibrated ranker scores each fold
+    row, "retrieval", a miss past the served list), as a run trains and serves them; a calibrated ranker scores each fold
     of users calibrated on the other fold only (here by hiding the scored fold's lists), an
     uncalibrated one as trained; a rank past the served top_n is a miss."""
     from tworec.evaluation import MISS, eval_set, evaluate_ranks
@@ -213,7 +213,7 @@ def test_ranking_arms_rerank_one_retrieval_model_per_seed_calibrated_out_of_fold
     from tworec.retrieval import train as retrieval
     log = load("synthetic:tiny")
     configs = resolve("tiny", epochs=1, steps=("train retrieval", "train ranking"),
-                      run={"top_n": 5})
+                      run={"top_n": 5, "candidates": 20})
     arms = [parse_arm("cal", "ranking"), parse_arm("raw:calibrate=false", "ranking")]
     result, ranks = compare(log, validation_split(log, configs, arms), configs, arms, [2],
                             verbose=0)
@@ -223,9 +223,11 @@ def test_ranking_arms_rerank_one_retrieval_model_per_seed_calibrated_out_of_fold
                      cold_start_window=result["cold_start_window"])
     evalset = eval_set(log, parts, "validation", exclude_seen=True)
     model, _ = retrieval.fit(inputs, dataclasses.replace(configs.retrieval, seed=2), verbose=0)
-    assert np.array_equal(ranks["retrieval/2"], evaluate_ranks(
-        retrieval.catalogue_scorer(model, inputs, "validation", evalset), evalset, "retrieval"))
     run, _ = configs.run.for_catalogue(inputs.num_items)
+    alone = evaluate_ranks(retrieval.catalogue_scorer(model, inputs, "validation", evalset),
+                           evalset, "retrieval")
+    assert (alone >= 20).any() and np.array_equal(ranks["retrieval/2"], np.where(
+        alone >= run.candidates, MISS, alone))                  # past the served list: a miss
     served = retrieval.top_candidates(model, inputs, "validation", run.candidates,
                                       evalset=evalset)
     hard = {part: retrieval.top_candidates(model, inputs, part, run.hard_negative_pool)

@@ -329,9 +329,11 @@ def test_settings_that_cannot_work(inputs, transitions_only):
     ("learning_rate", 0.0, "learning_rate must be a positive number"),
     ("rating_weight", -0.1, "rating_weight must be 0 or a positive number"),
     ("ranking_weight", float("inf"), "ranking_weight must be 0 or a positive number"),
+    ("ranking_weight", 0.0, "ranking_weight 0 leaves a listwise ranker's scores untrained"),
 ])
 def test_a_ranking_config_that_cannot_train_names_its_field(field, value, message):
-    preset("tiny").validate()
+    preset("tiny", deep_layers=[8, np.int64(4)], bst_layers=(), ranking_weight=0.5).validate()
+    preset("tiny", task="regression", ranking_weight=0.0).validate()
     with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
         preset("tiny", **{field: value}).validate()
 
