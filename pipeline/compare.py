@@ -73,8 +73,11 @@ def parse_arm(text: str, stage: str = "retrieval") -> Arm:
     for item in filter(None, fields.split(",")):
         field, equals, value = (part.strip() for part in item.partition("="))
         if not equals or field not in types:
+            widths = " (layer widths are joined by '/', e.g. deep_layers=256/128)" if (
+                not equals and any(typing.get_origin(kind) is tuple
+                                   for kind in types.values())) else ""
             raise ValueError(f"--arm {text!r}: {item!r} is not FIELD=VALUE of a {stage} config "
-                             f"field; known fields: {', '.join(types)}")
+                             f"field{widths}; known fields: {', '.join(types)}")
         if field in NOT_ARMS:
             raise ValueError(f"--arm {text!r}: {NOT_ARMS[field]}; leave {field} out")
         if field in replaced:

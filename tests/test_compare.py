@@ -276,7 +276,8 @@ def test_a_ranking_arm_reads_ranking_fields_and_is_checked_as_a_ranking_config()
             parse_arm(text, "ranking")
         assert message in str(error.value)
     assert parse_arm("b:deep_layers=64/32", "ranking").fields == {"deep_layers": (64, 32)}
-    with pytest.raises(ValueError, match="'32' is not FIELD=VALUE"):
+    with pytest.raises(ValueError, match="'32' is not FIELD=VALUE of a ranking config field "
+                                         r"\(layer widths are joined by '/', e.g. "):
         parse_arm("b:deep_layers=64,32", "ranking")        # ',' parts FIELD=VALUE pairs
     with pytest.raises(ValueError, match="deep_layers takes integers joined by '/', e.g. "
                                          "256/128, got 'wide'"):
