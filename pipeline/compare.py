@@ -30,7 +30,7 @@ from tworec.evaluation import EvalSet, MISS, cold_start_window, eval_set, evalua
 from tworec.evaluation.metrics import paired_bootstrap, row_metrics
 from tworec.features import Interactions, Split, split
 from tworec.features.inputs import ModelInputs, prepare
-from tworec.pipeline.config import Configs
+from tworec.pipeline.config import Configs, resolve
 from tworec.ranking.config import RankingConfig
 from tworec.retrieval.config import RetrievalConfig
 
@@ -136,24 +136,23 @@ def check_arms(arms: list[Arm], configs: Configs, seeds: list[int]) -> None:
         raise ValueError(f"--seeds must be one seed or more, each once, each from 0 to "
                          f"2**32 - 1; got {seeds}")
     for arm in arms:
-        _check(arm, arm_configs(arm, configs, seeds[0]))
+        _checked(arm, configs)
 
 
-def _check(arm: Arm, configs: Configs, log: Interactions | None = None) -> None:
-    """Raises ValueError naming the arm when its configs cannot work (with the log, when
-    given: its user features and ratings)."""
+def _checked(arm: Arm, configs: Configs, log: Interactions | None = None) -> Configs:
+    """The arm's configs (seed 0), or ValueError naming the arm when they cannot work (with
+    the log, when given: its user features and ratings)."""
     try:
-        configs.retrieval.validate(
+        arm_config = arm_configs(arm, configs, 0)
+        arm_config.retrieval.validate(
             history_length=configs.data.history_length,
             has_user_features=None if log is None else bool(log.user_features))
         if arm.stage == "ranking":
-            configs.ranking.validate(has_ratings=log is None or log.rating is not None,
-                                     history_length=configs.data.history_length)
-            if arm.fields.get("popularity_periods") and configs.ranking.task == "regression":
-                raise ValueError("popularity_periods: a regression ranker reads no popularity "
-                                 "periods; leave it out, or use task listwise or binary")
+            arm_config.ranking.validate(has_ratings=log is None or log.rating is not None,
+                                        history_length=configs.data.history_length)
     except ValueError as error:
         raise ValueError(f"arm {arm.name!r}: {error}") from None
+    return arm_config
 
 
 def validation_split(log: Interactions, configs: Configs, arms: list[Arm]) -> Split:
@@ -165,8 +164,7 @@ def validation_split(log: Interactions, configs: Configs, arms: list[Arm]) -> Sp
         raise ValueError(f"split {configs.data.split!r} leaves no validation rows in this log "
                          "to compare on")
     for arm in arms:
-        arm_config = arm_configs(arm, configs, 0)
-        _check(arm, arm_config, log)
+        arm_config = _checked(arm, configs, log)
         if arm_config.retrieval.batch_size > len(parts.train):
             whose = (f"arm {arm.name!r}" if arm.stage == "retrieval" else
                      "the retrieval config every ranking arm re-ranks")
@@ -176,13 +174,13 @@ def validation_split(log: Interactions, configs: Configs, arms: list[Arm]) -> Sp
 
 
 def arm_configs(arm: Arm, configs: Configs, seed: int) -> Configs:
-    """The configs an arm trains with one seed: its fields replaced in its stage's config,
-    and the seed in every stage it trains."""
-    retrieval = dataclasses.replace(configs.retrieval, seed=seed,
-                                    **(arm.fields if arm.stage == "retrieval" else {}))
-    ranking = configs.ranking if arm.stage == "retrieval" else dataclasses.replace(
-        configs.ranking, **arm.fields, seed=seed)
-    return dataclasses.replace(configs, retrieval=retrieval, ranking=ranking)
+    """The configs an arm trains with one seed (`pipeline.config.resolve`, which refuses what
+    it refuses for a run): its fields replaced in its stage's config, and the seed in every
+    stage it trains."""
+    stages = {"retrieval": {"seed": seed},
+              "ranking": {"seed": seed} if arm.stage == "ranking" else {}}
+    stages[arm.stage].update(arm.fields)
+    return resolve(base=configs, **stages)
 
 
 def compare(log: Interactions, parts: Split, configs: Configs, arms: list[Arm],

@@ -133,8 +133,9 @@ def resolve(preset: str = "default", *, base: Configs | None = None, epochs: int
     periods = (ranking or {}).get("popularity_periods")
     if periods is not None and periods > 0 and configs.ranking.task == "regression":
         raise ValueError(f"popularity_periods {periods}: the ranker's task is regression (--task, "
-                         "or the run folder's config), which reads no popularity periods; leave "
-                         "out --popularity-periods (or give 0), or use task listwise or binary")
+                         "an arm's task, or the run folder's config), which reads no popularity "
+                         "periods; leave them out (--popularity-periods, or an arm's "
+                         "popularity_periods), or use task listwise or binary")
     return configs
 
 

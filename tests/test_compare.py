@@ -287,7 +287,7 @@ def test_a_ranking_arm_reads_ranking_fields_and_is_checked_as_a_ranking_config()
                          ("b:learning_rate=-1", "^arm 'b': learning_rate must be a positive"),
                          ("b:deep_layers=64/0", "^arm 'b': deep_layers must be positive layer"),
                          ("b:task=regression,popularity_periods=5",
-                          "^arm 'b': popularity_periods: a regression ranker reads no")):
+                          "^arm 'b': popularity_periods 5: the ranker's task is regression")):
         with pytest.raises(ValueError, match=message):
             check_arms([parse_arm("a", "ranking"), parse_arm(arm, "ranking")], configs, [0])
     with pytest.raises(ValueError, match="^the retrieval config every ranking arm re-ranks: "
