@@ -60,6 +60,7 @@ def load(source: str, columns: dict[str, str] | None = None, data_dir: str | Non
         raise DataError(f"--data-dir {data_dir}: {source} is not a TensorFlow Datasets source; "
                         "the option applies only to tfds:NAME")
     if source == "synthetic" or source.startswith("synthetic:"):
+        _fixed_columns(source, columns)
         from tworec.features.synthetic import PRESETS, SHARDS_ONLY, generate
         preset = source.partition(":")[2] or "default"
         if preset not in PRESETS:
@@ -70,6 +71,7 @@ def load(source: str, columns: dict[str, str] | None = None, data_dir: str | Non
                             "DIR, or features.synthetic.write_shards) and pass the folder")
         return generate(PRESETS[preset], seed=seed, name=f"synthetic:{preset}")
     if source.startswith("tfds:"):
+        _fixed_columns(source, columns)
         return load_tfds(source[len("tfds:"):], data_dir=data_dir)
     from tworec.features import shards
     found = shards.find(source)                          # a folder or glob of Parquet shards
@@ -80,8 +82,18 @@ def load(source: str, columns: dict[str, str] | None = None, data_dir: str | Non
                         "or .zip, a .csv/.tsv/.parquet log, a folder or glob of .parquet "
                         "shards, 'synthetic' or 'tfds:NAME')")
     if os.path.isdir(source) or source.endswith(".zip"):
+        _fixed_columns(source, columns)
         return load_grouplens(source)
     return load_table(source, columns or {}, delimiter)
+
+
+def _fixed_columns(source: str, columns: dict[str, str] | None) -> None:
+    """A DataError when --columns is given for a source whose columns are fixed (synthetic,
+    TFDS, a GroupLens release): it would be ignored."""
+    if columns:
+        given = ",".join(f"{role}={name}" for role, name in columns.items())
+        raise DataError(f"--columns {given}: {source} has fixed columns; the option applies "
+                        "only to .csv/.tsv/.parquet logs and Parquet shards")
 
 
 def _delimiter_option(source: str, text: str | None) -> str | None:

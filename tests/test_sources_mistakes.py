@@ -110,6 +110,18 @@ def test_a_wrong_explicit_delimiter_names_itself_and_the_header(tmp_path):
         load("synthetic:tiny", delimiter=";")
 
 
+def test_columns_are_refused_for_sources_with_fixed_columns(tmp_path):
+    """--columns would be ignored by a synthetic, TFDS or GroupLens source: refused, naming it."""
+    release = tmp_path / "ml-latest-small"
+    release.mkdir()
+    (release / "ratings.csv").write_text("userId,movieId,rating,timestamp\n1,2,3.0,4\n")
+    for source in ("synthetic:tiny", "tfds:movielens/100k-ratings", str(release)):
+        with pytest.raises(DataError) as error:
+            load(source, columns={"user": "u"})
+        assert str(error.value) == (f"--columns user=u: {source} has fixed columns; the option "
+                                    "applies only to .csv/.tsv/.parquet logs and Parquet shards")
+
+
 def test_a_tsv_stays_tab_separated(tmp_path):
     rows = [("user_id", "item_id", "timestamp", "tags,of,the,item")] + [
         (user, item, time, "a,b,c,d") for user, item, time, *_ in ROWS[1:]]
