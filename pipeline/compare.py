@@ -184,14 +184,21 @@ def arm_configs(arm: Arm, configs: Configs, seed: int) -> Configs:
 
 
 def compare(log: Interactions, parts: Split, configs: Configs, arms: list[Arm],
-            seeds: list[int], verbose: int = 1) -> tuple[dict, dict[str, np.ndarray]]:
+            seeds: list[int], verbose: int = 1,
+            seed_done: typing.Callable[[dict, dict], None] | None = None
+            ) -> tuple[dict, dict[str, np.ndarray]]:
     """Trains every arm with every seed and compares them on the validation rows of `parts`
     (`validation_split`).
 
+    Args:
+        seed_done: called with (result, ranks) of the seeds done so far after every seed but
+            the last (e.g. to write them, so that an interrupted comparison keeps them).
+
     Returns:
-        (result, ranks): result = {"stage", "split", "seeds", "cold_start_window" (as a run
-        chooses it), "validation": {"rows", "users"}, "early_stopping": whether an arm stops
-        early, "epoch_choice_differs": whether arms stop early after other epochs or patience,
+        (result, ranks): result = {"stage", "split", "seeds": the seeds done, "seeds_left":
+        those not yet done (none once it returns), "cold_start_window" (as a run chooses it),
+        "validation": {"rows", "users"}, "early_stopping": whether an arm stops early,
+        "epoch_choice_differs": whether arms stop early after other epochs or patience,
         "arms": {name: {"fields": the fields it replaces, "runs": [each seed's run, with
         "gain": {metric: its mean gain over the first arm's run of the same seed}], "recall@10"
         and "ndcg@10": the means over seeds, "gain": None for the first arm, else {metric:
@@ -210,10 +217,13 @@ def compare(log: Interactions, parts: Split, configs: Configs, arms: list[Arm],
     evalset = eval_set(log, parts, "validation", exclude_seen=inputs.exclude_seen)
     stage = arms[0].stage
     early_stopping, epoch_choice_differs = stopping_of(arms, configs)
+    header = {"stage": stage, "split": parts.kind, "cold_start_window": window,
+              "validation": {"rows": len(evalset), "users": len(np.unique(evalset.users))},
+              "early_stopping": early_stopping, "epoch_choice_differs": epoch_choice_differs}
     ranks = {"rows": evalset.rows, "users": evalset.users}
     runs: dict[str, list[dict]] = {}
     rows: dict[str, dict[str, list]] = {}                  # name -> metric -> [seeds][m]
-    for seed in seeds:
+    for done, seed in enumerate(seeds, 1):
         seed_runs = {"retrieval": _retrieval_runs, "ranking": _ranking_runs}[stage](
             arms, seed, configs, inputs, evalset)
         for name, run, found in seed_runs:
@@ -229,36 +239,43 @@ def compare(log: Interactions, parts: Split, configs: Configs, arms: list[Arm],
                       f"{run['recall@10']:.4f} / NDCG@10 {run['ndcg@10']:.4f} (epoch "
                       f"{run['best_epoch']} of {run['epochs']}, {run['seconds']:.0f} s)",
                       flush=True)
+        result = {**header, "seeds": list(seeds[:done]), "seeds_left": list(seeds[done:]),
+                  **_summaries(arms, runs, rows, evalset.users)}
+        if seed_done is not None and done < len(seeds):
+            seed_done(result, ranks)
+    return result, ranks
+
+
+def _summaries(arms: list[Arm], runs: dict[str, list[dict]], rows: dict[str, dict[str, list]],
+               users: np.ndarray) -> dict:
+    """The result's "arms" (and "retrieval" for ranking arms) from each row's runs and its
+    per-row figures of every seed done (`rows`: name -> metric -> [seeds][m])."""
     means = {name: {metric: np.mean(values, axis=0) for metric, values in metrics.items()}
              for name, metrics in rows.items()}                   # name -> metric -> [m]
 
     def summary(name: str, reference: str | None) -> dict:
         """A row's means over seeds, and its gain over `reference`'s rows."""
-        return {"runs": runs[name], **{metric: float(means[name][metric].mean())
-                                       for metric in METRICS},
+        return {"runs": [dict(run) for run in runs[name]],
+                **{metric: float(means[name][metric].mean()) for metric in METRICS},
                 "gain": None if reference is None else {
                     metric: paired_bootstrap(means[name][metric], means[reference][metric],
-                                             groups=evalset.users) for metric in METRICS}}
+                                             groups=users) for metric in METRICS}}
 
-    first = arms[0].name
-    result = {"stage": stage, "split": parts.kind, "seeds": list(seeds),
-              "cold_start_window": window,
-              "validation": {"rows": len(evalset), "users": len(np.unique(evalset.users))},
-              "early_stopping": early_stopping, "epoch_choice_differs": epoch_choice_differs,
-              "arms": {}}
+    first, ranking = arms[0].name, arms[0].stage == "ranking"
+    result = {"arms": {}}
     for arm in arms:
-        for position, run in enumerate(runs[arm.name]):
-            run["gain"] = None if arm.name == first else {
-                metric: run[metric] - runs[first][position][metric] for metric in METRICS}
         result["arms"][arm.name] = {"fields": arm.fields,
                                     **summary(arm.name, None if arm.name == first else first)}
-        if stage == "ranking":
+        for run, reference in zip(result["arms"][arm.name]["runs"], runs[first]):
+            run["gain"] = None if arm.name == first else {
+                metric: run[metric] - reference[metric] for metric in METRICS}
+        if ranking:
             result["arms"][arm.name]["gain_over_retrieval"] = summary(
                 arm.name, RETRIEVAL_ALONE)["gain"]
-    if stage == "ranking":
+    if ranking:
         result["retrieval"] = {key: value for key, value in summary(RETRIEVAL_ALONE, None).items()
                                if key != "gain"}
-    return result, ranks
+    return result
 
 
 def stopping_of(arms: list[Arm], configs: Configs) -> tuple[bool, bool]:
@@ -402,6 +419,9 @@ def table(result: dict) -> str:
         lines.append("Each ranking arm re-ranks the lists of the same retrieval model per seed "
                      "(retrieval alone's row), as the served two-stage list; a calibrated "
                      "ranker is calibrated on half of the users and scores the other half.")
+    if result.get("seeds_left"):
+        lines.append(f"Partial: seeds {', '.join(map(str, result['seeds_left']))} have not "
+                     "run (the comparison stopped, or is still running).")
     skipped = [f"{name}, seed {run['seed']}" for name, arm in result["arms"].items()
                for run in arm["runs"] if any("skipped" in fold
                                              for fold in run.get("calibration") or [])]
@@ -438,9 +458,14 @@ def table(result: dict) -> str:
 def write(out: str, result: dict, ranks: dict[str, np.ndarray], source: dict,
           configs: Configs) -> None:
     """Writes OUTPUTS into the folder `out`: the table, the result with the source and the
-    configs, and the ranks."""
-    with open(os.path.join(out, "compare.json"), "w") as f:
-        json.dump({"source": source, "configs": configs.to_dict(), **result}, f, indent=2)
-    with open(os.path.join(out, "compare.md"), "w") as f:
-        f.write(table(result))
-    np.savez(os.path.join(out, "ranks.npz"), **ranks)
+    configs, and the ranks; each file whole (written aside, then renamed over the old one)."""
+    def replace(name: str, save: typing.Callable[[typing.BinaryIO], None]) -> None:
+        path = os.path.join(out, name)
+        with open(path + ".partial", "wb") as f:
+            save(f)
+        os.replace(path + ".partial", path)
+
+    replace("compare.json", lambda f: f.write(json.dumps(
+        {"source": source, "configs": configs.to_dict(), **result}, indent=2).encode()))
+    replace("compare.md", lambda f: f.write(table(result).encode()))
+    replace("ranks.npz", lambda f: np.savez(f, **ranks))

@@ -11,7 +11,8 @@ FIELD=VALUE replaces a field of the stage's config (`retrieval.config.RetrievalC
 three:members=3`. Ranking arms re-rank the lists of one retrieval model per seed, shown as
 retrieval alone. Prints the table and writes DIR/compare.md, DIR/compare.json and
 DIR/ranks.npz (the rank of every validation row under each arm and seed, and the row and its
-user). No test row is scored.
+user), rewritten after every seed: a comparison that stops keeps the seeds it finished. No
+test row is scored.
 """
 import os
 import sys
@@ -79,12 +80,19 @@ def _compare(args) -> int:
         return cli.fail(str(error))
     except OSError as error:
         return cli.fail(f"--data {source['data']}: {error}")
-    try:
-        result, ranks = compare(log, parts, configs, arms, args.seeds)
-    except ValueError as error:
-        return cli.failed(str(error))
-    try:
+    written = []
+
+    def write_seeds(result: dict, ranks: dict) -> None:
+        """The seeds done so far, written: a comparison that stops keeps them."""
         write(args.out, result, ranks, source, configs)
+        written[:] = result["seeds"]
+    try:
+        result, ranks = compare(log, parts, configs, arms, args.seeds, seed_done=write_seeds)
+        write_seeds(result, ranks)
+    except ValueError as error:
+        kept = (f"; {os.path.join(args.out, 'compare.md')} holds seeds "
+                f"{', '.join(map(str, written))}" if written else "")
+        return cli.failed(f"{error}{kept}")
     except OSError as error:
         return cli.failed(f"--out {args.out}: the results could not be written: {error}")
     print(table(result), end="")

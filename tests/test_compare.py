@@ -129,9 +129,11 @@ def test_each_arm_scores_the_validation_rows_as_its_model_and_gains_are_paired_b
     configs = resolve("tiny", epochs=1, steps=("train retrieval",), data={"split": "global"})
     arms = [parse_arm("base"), parse_arm("same"), parse_arm("mean:history_encoder=mean")]
     seeds = [0, 3]
+    partial = []
     result, ranks = compare(log, validation_split(log, configs, arms), configs, arms, seeds,
-                            verbose=0)
+                            verbose=0, seed_done=lambda *done: partial.append(done))
     assert not result["early_stopping"] and not result["epoch_choice_differs"]
+    assert result["seeds"] == seeds and result["seeds_left"] == []
 
     validation = split(log, "global").validation
     assert np.array_equal(ranks["users"], log.user[validation])
@@ -162,6 +164,19 @@ def test_each_arm_scores_the_validation_rows_as_its_model_and_gains_are_paired_b
         "history_encoder": "mean"}
     lines = table(result).splitlines()
     assert lines[-1].startswith("| mean | history_encoder=mean | ") and len(lines) == 7
+
+    (first, first_ranks), = partial               # after seed 0 only, of seed 0 alone
+    assert first["seeds"] == [0] and first["seeds_left"] == [3]
+    assert first["arms"]["mean"]["ndcg@10"] == pytest.approx(
+        row_metrics(ranks["mean/0"], 10)["ndcg@10"].mean(), abs=1e-12)
+    assert first["arms"]["mean"]["gain"]["ndcg@10"] == paired_bootstrap(
+        row_metrics(ranks["mean/0"], 10)["ndcg@10"], row_metrics(ranks["base/0"], 10)["ndcg@10"],
+        groups=ranks["users"])
+    assert [run["gain"] for run in first["arms"]["mean"]["runs"]] == [
+        result["arms"]["mean"]["runs"][0]["gain"]]
+    assert table(first).splitlines()[1] == ("Partial: seeds 3 have not run (the comparison "
+                                            "stopped, or is still running).")
+    assert "Partial" not in table(result)
 
 
 def test_each_run_is_the_model_a_run_trains_with_its_early_stopping_and_seen_items():
@@ -335,6 +350,39 @@ def test_the_script_prints_the_table_and_writes_it_with_the_ranks(tmp_path):
     (out / "compare.md").write_text("older")
     assert script(*args, "--overwrite").returncode == 0
     assert (out / "compare.md").read_text() == table_text
+
+
+def test_a_comparison_that_stops_keeps_the_seeds_it_finished(tmp_path):
+    """The files are written after every seed: an arm failing on a later seed leaves the
+    earlier seeds' table, result and ranks, and the error says where they are."""
+    out = tmp_path / "cmp"
+    argv = [os.path.join(ROOT, "scripts", "compare.py"), "--data", "synthetic:tiny", "--preset",
+            "tiny", "--epochs", "1", "--seeds", "0", "7", "--out", str(out), "--arm", "one",
+            "--arm", "two:embedding_dim=8"]
+    done = subprocess.run([sys.executable, "-c", (
+        "import runpy, sys\n"
+        "from tworec.pipeline import compare as comparison\n"
+        "real = comparison.compare\n"
+        "def stopping(*args, seed_done, **kwargs):\n"
+        "    def done(result, ranks):\n"
+        "        seed_done(result, ranks)\n"
+        "        raise ValueError(\"arm 'two', seed 7: RuntimeError: out of memory\")\n"
+        "    return real(*args, seed_done=done, **kwargs)\n"
+        "comparison.compare = stopping\n"
+        f"sys.argv = {argv!r}\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n")],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.stderr == (f"error: arm 'two', seed 7: RuntimeError: out of memory; "
+                           f"{out / 'compare.md'} holds seeds 0\n")
+    saved = json.load(open(out / "compare.json"))
+    assert saved["seeds"] == [0] and saved["seeds_left"] == [7]
+    assert "Partial: seeds 7 have not run" in (out / "compare.md").read_text()
+    with np.load(out / "ranks.npz") as ranks:
+        assert sorted(ranks) == ["one/0", "rows", "two/0", "users"]
+        assert saved["arms"]["two"]["ndcg@10"] == pytest.approx(
+            row_metrics(ranks["two/0"], 10)["ndcg@10"].mean())
+    assert sorted(os.listdir(out)) == ["compare.json", "compare.md", "ranks.npz"]
 
 
 @pytest.mark.parametrize("args, message", [
