@@ -355,7 +355,8 @@ def ranking_section(report: dict) -> list[str]:
     ranking = (report.get("ranking") or {}).get("test")
     if not ranking:
         return []
-    rmse = "none (no ratings)" if ranking["rmse"] is None else f"{ranking['rmse']:.3f}"
+    rmse = ("none (no rating head: rating_weight 0, or a log without ratings)"
+            if ranking["rmse"] is None else f"{ranking['rmse']:.3f}")
     auc = "not computed" if ranking["auc"] is None else f"{ranking['auc']:.3f}"
     scores = ("predicted ratings" if report["ranking"].get("task") == "regression"
               else "scores")

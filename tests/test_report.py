@@ -174,6 +174,10 @@ def test_the_ranking_section_says_what_orders_the_auc(task, scores):
         "RMSE of the rating head: 0.951. AUC of each held-out item against retrieval's top "
         "candidates for its user (the items it must beat when served), by the ranker's "
         f"{scores}: 0.679.")
+    report["ranking"]["test"]["rmse"] = None
+    assert ranking_section(report)[3].startswith(
+        "RMSE of the rating head: none (no rating head: rating_weight 0, or a log without "
+        "ratings). AUC")
 
 
 def test_example_users_show_titles_and_mark_the_held_out_item():
