@@ -60,7 +60,7 @@ def load(source: str, columns: dict[str, str] | None = None, data_dir: str | Non
         raise DataError(f"--data-dir {data_dir}: {source} is not a TensorFlow Datasets source; "
                         "the option applies only to tfds:NAME")
     if source == "synthetic" or source.startswith("synthetic:"):
-        _fixed_columns(source, columns)
+        _refuse_columns(source, columns)
         from tworec.features.synthetic import PRESETS, SHARDS_ONLY, generate
         preset = source.partition(":")[2] or "default"
         if preset not in PRESETS:
@@ -71,7 +71,7 @@ def load(source: str, columns: dict[str, str] | None = None, data_dir: str | Non
                             "DIR, or features.synthetic.write_shards) and pass the folder")
         return generate(PRESETS[preset], seed=seed, name=f"synthetic:{preset}")
     if source.startswith("tfds:"):
-        _fixed_columns(source, columns)
+        _refuse_columns(source, columns)
         return load_tfds(source[len("tfds:"):], data_dir=data_dir)
     from tworec.features import shards
     found = shards.find(source)                          # a folder or glob of Parquet shards
@@ -82,14 +82,26 @@ def load(source: str, columns: dict[str, str] | None = None, data_dir: str | Non
                         "or .zip, a .csv/.tsv/.parquet log, a folder or glob of .parquet "
                         "shards, 'synthetic' or 'tfds:NAME')")
     if os.path.isdir(source) or source.endswith(".zip"):
-        _fixed_columns(source, columns)
-        return load_grouplens(source)
+        return load_grouplens(source, columns)
     return load_table(source, columns or {}, delimiter)
 
 
-def _fixed_columns(source: str, columns: dict[str, str] | None) -> None:
-    """A DataError when --columns is given for a source whose columns are fixed (synthetic,
-    TFDS, a GroupLens release): it would be ignored."""
+def has_fixed_columns(source: str) -> bool:
+    """Whether `source` gives a log whose columns are its own, which --columns cannot map:
+    synthetic data, TFDS, a GroupLens release (a folder or `.zip` holding one)."""
+    if source == "synthetic" or source.startswith(("synthetic:", "tfds:")):
+        return True
+    from tworec.features import shards
+    try:
+        return ((os.path.isdir(source) or source.endswith(".zip")) and os.path.exists(source)
+                and shards.find(source) is None and _release_reader(_Release(source)) is not None)
+    except DataError:                               # an empty folder, a zip it cannot read
+        return False
+
+
+def _refuse_columns(source: str, columns: dict[str, str] | None) -> None:
+    """A DataError when --columns is given for a source whose columns are fixed
+    (`has_fixed_columns`): it would be ignored."""
     if columns:
         given = ",".join(f"{role}={name}" for role, name in columns.items())
         raise DataError(f"--columns {given}: {source} has fixed columns; the option applies "
@@ -421,17 +433,26 @@ class _Release:
         return f"{self.path}:{self.files[name]}"
 
 
-def load_grouplens(path: str) -> Interactions:
-    """Reads a GroupLens MovieLens release (folder or `.zip`), detecting the format."""
+def load_grouplens(path: str, columns: dict[str, str] | None = None) -> Interactions:
+    """Reads a GroupLens MovieLens release (folder or `.zip`), detecting the format; its
+    columns are fixed, so `columns` given are refused."""
     release = _Release(path)
-    if release.has("u.data"):
-        return _read_ml100k(release)
-    if release.has("ratings.dat"):
-        return _read_ml1m(release)
-    if release.has("ratings.csv"):
-        return _read_ml_latest(release)
-    raise DataError(f"{path}: unknown format: expected u.data (ml-100k), ratings.dat (ml-1m) or "
-                    f"ratings.csv (ml-latest, ml-20m, ml-25m); found {sorted(release.files)[:10]}")
+    reader = _release_reader(release)
+    if reader is None:
+        raise DataError(f"{path}: unknown format: expected u.data (ml-100k), ratings.dat (ml-1m) "
+                        "or ratings.csv (ml-latest, ml-20m, ml-25m); found "
+                        f"{sorted(release.files)[:10]}")
+    _refuse_columns(path, columns)
+    return reader(release)
+
+
+def _release_reader(release: _Release):
+    """The reader of the release's format, by the ratings file it holds; None for none."""
+    for name, reader in (("u.data", _read_ml100k), ("ratings.dat", _read_ml1m),
+                         ("ratings.csv", _read_ml_latest)):
+        if release.has(name):
+            return reader
+    return None
 
 
 def _read_delimited(release: _Release, name: str, names: list[str], delimiter: str,

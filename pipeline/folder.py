@@ -15,6 +15,7 @@ import shutil
 import numpy as np
 
 from tworec.features import Interactions, load
+from tworec.features.sources import has_fixed_columns
 from tworec.pipeline import config as run_config, report as run_report
 from tworec.pipeline.config import Configs
 
@@ -119,10 +120,13 @@ def read_run(out: str) -> tuple[dict, Configs]:
         raise RunFolderError(f"{out}: not a run folder (no config.json); train retrieval "
                              "into it first (scripts/train_retrieval.py)")
     try:
-        return run_config.read(path)
+        source, configs = run_config.read(path)
     except (ValueError, KeyError, TypeError, AttributeError, OSError) as error:
         raise RunFolderError(f"{path} cannot be read as a run's config ({type(error).__name__}: "
                              f"{error}); pass --overwrite to start over") from None
+    if source.get("columns") and has_fixed_columns(source["data"]):
+        source = {**source, "columns": {}}   # recorded before they were refused; never read
+    return source, configs
 
 
 def check_fresh(out: str, overwrite: bool) -> bool:

@@ -42,16 +42,18 @@ def write_log(path, changed: str | None = None) -> str:
     return str(path)
 
 
-def trained_run(out, log: str, report: bool = True) -> None:
-    """Writes what a finished retrieval run leaves for a continued run to check: config.json
-    (with the log's fingerprint and a chosen cold-start window) and, with `report`, a
-    report.json with retrieval's results."""
-    checked = folder.check_run(str(out), {"data": log, "columns": COLUMNS}, config.resolve("tiny"))
+def trained_run(out, log: str, report: bool = True, columns: dict = COLUMNS,
+                recorded: dict | None = None) -> None:
+    """Writes what a finished retrieval run on `log` with `columns` leaves for a continued run
+    to check: config.json (with the log's fingerprint, a chosen cold-start window and the
+    source's fields replaced by `recorded`) and, with `report`, a report.json with retrieval's
+    results."""
+    checked = folder.check_run(str(out), {"data": log, "columns": columns}, config.resolve("tiny"))
     configs = checked.configs
     configs = dataclasses.replace(configs, data=dataclasses.replace(configs.data,
                                                                     cold_start_window=1.0))
     os.makedirs(out)
-    config.write(os.path.join(out, "config.json"), configs, checked.source)
+    config.write(os.path.join(out, "config.json"), configs, {**checked.source, **(recorded or {})})
     if report:
         (out / "report.json").write_text(json.dumps({"retrieval": {"test": None}}))
 
@@ -60,6 +62,15 @@ def continue_run(out) -> folder.CheckedRun:
     """`check_run` as `train_ranking.py --retrieval-run OUT` calls it."""
     source, saved = folder.read_run(str(out))
     return folder.check_run(str(out), source, config.resolve(base=saved), continue_run=True)
+
+
+def test_a_run_that_recorded_columns_its_source_never_read_continues(tmp_path):
+    """Before --columns was refused for sources with fixed columns, a run could record them;
+    they were never read, and its folder still continues, with no columns."""
+    trained_run(tmp_path / "run", "synthetic:tiny", columns={},
+                recorded={"columns": {"user": "customer"}})
+    continued = continue_run(tmp_path / "run")
+    assert continued.source["columns"] == {} and continued.log.num_users > 0
 
 
 @pytest.mark.parametrize("changed", ["age", "color", "rating"])

@@ -6,6 +6,7 @@ import io
 import os
 import subprocess
 import sys
+import zipfile
 
 import numpy as np
 import pyarrow as pa
@@ -13,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tworec.features import DataError, load, sources, split
-from tworec.features.sources import read_titles
+from tworec.features.sources import has_fixed_columns, read_titles
 from tworec.pipeline import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -111,15 +112,29 @@ def test_a_wrong_explicit_delimiter_names_itself_and_the_header(tmp_path):
 
 
 def test_columns_are_refused_for_sources_with_fixed_columns(tmp_path):
-    """--columns would be ignored by a synthetic, TFDS or GroupLens source: refused, naming it."""
+    """--columns would be ignored by a synthetic, TFDS or GroupLens source (a release folder or
+    .zip): refused, naming it; a folder that is no release keeps its own message."""
     release = tmp_path / "ml-latest-small"
     release.mkdir()
     (release / "ratings.csv").write_text("userId,movieId,rating,timestamp\n1,2,3.0,4\n")
-    for source in ("synthetic:tiny", "tfds:movielens/100k-ratings", str(release)):
+    archive = str(tmp_path / "ml-latest-small.zip")
+    with zipfile.ZipFile(archive, "w") as packed:
+        packed.write(release / "ratings.csv", "ml-latest-small/ratings.csv")
+    for source in ("synthetic:tiny", "tfds:movielens/100k-ratings", str(release), archive):
+        assert has_fixed_columns(source)
         with pytest.raises(DataError) as error:
             load(source, columns={"user": "u"})
         assert str(error.value) == (f"--columns user=u: {source} has fixed columns; the option "
                                     "applies only to .csv/.tsv/.parquet logs and Parquet shards")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    write_log(logs / "part-0.csv")
+    assert not has_fixed_columns(str(logs)) and not has_fixed_columns(write_log(
+        tmp_path / "log.csv")) and not has_fixed_columns(str(tmp_path / "missing"))
+    assert "unknown format: expected u.data" in load_error(logs)
+    pq.write_table(pa.table({"user_id": ["a"], "item_id": ["x"], "timestamp": [1]}),
+                   release / "part-0.parquet")
+    assert not has_fixed_columns(str(release))             # read as Parquet shards, as load does
 
 
 def test_a_tsv_stays_tab_separated(tmp_path):
