@@ -239,10 +239,11 @@ def compare(log: Interactions, parts: Split, configs: Configs, arms: list[Arm],
                       f"{run['recall@10']:.4f} / NDCG@10 {run['ndcg@10']:.4f} (epoch "
                       f"{run['best_epoch']} of {run['epochs']}, {run['seconds']:.0f} s)",
                       flush=True)
-        result = {**header, "seeds": list(seeds[:done]), "seeds_left": list(seeds[done:]),
-                  **_summaries(arms, runs, rows, evalset.users)}
-        if seed_done is not None and done < len(seeds):
-            seed_done(result, ranks)
+        if done == len(seeds) or seed_done is not None:
+            result = {**header, "seeds": list(seeds[:done]), "seeds_left": list(seeds[done:]),
+                      **_summaries(arms, runs, rows, evalset.users)}
+            if done < len(seeds):
+                seed_done(result, dict(ranks))
     return result, ranks
 
 
@@ -420,8 +421,8 @@ def table(result: dict) -> str:
                      "(retrieval alone's row), as the served two-stage list; a calibrated "
                      "ranker is calibrated on half of the users and scores the other half.")
     if result.get("seeds_left"):
-        lines.append(f"Partial: seeds {', '.join(map(str, result['seeds_left']))} have not "
-                     "run (the comparison stopped, or is still running).")
+        lines.append(f"Partial: {seeds_named(result['seeds_left'])} not run yet (the "
+                     "comparison stopped, or is still running).")
     skipped = [f"{name}, seed {run['seed']}" for name, arm in result["arms"].items()
                for run in arm["runs"] if any("skipped" in fold
                                              for fold in run.get("calibration") or [])]
@@ -455,17 +456,30 @@ def table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def seeds_named(seeds: list[int]) -> str:
+    """'seed 3' or 'seeds 0, 1'."""
+    return f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}"
+
+
 def write(out: str, result: dict, ranks: dict[str, np.ndarray], source: dict,
           configs: Configs) -> None:
-    """Writes OUTPUTS into the folder `out`: the table, the result with the source and the
-    configs, and the ranks; each file whole (written aside, then renamed over the old one)."""
-    def replace(name: str, save: typing.Callable[[typing.BinaryIO], None]) -> None:
-        path = os.path.join(out, name)
-        with open(path + ".partial", "wb") as f:
-            save(f)
-        os.replace(path + ".partial", path)
-
-    replace("compare.json", lambda f: f.write(json.dumps(
-        {"source": source, "configs": configs.to_dict(), **result}, indent=2).encode()))
-    replace("compare.md", lambda f: f.write(table(result).encode()))
-    replace("ranks.npz", lambda f: np.savez(f, **ranks))
+    """Writes OUTPUTS into the folder `out`: the ranks, the result with the source and the
+    configs, and the table. All three are written aside first, then renamed over the old ones,
+    the table last: a stopped write leaves whole files that hold at least the seeds the table
+    names, and a failed one leaves no file aside."""
+    contents = {"ranks.npz": lambda f: np.savez(f, **ranks),
+                "compare.json": lambda f: f.write(json.dumps(
+                    {"source": source, "configs": configs.to_dict(), **result},
+                    indent=2).encode()),
+                "compare.md": lambda f: f.write(table(result).encode())}
+    aside = {name: os.path.join(out, name + ".partial") for name in contents}
+    try:
+        for name, save in contents.items():
+            with open(aside[name], "wb") as f:
+                save(f)
+        for name in contents:
+            os.replace(aside[name], os.path.join(out, name))
+    finally:
+        for path in aside.values():
+            if os.path.exists(path):
+                os.remove(path)

@@ -18,8 +18,8 @@ import os
 import sys
 
 from tworec.pipeline import cli
-from tworec.pipeline.compare import (ARM_FORM, OUTPUTS, check_arms, compare, parse_arm, table,
-                                     validation_split, write)
+from tworec.pipeline.compare import (ARM_FORM, OUTPUTS, check_arms, compare, parse_arm,
+                                     seeds_named, table, validation_split, write)
 from tworec.pipeline.config import RunConfig, resolve
 from tworec.pipeline.folder import RunFolderError, load_source, only_run_into
 
@@ -80,21 +80,30 @@ def _compare(args) -> int:
         return cli.fail(str(error))
     except OSError as error:
         return cli.fail(f"--data {source['data']}: {error}")
+    for name in OUTPUTS:                  # --overwrite: an older comparison's files go now
+        if os.path.exists(os.path.join(args.out, name)):
+            os.remove(os.path.join(args.out, name))
     written = []
 
     def write_seeds(result: dict, ranks: dict) -> None:
         """The seeds done so far, written: a comparison that stops keeps them."""
         write(args.out, result, ranks, source, configs)
         written[:] = result["seeds"]
+
+    def kept() -> str:
+        return (f"{os.path.join(args.out, 'compare.md')} holds {seeds_named(written)}"
+                if written else "no seed finished, nothing was written")
     try:
         result, ranks = compare(log, parts, configs, arms, args.seeds, seed_done=write_seeds)
         write_seeds(result, ranks)
     except ValueError as error:
-        kept = (f"; {os.path.join(args.out, 'compare.md')} holds seeds "
-                f"{', '.join(map(str, written))}" if written else "")
-        return cli.failed(f"{error}{kept}")
+        return cli.failed(f"{error}; {kept()}")
     except OSError as error:
-        return cli.failed(f"--out {args.out}: the results could not be written: {error}")
+        return cli.failed(f"--out {args.out}: the results could not be written ({error}); "
+                          f"{kept()}")
+    except KeyboardInterrupt:
+        print(f"error: stopped; {kept()}", file=sys.stderr)
+        return 130
     print(table(result), end="")
     return 0
 

@@ -167,6 +167,7 @@ def test_each_arm_scores_the_validation_rows_as_its_model_and_gains_are_paired_b
 
     (first, first_ranks), = partial               # after seed 0 only, of seed 0 alone
     assert first["seeds"] == [0] and first["seeds_left"] == [3]
+    assert sorted(first_ranks) == ["base/0", "mean/0", "rows", "same/0", "users"]
     assert first["arms"]["mean"]["ndcg@10"] == pytest.approx(
         row_metrics(ranks["mean/0"], 10)["ndcg@10"].mean(), abs=1e-12)
     assert first["arms"]["mean"]["gain"]["ndcg@10"] == paired_bootstrap(
@@ -174,7 +175,7 @@ def test_each_arm_scores_the_validation_rows_as_its_model_and_gains_are_paired_b
         groups=ranks["users"])
     assert [run["gain"] for run in first["arms"]["mean"]["runs"]] == [
         result["arms"]["mean"]["runs"][0]["gain"]]
-    assert table(first).splitlines()[1] == ("Partial: seeds 3 have not run (the comparison "
+    assert table(first).splitlines()[1] == ("Partial: seed 3 not run yet (the comparison "
                                             "stopped, or is still running).")
     assert "Partial" not in table(result)
 
@@ -352,37 +353,67 @@ def test_the_script_prints_the_table_and_writes_it_with_the_ranks(tmp_path):
     assert (out / "compare.md").read_text() == table_text
 
 
-def test_a_comparison_that_stops_keeps_the_seeds_it_finished(tmp_path):
-    """The files are written after every seed: an arm failing on a later seed leaves the
-    earlier seeds' table, result and ranks, and the error says where they are."""
-    out = tmp_path / "cmp"
+def test_a_failed_write_leaves_the_older_files_and_nothing_aside(tmp_path, monkeypatch):
+    """The files are written aside, then renamed the table last; a write that fails on the
+    way leaves the folder as it was."""
+    configs = resolve("tiny")
+    (tmp_path / "compare.md").write_text("older")
+
+    def broken(result):
+        raise OSError("No space left on device")
+    monkeypatch.setattr(comparison, "table", broken)
+    with pytest.raises(OSError, match="No space left"):
+        comparison.write(str(tmp_path), {"seeds": [0]}, {"rows": np.arange(3)},
+                         {"data": "synthetic"}, configs)
+    assert sorted(os.listdir(tmp_path)) == ["compare.md"]
+    assert (tmp_path / "compare.md").read_text() == "older"
+
+
+def stopped_comparison(out, *args: str, stop: str) -> subprocess.CompletedProcess:
+    """scripts/compare.py run into `out` with `args`, its `compare` stopped by `stop`, Python
+    run with the arguments (args, seed_done, kwargs), where `real` is the real compare."""
     argv = [os.path.join(ROOT, "scripts", "compare.py"), "--data", "synthetic:tiny", "--preset",
-            "tiny", "--epochs", "1", "--seeds", "0", "7", "--out", str(out), "--arm", "one",
-            "--arm", "two:embedding_dim=8"]
-    done = subprocess.run([sys.executable, "-c", (
+            "tiny", "--epochs", "1", "--out", str(out), "--arm", "one", "--arm",
+            "two:embedding_dim=8", *args]
+    return subprocess.run([sys.executable, "-c", (
         "import runpy, sys\n"
         "from tworec.pipeline import compare as comparison\n"
         "real = comparison.compare\n"
         "def stopping(*args, seed_done, **kwargs):\n"
-        "    def done(result, ranks):\n"
-        "        seed_done(result, ranks)\n"
-        "        raise ValueError(\"arm 'two', seed 7: RuntimeError: out of memory\")\n"
-        "    return real(*args, seed_done=done, **kwargs)\n"
+        f"    {stop}\n"
         "comparison.compare = stopping\n"
         f"sys.argv = {argv!r}\n"
         "runpy.run_path(sys.argv[0], run_name='__main__')\n")],
         capture_output=True, text=True, timeout=300)
+
+
+def test_a_comparison_that_stops_keeps_the_seeds_it_finished(tmp_path):
+    """The files are written after every seed: an arm failing on a later seed leaves the
+    earlier seeds' table, result and ranks, and the error says where they are; with
+    --overwrite an older comparison's files go before training, so a stop before the first
+    seed ends leaves none of them to be taken for its results."""
+    out = tmp_path / "cmp"
+    done = stopped_comparison(out, "--seeds", "0", "7", stop=(
+        "def done(result, ranks):\n"
+        "        seed_done(result, ranks)\n"
+        "        raise ValueError(\"arm 'two', seed 7: RuntimeError: out of memory\")\n"
+        "    return real(*args, seed_done=done, **kwargs)"))
     assert done.returncode == 1, done.stderr[-3000:]
     assert done.stderr == (f"error: arm 'two', seed 7: RuntimeError: out of memory; "
-                           f"{out / 'compare.md'} holds seeds 0\n")
+                           f"{out / 'compare.md'} holds seed 0\n")
     saved = json.load(open(out / "compare.json"))
     assert saved["seeds"] == [0] and saved["seeds_left"] == [7]
-    assert "Partial: seeds 7 have not run" in (out / "compare.md").read_text()
+    assert "Partial: seed 7 not run yet" in (out / "compare.md").read_text()
     with np.load(out / "ranks.npz") as ranks:
         assert sorted(ranks) == ["one/0", "rows", "two/0", "users"]
         assert saved["arms"]["two"]["ndcg@10"] == pytest.approx(
             row_metrics(ranks["two/0"], 10)["ndcg@10"].mean())
     assert sorted(os.listdir(out)) == ["compare.json", "compare.md", "ranks.npz"]
+
+    again = stopped_comparison(out, "--overwrite", stop="raise KeyboardInterrupt")
+    assert again.returncode == 130, again.stderr[-3000:]
+    assert again.stderr == "error: stopped; no seed finished, nothing was written\n"
+    assert os.listdir(out) == []
 
 
 @pytest.mark.parametrize("args, message", [
