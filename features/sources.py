@@ -93,10 +93,16 @@ def has_fixed_columns(source: str) -> bool:
         return True
     from tworec.features import shards
     try:
-        return ((os.path.isdir(source) or source.endswith(".zip")) and os.path.exists(source)
-                and shards.find(source) is None and _release_reader(_Release(source)) is not None)
+        if not ((os.path.isdir(source) or source.endswith(".zip")) and os.path.exists(source)
+                and shards.find(source) is None):
+            return False
+        release = _Release(source)
     except DataError:                               # an empty folder, a zip it cannot read
         return False
+    try:
+        return _release_reader(release) is not None
+    finally:
+        release.close()
 
 
 def _refuse_columns(source: str, columns: dict[str, str] | None) -> None:
@@ -431,6 +437,10 @@ class _Release:
 
     def where(self, name: str) -> str:
         return f"{self.path}:{self.files[name]}"
+
+    def close(self) -> None:
+        if self._zip is not None:
+            self._zip.close()
 
 
 def load_grouplens(path: str, columns: dict[str, str] | None = None) -> Interactions:

@@ -254,9 +254,10 @@ def retrieval_negatives(candidates: np.ndarray, positives: np.ndarray, count: in
 
 def evaluate(model: RankingModel, data: ModelInputs, signals: RankingSignals, part: str = "test",
              hard: np.ndarray | None = None) -> dict[str, float | None]:
-    """RMSE of the rating head (None without one: no ratings, or rating_weight 0) and AUC: the share of (positive,
-    negative) pairs that the model's scores (a regression ranker's: its predicted ratings, by
-    which it orders candidates) order correctly, a tie counting as wrong, each row's negatives
+    """RMSE of the rating head (None without one: no ratings, or rating_weight 0) and AUC: the
+    share of (positive, negative) pairs that the model's scores (a regression ranker's: its
+    predicted ratings, by which it orders candidates) order correctly, a tie counting as wrong,
+    each row's negatives
     being the first `num_negatives` of its retrieval candidates `hard` [m, H] other than the
     positive, for every row alike (the items the ranker must beat when serving); random
     negatives when `hard` is None."""

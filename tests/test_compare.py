@@ -1,5 +1,6 @@
 """Retrieval configs compared on validation (`pipeline.compare`, `scripts/compare.py`)."""
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -353,20 +354,47 @@ def test_the_script_prints_the_table_and_writes_it_with_the_ranks(tmp_path):
     assert (out / "compare.md").read_text() == table_text
 
 
-def test_a_failed_write_leaves_the_older_files_and_nothing_aside(tmp_path, monkeypatch):
-    """The files are written aside, then renamed the table last; a write that fails on the
-    way leaves the folder as it was."""
-    configs = resolve("tiny")
+def test_a_failed_write_leaves_the_older_table_and_nothing_aside(tmp_path, monkeypatch):
+    """The files are written aside, then renamed, the table last: a write that fails while
+    writing leaves the folder as it was, one that fails while renaming leaves the older
+    table; neither leaves a file aside."""
+    write = functools.partial(comparison.write, str(tmp_path), {"seeds": [0]},
+                              {"rows": np.arange(3)}, {"data": "synthetic"}, resolve("tiny"))
     (tmp_path / "compare.md").write_text("older")
-
-    def broken(result):
-        raise OSError("No space left on device")
-    monkeypatch.setattr(comparison, "table", broken)
-    with pytest.raises(OSError, match="No space left"):
-        comparison.write(str(tmp_path), {"seeds": [0]}, {"rows": np.arange(3)},
-                         {"data": "synthetic"}, configs)
+    with monkeypatch.context() as patch:
+        def broken(result):
+            raise OSError("No space left on device")
+        patch.setattr(comparison, "table", broken)
+        with pytest.raises(OSError, match="No space left"):
+            write()
     assert sorted(os.listdir(tmp_path)) == ["compare.md"]
+
+    monkeypatch.setattr(comparison, "table", lambda result: "newer")
+    renamed, rename = [], os.replace
+
+    def second_rename_fails(source, target):
+        if renamed:
+            raise OSError("the disk went away")
+        renamed.append(os.path.basename(target))
+        rename(source, target)
+    monkeypatch.setattr(os, "replace", second_rename_fails)
+    with pytest.raises(OSError, match="the disk went away"):
+        write()
+    assert renamed == ["ranks.npz"] and sorted(os.listdir(tmp_path)) == ["compare.md",
+                                                                         "ranks.npz"]
     assert (tmp_path / "compare.md").read_text() == "older"
+
+
+def test_overwrite_removes_an_older_comparison_only_once_every_check_passed(tmp_path):
+    out = tmp_path / "cmp"
+    out.mkdir()
+    for name in comparison.OUTPUTS:
+        (out / name).write_text("older")
+    done = exit_before_tensorflow([os.path.join(ROOT, "scripts", "compare.py"), "--out",
+                                   str(out), "--overwrite", "--data", "synthetic:tiny", "--arm",
+                                   "a", "--arm", "b:batch_size=100000"])     # refused last
+    assert done.stdout.split() == ["2", "False"] and "larger than the training" in done.stderr
+    assert all((out / name).read_text() == "older" for name in comparison.OUTPUTS)
 
 
 def stopped_comparison(out, *args: str, stop: str) -> subprocess.CompletedProcess:
