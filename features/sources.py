@@ -59,8 +59,11 @@ def load(source: str, columns: dict[str, str] | None = None, data_dir: str | Non
     if data_dir is not None and not source.startswith("tfds:"):
         raise DataError(f"--data-dir {data_dir}: {source} is not a TensorFlow Datasets source; "
                         "the option applies only to tfds:NAME")
+    if columns and has_fixed_columns(source):
+        given = ",".join(f"{role}={name}" for role, name in columns.items())
+        raise DataError(f"--columns {given}: {source} has fixed columns; the option applies "
+                        "only to .csv/.tsv/.parquet logs and Parquet shards")
     if source == "synthetic" or source.startswith("synthetic:"):
-        _refuse_columns(source, columns)
         from tworec.features.synthetic import PRESETS, SHARDS_ONLY, generate
         preset = source.partition(":")[2] or "default"
         if preset not in PRESETS:
@@ -71,7 +74,6 @@ def load(source: str, columns: dict[str, str] | None = None, data_dir: str | Non
                             "DIR, or features.synthetic.write_shards) and pass the folder")
         return generate(PRESETS[preset], seed=seed, name=f"synthetic:{preset}")
     if source.startswith("tfds:"):
-        _refuse_columns(source, columns)
         return load_tfds(source[len("tfds:"):], data_dir=data_dir)
     from tworec.features import shards
     found = shards.find(source)                          # a folder or glob of Parquet shards
@@ -82,13 +84,14 @@ def load(source: str, columns: dict[str, str] | None = None, data_dir: str | Non
                         "or .zip, a .csv/.tsv/.parquet log, a folder or glob of .parquet "
                         "shards, 'synthetic' or 'tfds:NAME')")
     if os.path.isdir(source) or source.endswith(".zip"):
-        return load_grouplens(source, columns)
+        return load_grouplens(source)
     return load_table(source, columns or {}, delimiter)
 
 
 def has_fixed_columns(source: str) -> bool:
     """Whether `source` gives a log whose columns are its own, which --columns cannot map:
-    synthetic data, TFDS, a GroupLens release (a folder or `.zip` holding one)."""
+    synthetic data, TFDS, a GroupLens release (a folder or `.zip` holding one; a folder of
+    Parquet shards is read as shards first, as `load` does)."""
     if source == "synthetic" or source.startswith(("synthetic:", "tfds:")):
         return True
     from tworec.features import shards
@@ -103,15 +106,6 @@ def has_fixed_columns(source: str) -> bool:
         return _release_reader(release) is not None
     finally:
         release.close()
-
-
-def _refuse_columns(source: str, columns: dict[str, str] | None) -> None:
-    """A DataError when --columns is given for a source whose columns are fixed
-    (`has_fixed_columns`): it would be ignored."""
-    if columns:
-        given = ",".join(f"{role}={name}" for role, name in columns.items())
-        raise DataError(f"--columns {given}: {source} has fixed columns; the option applies "
-                        "only to .csv/.tsv/.parquet logs and Parquet shards")
 
 
 def _delimiter_option(source: str, text: str | None) -> str | None:
@@ -443,16 +437,14 @@ class _Release:
             self._zip.close()
 
 
-def load_grouplens(path: str, columns: dict[str, str] | None = None) -> Interactions:
-    """Reads a GroupLens MovieLens release (folder or `.zip`), detecting the format; its
-    columns are fixed, so `columns` given are refused."""
+def load_grouplens(path: str) -> Interactions:
+    """Reads a GroupLens MovieLens release (folder or `.zip`), detecting the format."""
     release = _Release(path)
     reader = _release_reader(release)
     if reader is None:
         raise DataError(f"{path}: unknown format: expected u.data (ml-100k), ratings.dat (ml-1m) "
                         "or ratings.csv (ml-latest, ml-20m, ml-25m); found "
                         f"{sorted(release.files)[:10]}")
-    _refuse_columns(path, columns)
     return reader(release)
 
 

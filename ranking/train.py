@@ -257,10 +257,9 @@ def evaluate(model: RankingModel, data: ModelInputs, signals: RankingSignals, pa
     """RMSE of the rating head (None without one: no ratings, or rating_weight 0) and AUC: the
     share of (positive, negative) pairs that the model's scores (a regression ranker's: its
     predicted ratings, by which it orders candidates) order correctly, a tie counting as wrong,
-    each row's negatives
-    being the first `num_negatives` of its retrieval candidates `hard` [m, H] other than the
-    positive, for every row alike (the items the ranker must beat when serving); random
-    negatives when `hard` is None."""
+    each row's negatives being the first `num_negatives` of its retrieval candidates `hard`
+    [m, H] other than the positive, for every row alike (the items the ranker must beat when
+    serving); random negatives when `hard` is None."""
     config = model.config
     result = {"rmse": None, "auc": None}
     if len(getattr(data.split, part)) == 0:
