@@ -137,7 +137,10 @@ class ModelServer:
         self.handle_signals()
         received, previous = self._signals
         try:
-            received.wait()
+            # A signal the kernel hands to another thread runs its Python handler only when the
+            # main thread next runs Python; an untimed wait would never get there.
+            while not received.wait(timeout=0.1):
+                pass
             log.info("stopping: requests in flight get %g s to finish", self.grace_seconds)
         finally:
             for sig, handler in previous.items():

@@ -756,6 +756,25 @@ def test_sigterm_drains_requests_in_flight(models, sig):
     assert statuses == [200, 200]
 
 
+def test_a_signal_another_thread_takes_still_stops_the_server(models):
+    """The kernel may hand a process's SIGTERM to any thread (under load it sometimes does);
+    `wait` still wakes and stops. A watchdog wakes it after 20 s if the signal was lost."""
+    server = _serve(models, names=("scale",)).start()
+    server.handle_signals()
+    received, _ = server._signals
+    lost = threading.Event()
+
+    def send_from_another_thread() -> None:
+        _wait_for(lambda: received._cond._waiters, seconds=20)     # the main thread waits
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)   # delivered to this thread
+        if not received.wait(timeout=20):
+            lost.set()
+            received.set()
+    threading.Thread(target=send_from_another_thread).start()
+    server.wait()
+    assert not lost.is_set(), "the SIGTERM another thread took did not stop the server"
+
+
 def test_a_rest_server_without_a_deadline_answers(models):
     """--rest_api_timeout_in_ms 0 (TF Serving: no deadline) gives rest_timeout_seconds None."""
     with _serve(models, names=("scale",), rest_timeout_seconds=None) as server:
