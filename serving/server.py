@@ -138,9 +138,10 @@ class ModelServer:
         received, previous = self._signals
         try:
             # A signal the kernel hands to another thread runs its Python handler only when the
-            # main thread next runs Python; an untimed wait would never get there.
-            while not received.wait(timeout=0.1):
-                pass
+            # main thread next runs Python, which an untimed wait never does. Sleep, not a timed
+            # wait: the handler's `set` takes the lock a waiting thread keeps taking.
+            while not received.is_set():
+                time.sleep(0.1)
             log.info("stopping: requests in flight get %g s to finish", self.grace_seconds)
         finally:
             for sig, handler in previous.items():
