@@ -19,6 +19,8 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
+from tworec.console import exit_without_finalizing
+
 LOSSES = ("loss", "regularization_loss", "total_loss")
 
 
@@ -181,7 +183,11 @@ def serve_task() -> None:
                                   protocol=resolver.rpc_layer or "grpc", start=True)
     print(f"serving /job:{resolver.task_type}/task:{resolver.task_id} at {server.target}",
           flush=True)
-    server.join()
+    try:
+        while True:        # not server.join(): Ctrl-C raises only while the main thread runs Python
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        exit_without_finalizing(130)     # the server's C++ threads are never joined
 
 
 def make_optimizer(name: str, learning_rate: float, mixed_precision: bool = False):

@@ -3,6 +3,7 @@
 matches one device, and its export is an ordinary SavedModel."""
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -240,3 +241,23 @@ def test_workers_running_the_same_dataset_function_draw_different_seeds():
     seeded = lambda: tf.random.uniform([], maxval=2**62, dtype=tf.int64)   # noqa: E731
     assert first_draw(seeded) == first_draw(seeded)
     assert first_draw(worker_seed) != first_draw(worker_seed)
+
+
+def test_ctrl_c_stops_a_ps_task():
+    """Ctrl-C (SIGINT) ends a ps or worker task with 130; blocked in the server's join, it
+    went unnoticed."""
+    port = free_ports(1)[0]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_CONFIG=json.dumps(
+        {"cluster": {"chief": ["localhost:1"], "ps": [f"localhost:{port}"]},
+         "task": {"type": "ps", "index": 0}}))
+    task = subprocess.Popen(   # SIGINT as in a terminal, even when the suite runs in the background
+        [sys.executable, "-m", "tworec.features.training"], cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert task.stdout.readline().startswith("serving /job:ps/task:0 at ")
+        task.send_signal(signal.SIGINT)
+        assert task.wait(timeout=30) == 130
+    finally:
+        task.kill()
+        task.stdout.close()
