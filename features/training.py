@@ -171,8 +171,8 @@ def worker_seed() -> tf.Tensor:
 
 
 def serve_task() -> None:
-    """Runs this process's ps or worker task of the TF_CONFIG cluster until it is killed; the
-    chief's training program sends them its variables and steps."""
+    """Runs this process's ps or worker task of the TF_CONFIG cluster until Ctrl-C (exit 130)
+    or SIGTERM; the chief's training program sends them its variables and steps."""
     os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     if resolver.task_type not in ("ps", "worker"):
@@ -181,9 +181,9 @@ def serve_task() -> None:
     server = tf.distribute.Server(resolver.cluster_spec(), job_name=resolver.task_type,
                                   task_index=resolver.task_id,
                                   protocol=resolver.rpc_layer or "grpc", start=True)
-    print(f"serving /job:{resolver.task_type}/task:{resolver.task_id} at {server.target}",
-          flush=True)
-    try:
+    try:                   # from the line on: Ctrl-C may come as soon as it is read
+        print(f"serving /job:{resolver.task_type}/task:{resolver.task_id} at {server.target}",
+              flush=True)
         while True:        # not server.join(): Ctrl-C raises only while the main thread runs Python
             time.sleep(0.5)
     except KeyboardInterrupt:

@@ -139,7 +139,8 @@ class ModelServer:
         try:
             # A signal the kernel hands to another thread runs its Python handler only when the
             # main thread next runs Python, which an untimed wait never does. Sleep, not a timed
-            # wait: the handler's `set` takes the lock a waiting thread keeps taking.
+            # wait: the handler runs on the main thread, and its `set` would wait forever for
+            # the event's lock if it came while the main thread's own `wait` held it.
             while not received.is_set():
                 time.sleep(0.1)
             log.info("stopping: requests in flight get %g s to finish", self.grace_seconds)

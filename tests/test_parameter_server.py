@@ -250,14 +250,16 @@ def test_ctrl_c_stops_a_ps_task():
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_CONFIG=json.dumps(
         {"cluster": {"chief": ["localhost:1"], "ps": [f"localhost:{port}"]},
          "task": {"type": "ps", "index": 0}}))
-    task = subprocess.Popen(   # SIGINT as in a terminal, even when the suite runs in the background
-        [sys.executable, "-m", "tworec.features.training"], cwd=ROOT, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    as_in_a_terminal = ("import runpy, signal; "     # a background job's children ignore it
+                        "signal.signal(signal.SIGINT, signal.default_int_handler); "
+                        "runpy.run_module('tworec.features.training', run_name='__main__')")
+    task = subprocess.Popen([sys.executable, "-c", as_in_a_terminal], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert task.stdout.readline().startswith("serving /job:ps/task:0 at ")
-        task.send_signal(signal.SIGINT)
+        task.send_signal(signal.SIGINT)                  # at once, as the line is read
         assert task.wait(timeout=30) == 130
     finally:
         task.kill()
+        task.wait()
         task.stdout.close()
