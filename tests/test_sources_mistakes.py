@@ -56,13 +56,13 @@ def parquet_bytes() -> bytes:
 
 
 @pytest.mark.parametrize("content, expected", [
-    (gzip.compress(b"user_id,item_id,timestamp\na,x,1\n"), "gzip-compressed: rename it"),
+    (gzip.compress(b"user_id,item_id,timestamp\na,x,1\n", mtime=0), "gzip-compressed: rename it"),
     (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x10", "not UTF-8 at offset 0"),
     (np.random.default_rng(0).bytes(4096), "not a text CSV"),
     (b"user_id,item_id,timestamp\na,x,\x001\n", "a NUL byte at offset 30"),
     (parquet_bytes(), "it is a Parquet file: rename it"),
     ("user_id,item_id,timestamp\na,x,1\n".encode("utf-16"), "UTF-16 text: save it as UTF-8"),
-])
+], ids=["gzip", "png", "random-bytes", "nul-byte", "parquet", "utf-16"])  # same on every worker
 def test_a_binary_file_named_csv_is_not_a_text_csv(tmp_path, content, expected):
     path = tmp_path / "data.csv"
     path.write_bytes(content)
