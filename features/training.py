@@ -9,6 +9,7 @@ serves the ps or worker task that TF_CONFIG names, for a chief training with
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -127,7 +128,7 @@ def make_strategy(name: str, partitioner: str = "min_size") -> tf.distribute.Str
     read TF_CONFIG; the parameter-server strategy splits variables across the ps tasks with
     `variable_partitioner(partitioner, num_ps)`)."""
     if name == "mirrored":
-        return tf.distribute.MirroredStrategy()
+        return _mirrored_strategy()
     if name == "multi_worker":
         return tf.distribute.MultiWorkerMirroredStrategy()
     if name == "parameter_server":
@@ -144,6 +145,14 @@ def make_strategy(name: str, partitioner: str = "min_size") -> tf.distribute.Str
         return tf.distribute.get_strategy()
     raise ValueError(f"unknown strategy {name!r}; use default, mirrored, multi_worker or "
                      "parameter_server")
+
+
+@functools.cache
+def _mirrored_strategy() -> tf.distribute.MirroredStrategy:
+    """One MirroredStrategy a process: each new one numbers its collectives from the start
+    again, and a second model of another shape in the same process would then meet the first
+    one's collective instances ("Shape mismatch in the collective instance 100")."""
+    return tf.distribute.MirroredStrategy()
 
 
 def variable_partitioner(spec: str, num_ps: int):

@@ -44,9 +44,8 @@ SEEDS = range(2 ** 32)                    # what `tf.keras.utils.set_random_seed
 OUTPUTS = ("compare.md", "compare.json", "ranks.npz")
 # Fields an arm cannot change, and why.
 NOT_ARMS = {"seed": "every arm trains with the seeds of --seeds",
-            "strategy": "a comparison trains every arm in one process on one device (two "
-                        "mirrored models of other shapes collide in one process, and the other "
-                        "strategies need other processes)",
+            "strategy": "a comparison trains every arm in one process on one device, to "
+                        "compare configs, not devices",
             "partitioner": "a comparison trains in one process, without parameter servers"}
 
 

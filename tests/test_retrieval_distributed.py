@@ -10,6 +10,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# Both member counts in one process: the second mirrored model, of other shapes, must not meet
+# the first one's collectives (each MirroredStrategy numbered them from the start again).
 MIRRORED = """
 import json, tensorflow as tf
 cpu = tf.config.list_physical_devices("CPU")[0]
@@ -23,11 +25,12 @@ from tworec.retrieval.train import evaluate_model, fit
 log = generate(PRESETS["tiny"], seed=0)
 data = prepare(log, split(log), history_length=5)
 results = {}
-for strategy in ("default", "mirrored"):
-    model, _ = fit(data, preset("tiny", epochs=4, strategy=strategy, members=%(members)d),
-                   verbose=0)
-    results[strategy] = evaluate_model(model, data, "test", ks=(10, 50))
-    results[strategy + "_replicas"] = model.distribute_strategy.num_replicas_in_sync
+for members in (1, 2):
+    for strategy in ("default", "mirrored"):
+        model, _ = fit(data, preset("tiny", epochs=4, strategy=strategy, members=members),
+                       verbose=0)
+        results[f"{strategy}_{members}"] = evaluate_model(model, data, "test", ks=(10, 50))
+        results[f"{strategy}_{members}_replicas"] = model.distribute_strategy.num_replicas_in_sync
 results["popularity"] = baselines(log, split(log), eval_set(log, split(log), "test"))["popularity"]
 print("RESULT", json.dumps(results))
 """
@@ -55,33 +58,27 @@ def result_of(stdout: str) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
-def mirrored_and_one_device(members: int) -> dict:
-    """A process of its own: collectives of two mirrored models of other shapes in one
-    process collide (TensorFlow reuses their instance keys)."""
-    done = subprocess.run([sys.executable, "-c", MIRRORED % {"members": members}], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+@pytest.fixture(scope="module")
+def one_device_and_mirrored() -> dict:
+    done = subprocess.run([sys.executable, "-c", MIRRORED], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return result_of(done.stdout)
 
 
-@pytest.fixture(scope="module")
-def one_device_and_mirrored():
-    return mirrored_and_one_device(1)
-
-
 def test_mirrored_strategy_matches_one_device(one_device_and_mirrored):
     results = one_device_and_mirrored
-    assert results["mirrored_replicas"] == 2
+    assert results["mirrored_1_replicas"] == 2
     for metric in ("recall@10", "recall@50"):
-        assert abs(results["default"][metric] - results["mirrored"][metric]) < 0.1, results
+        assert abs(results["default_1"][metric] - results["mirrored_1"][metric]) < 0.1, results
 
 
-def test_mirrored_strategy_trains_retrieval_members_as_one_device():
-    results = mirrored_and_one_device(2)
-    assert results["mirrored_replicas"] == 2
-    assert results["mirrored"]["recall@10"] > 1.5 * results["popularity"]["recall@10"], results
+def test_mirrored_strategy_trains_retrieval_members_as_one_device(one_device_and_mirrored):
+    results = one_device_and_mirrored
+    assert results["mirrored_2_replicas"] == 2
+    assert results["mirrored_2"]["recall@10"] > 1.5 * results["popularity"]["recall@10"], results
     for metric in ("recall@10", "recall@50"):
-        assert abs(results["default"][metric] - results["mirrored"][metric]) < 0.1, results
+        assert abs(results["default_2"][metric] - results["mirrored_2"][metric]) < 0.1, results
 
 
 def free_ports(count: int) -> list[int]:
@@ -114,7 +111,7 @@ def test_two_worker_processes_train_one_model_that_matches_one_device(one_device
     chief, other = (result_of(stdout) for stdout, _ in outputs)
     assert chief["replicas"] == 2 and chief["epochs"] == 4
     assert chief["metrics"] == other["metrics"]            # one model, kept in sync
-    default = one_device_and_mirrored["default"]
+    default = one_device_and_mirrored["default_1"]
     for metric in ("recall@10", "recall@50"):
         assert abs(default[metric] - chief["metrics"][metric]) < 0.1, (default, chief)
     assert (tmp_path / "run" / "retrieval_config.json").exists()
