@@ -867,6 +867,7 @@ TIME_TYPES = (pa.int64(), pa.float64(), pa.timestamp("ns"), pa.timestamp("ns", t
               pa.timestamp("us"), pa.timestamp("us", tz="UTC"))   # us: before 1677, after 2262
 DATE_LIKE = r"^\s*[+-]?\d{4,}-\d\d-\d\d"        # text a timestamp cast may read
 NUMBER_LIKE = r"^\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*$"
+HEX_LIKE = r"^\s*[+-]?0[xX]"
 MISSING = pa.array(pacsv.ConvertOptions().null_values)        # Arrow's markers of a missing value
 MISSING_IDS = pc.filter(MISSING, pc.not_equal(MISSING, ""))   # an empty id has its own message
 
@@ -889,12 +890,19 @@ def _as_number(table: pa.Table, name: str, types: tuple[pa.DataType, ...],
         for kind in types:
             if pa.types.is_timestamp(kind) and not _dates_only(candidate):
                 continue                                  # a cast that fails, and slowly
+            if pa.types.is_integer(kind) and _any_hex(candidate):
+                continue          # Arrow reads 0x10 as 16 (0xFFFFFFFFFFFFFFFF as -1), DuckDB not
             try:
                 return table.set_column(table.column_names.index(name), name,
                                         pc.cast(candidate, kind))
             except pa.ArrowInvalid:
                 continue
     return table.set_column(table.column_names.index(name), name, text)
+
+
+def _any_hex(text: pa.ChunkedArray) -> bool:
+    """Whether some value of `text` is written in hexadecimal (`0x10`)."""
+    return bool(pc.any(pc.match_substring_regex(text, HEX_LIKE)).as_py())
 
 
 def _dates_only(text: pa.ChunkedArray) -> bool:

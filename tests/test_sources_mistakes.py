@@ -314,11 +314,17 @@ def test_times_below_a_second_order_a_text_log_and_are_not_duplicates(tmp_path):
     (np.array([np.datetime64("2020-01-01"), 5, 6], object), "column 'timestamp' holds NumPy "
      "times of several types, or beside other values (<class 'int'>, datetime64[D]); give them "
      "one type (np.array(values, 'datetime64[s]'))"),
+    (np.array(["1", "0x10", "3"]), "column 'timestamp' is neither all numbers nor all ISO "
+     "dates and times (first value that is not a number: '0x10', at row 1)"),
+    (np.array(["1", "2", "0xFFFFFFFFFFFFFFFF"]), "column 'timestamp' is neither all numbers nor "
+     "all ISO dates and times (first value that is not a number: '0xFFFFFFFFFFFFFFFF', at row "
+     "2)"),                          # Arrow alone reads it as -1; out of core, it is refused
 ], ids=["minutes", "hours", "negative-ms", "10ms-dates", "NaT", "a-date-among-numbers",
         "a-typo-among-dates", "a-non-number-among-dates", "a-number-among-dates", "a-typo-among-both",
         "an-impossible-date", "days-past-2262", "no-unit", "days-beyond-2^63-seconds",
         "minutes-that-wrap-to-0", "picoseconds", "3-picosecond-ticks-that-wrap", "float16",
-        "datetime64-objects", "datetime64-objects-of-two-units", "a-datetime64-among-numbers"])
+        "datetime64-objects", "datetime64-objects-of-two-units", "a-datetime64-among-numbers",
+        "hexadecimal", "hexadecimal-that-wraps"])
 @pytest.mark.filterwarnings("error::RuntimeWarning")             # float16 warned, overflowing
 def test_library_callers_times_are_seconds_or_refused_in_one_line(times, expected):
     def log():
