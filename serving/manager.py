@@ -176,19 +176,21 @@ class ModelManager:
         """Waits until the models' first polls are done and no version of theirs is LOADING;
         False if `timeout` seconds passed first."""
         deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(deadline - time.monotonic(), 0.0)
         with self._lock:
             polls = [m.poll for n, m in self._models.items() if names is None or n in names]
         for poll in polls:
-            if poll is not None:
-                wait([poll], timeout=None if deadline is None else deadline - time.monotonic())
+            if poll is not None and wait([poll], timeout=left()).not_done:
+                return False              # not listed yet: no version is LOADING, none settled
 
         def settled() -> bool:
             return all(v.state != "LOADING" for n, m in self._models.items()
                        if names is None or n in names
                        for v in [*m.versions.values(), *m.incoming.values()])
         with self._changed:
-            return self._changed.wait_for(
-                settled, None if deadline is None else max(deadline - time.monotonic(), 0))
+            return self._changed.wait_for(settled, left())
 
     def check_started(self) -> None:
         """Refuses a start-up as TF Serving's server does: UNKNOWN when the latest version a

@@ -89,7 +89,10 @@ class ModelServer:
                 self._start_grpc()
             if self.rest_port is not None:
                 self._start_rest()
-            self.manager.wait_until_settled()
+            # In steps: Ctrl-C's handler runs only when the main thread runs Python, and the
+            # kernel may hand SIGINT to a loading thread (an untimed wait would outlast loading).
+            while not self.manager.wait_until_settled(timeout=0.1):
+                pass
             self.manager.check_started()
         except BaseException:
             self._stop_after_failed_start()

@@ -169,6 +169,27 @@ def test_serve_says_in_one_line_that_a_port_is_taken(tmp_path, busy):
     assert len(done.stderr.splitlines()) == 1, done.stderr
 
 
+# serve.py with a start that Ctrl-C interrupts (as it would while the first models load).
+INTERRUPTED_START = """
+import runpy, sys
+from tworec.serving.server import ModelServer
+def interrupted(self):
+    raise KeyboardInterrupt
+ModelServer.start = interrupted
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_serve_says_in_one_line_that_ctrl_c_stopped_it_while_loading(tmp_path):
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED_START,
+                           os.path.join(ROOT, "scripts", "serve.py"), "--port=0",
+                           "--model_name=x", f"--model_base_path={tmp_path}"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 130, done.stderr
+    assert done.stderr == "stopped before serving: Ctrl-C while loading the models\n"
+
+
 def test_serve_prints_each_tensorflow_log_line_once(tmp_path):
     """TensorFlow's own logger printed every line a second time beside the root logger's."""
     base = str(tmp_path / "scale")

@@ -31,6 +31,7 @@ from tensorflow_serving.config import model_server_config_pb2
 from test_serving import Scale, ToyRanking, save
 from tworec.serving.batching import Batcher
 from tworec.serving.errors import ServingError
+from tworec.serving import manager as manager_module
 from tworec.serving.manager import ModelConfig, ModelManager
 from tworec.serving.model import LoadedModel
 from tworec.serving.server import ModelServer
@@ -789,6 +790,52 @@ def test_a_signal_another_thread_takes_still_stops_the_server(models):
     server.wait()
     sender.join(timeout=30)
     assert not problems, problems
+
+
+def test_ctrl_c_a_loading_thread_takes_stops_the_start(models):
+    """Ctrl-C while the first models load stops `start` at once, even when the kernel hands
+    SIGINT to the loading thread (the main thread must not wait on loading untimed)."""
+    release = threading.Event()
+
+    def load_interrupted(path: str) -> LoadedModel:
+        """On the model's loading thread: SIGINT to itself once the main thread waits."""
+        _wait_for(lambda: _main_thread_in(ModelManager.wait_until_settled.__code__), seconds=20)
+        time.sleep(0.3)                               # blocked in its wait by now
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+        release.wait(timeout=15)                      # a load that takes its time
+        raise OSError("a load stopped by the test")
+    manager = ModelManager([ModelConfig("scale", os.path.join(models, "scale"))],
+                           poll_seconds=0, load=load_interrupted)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)   # as a terminal's
+    started = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ModelServer(manager, grpc_port=0, rest_port=0).start()
+        stopped_after = time.monotonic() - started
+    finally:
+        release.set()
+        signal.signal(signal.SIGINT, previous)
+    assert stopped_after < 5, f"start waited {stopped_after:.1f} s for the loading to end"
+
+
+def test_a_timed_wait_is_not_settled_before_the_models_are_listed(models, monkeypatch):
+    """Before a model's first poll has listed its versions none is LOADING; a wait that timed
+    out then must still say "not settled" (`start` would announce a server with no model)."""
+    listing = threading.Event()
+    list_versions = manager_module.list_versions
+    monkeypatch.setattr(manager_module, "list_versions",
+                        lambda path: listing.wait(timeout=15) and list_versions(path))
+    manager = ModelManager([ModelConfig("scale", os.path.join(models, "scale"))], poll_seconds=0)
+    manager.start(wait=False)
+    try:
+        assert not manager.wait_until_settled(timeout=0.2)
+        listing.set()
+        assert manager.wait_until_settled(timeout=30)
+        assert [s.state for s in manager.status("scale").model_version_status] == [
+            get_model_status_pb2.ModelVersionStatus.AVAILABLE]
+    finally:
+        listing.set()
+        manager.stop()
 
 
 def test_a_rest_server_without_a_deadline_answers(models):
