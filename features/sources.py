@@ -225,6 +225,7 @@ def _times(source: str, name: str, values) -> tuple[np.ndarray, np.ndarray]:
         seconds = (ticks - below) // per_second
         return seconds, (ticks if below.any() else seconds)
     _refuse_mixed_times(source, name, values)
+    _numpy_times(source, name, values, every=True)     # not text: NumPy times among numbers?
     values = _numeric(source, name, values, "neither all numbers nor all ISO dates and times")
     if values.dtype.kind in "fu":
         _refuse(source, name, ~(np.abs(values.astype(np.float64, copy=False)) < 2.0 ** 63)
@@ -240,13 +241,15 @@ FLOAT32_OVERFLOW = 2.0 ** 128 - 2.0 ** 103      # from here on a double rounds t
 COARSE_UNITS = ("Y", "M", "W", "D", "h", "m")                 # NumPy's units above a second
 
 
-def _numpy_times(source: str, name: str, values: np.ndarray) -> np.ndarray:
+def _numpy_times(source: str, name: str, values: np.ndarray, every: bool = False) -> np.ndarray:
     """An object array of NumPy datetime64 (or timedelta64) scalars of one type as an array of
     that type; other arrays as they are. Read as numbers, such scalars would be their counts
     of ticks, so scalars of several types (or among other values) are refused. Only arrays
-    that start with one are looked through (to keep text cheap)."""
+    that start with one are looked through, unless `every` (to keep text cheap)."""
     times = (np.datetime64, np.timedelta64)
-    if values.dtype != object or not len(values) or not isinstance(values.flat[0], times):
+    if values.dtype != object or not len(values) or not (
+            every and any(isinstance(value, times) for value in values.flat)
+            or isinstance(values.flat[0], times)):
         return values
     kinds = {value.dtype if isinstance(value, times) else type(value) for value in values.flat}
     if len(kinds) > 1:

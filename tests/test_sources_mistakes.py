@@ -314,6 +314,9 @@ def test_times_below_a_second_order_a_text_log_and_are_not_duplicates(tmp_path):
     (np.array([np.datetime64("2020-01-01"), 5, 6], object), "column 'timestamp' holds NumPy "
      "times of several types, or beside other values (<class 'int'>, datetime64[D]); give them "
      "one type (np.array(values, 'datetime64[s]'))"),
+    (np.array([5, np.datetime64("2020-01-01"), 6], object), "column 'timestamp' holds NumPy "
+     "times of several types, or beside other values (<class 'int'>, datetime64[D]); give them "
+     "one type (np.array(values, 'datetime64[s]'))"),          # not read as 18262 days
     (np.array(["1", "0x10", "3"]), "column 'timestamp' is neither all numbers nor all ISO "
      "dates and times (first value that is not a number: '0x10', at row 1)"),
     (np.array(["1", "2", "0xFFFFFFFFFFFFFFFF"]), "column 'timestamp' is neither all numbers nor "
@@ -324,7 +327,7 @@ def test_times_below_a_second_order_a_text_log_and_are_not_duplicates(tmp_path):
         "an-impossible-date", "days-past-2262", "no-unit", "days-beyond-2^63-seconds",
         "minutes-that-wrap-to-0", "picoseconds", "3-picosecond-ticks-that-wrap", "float16",
         "datetime64-objects", "datetime64-objects-of-two-units", "a-datetime64-among-numbers",
-        "hexadecimal", "hexadecimal-that-wraps"])
+        "a-datetime64-after-a-number", "hexadecimal", "hexadecimal-that-wraps"])
 @pytest.mark.filterwarnings("error::RuntimeWarning")             # float16 warned, overflowing
 def test_library_callers_times_are_seconds_or_refused_in_one_line(times, expected):
     def log():
