@@ -139,3 +139,13 @@ def test_exiting_without_finalizing_keeps_the_exit_code_and_every_filtered_line(
 ])
 def test_an_error_is_one_line_of_its_type_and_cause(message, expected):
     assert console.one_line(RuntimeError(message)) == expected
+
+
+def test_a_commands_help_gives_its_docstrings_whole_first_paragraph():
+    doc = """Trains the model and evaluates it alone and as
+    the second stage.
+
+        python scripts/x.py --out RUN
+    """
+    assert console.parser_for(doc).description == ("Trains the model and evaluates it alone and "
+                                                   "as the second stage.")

@@ -120,8 +120,8 @@ def one_line(error: BaseException) -> str:
 
 
 def parser_for(doc: str) -> OneLineParser:
-    """A command's parser, described by the first line of its docstring."""
-    return OneLineParser(description=doc.splitlines()[0])
+    """A command's parser, described by the first paragraph of its docstring."""
+    return OneLineParser(description=" ".join(doc.split("\n\n")[0].split()))
 
 
 def exit_without_finalizing(code: int) -> NoReturn:
