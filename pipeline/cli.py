@@ -111,6 +111,25 @@ def run(args, steps: tuple[str, ...], continue_run: bool = False, verbose: int =
     """Resolves the configs, prepares the run and executes `steps`; ends with the headline test
     figures and where the report is. `overrides` go to `pipeline.config.resolve`."""
     show_logs(args)
+    try:
+        return _run(args, steps, continue_run, verbose, overrides)
+    except KeyboardInterrupt:
+        return stopped(args.out, getattr(args, "overwrite", False))
+
+
+def stopped(out: str, overwrite: bool) -> int:
+    """Prints the one line of a run that Ctrl-C stopped (once the folder lock is released and
+    the folders it made empty are gone), with how to resume when it can; returns 130."""
+    from tworec.pipeline.folder import interrupted_retrieval
+    resumes = os.path.isdir(out) and os.listdir(out) and interrupted_retrieval(out)
+    again = "rerun it without --overwrite" if overwrite else "rerun the same command"
+    print("error: stopped (Ctrl-C)" + (f"; {again} to resume the retrieval training"
+                                       if resumes else ""), file=sys.stderr)
+    return 130
+
+
+def _run(args, steps: tuple[str, ...], continue_run: bool, verbose: int,
+         overrides: dict) -> int:
     from tworec.pipeline.folder import RunFolderError, check_run, only_run_into
     with contextlib.ExitStack() as held:
         try:

@@ -250,6 +250,37 @@ def test_a_retrieval_run_stopped_in_its_first_epoch_starts_over_when_its_command
     assert json.loads((tmp_path / "retrieval_train.json").read_text())["epochs"] == 2
 
 
+def test_ctrl_c_in_training_says_in_one_line_how_to_resume(tmp_path, script, monkeypatch,
+                                                            capsys):
+    """Ctrl-C during the retrieval training: exit 130 and one line, no traceback, saying how
+    to resume (without --overwrite, which would start over); that command resumes."""
+    import tensorflow as tf
+    from tworec.features import training
+    from tworec.pipeline import cli
+
+    class CtrlC(tf.keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):       # once the epoch is checkpointed
+            raise KeyboardInterrupt
+    command = ["--data", "synthetic:tiny", "--preset", "tiny", "--out", str(tmp_path),
+               "--epochs", "2"]
+    callbacks = training.run_callbacks
+    monkeypatch.setattr(training, "run_callbacks", lambda *args: callbacks(*args) + [CtrlC()])
+    code, error = script("train_retrieval.py", *command, "--overwrite")
+    assert code == 130 and "Traceback" not in error, error
+    assert error.splitlines()[-1] == ("error: stopped (Ctrl-C); rerun it without --overwrite to "
+                                      "resume the retrieval training"), error
+    assert cli.stopped(str(tmp_path), overwrite=False) == 130
+    assert capsys.readouterr().err == ("error: stopped (Ctrl-C); rerun the same command to "
+                                       "resume the retrieval training\n")
+    monkeypatch.setattr(training, "run_callbacks", callbacks)
+    code, error = script("train_retrieval.py", *command)
+    assert code == 0, error
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert "resumes the interrupted retrieval training" in report["notices"][-1]
+    assert cli.stopped(str(tmp_path), overwrite=False) == 130     # a finished run: no advice
+    assert capsys.readouterr().err == "error: stopped (Ctrl-C)\n"
+
+
 @pytest.mark.parametrize("text", ["", '{"source": {"data": "synthetic:tiny"}, "data": {',
                                   '{"source": {}, "data": "x"}'])
 def test_a_config_that_cannot_be_read_is_named_in_one_line(tmp_path, script, text):
