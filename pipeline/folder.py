@@ -14,7 +14,7 @@ import shutil
 
 import numpy as np
 
-from tworec.features import Interactions, load
+from tworec.features import Interactions, Split, load, split
 from tworec.features.sources import has_fixed_columns
 from tworec.pipeline import config as run_config, report as run_report
 from tworec.pipeline.config import Configs
@@ -38,11 +38,13 @@ FINGERPRINT_FORMAT = 2
 
 @dataclasses.dataclass
 class CheckedRun:
-    """What `check_run` accepted: the folder, the loaded log, the configs fitted to its
-    catalogue, the source with the log's fingerprint, the report so far (a continued run's),
-    the notices about fitted settings, and how the folder is to be used."""
+    """What `check_run` accepted: the folder, the loaded log and its split, the configs fitted
+    to its catalogue and training rows, the source with the log's fingerprint, the report so
+    far (a continued run's), the notices about fitted settings, and how the folder is to be
+    used."""
     out: str
     log: Interactions
+    parts: Split
     configs: Configs
     source: dict
     report: dict
@@ -97,14 +99,19 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
     run, notices = configs.run.for_catalogue(log.num_items)
     configs, source = dataclasses.replace(configs, run=run), {**source,
                                                               "fingerprint": log_fingerprint}
+    parts = split(log, configs.data.split)
+    if not continue_run:                                   # a continued run keeps its model
+        retrieval, lowered = configs.retrieval.for_training_rows(len(parts.train))
+        configs, notices = dataclasses.replace(configs, retrieval=retrieval), notices + lowered
     if resume:
         check_resumable(out, source, configs)
         backup = os.path.join(out, "checkpoints", "retrieval")
         notices.append("resumes the interrupted retrieval training from its last finished epoch "
                        f"({backup})" if checkpointed(backup) else
                        "starts the interrupted retrieval training over: it finished no epoch")
-    return CheckedRun(out, log, configs, source, run_report.read(out) if continue_run else {},
-                      notices, continue_run, overwrite)
+    return CheckedRun(out, log, parts, configs, source,
+                      run_report.read(out) if continue_run else {}, notices, continue_run,
+                      overwrite)
 
 
 def load_source(source: dict) -> Interactions:

@@ -22,7 +22,7 @@ from tworec.console import one_line
 from tworec.evaluation import (baseline_ranks, cold_start_window, eval_set, evaluate_ranks,
                                rank_metrics)
 from tworec.evaluation.metrics import paired_bootstrap, row_metrics
-from tworec.features import Interactions, split
+from tworec.features import Interactions, Split, split
 from tworec.features.history import latest_history
 from tworec.features.inputs import EMPTY_SLOT, ModelInputs, prepare
 from tworec.features.layers import STATE_FILE
@@ -80,9 +80,9 @@ class Run:
     """
 
     def __init__(self, out: str, log: Interactions, configs: Configs, source: dict,
-                 verbose: int = 1, report: dict | None = None):
+                 verbose: int = 1, report: dict | None = None, parts: Split | None = None):
         self.out, self.log, self.configs, self.verbose = out, log, configs, verbose
-        self.parts = split(log, configs.data.split)
+        self.parts = parts if parts is not None else split(log, configs.data.split)
         given = configs.data.cold_start_window
         previous = ((report or {}).get("data") or {}).get("cold_start") or {}
         reusable = previous.get("window") == given and ("rows" in previous or "given" in previous)
@@ -480,7 +480,7 @@ def start_run(checked: folder.CheckedRun, verbose: int = 1) -> Run:
     replaced, and its config.json written."""
     out = checked.out
     result = Run(out, checked.log, checked.configs, checked.source, verbose=verbose,
-                 report=checked.report)
+                 report=checked.report, parts=checked.parts)
     for section in RETRAINED_WITH_RANKING if checked.continue_run else ():
         result.report.pop(section, None)          # no longer describes the folder's models
         result.timings.pop(STEP_OF_SECTION.get(section, section), None)

@@ -78,6 +78,14 @@ class RetrievalConfig:
             raise ValueError("early_stopping_patience must be 0 (off) or positive, got "
                              f"{self.early_stopping_patience}")
 
+    def for_training_rows(self, rows: int) -> tuple["RetrievalConfig", list[str]]:
+        """The config with its batch lowered to `rows` when larger (an epoch trains on whole
+        batches, and would hold none), and a notice when it was lowered."""
+        if 0 < rows < self.batch_size:
+            return dataclasses.replace(self, batch_size=rows), [
+                f"batch_size {self.batch_size} lowered to the training rows, {rows}"]
+        return self, []
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
 

@@ -64,6 +64,23 @@ def continue_run(out) -> folder.CheckedRun:
     return folder.check_run(str(out), source, config.resolve(base=saved), continue_run=True)
 
 
+def test_a_batch_larger_than_the_training_rows_is_lowered_with_a_notice(tmp_path):
+    """An epoch trains on whole batches: a batch above the training rows would train nothing
+    (and failed once the run had started). It is lowered before anything is written, as the
+    item counts are, so the same command resumes an interrupted run of it."""
+    configs = config.resolve("tiny")
+    configs = dataclasses.replace(configs, retrieval=dataclasses.replace(configs.retrieval,
+                                                                         batch_size=512))
+    checked = folder.check_run(str(tmp_path / "run"), {"data": write_log(tmp_path / "log.csv"),
+                                                       "columns": COLUMNS}, configs)
+    train_rows = USERS * (ROWS_PER_USER - 2)          # each user's last two rows held out
+    assert len(checked.parts.train) == train_rows
+    assert checked.configs.retrieval.batch_size == train_rows
+    assert checked.notices[-1] == f"batch_size 512 lowered to the training rows, {train_rows}"
+    assert not any("batch_size" in notice for notice in checked.notices[:-1])
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_run_that_recorded_columns_its_source_never_read_continues(tmp_path):
     """Before --columns was refused for sources with fixed columns, a run could record them;
     they were never read, and its folder still continues, with no columns."""
