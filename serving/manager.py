@@ -20,8 +20,7 @@ import dataclasses
 import logging
 import os
 import threading
-import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterator
 
 from google.protobuf import text_format
@@ -173,24 +172,16 @@ class ModelManager:
 
     def wait_until_settled(self, names: list[str] | None = None,
                            timeout: float | None = None) -> bool:
-        """Waits until the models' first polls are done and no version of theirs is LOADING;
-        False if `timeout` seconds passed first."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-
-        def left() -> float | None:
-            return None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        with self._lock:
-            polls = [m.poll for n, m in self._models.items() if names is None or n in names]
-        for poll in polls:
-            if poll is not None and wait([poll], timeout=left()).not_done:
-                return False              # not listed yet: no version is LOADING, none settled
-
+        """Waits until each model has listed its base path under its current config and no
+        version of theirs is LOADING; False if `timeout` seconds passed first. (By state, not
+        by the polls' futures: polls slower than the poll interval always leave one running.)"""
         def settled() -> bool:
-            return all(v.state != "LOADING" for n, m in self._models.items()
-                       if names is None or n in names
-                       for v in [*m.versions.values(), *m.incoming.values()])
+            return all(model.listed is model.config and all(
+                version.state != "LOADING"
+                for version in [*model.versions.values(), *model.incoming.values()])
+                for name, model in self._models.items() if names is None or name in names)
         with self._changed:
-            return self._changed.wait_for(settled, left())
+            return self._changed.wait_for(settled, timeout)
 
     def check_started(self) -> None:
         """Refuses a start-up as TF Serving's server does: UNKNOWN when the latest version a

@@ -838,6 +838,23 @@ def test_a_timed_wait_is_not_settled_before_the_models_are_listed(models, monkey
         manager.stop()
 
 
+def test_polls_slower_than_their_interval_still_settle(models, monkeypatch):
+    """Listing a base path slower than the poll interval (a network file system) always leaves
+    a poll running; the models still settle once their versions are AVAILABLE."""
+    list_versions = manager_module.list_versions
+    monkeypatch.setattr(manager_module, "list_versions",
+                        lambda path: time.sleep(0.3) or list_versions(path))
+    manager = ModelManager([ModelConfig("scale", os.path.join(models, "scale"))],
+                           poll_seconds=0.1)
+    manager.start(wait=False)
+    deadline = time.monotonic() + 10
+    try:
+        while not manager.wait_until_settled(timeout=0.1):        # in steps, as `start` waits
+            assert time.monotonic() < deadline, "never settled"
+    finally:
+        manager.stop()
+
+
 def test_a_rest_server_without_a_deadline_answers(models):
     """--rest_api_timeout_in_ms 0 (TF Serving: no deadline) gives rest_timeout_seconds None."""
     with _serve(models, names=("scale",), rest_timeout_seconds=None) as server:
