@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+from _pytest.compat import ascii_escaped   # how pytest writes bytes in an id
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,10 +24,13 @@ def retrieval_run(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(items):
-    """Refuse test ids that pytest escaped from bytes: each xdist worker collects on its own, and
+    """Refuse test ids that pytest made from bytes: each xdist worker collects on its own, and
     an id made from bytes (a gzip header holds the time it was made) can differ between them,
     which stops the whole run. Name such cases with parametrize's ids=."""
-    escaped = [item.nodeid for item in items if "\\x" in item.nodeid]
-    if escaped:
-        raise pytest.UsageError(f"{escaped[0]}: a test id escaped from bytes; "
-                                "name the case with parametrize's ids=")
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        values = callspec.params.values() if callspec else ()
+        if any(isinstance(value, bytes) and value and ascii_escaped(value) in callspec.id
+               for value in values):
+            raise pytest.UsageError(f"{item.nodeid}: a test id made from bytes; name the case "
+                                    "with parametrize's ids=")
