@@ -248,7 +248,7 @@ def _numpy_times(source: str, name: str, values: np.ndarray, every: bool = False
     that start with one are looked through, unless `every` (to keep text cheap)."""
     times = (np.datetime64, np.timedelta64)
     if values.dtype != object or not len(values) or not (
-            every and any(isinstance(value, times) for value in values.flat)
+            every and any(issubclass(kind, times) for kind in set(map(type, values.flat)))
             or isinstance(values.flat[0], times)):
         return values
     kinds = {value.dtype if isinstance(value, times) else type(value) for value in values.flat}
@@ -870,7 +870,6 @@ TIME_TYPES = (pa.int64(), pa.float64(), pa.timestamp("ns"), pa.timestamp("ns", t
               pa.timestamp("us"), pa.timestamp("us", tz="UTC"))   # us: before 1677, after 2262
 DATE_LIKE = r"^\s*[+-]?\d{4,}-\d\d-\d\d"        # text a timestamp cast may read
 NUMBER_LIKE = r"^\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*$"
-HEX_LIKE = r"^\s*[+-]?0[xX]"
 MISSING = pa.array(pacsv.ConvertOptions().null_values)        # Arrow's markers of a missing value
 MISSING_IDS = pc.filter(MISSING, pc.not_equal(MISSING, ""))   # an empty id has its own message
 
@@ -904,8 +903,9 @@ def _as_number(table: pa.Table, name: str, types: tuple[pa.DataType, ...],
 
 
 def _any_hex(text: pa.ChunkedArray) -> bool:
-    """Whether some value of `text` is written in hexadecimal (`0x10`)."""
-    return bool(pc.any(pc.match_substring_regex(text, HEX_LIKE)).as_py())
+    """Whether some value of `text` is hexadecimal as Arrow's integer cast reads it: `0x` or
+    `0X` first (it reads no sign or space before them)."""
+    return bool(pc.any(pc.starts_with(text, "0x", ignore_case=True)).as_py())
 
 
 def _dates_only(text: pa.ChunkedArray) -> bool:

@@ -175,7 +175,7 @@ def main(argv=None) -> int:
     try:
         server.start()                       # stops what it started when it fails
     except KeyboardInterrupt:                # Ctrl-C while the models load
-        print("stopped before serving: Ctrl-C while loading the models", file=sys.stderr)
+        print("error: stopped (Ctrl-C) while the models loaded, before serving", file=sys.stderr)
         return 130
     except ServingError as error:            # a model or label TF Serving would refuse
         print(f"error: cannot start: {error}", file=sys.stderr)

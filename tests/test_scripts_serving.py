@@ -190,7 +190,7 @@ def test_serve_says_in_one_line_that_ctrl_c_stopped_it_while_loading(tmp_path):
                            "--model_name=x", f"--model_base_path={tmp_path}"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 130, done.stderr
-    assert done.stderr == "stopped before serving: Ctrl-C while loading the models\n"
+    assert done.stderr == "error: stopped (Ctrl-C) while the models loaded, before serving\n"
 
 
 def test_serve_prints_each_tensorflow_log_line_once(tmp_path):
