@@ -638,12 +638,17 @@ def _log_from_roles(source: str, mapping: dict[str, str], arrays: dict[str, np.n
     timestamp = values.pop("time")
     item_features = {}
     user_features = {}
+    genre_names = {}
     for role, column in values.items():
         kind, _, name = role.partition(".")
+        if role == "item.genres":
+            column, genre_names = _genres(source, mapping[role], column, items)
+        elif role == "item.year":
+            column = _years(source, mapping[role], column)
         (user_features if kind == "user" else item_features)[name] = column
     interactions = from_columns(source, user, item, timestamp, rating,
                                 user_table=_last_per_id(user, user_features),
-                                names=mapping, **(items or {}))
+                                names=mapping, **(items or {}), **genre_names)
     if item_features and items is not None:
         aligned = _align_user_features(interactions.item_ids, _last_per_id(item, item_features))
         interactions = dataclasses.replace(
@@ -654,6 +659,31 @@ def _log_from_roles(source: str, mapping: dict[str, str], arrays: dict[str, np.n
         interactions = dataclasses.replace(
             interactions, item_features={k: v[position] for k, v in features.items()})
     return interactions
+
+
+def _genres(source: str, name: str, values: np.ndarray,
+            items: dict | None) -> tuple[np.ndarray, dict]:
+    """([n, g] float32 multi-hot, {"genre_names": the g names}) of a log's `item.genres`
+    column: genre names joined by `|`, as in MovieLens (`Action|Comedy`)."""
+    if items is not None:
+        raise DataError(f"{source}: column {name!r} (item.genres) beside an item table: the "
+                        "table's genres are the items' genres; leave item.genres out")
+    text = _arrow_text(np.asarray(values))
+    if text is None:
+        raise DataError(f"{source}: column {name!r} (item.genres) is not text; give each item's "
+                        "genre names joined by '|' (Action|Comedy)")
+    genres, names = _multi_hot(pa.chunked_array([text]))
+    return genres, {"genre_names": names}
+
+
+def _years(source: str, name: str, values: np.ndarray) -> np.ndarray:
+    """[n] int32 of a log's `item.year` column, refused unless whole numbers."""
+    years = _numeric(source, name, _from_text(source, name, np.asarray(values), (pa.int64(),)),
+                     "not years as item.year takes them, whole numbers such as 1995")
+    if years.dtype.kind == "f":
+        _refuse(source, name, years != np.round(years), "years that are not whole numbers")
+    _refuse(source, name, np.abs(years) >= 2 ** 31, "years beyond ±2^31")
+    return years.astype(np.int32)
 
 
 def _last_per_id(ids: np.ndarray, features: dict[str, np.ndarray]):

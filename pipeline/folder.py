@@ -97,6 +97,10 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
                              "trained on (its rows, ids, ratings or features differ); train a "
                              "new run")
     run, notices = configs.run.for_catalogue(log.num_items)
+    unread = sorted(set(log.item_features) - {"genres", "year", "title"})   # title: for people
+    if unread:
+        notices.append(f"item features {unread} (--columns item.NAME) are not read by the "
+                       "models, which read item.genres and item.year only")
     configs, source = dataclasses.replace(configs, run=run), {**source,
                                                               "fingerprint": log_fingerprint}
     parts = split(log, configs.data.split)

@@ -338,3 +338,44 @@ def test_library_callers_times_are_seconds_or_refused_in_one_line(times, expecte
         assert str(error.value) == f"log: {expected}"
     else:
         assert sorted(log().timestamp.tolist()) == sorted(expected)
+
+
+SIDE = ("user,item,time,genre,yr\nu1,i1,1,Action|Comedy,1995\nu1,i2,2,Drama,2001.0\n"
+        "u2,i1,3,Action|Comedy,1995\nu2,i3,4,(no genres listed),1990\n")
+SIDE_COLUMNS = {"user": "user", "item": "item", "time": "time"}
+
+
+def test_a_logs_item_genres_and_years_are_read_as_the_models_read_them(tmp_path):
+    """item.genres: names joined by '|', as MovieLens writes them, into a multi-hot table;
+    item.year: whole numbers (a float column was refused with NumPy's words, text genres
+    with "could not convert string to float")."""
+    (tmp_path / "log.csv").write_text(SIDE)
+    log = load(str(tmp_path / "log.csv"), {**SIDE_COLUMNS, "item.genres": "genre",
+                                           "item.year": "yr"})
+    assert log.item_ids.tolist() == ["i1", "i2", "i3"]
+    assert list(log.genre_names) == ["Action", "Comedy", "Drama"]
+    assert log.item_features["genres"].tolist() == [[1, 1, 0], [0, 0, 1], [0, 0, 0]]
+    assert log.item_features["year"].tolist() == [1995, 2001, 1990]
+    assert log.item_features["year"].dtype == np.int32
+
+
+@pytest.mark.parametrize("columns, expected", [
+    ({"item.genres": "yr"}, "column 'yr' (item.genres) is not text; give each item's genre "
+                            "names joined by '|' (Action|Comedy)"),
+    ({"item.year": "genre"}, "column 'genre' is not years as item.year takes them, whole "
+     "numbers such as 1995 (first value that is not a number: 'Action|Comedy', at row 0)"),
+], ids=["numbers-as-genres", "genres-as-years"])
+def test_item_genres_or_years_of_another_form_are_refused_naming_the_column(tmp_path, columns,
+                                                                          expected):
+    (tmp_path / "log.csv").write_text(SIDE)
+    with pytest.raises(DataError) as error:
+        load(str(tmp_path / "log.csv"), {**SIDE_COLUMNS, **columns})
+    assert str(error.value) == f"{tmp_path / 'log.csv'}: {expected}"
+
+
+def test_item_years_that_are_not_whole_are_refused(tmp_path):
+    (tmp_path / "log.csv").write_text(SIDE.replace("2001.0", "2001.5"))
+    with pytest.raises(DataError) as error:
+        load(str(tmp_path / "log.csv"), {**SIDE_COLUMNS, "item.year": "yr"})
+    assert str(error.value) == (f"{tmp_path / 'log.csv'}: column 'yr' has 1 years that are not "
+                                "whole numbers (first at row 1)")
