@@ -45,6 +45,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         return cli.fail(f"--out {args.out} is a file; give a folder")
+    ours = {*OUTPUTS, *(name + ".partial" for name in OUTPUTS)}    # a stopped write's too
+    others = sorted(set(os.listdir(args.out)) - ours) if os.path.isdir(args.out) else []
+    if others:                                 # a run folder, or anyone's: not ours to fill
+        return cli.fail(f"--out {args.out} is a folder with other files in it ({others[0]}); "
+                        "name a new or empty folder, or one holding a comparison")
     if any(os.path.exists(os.path.join(args.out, name)) for name in OUTPUTS) \
             and not args.overwrite:
         return cli.fail(f"{args.out} already holds a comparison; pass --overwrite or another "

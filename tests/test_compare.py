@@ -454,6 +454,8 @@ def test_a_comparison_that_stops_keeps_the_seeds_it_finished(tmp_path):
     (["--arm", "a", "--arm", "b:batch_size=100000", "--data", "synthetic:tiny"],
      "arm 'b': batch_size 100000 is larger than the training split"),
     (["--arm", "a", "--arm", "b", "--out", "OUT/a-file"], "is a file; give a folder"),
+    (["--arm", "a", "--arm", "b", "--out", "OUT"], "--out OUT is a folder with other files in "
+     "it (a-file); name a new or empty folder, or one holding a comparison"),
     (["--arm", "a", "--arm", "b", "--out", "OUT/a-file/below"], "--out OUT/a-file/below: "),
     (["--arm", "a", "--arm", "b", "--data", "OUT/none.csv", "--out", "OUT/new/deeper"],
      "no such file"),
