@@ -126,11 +126,15 @@ def recommend_one(args: argparse.Namespace, titles: dict[str, str]) -> int:
     except (OSError, ValueError, ServingError) as error:
         return fail(str(error), code=1)
     print(f"recommendations for user {args.user}:")
-    for rank, (item, score) in enumerate(zip(result["item_ids"][0], result["scores"][0]), 1):
-        if item == PAD_ID:
-            break
-        item = item.decode("utf-8")
+    items = [item.decode("utf-8") for item in result["item_ids"][0] if item != PAD_ID]
+    for rank, (item, score) in enumerate(zip(items, result["scores"][0]), 1):
         print(f"{rank:3d}. {item:>12s}  {score:8.4f}  {titles.get(item, '')}")
+    if len(items) < args.n:
+        print(f"note: the served models returned {len(items)} items, fewer than the {args.n} "
+              "asked for")
+    if titles and items and not any(item in titles for item in items):
+        print(f"note: no item here has a title in --movies {args.movies} (another catalogue's "
+              "ids?)")
     return 0
 
 

@@ -135,7 +135,7 @@ def _write_batches(model, users: np.ndarray, path: str, n: int, batch_size: int,
                    titles: dict[str, str] | None,
                    progress: Callable[[int, int], None] | None) -> int:
     """Scores `users` [U] a batch at a time, one row group each; returns the rows written."""
-    rows = 0
+    rows = titled = 0
     with pq.ParquetWriter(path, _schema(titles is not None)) as writer:
         for start in range(0, len(users), batch_size):
             batch = users[start:start + batch_size]                                     # [b]
@@ -147,8 +147,12 @@ def _write_batches(model, users: np.ndarray, path: str, n: int, batch_size: int,
                                 titles)
             writer.write_table(table, row_group_size=max(len(table), 1))
             rows += len(table)
+            titled += len(table) - table.column("title").null_count if titles is not None else 0
             if progress:
                 progress(start + len(batch), len(users))
+    if titles is not None and rows and not titled:
+        warnings.warn("no item written has one of the titles given (another catalogue's ids?); "
+                      "the title column is empty")
     return rows
 
 

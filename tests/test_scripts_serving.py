@@ -350,6 +350,12 @@ def test_recommend_all_says_when_the_export_returns_fewer_items_than_asked(expor
         "the file holds those" in done.stdout.splitlines()
 
 
+def test_score_all_says_when_no_item_has_one_of_the_titles_given(exports, tmp_path):
+    with pytest.warns(UserWarning, match="no item written has one of the titles given"):
+        score_all(exports["retrieval"], str(tmp_path / "recs.parquet"), n=3,
+                  titles={"x1": "Another catalogue's film"})
+
+
 class Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True

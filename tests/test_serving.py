@@ -1009,6 +1009,15 @@ def test_recommend_prints_titles(embedded, tmp_path, capsys):
     assert all("Film i" in line for line in lines[1:])
     assert recommend.main(["--user", "u2", "--grpc", embedded[1], "--movies",
                            str(tmp_path / "missing.csv")]) == 2
+    others = tmp_path / "others.csv"                     # another catalogue's ids, more asked
+    others.write_text("item_id,title\nx1,Other film\n")
+    assert recommend.main(["--user", "u2", "--url", embedded[0], "--n", "500",
+                           "--movies", str(others)]) == 0
+    *listed, fewer, untitled = capsys.readouterr().out.splitlines()
+    assert fewer == (f"note: the served models returned {len(listed) - 1} items, fewer than "
+                     "the 500 asked for")
+    assert untitled == (f"note: no item here has a title in --movies {others} (another "
+                        "catalogue's ids?)")
 
 
 def test_reload_config_replaces_the_models_and_labels_resolve(swap_server):
