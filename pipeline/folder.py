@@ -97,6 +97,13 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
                              "trained on (its rows, ids, ratings or features differ); train a "
                              "new run")
     run, notices = configs.run.for_catalogue(log.num_items)
+    if continue_run:                     # what no flag said: the folder's, not the preset's
+        ranking = configs.ranking
+        notices.append(f"the ranking config is {out}'s (config.json), with the flags given in "
+                       f"place of its fields: model {ranking.model}, task {ranking.task}, "
+                       f"epochs {ranking.epochs}, co-occurrence neighbours "
+                       f"{ranking.cooccurrence_neighbors}, popularity periods "
+                       f"{ranking.popularity_periods}")
     unread = sorted(set(log.item_features) - {"genres", "year", "title"})   # title: for people
     if unread:
         notices.append(f"item features {unread} (--columns item.NAME) are not read by the "

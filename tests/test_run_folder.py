@@ -83,6 +83,18 @@ def test_a_batch_larger_than_the_training_rows_is_lowered_with_a_notice(tmp_path
     assert not (tmp_path / "run").exists()
 
 
+def test_a_continued_run_says_whose_ranking_config_it_trains_with(tmp_path):
+    """train_ranking.py --retrieval-run RUN trains with RUN's ranking config (a BST trained
+    there before trains again without --model), and says so."""
+    trained_run(tmp_path / "run", write_log(tmp_path / "log.csv"))
+    ranking = config.resolve("tiny").ranking
+    assert (
+        f"the ranking config is {tmp_path / 'run'}'s (config.json), with the flags given in "
+        f"place of its fields: model dcn, task listwise, epochs {ranking.epochs}, co-occurrence "
+        f"neighbours 0, popularity periods {ranking.popularity_periods}"
+    ) in continue_run(tmp_path / "run").notices
+
+
 def test_a_run_that_recorded_columns_its_source_never_read_continues(tmp_path):
     """Before --columns was refused for sources with fixed columns, a run could record them;
     they were never read, and its folder still continues, with no columns."""
