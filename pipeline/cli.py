@@ -191,8 +191,11 @@ def _execute(prepared, steps: tuple[str, ...], out: str) -> int:
                for name, test in (("retrieval", (report.get("retrieval") or {}).get("test")),
                                   ("two-stage", (report.get("two_stage") or {}).get("test")))
                if test]
+    ranking = report.get("ranking") or {}
+    rmse = (ranking.get("test") or {}).get("rmse") if ranking.get("task") == "regression" else None
     print(f"[run] done in {time.perf_counter() - start:.0f} s"
-          + (f"; test Recall@10 / NDCG@10: {', '.join(figures)}" if figures else ""))
+          + (f"; test Recall@10 / NDCG@10: {', '.join(figures)}" if figures else "")
+          + (f"; test RMSE of the ratings {rmse:.3f}" if rmse is not None else ""))
     print(f"[run] report: {os.path.join(out, 'report.md')} "
           "(also report.html, report.json, plots/)")
     return 0

@@ -358,10 +358,11 @@ def ranking_section(report: dict) -> list[str]:
     rmse = ("none (no rating head: rating_weight 0, or a log without ratings)"
             if ranking["rmse"] is None else f"{ranking['rmse']:.3f}")
     auc = "not computed" if ranking["auc"] is None else f"{ranking['auc']:.3f}"
-    scores = ("predicted ratings" if report["ranking"].get("task") == "regression"
-              else "scores")
+    regression = report["ranking"].get("task") == "regression"
+    scores = "predicted ratings" if regression else "scores"
     return ["", "## Ranking on its own", "",
-            f"RMSE of the rating head: {rmse}. AUC of each held-out item against retrieval's "
+            f"RMSE of the {'regression ranker' if regression else 'rating head'}: {rmse}. "
+            "AUC of each held-out item against retrieval's "
             f"top candidates for its user (the items it must beat when served), by the "
             f"ranker's {scores}: {auc}."
             ] + calibration_sentence(report["ranking"]["train"].get("calibration"))

@@ -305,6 +305,7 @@ def test_train_ranking_script_on_the_random_protocol(tmp_path):
     assert report["ranking"]["task"] == "regression"
     assert "by the ranker's predicted ratings" in open(tmp_path / "report.md").read()
     assert 0 < test["rmse"] < 1.5 and 0 <= test["auc"] <= 1    # AUC by predicted ratings
+    assert done.stdout.splitlines()[-2].endswith(f"; test RMSE of the ratings {test['rmse']:.3f}")
     assert "calibration" not in report["ranking"]["train"]      # regression: nothing to rebalance
     assert report["serving"]["served"]["recommender"]["rows"] == report["data"]["test_rows"]
     assert "period_popularity" not in op_scopes(report["exports"]["ranking"])

@@ -165,18 +165,19 @@ def test_the_calibration_sentence_says_what_was_refitted_or_why_not():
     assert calibration_sentence(None) == []
 
 
-@pytest.mark.parametrize("task, scores", [("listwise", "scores"),
-                                          ("regression", "predicted ratings")])
-def test_the_ranking_section_says_what_orders_the_auc(task, scores):
+@pytest.mark.parametrize("task, rated_by, scores", [
+    ("listwise", "rating head", "scores"),
+    ("regression", "regression ranker", "predicted ratings")])
+def test_the_ranking_section_says_what_orders_the_auc(task, rated_by, scores):
     from tworec.pipeline.report import ranking_section
     report = {"ranking": {"task": task, "test": {"rmse": 0.9512, "auc": 0.6789}, "train": {}}}
     assert ranking_section(report)[3] == (
-        "RMSE of the rating head: 0.951. AUC of each held-out item against retrieval's top "
+        f"RMSE of the {rated_by}: 0.951. AUC of each held-out item against retrieval's top "
         "candidates for its user (the items it must beat when served), by the ranker's "
         f"{scores}: 0.679.")
     report["ranking"]["test"]["rmse"] = None
     assert ranking_section(report)[3].startswith(
-        "RMSE of the rating head: none (no rating head: rating_weight 0, or a log without "
+        f"RMSE of the {rated_by}: none (no rating head: rating_weight 0, or a log without "
         "ratings). AUC")
 
 
