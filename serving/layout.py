@@ -16,7 +16,8 @@ def list_versions(base_path: str) -> list[int]:
     if not os.path.isdir(base_path):
         return []
     return sorted(int(name) for name in os.listdir(base_path)
-                  if name.isdigit() and os.path.isdir(os.path.join(base_path, name)))
+                  if name.isascii() and name.isdigit()                 # not '²': int refuses it
+                  and os.path.isdir(os.path.join(base_path, name)))
 
 
 def next_version(base_path: str) -> int:

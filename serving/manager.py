@@ -376,7 +376,7 @@ class ModelManager:
             config = model.config
         try:
             on_disk = list_versions(config.base_path)
-        except OSError as error:
+        except Exception as error:      # anything: the model must still count as listed
             log.error("listing the versions of model %s failed: %s", config.name, error)
             with self._changed:                         # what is served stays as it is
                 model.listed = config

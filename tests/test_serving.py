@@ -203,7 +203,8 @@ def _assert_answers(rest: str) -> None:
 def test_versions_are_integer_folders_written_atomically(tmp_path):
     base = str(tmp_path / "m")
     assert list_versions(base) == [] and next_version(base) == 1
-    for name in ("1", "10", "tmp", ".tmp-3-x", "2a"):
+    others = ["tmp", ".tmp-3-x", "2a", "\u00b2"]               # '²' is a digit, not an int
+    for name in ("1", "10", *others):
         os.makedirs(os.path.join(base, name))
     assert list_versions(base) == [1, 10] and next_version(base) == 11
 
@@ -212,7 +213,7 @@ def test_versions_are_integer_folders_written_atomically(tmp_path):
         raise RuntimeError("export failed")
     with pytest.raises(RuntimeError):
         write_version(base, fail)
-    assert sorted(os.listdir(base)) == sorted(["1", "10", "tmp", ".tmp-3-x", "2a"])
+    assert sorted(os.listdir(base)) == sorted(["1", "10", *others])
     assert write_version(base, lambda path: None) == os.path.join(base, "11")
     with pytest.raises(FileExistsError):
         write_version(base, lambda path: None, version=11)

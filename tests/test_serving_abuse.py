@@ -838,6 +838,20 @@ def test_a_timed_wait_is_not_settled_before_the_models_are_listed(models, monkey
         manager.stop()
 
 
+def test_a_listing_that_fails_in_any_way_still_settles(models, monkeypatch):
+    """A base path whose listing raises (not only OSError) counts as listed, serving nothing:
+    `start` would otherwise wait for it forever."""
+    def broken(path: str) -> list[int]:
+        raise ValueError("invalid literal for int()")
+    monkeypatch.setattr(manager_module, "list_versions", broken)
+    manager = ModelManager([ModelConfig("scale", os.path.join(models, "scale"))], poll_seconds=0)
+    manager.start(wait=False)
+    try:
+        assert manager.wait_until_settled(timeout=10)
+    finally:
+        manager.stop()
+
+
 def test_polls_slower_than_their_interval_still_settle(models, monkeypatch):
     """Listing a base path slower than the poll interval (a network file system) always leaves
     a poll running; the models still settle once their versions are AVAILABLE."""
