@@ -38,7 +38,8 @@ from tworec.features.sources import (FLOAT32_OVERFLOW, MISSING, OUT_OF_RANGE, RA
                                      TICKS_PER_SECOND, _column_numpy,
                                      _log_from_roles, _one_line, _resolve_columns,
                                      decimal_comma_advice, empty_ids_error,
-                                     no_known_items_error)
+                                     genres_multi_hot, no_known_items_error,
+                                     whole_years)
 
 ITEM_TABLE = "items.parquet"
 GENRE_NAMES_KEY = b"tworec.genre_names"      # item-table metadata: JSON list, one per column
@@ -212,7 +213,9 @@ def read_item_table(path: str, id_column: str) -> dict:
     features = {name: _feature(path, name, table.column(name))
                 for name in table.column_names if name != id_column}
     genre_names = ()
-    if "genres" in features:
+    if "genres" in features and features["genres"].dtype.kind == "U":   # names joined by '|'
+        features["genres"], genre_names = genres_multi_hot(features["genres"])
+    elif "genres" in features:
         width = features["genres"].shape[1] if features["genres"].ndim == 2 else 1
         stored = (table.schema.metadata or {}).get(GENRE_NAMES_KEY)
         genre_names = tuple(json.loads(stored)) if stored else tuple(
@@ -220,6 +223,8 @@ def read_item_table(path: str, id_column: str) -> dict:
         if len(genre_names) != width:
             raise DataError(f"{path}: {len(genre_names)} genre names in its metadata for "
                             f"{width} genre columns")
+    if "year" in features:
+        features["year"] = whole_years(path, "year", features["year"])
     return dict(catalogue=ids, item_features=features, genre_names=genre_names)
 
 

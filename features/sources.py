@@ -511,12 +511,12 @@ def _year_from_title(titles: pa.ChunkedArray) -> np.ndarray:
 def _multi_hot(genre_lists: pa.ChunkedArray) -> tuple[np.ndarray, tuple[str, ...]]:
     """[n, g] float32 multi-hot of `|`-joined genre strings, and the g genre names."""
     lists = pc.split_pattern(genre_lists, "|").combine_chunks()
-    flat = lists.flatten()
+    flat = pc.utf8_trim_whitespace(lists.flatten())                    # "Action | Comedy"
     rows = pc.list_parent_indices(lists).to_numpy()
     names, codes = np.unique(flat.to_numpy(zero_copy_only=False).astype(str), return_inverse=True)
     matrix = np.zeros((len(lists), len(names)), dtype=np.float32)
     matrix[rows, codes] = 1.0
-    listed = names != "(no genres listed)"
+    listed = (names != "(no genres listed)") & (names != "")            # "", "Action|"
     return matrix[:, listed], tuple(names[listed])
 
 
@@ -638,17 +638,16 @@ def _log_from_roles(source: str, mapping: dict[str, str], arrays: dict[str, np.n
     timestamp = values.pop("time")
     item_features = {}
     user_features = {}
-    genre_names = {}
     for role, column in values.items():
         kind, _, name = role.partition(".")
         if role == "item.genres":
-            column, genre_names = _genres(source, mapping[role], column, items)
+            column = _genres_text(source, mapping[role], column, items)
         elif role == "item.year":
-            column = _years(source, mapping[role], column)
+            column = whole_years(source, mapping[role], column)
         (user_features if kind == "user" else item_features)[name] = column
     interactions = from_columns(source, user, item, timestamp, rating,
                                 user_table=_last_per_id(user, user_features),
-                                names=mapping, **(items or {}), **genre_names)
+                                names=mapping, **(items or {}))
     if item_features and items is not None:
         aligned = _align_user_features(interactions.item_ids, _last_per_id(item, item_features))
         interactions = dataclasses.replace(
@@ -656,28 +655,35 @@ def _log_from_roles(source: str, mapping: dict[str, str], arrays: dict[str, np.n
     elif item_features:
         ids, features = _last_per_id(item, item_features)
         position, _ = _positions(ids, interactions.item_ids)
-        interactions = dataclasses.replace(
-            interactions, item_features={k: v[position] for k, v in features.items()})
+        features = {name: values[position] for name, values in features.items()}
+        genre_names = {}
+        if "genres" in features:                          # one text an item, then multi-hot
+            features["genres"], genre_names["genre_names"] = genres_multi_hot(features["genres"])
+        interactions = dataclasses.replace(interactions, item_features=features, **genre_names)
     return interactions
 
 
-def _genres(source: str, name: str, values: np.ndarray,
-            items: dict | None) -> tuple[np.ndarray, dict]:
-    """([n, g] float32 multi-hot, {"genre_names": the g names}) of a log's `item.genres`
-    column: genre names joined by `|`, as in MovieLens (`Action|Comedy`)."""
+def _genres_text(source: str, name: str, values: np.ndarray, items: dict | None) -> np.ndarray:
+    """[n] a log's `item.genres` column: text of genre names joined by `|`, as in MovieLens
+    (`Action|Comedy`); `genres_multi_hot` reads it once it holds one value an item."""
     if items is not None:
         raise DataError(f"{source}: column {name!r} (item.genres) beside an item table: the "
                         "table's genres are the items' genres; leave item.genres out")
-    text = _arrow_text(np.asarray(values))
-    if text is None:
+    values = np.asarray(values)
+    if _arrow_text(values) is None:
         raise DataError(f"{source}: column {name!r} (item.genres) is not text; give each item's "
                         "genre names joined by '|' (Action|Comedy)")
-    genres, names = _multi_hot(pa.chunked_array([text]))
-    return genres, {"genre_names": names}
+    return values
 
 
-def _years(source: str, name: str, values: np.ndarray) -> np.ndarray:
-    """[n] int32 of a log's `item.year` column, refused unless whole numbers."""
+def genres_multi_hot(values: np.ndarray) -> tuple[np.ndarray, tuple[str, ...]]:
+    """([n, g] float32 multi-hot, the g genre names) of [n] texts of names joined by `|`."""
+    return _multi_hot(pa.chunked_array([pa.array(values, pa.string())]))
+
+
+def whole_years(source: str, name: str, values: np.ndarray) -> np.ndarray:
+    """[n] int32 of an `item.year` column (a log's or an item table's), refused unless whole
+    numbers."""
     years = _numeric(source, name, _from_text(source, name, np.asarray(values), (pa.int64(),)),
                      "not years as item.year takes them, whole numbers such as 1995")
     if years.dtype.kind == "f":

@@ -106,8 +106,8 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
                        f"{ranking.popularity_periods}")
     unread = sorted(set(log.item_features) - {"genres", "year", "title"})   # title: for people
     if unread:
-        notices.append(f"item features {unread} (--columns item.NAME) are not read by the "
-                       "models, which read item.genres and item.year only")
+        notices.append(f"item features {unread} are not read by the models, which read genres "
+                       "and year only")
     configs, source = dataclasses.replace(configs, run=run), {**source,
                                                               "fingerprint": log_fingerprint}
     parts = split(log, configs.data.split)

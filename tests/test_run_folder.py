@@ -77,8 +77,8 @@ def test_a_batch_larger_than_the_training_rows_is_lowered_with_a_notice(tmp_path
     assert len(checked.parts.train) == train_rows
     assert checked.configs.retrieval.batch_size == train_rows
     assert checked.notices[-1] == f"batch_size 512 lowered to the training rows, {train_rows}"
-    assert ("item features ['color'] (--columns item.NAME) are not read by the models, which "
-            "read item.genres and item.year only") in checked.notices
+    assert ("item features ['color'] are not read by the models, which read genres and year "
+            "only") in checked.notices
     assert not any("batch_size" in notice for notice in checked.notices[:-1])
     assert not (tmp_path / "run").exists()
 

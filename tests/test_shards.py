@@ -272,3 +272,19 @@ def test_the_module_writes_a_preset_and_100m_is_for_shards_only(tmp_path, monkey
     monkeypatch.setattr(synthetic, "generate", in_memory)
     message = one_line(lambda: load("synthetic:100m"))
     assert "--synthetic 100m --out DIR" in message
+
+
+def test_an_item_tables_text_genres_and_years_read_as_a_logs(tmp_path):
+    """Genres written as names joined by '|' (MovieLens's movies.csv) become the multi-hot
+    table the models read; years whole numbers (text genres failed later, in NumPy's words)."""
+    path = str(tmp_path / "items.parquet")
+    shards.write_item_table(path, np.array(["i0", "i1", "i2"]), {
+        "genres": np.array(["Action|Comedy", "Drama", "(no genres listed)"]),
+        "year": np.array([1995.0, 2001.0, 0.0])})
+    table = shards.read_item_table(path, "item_id")
+    assert table["genre_names"] == ("Action", "Comedy", "Drama")
+    assert table["item_features"]["genres"].tolist() == [[1, 1, 0], [0, 0, 1], [0, 0, 0]]
+    assert table["item_features"]["year"].tolist() == [1995, 2001, 0]
+    shards.write_item_table(path, np.array(["i0"]), {"year": np.array([1995.5])})
+    with pytest.raises(DataError, match="'year' has 1 years that are not whole numbers"):
+        shards.read_item_table(path, "item_id")

@@ -341,7 +341,8 @@ def test_library_callers_times_are_seconds_or_refused_in_one_line(times, expecte
 
 
 SIDE = ("user,item,time,genre,yr\nu1,i1,1,Action|Comedy,1995\nu1,i2,2,Drama,2001.0\n"
-        "u2,i1,3,Action|Comedy,1995\nu2,i3,4,(no genres listed),1990\n")
+        "u2,i1,3,Action|Comedy,1995\nu2,i3,4,(no genres listed),1990\n"
+        "u2,i4,5, Comedy | Drama|,1990\nu3,i5,6,,1990\n")
 SIDE_COLUMNS = {"user": "user", "item": "item", "time": "time"}
 
 
@@ -352,10 +353,11 @@ def test_a_logs_item_genres_and_years_are_read_as_the_models_read_them(tmp_path)
     (tmp_path / "log.csv").write_text(SIDE)
     log = load(str(tmp_path / "log.csv"), {**SIDE_COLUMNS, "item.genres": "genre",
                                            "item.year": "yr"})
-    assert log.item_ids.tolist() == ["i1", "i2", "i3"]
-    assert list(log.genre_names) == ["Action", "Comedy", "Drama"]
-    assert log.item_features["genres"].tolist() == [[1, 1, 0], [0, 0, 1], [0, 0, 0]]
-    assert log.item_features["year"].tolist() == [1995, 2001, 1990]
+    assert log.item_ids.tolist() == ["i1", "i2", "i3", "i4", "i5"]
+    assert list(log.genre_names) == ["Action", "Comedy", "Drama"]         # spaces, "" dropped
+    assert log.item_features["genres"].tolist() == [[1, 1, 0], [0, 0, 1], [0, 0, 0], [0, 1, 1],
+                                                    [0, 0, 0]]
+    assert log.item_features["year"].tolist() == [1995, 2001, 1990, 1990, 1990]
     assert log.item_features["year"].dtype == np.int32
 
 
