@@ -25,7 +25,6 @@ import os
 import sys
 
 import tworec
-from tworec import console
 from tworec.console import exit_without_finalizing
 from tworec.serving.errors import ServingError
 from tworec.serving.layout import list_versions
@@ -148,7 +147,6 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     if not tworec.verbose_requested():       # gRPC's C core logs what serve.py reports itself
         os.environ.setdefault("GRPC_VERBOSITY", "NONE")
-        console.filter_native_logs()         # TensorFlow's native INFO lines, absl's banner
     from tworec.serving.manager import ModelManager
     from tworec.serving.server import ModelServer
     try:

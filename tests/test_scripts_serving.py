@@ -23,7 +23,6 @@ import pytest
 import tworec.serving  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow loads)
 import tensorflow as tf
 
-from tworec import console
 from tworec.serving.batch import Progress, score_all
 from tworec.serving.client import Client
 from tworec.serving.errors import ServingError
@@ -141,8 +140,6 @@ def test_serve_warns_once_about_a_missing_base_path_and_serves_the_version_writt
     assert warnings == [f"warning: no versions of model scale found under {base} (the folder "
                         "does not exist); the server starts without it, polling every 0.05 s "
                         "for one"], log_of(tmp_path)
-    assert not [line for line in log_of(tmp_path).splitlines()        # native INFO lines
-                if console.NATIVE_NOISE.match(line.encode())], log_of(tmp_path)
 
 
 def test_serve_warns_about_a_folder_without_integer_versions(tmp_path):
