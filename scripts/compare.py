@@ -46,7 +46,10 @@ def main(argv=None) -> int:
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         return cli.fail(f"--out {args.out} is a file; give a folder")
     ours = {*OUTPUTS, *(name + ".partial" for name in OUTPUTS)}    # a stopped write's too
-    others = sorted(set(os.listdir(args.out)) - ours) if os.path.isdir(args.out) else []
+    try:
+        others = sorted(set(os.listdir(args.out)) - ours) if os.path.isdir(args.out) else []
+    except OSError as error:
+        return cli.fail(f"--out {args.out}: {error.strerror or error}")
     if others:                                 # a run folder, or anyone's: not ours to fill
         return cli.fail(f"--out {args.out} is a folder with other files in it ({others[0]}); "
                         "name a new or empty folder, or one holding a comparison")
