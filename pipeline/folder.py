@@ -82,6 +82,12 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
             raise RunFolderError(f"{out}: made before runs recorded what users never seen are "
                                  "served; train a new run (scripts/pipeline.py)")
         check_fingerprint_format(out, saved_source, "train a new run (scripts/pipeline.py)")
+        data = saved_source["data"]
+        if not (data == "synthetic" or data.startswith(("synthetic:", "tfds:"))
+                or os.path.isabs(data) or os.path.exists(data)):
+            raise RunFolderError(f"{out}: its log {data!r} (config.json) is a path relative to "
+                                 "the folder the run was made from, and is not found from here; "
+                                 "run the command from that folder")
         if "retrieval" not in run_report.read(out):
             raise RunFolderError(f"{out}: its retrieval stage did not finish (no report.json with "
                                  "retrieval's results); rerun scripts/train_retrieval.py or "

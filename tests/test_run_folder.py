@@ -95,6 +95,23 @@ def test_a_continued_run_says_whose_ranking_config_it_trains_with(tmp_path):
     ) in continue_run(tmp_path / "run").notices
 
 
+def test_a_continued_run_from_another_folder_says_its_log_path_is_relative(tmp_path,
+                                                                         monkeypatch):
+    """config.json keeps the --data path as given; from another working folder a relative one
+    is not found, and the message says why (it named only a path the user never typed)."""
+    (tmp_path / "made_here").mkdir()
+    write_log(tmp_path / "made_here" / "log.csv")
+    monkeypatch.chdir(tmp_path / "made_here")
+    trained_run(tmp_path / "run", "log.csv")
+    continue_run(tmp_path / "run")                               # from where it was made
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(folder.RunFolderError) as error:
+        continue_run(tmp_path / "run")
+    assert str(error.value) == (
+        f"{tmp_path / 'run'}: its log 'log.csv' (config.json) is a path relative to the folder "
+        "the run was made from, and is not found from here; run the command from that folder")
+
+
 def test_a_run_that_recorded_columns_its_source_never_read_continues(tmp_path):
     """Before --columns was refused for sources with fixed columns, a run could record them;
     they were never read, and its folder still continues, with no columns."""
