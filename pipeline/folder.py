@@ -14,7 +14,7 @@ import shutil
 
 import numpy as np
 
-from tworec.features import Interactions, Split, load, split
+from tworec.features import DataError, Interactions, Split, load, split
 from tworec.features.sources import has_fixed_columns
 from tworec.pipeline import config as run_config, report as run_report
 from tworec.pipeline.config import Configs
@@ -82,19 +82,22 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
             raise RunFolderError(f"{out}: made before runs recorded what users never seen are "
                                  "served; train a new run (scripts/pipeline.py)")
         check_fingerprint_format(out, saved_source, "train a new run (scripts/pipeline.py)")
-        data = saved_source["data"]
-        if not (data == "synthetic" or data.startswith(("synthetic:", "tfds:"))
-                or os.path.isabs(data) or os.path.exists(data)):
-            raise RunFolderError(f"{out}: its log {data!r} (config.json) is a path relative to "
-                                 "the folder the run was made from, and is not found from here; "
-                                 "run the command from that folder")
         if "retrieval" not in run_report.read(out):
             raise RunFolderError(f"{out}: its retrieval stage did not finish (no report.json with "
                                  "retrieval's results); rerun scripts/train_retrieval.py or "
                                  "scripts/pipeline.py into it with --overwrite")
     resume = not continue_run and check_fresh(out, overwrite)
     configs.validate()                  # all but what depends on the log, before it loads
-    log = load_source(source)
+    try:
+        log = load_source(source)
+    except DataError as error:
+        data = source["data"]
+        not_found = any(words in str(error) for words in ("no such file", "no file matches"))
+        if continue_run and not_found and not os.path.isabs(data):
+            raise DataError(f"{error}; {os.path.join(out, 'config.json')} holds this path as "
+                            "given, relative to the folder the run was made from: run the "
+                            "command from there") from None
+        raise
     configs.validate(has_ratings=log.rating is not None,
                      has_user_features=bool(log.user_features))
     log_fingerprint = fingerprint(log)

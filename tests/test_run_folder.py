@@ -9,6 +9,8 @@ import os
 import runpy
 
 import numpy as np
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
 import pytest
 
 from tworec.features import DataError, load
@@ -95,21 +97,25 @@ def test_a_continued_run_says_whose_ranking_config_it_trains_with(tmp_path):
     ) in continue_run(tmp_path / "run").notices
 
 
+@pytest.mark.parametrize("source", ["log.csv", "shards/part-*.parquet"])
 def test_a_continued_run_from_another_folder_says_its_log_path_is_relative(tmp_path,
-                                                                         monkeypatch):
+                                                                         monkeypatch, source):
     """config.json keeps the --data path as given; from another working folder a relative one
     is not found, and the message says why (it named only a path the user never typed)."""
-    (tmp_path / "made_here").mkdir()
-    write_log(tmp_path / "made_here" / "log.csv")
-    monkeypatch.chdir(tmp_path / "made_here")
-    trained_run(tmp_path / "run", "log.csv")
+    made_here = tmp_path / "made_here"
+    (made_here / "shards").mkdir(parents=True)
+    write_log(made_here / "log.csv")
+    pq.write_table(pacsv.read_csv(made_here / "log.csv"), made_here / "shards" / "part-0.parquet")
+    monkeypatch.chdir(made_here)
+    trained_run(tmp_path / "run", source)
     continue_run(tmp_path / "run")                               # from where it was made
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(folder.RunFolderError) as error:
+    with pytest.raises(DataError) as error:
         continue_run(tmp_path / "run")
-    assert str(error.value) == (
-        f"{tmp_path / 'run'}: its log 'log.csv' (config.json) is a path relative to the folder "
-        "the run was made from, and is not found from here; run the command from that folder")
+    assert str(error.value).startswith((f"{source}: no such file", f"{source}: no file matches"))
+    assert str(error.value).endswith(
+        f"; {tmp_path / 'run' / 'config.json'} holds this path as given, relative to the folder "
+        "the run was made from: run the command from there")
 
 
 def test_a_run_that_recorded_columns_its_source_never_read_continues(tmp_path):

@@ -63,7 +63,8 @@ _lock = threading.Lock()
 
 def filter_native_logs() -> None:
     """Filters native log lines out of file descriptor 2 for the rest of the process (the
-    scripts call it unless verbose)."""
+    scripts that train or score call it unless verbose; not serve.py, where a crash's last
+    lines, still in the pipe, would be lost)."""
     global _process_filter
     with _lock:
         if _process_filter is None:          # inside a `quiet_native_logs` block: keep its filter
