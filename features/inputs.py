@@ -19,6 +19,7 @@ from tworec.features.vocab import PAD, Vocabulary
 
 PROTOCOLS = ("temporal", "random", "global[:Q]", "none")   # the splits a run can use
 EMPTY_SLOT = -1          # the code of a candidate slot left empty (fewer unseen items than k)
+MODEL_ITEM_FEATURES = ("genres", "year")   # the item features `prepare` gives the models
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,10 +186,11 @@ def prepare(interactions: Interactions, split: Split, history_length: int,
         for name, index in feature_index.items():
             examples[part][f"user_{name}"] = index[interactions.user[rows]]
     counts = np.bincount(interactions.item[split.train], minlength=interactions.num_items)
-    genres = interactions.item_features.get("genres")
+    genres, year = (interactions.item_features.get(name) for name in MODEL_ITEM_FEATURES)
     if genres is None:
         genres = np.zeros((interactions.num_items, 0), dtype=np.float32)
-    year = interactions.item_features.get("year", np.zeros(interactions.num_items, dtype=np.int32))
+    if year is None:
+        year = np.zeros(interactions.num_items, dtype=np.int32)
     return ModelInputs(
         interactions=interactions, split=split, users=users, items=items, item_index=item_index,
         item_genres=np.asarray(genres, dtype=np.float32), item_year=np.asarray(year, np.int32),

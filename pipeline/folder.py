@@ -15,6 +15,7 @@ import shutil
 import numpy as np
 
 from tworec.features import DataError, Interactions, Split, load, split
+from tworec.features.inputs import MODEL_ITEM_FEATURES
 from tworec.features.sources import has_fixed_columns
 from tworec.pipeline import config as run_config, report as run_report
 from tworec.pipeline.config import Configs
@@ -113,10 +114,10 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
                        f"epochs {ranking.epochs}, co-occurrence neighbours "
                        f"{ranking.cooccurrence_neighbors}, popularity periods "
                        f"{ranking.popularity_periods}")
-    unread = sorted(set(log.item_features) - {"genres", "year", "title"})   # title: for people
+    unread = sorted(set(log.item_features) - {*MODEL_ITEM_FEATURES, "title"})  # title: people's
     if unread:
-        notices.append(f"item features {unread} are not read by the models, which read genres "
-                       "and year only")
+        notices.append(f"item features {unread} are not read by the models, which read "
+                       f"{' and '.join(MODEL_ITEM_FEATURES)} only")
     configs, source = dataclasses.replace(configs, run=run), {**source,
                                                               "fingerprint": log_fingerprint}
     parts = split(log, configs.data.split)
