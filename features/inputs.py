@@ -97,7 +97,9 @@ class ModelInputs:
         users, items: vocabularies from the training rows.
         item_index: [num_items] vocabulary index of every catalogue item.
         item_genres: [num_items, g] float32 multi-hot (g may be 0). item_year: [num_items] int32.
-        user_feature_index: name -> [num_users] int64 indexes into `user_feature_vocabs[name]`.
+        user_feature_index: name -> [num_users] int64 indexes into `user_feature_vocabs[name]`
+            of every user's feature as known after the fit rows (what an export serves; the
+            training and validation examples read it as known after the training rows).
         examples: part -> {"user": [m], "item": [m] catalogue code, "history": [m, S]}.
         latest: [num_users, S] every user's last L items of the fit rows (what an export serves).
             S = max(L, 1) slots: with L = 0 the one slot is padding everywhere (no history).
@@ -170,20 +172,21 @@ def prepare(interactions: Interactions, split: Split, history_length: int,
     latest = state_of(split.fit)
     for part, state in (("validation", state_of(split.train)), ("test", latest)):
         histories[part] = state[interactions.user[getattr(split, part)]]
-    feature_vocabs, feature_index = {}, {}
+    feature_vocabs, feature_index, trained_index = {}, {}, {}
     trained_users = np.unique(interactions.user[split.train])
-    for name, values in interactions.user_features.items():
-        values = np.asarray(values).astype(str)
-        trained_values = values[trained_users]        # nothing held out reaches a vocabulary
-        vocab = Vocabulary(np.unique(trained_values[trained_values != ""]), name=f"user_{name}")
-        feature_vocabs[name], feature_index[name] = vocab, vocab.lookup(values)
+    for name in interactions.user_features:        # as known after the rows each part follows
+        trained_values = interactions.user_feature_at(name, split.train)
+        seen_values = trained_values[trained_users]    # nothing held out reaches a vocabulary
+        vocab = Vocabulary(np.unique(seen_values[seen_values != ""]), name=f"user_{name}")
+        feature_vocabs[name], trained_index[name] = vocab, vocab.lookup(trained_values)
+        feature_index[name] = vocab.lookup(interactions.user_feature_at(name, split.fit))
     examples = {}
     for part in ("train", "validation", "test"):
         rows = getattr(split, part)
         examples[part] = {"user": user_index[interactions.user[rows]],
                           "item": interactions.item[rows].astype(np.int64),
                           "history": histories[part]}
-        for name, index in feature_index.items():
+        for name, index in (feature_index if part == "test" else trained_index).items():
             examples[part][f"user_{name}"] = index[interactions.user[rows]]
     counts = np.bincount(interactions.item[split.train], minlength=interactions.num_items)
     genres, year = (interactions.item_features.get(name) for name in MODEL_ITEM_FEATURES)

@@ -30,7 +30,10 @@ class Interactions:
         rating: [n] float32 or None for implicit feedback.
         item_features: name -> [num_items, ...] array aligned with `item_ids`
             (`genres` multi-hot float32, `year` int32 with 0 unknown, `title` str).
-        user_features: name -> [num_users] array aligned with `user_ids` (str or numbers).
+        user_features: name -> [num_users] array aligned with `user_ids` (str or numbers); of
+            a feature that changes within a user, each user's last value in the log.
+        user_feature_rows: name -> [n] each interaction's value, for the user features read
+            from the log's rows whose value changes within a user (`user_feature_at`).
         genre_names: the names of the `genres` columns.
         dropped: reason -> number of input rows dropped for it.
         source: where the log came from.
@@ -44,6 +47,7 @@ class Interactions:
     rating: np.ndarray | None = None
     item_features: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     user_features: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    user_feature_rows: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     genre_names: tuple[str, ...] = ()
     dropped: dict[str, int] = dataclasses.field(default_factory=dict)
     source: str = ""
@@ -55,6 +59,10 @@ class Interactions:
             if column is not None and len(column) != n:
                 raise DataError(f"{self.source}: column {name!r} has {len(column)} rows, "
                                 f"user has {n}")
+        for name, column in self.user_feature_rows.items():
+            if len(column) != n or name not in self.user_features:
+                raise DataError(f"{self.source}: user feature {name!r} has {len(column)} row "
+                                f"values for {n} rows, or no value per user")
         for table, ids in ((self.item_features, self.item_ids), (self.user_features, self.user_ids)):
             for name, values in table.items():
                 if len(values) != len(ids):
@@ -76,7 +84,23 @@ class Interactions:
         """The interactions at `rows` ([m] int), with the same id tables and features."""
         rating = None if self.rating is None else self.rating[rows]
         return dataclasses.replace(self, user=self.user[rows], item=self.item[rows],
-                                   timestamp=self.timestamp[rows], rating=rating)
+                                   timestamp=self.timestamp[rows], rating=rating,
+                                   user_feature_rows={name: values[rows] for name, values
+                                                      in self.user_feature_rows.items()})
+
+    def user_feature_at(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """[num_users] str: user feature `name` as known after `rows` ([m] int): of a feature
+        that changes within a user, each user's value at their last row among `rows` in time
+        order ('' for users without one), so that no later row's value reaches it; else the
+        user table's value."""
+        if name not in self.user_feature_rows:
+            return np.asarray(self.user_features[name]).astype(str)
+        part = self.take(rows)
+        order = part.time_order()
+        last = order[np.append(part.user[order][1:] != part.user[order][:-1], True)]
+        known = np.full(self.num_users, "", dtype=object)
+        known[part.user[last]] = part.user_feature_rows[name][last].astype(str)
+        return known.astype(str)
 
     def time_order(self) -> np.ndarray:
         """[n] int64 rows sorted by user, then timestamp, ties kept in log order."""

@@ -124,8 +124,8 @@ def _delimiter_option(source: str, text: str | None) -> str | None:
 
 
 def from_columns(source: str, user, item, timestamp, rating=None, *, catalogue=None,
-                 item_features=None, genre_names=(), user_table=None, dropped=None,
-                 names=None) -> Interactions:
+                 item_features=None, genre_names=(), user_table=None, user_rows=None,
+                 dropped=None, names=None) -> Interactions:
     """Validates raw columns and encodes them as `Interactions`.
 
     Args:
@@ -142,6 +142,10 @@ def from_columns(source: str, user, item, timestamp, rating=None, *, catalogue=N
             Rows whose item is not in it are dropped and counted.
         item_features: name -> [num_items, ...] aligned with `catalogue`.
         user_table: (ids [u], name -> [u] features) or None.
+        user_rows: name -> [n] each row's user feature (a log's `user.NAME` column), or None;
+            instead of `user_table`. Each user's last value in file order makes the table; a
+            feature whose value changes within a user also keeps its rows' values
+            (`Interactions.user_feature_at`).
         dropped: counts of rows already dropped by the reader.
         names: role (user, item, time, rating) -> column name, for messages.
     """
@@ -174,11 +178,26 @@ def from_columns(source: str, user, item, timestamp, rating=None, *, catalogue=N
         item_features = {}
     else:
         item_ids, item_codes = catalogue, item_codes[rows].astype(np.int32)
-    user_features = _align_user_features(user_ids, user_table)
+    feature_rows = {name: np.asarray(values)[rows] for name, values in (user_rows or {}).items()}
+    if feature_rows:
+        user_table = _last_per_id(user[np.sort(rows)], {
+            name: np.asarray(values)[np.sort(rows)] for name, values in user_rows.items()})
+    changing = {name: values for name, values in feature_rows.items()
+                if _changes_within(user_codes, values)}
     return Interactions(user_ids=user_ids, item_ids=item_ids, user=user_codes, item=item_codes,
                         timestamp=seconds[rows], rating=None if rating is None else rating[rows],
-                        item_features=dict(item_features or {}), user_features=user_features,
-                        genre_names=tuple(genre_names), dropped=dropped, source=source)
+                        item_features=dict(item_features or {}),
+                        user_features=_align_user_features(user_ids, user_table),
+                        user_feature_rows=changing, genre_names=tuple(genre_names),
+                        dropped=dropped, source=source)
+
+
+def _changes_within(user: np.ndarray, values: np.ndarray) -> bool:
+    """Whether some user of `user` [n] has two different `values` [n] (compared as text)."""
+    _, value_codes = np.unique(np.asarray(values).astype(str), return_inverse=True)
+    pairs = np.unique(user.astype(np.int64) * (int(value_codes.max(initial=0)) + 1)
+                      + value_codes.reshape(-1))
+    return len(pairs) > len(np.unique(user))
 
 
 ROLE_NAMES = {"user": "user", "item": "item", "time": "timestamp", "rating": "rating"}
@@ -645,8 +664,7 @@ def _log_from_roles(source: str, mapping: dict[str, str], arrays: dict[str, np.n
         elif role == "item.year":
             column = whole_years(source, mapping[role], column)
         (user_features if kind == "user" else item_features)[name] = column
-    interactions = from_columns(source, user, item, timestamp, rating,
-                                user_table=_last_per_id(user, user_features),
+    interactions = from_columns(source, user, item, timestamp, rating, user_rows=user_features,
                                 names=mapping, **(items or {}))
     if item_features and items is not None:
         aligned = _align_user_features(interactions.item_ids, _last_per_id(item, item_features))
@@ -984,14 +1002,13 @@ def load_tfds(name: str, data_dir: str | None = None) -> Interactions:
                      "year": _year_from_title(pa.chunked_array([pa.array(titles)]))}
     user_columns = {"user_gender": "gender", "bucketized_user_age": "age",
                     "user_occupation_label": "occupation"}
-    user_table = _last_per_id(ratings["user_id"].astype(str),
-                              {name: ratings[column].astype(str)
-                               for column, name in user_columns.items() if column in ratings})
+    user_rows = {name: ratings[column].astype(str)
+                 for column, name in user_columns.items() if column in ratings}
     return from_columns(f"tfds:{name}", ratings["user_id"].astype(str),
                         ratings["movie_id"].astype(str), ratings["timestamp"],
                         ratings["user_rating"], catalogue=movies["movie_id"].astype(str),
                         item_features=item_features, genre_names=genre_names,
-                        user_table=user_table)
+                        user_rows=user_rows)
 
 
 def _tfds_columns(dataset, batch_size: int = 65536) -> dict[str, np.ndarray]:

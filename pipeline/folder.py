@@ -118,6 +118,11 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
     if unread:
         notices.append(f"item features {unread} are not read by the models, which read "
                        f"{' and '.join(MODEL_ITEM_FEATURES)} only")
+    if log.user_feature_rows:
+        notices.append(f"user features {sorted(log.user_feature_rows)} change within a user: "
+                       "training and validation read each user's value of their last training "
+                       "row, the test rows and the exports that of their last training or "
+                       "validation row, never a later one")
     configs, source = dataclasses.replace(configs, run=run), {**source,
                                                               "fingerprint": log_fingerprint}
     parts = split(log, configs.data.split)
@@ -292,6 +297,7 @@ def fingerprint(log: Interactions) -> dict:
                "user_ids": log.user_ids, "item_ids": log.item_ids,
                "genre_names": np.asarray(log.genre_names, dtype=str),
                **{f"user.{name}": values for name, values in log.user_features.items()},
+               **{f"user_rows.{name}": values for name, values in log.user_feature_rows.items()},
                **{f"item.{name}": values for name, values in log.item_features.items()}}
     digest = hashlib.sha256()
     for name in sorted(columns):

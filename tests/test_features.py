@@ -439,3 +439,32 @@ def test_prepare_serves_users_never_seen_from_the_rows_known_before_each_part(lo
         assert np.array_equal(inputs.popular[part].order, expected.order)
         assert np.array_equal(inputs.popular[part].share, expected.share)
     assert not np.array_equal(inputs.popular["validation"].order, inputs.popular["test"].order)
+
+
+def test_a_user_feature_that_changes_is_read_as_known_before_the_rows_scored(tmp_path):
+    from tworec.features.inputs import prepare
+    csv = tmp_path / "log.csv"
+    # u's plan changes (its rows are not in time order); v's does not; the last row repeats
+    # u's first in all but plan, and a dropped row's value must not count.
+    csv.write_text("user_id,item_id,timestamp,plan,team\n"
+                   "u,a,4,gold,x\nu,b,1,free,x\nu,c,2,basic,x\nu,d,3,free,x\n"
+                   "v,a,1,free,y\nv,b,2,free,y\nv,c,3,free,y\nu,b,1,premium,x\n")
+    log = load(str(csv), columns={"user.plan": "plan", "user.team": "team"})
+    assert log.user_ids.tolist() == ["u", "v"] and log.dropped == {"duplicate_row": 1}
+    assert log.user_features["plan"].tolist() == ["free", "free"]       # last in file order
+    assert sorted(log.user_feature_rows) == ["plan"]                    # team never changes
+    everything = np.arange(len(log))
+    assert log.user_feature_at("plan", everything).tolist() == ["gold", "free"]
+    assert log.user_feature_at("team", everything[:1]).tolist() == ["x", "y"]   # the table's
+    parts = split(log, "temporal")               # u: free, basic | free (validation) | gold
+    assert log.user_feature_at("plan", parts.train).tolist() == ["basic", "free"]
+    assert log.user_feature_at("plan", parts.validation[:1]).tolist() == ["free", ""]
+    inputs = prepare(log, parts, history_length=2, cold_start_window=0.2)
+    vocab = inputs.user_feature_vocabs["plan"]
+    assert sorted(vocab.ids.tolist()) == ["basic", "free"]             # no held-out value
+    name_of = np.append(["<pad>", "<oov>"], vocab.ids)
+    named = {part: name_of[inputs.examples[part]["user_plan"]].tolist()
+             for part in ("train", "validation", "test")}
+    assert named == {"train": ["basic", "basic", "free"], "validation": ["basic", "free"],
+                     "test": ["free", "free"]}
+    assert name_of[inputs.user_feature_index["plan"]].tolist() == ["free", "free"]   # served

@@ -23,8 +23,9 @@ USERS, ITEMS, ROWS_PER_USER = 30, 12, 8
 
 
 def write_log(path, changed: str | None = None) -> str:
-    """A CSV log with ratings, a user feature `age` and an item feature `color`; `changed`
-    ("age", "color" or "rating") gives the same rows with that column's values moved around."""
+    """A CSV log with ratings, a user feature `age` (u0's first row is a year younger) and an
+    item feature `color`; `changed` ("age", "color" or "rating") gives the same rows with that
+    column's values moved around, "earlier age" with u0's second row a year younger too."""
     rng = np.random.default_rng(0)
     users = np.repeat(np.arange(USERS), ROWS_PER_USER)
     items = np.concatenate([rng.choice(ITEMS, ROWS_PER_USER, replace=False)
@@ -37,8 +38,10 @@ def write_log(path, changed: str | None = None) -> str:
         colors = np.roll(colors, 1)
     elif changed == "rating":
         ratings = np.random.default_rng(1).permutation(ratings)
+    row_ages = ages[users]
+    row_ages[:2 if changed == "earlier age" else 1] -= 1
     lines = ["user,item,time,rating,age,color"] + [
-        f"u{user},i{item},{row},{rating},{ages[user]},{colors[item]}"
+        f"u{user},i{item},{row},{rating},{row_ages[row]},{colors[item]}"
         for row, (user, item, rating) in enumerate(zip(users, items, ratings))]
     path.write_text("\n".join(lines) + "\n")
     return str(path)
@@ -81,6 +84,9 @@ def test_a_batch_larger_than_the_training_rows_is_lowered_with_a_notice(tmp_path
     assert checked.notices[-1] == f"batch_size 512 lowered to the training rows, {train_rows}"
     assert ("item features ['color'] are not read by the models, which read genres and year "
             "only") in checked.notices
+    assert ("user features ['age'] change within a user: training and validation read each "
+            "user's value of their last training row, the test rows and the exports that of "
+            "their last training or validation row, never a later one") in checked.notices
     assert not any("batch_size" in notice for notice in checked.notices[:-1])
     assert not (tmp_path / "run").exists()
 
@@ -127,7 +133,7 @@ def test_a_run_that_recorded_columns_its_source_never_read_continues(tmp_path):
     assert continued.source["columns"] == {} and continued.log.num_users > 0
 
 
-@pytest.mark.parametrize("changed", ["age", "color", "rating"])
+@pytest.mark.parametrize("changed", ["age", "earlier age", "color", "rating"])
 def test_a_continued_run_refuses_a_log_whose_features_or_ratings_changed(tmp_path, changed):
     log = write_log(tmp_path / "log.csv")
     trained_run(tmp_path / "run", log)
