@@ -472,11 +472,35 @@ def load_grouplens(path: str) -> Interactions:
 
 def _release_reader(release: _Release):
     """The reader of the release's format, by the ratings file it holds; None for none."""
-    for name, reader in (("u.data", _read_ml100k), ("ratings.dat", _read_ml1m),
-                         ("ratings.csv", _read_ml_latest)):
+    return _release_format(release)[0]
+
+
+def _release_format(release: _Release):
+    """(reader, {optional file: what its absence leaves out}) of the release's format, by the
+    ratings file it holds; (None, {}) for none."""
+    items, users = "items have no genres, year or title", "users have no age, gender or occupation"
+    for name, reader, optional in (
+            ("u.data", _read_ml100k, {"u.item": items, "u.user": users}),
+            ("ratings.dat", _read_ml1m, {"movies.dat": items, "users.dat": users}),
+            ("ratings.csv", _read_ml_latest, {"movies.csv": items})):
         if release.has(name):
-            return reader
-    return None
+            return reader, optional
+    return None, {}
+
+
+def release_gaps(source: str) -> list[str]:
+    """What a GroupLens release `source` (as `load` reads it) lacks of its format's optional
+    files, one line each ("SOURCE has no movies.csv: items have no genres, year or title");
+    [] for a complete release or any other source."""
+    if not has_fixed_columns(source):
+        return []
+    release = _Release(source)
+    try:
+        _, optional = _release_format(release)
+        return [f"{source} has no {name} beside its ratings: its {left_out}"
+                for name, left_out in optional.items() if not release.has(name)]
+    finally:
+        release.close()
 
 
 def _read_delimited(release: _Release, name: str, names: list[str], delimiter: str,

@@ -16,7 +16,7 @@ import numpy as np
 
 from tworec.features import DataError, Interactions, Split, load, split
 from tworec.features.inputs import MODEL_ITEM_FEATURES
-from tworec.features.sources import has_fixed_columns
+from tworec.features.sources import has_fixed_columns, release_gaps
 from tworec.pipeline import config as run_config, report as run_report
 from tworec.pipeline.config import Configs
 
@@ -114,6 +114,7 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
                        f"epochs {ranking.epochs}, co-occurrence neighbours "
                        f"{ranking.cooccurrence_neighbors}, popularity periods "
                        f"{ranking.popularity_periods}")
+    notices += release_gaps(source["data"])
     unread = sorted(set(log.item_features) - {*MODEL_ITEM_FEATURES, "title"})  # title: people's
     if unread:
         notices.append(f"item features {unread} are not read by the models, which read "

@@ -468,3 +468,18 @@ def test_a_user_feature_that_changes_is_read_as_known_before_the_rows_scored(tmp
     assert named == {"train": ["basic", "basic", "free"], "validation": ["basic", "free"],
                      "test": ["free", "free"]}
     assert name_of[inputs.user_feature_index["plan"]].tolist() == ["free", "free"]   # served
+
+
+@pytest.mark.parametrize("as_zip", [False, True], ids=["dir", "zip"])
+def test_a_release_says_what_its_missing_optional_files_leave_out(tmp_path, as_zip):
+    from tworec.features.sources import release_gaps
+    assert release_gaps(write_release(tmp_path, ML1M, as_zip, folder="ml-full")) == []
+    ratings_only = write_release(tmp_path, {"ratings.dat": ML1M["ratings.dat"]}, as_zip)
+    assert release_gaps(ratings_only) == [
+        f"{ratings_only} has no movies.dat beside its ratings: its items have no genres, year "
+        "or title",
+        f"{ratings_only} has no users.dat beside its ratings: its users have no age, gender or "
+        "occupation"]
+    assert load(ratings_only).item_features == {}
+    for source in ("synthetic:tiny", "tfds:movielens/100k-ratings", str(tmp_path / "x.csv")):
+        assert release_gaps(source) == []

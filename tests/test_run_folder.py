@@ -351,3 +351,18 @@ def test_a_config_that_cannot_be_read_is_named_in_one_line(tmp_path, script, tex
                          "--out", str(tmp_path))
     assert code == 2 and f"{tmp_path / 'config.json'} cannot be read as a run's config" in error
     assert "pass --overwrite to start over" in error and len(error.strip().splitlines()) == 1
+
+
+def test_a_release_without_its_movies_file_is_noted(tmp_path):
+    """A GroupLens folder of ratings.csv alone loads (the log's items make the catalogue), and
+    the run says its items have no genres, year or title."""
+    log = pacsv.read_csv(write_log(tmp_path / "log.csv"))
+    release = tmp_path / "ml-latest-small"
+    release.mkdir()
+    pacsv.write_csv(log.select(["user", "item", "rating", "time"]).rename_columns(
+        ["userId", "movieId", "rating", "timestamp"]), release / "ratings.csv")
+    checked = folder.check_run(str(tmp_path / "run"), {"data": str(release)},
+                               config.resolve("tiny"))
+    assert checked.log.num_items == ITEMS
+    assert (f"{release} has no movies.csv beside its ratings: its items have no genres, year or "
+            "title") in checked.notices
