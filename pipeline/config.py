@@ -60,7 +60,8 @@ class RunConfig:
             value = getattr(self, name)
             if value > num_items:
                 clamped[name] = num_items
-                notices.append(f"{name} {value} lowered to the catalogue size, {num_items}")
+                flag = {"candidates": " (--top-k)", "top_n": " (--top-n)"}.get(name, "")
+                notices.append(f"{name}{flag} {value} lowered to the catalogue size, {num_items}")
         return dataclasses.replace(self, **clamped), notices
 
 

@@ -330,7 +330,7 @@ def test_run_configs_resolve_validate_and_round_trip(tmp_path):
     assert config.read(str(tmp_path / "config.json")) == ({"data": "synthetic"}, configs)
     run, notices = configs.run.for_catalogue(30)
     assert (run.candidates, run.hard_negative_pool, run.top_n) == (30, 30, 10)
-    assert notices == ["candidates 100 lowered to the catalogue size, 30",
+    assert notices == ["candidates (--top-k) 100 lowered to the catalogue size, 30",
                        "hard_negative_pool 50 lowered to the catalogue size, 30"]
     for bad, message in (({"data": {"history_length": 0}, "ranking": {"model": "bst"}},
                           "needs history_length > 0"),
