@@ -14,6 +14,9 @@ import dataclasses
 import io
 import os
 import re
+import socket
+import urllib.parse
+import urllib.request
 import zipfile
 
 import numpy as np
@@ -1006,18 +1009,24 @@ def load_tfds(name: str, data_dir: str | None = None) -> Interactions:
                         f"{[f'tfds:movielens/{n}-ratings' for n in TFDS_NAMES]}")
     import tensorflow_datasets as tfds
     try:
+        for config in (name, name.replace("-ratings", "-movies")):
+            builder = tfds.builder(config, data_dir=data_dir)
+            if not builder.is_prepared():
+                _check_download_host(f"tfds:{name}", builder.builder_config.download_url,
+                                     builder.data_dir)
         ratings = _tfds_columns(tfds.load(name, split="train", data_dir=data_dir))
         movies = _tfds_columns(tfds.load(name.replace("-ratings", "-movies"), split="train",
                                          data_dir=data_dir))
+    except DataError:
+        raise
     except ModuleNotFoundError as error:          # a package TFDS imports only when it downloads
         raise DataError(f"tfds:{name}: TensorFlow Datasets needs the package {error.name!r} to "
                         f"download; install it (pip install {error.name}) and try again") from None
     except Exception as error:  # TFDS raises many kinds of download and preparation errors.
         raise DataError(
             f"tfds:{name}: could not load it ({type(error).__name__}: {_one_line(error)}). "
-            "TFDS downloads a data set the first time; without network access, prepare it "
-            "elsewhere and pass its data directory with --data-dir, or pass the GroupLens "
-            "release instead: --data path/to/ml-100k.zip (or its unpacked folder)") from None
+            f"TFDS downloads a data set the first time; without network access, "
+            f"{OFFLINE_ADVICE}") from None
     genre_names = tuple(f"genre_{i}" for i in range(int(movies["movie_genres"].max(initial=0)) + 1))
     genres = np.zeros((len(movies["movie_id"]), len(genre_names)), dtype=np.float32)
     genres[movies["movie_genres_rows"], movies["movie_genres"]] = 1.0
@@ -1033,6 +1042,28 @@ def load_tfds(name: str, data_dir: str | None = None) -> Interactions:
                         ratings["user_rating"], catalogue=movies["movie_id"].astype(str),
                         item_features=item_features, genre_names=genre_names,
                         user_rows=user_rows)
+
+
+OFFLINE_ADVICE = ("prepare it elsewhere and pass its data directory with --data-dir, or pass "
+                  "the GroupLens release instead: --data path/to/ml-100k.zip (or its unpacked "
+                  "folder)")
+
+
+def _check_download_host(source: str, url: str | None, data_dir: str,
+                         timeout: float = 10.0) -> None:
+    """Raises a one-line DataError at once when the host TFDS would download `url` from cannot
+    be reached (TFDS itself retries a failed download for minutes). Through a proxy, TFDS's
+    own attempt tells."""
+    host = urllib.parse.urlsplit(url or "").hostname
+    proxies = urllib.request.getproxies()
+    if host is None or ({"https", "all"} & set(proxies) and not urllib.request.proxy_bypass(host)):
+        return
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+    except OSError as error:
+        raise DataError(f"{source}: not prepared in {data_dir}, and {host}, where TFDS would "
+                        f"download it from, cannot be reached ({_one_line(error)}); "
+                        f"{OFFLINE_ADVICE}") from None
 
 
 def _tfds_columns(dataset, batch_size: int = 65536) -> dict[str, np.ndarray]:

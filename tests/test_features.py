@@ -139,7 +139,15 @@ def test_unknown_formats(tmp_path):
         load(str(tmp_path / "log.csv"), columns={"usr": "user_id"})
 
 
-def test_tfds_with_mock_data():
+@pytest.fixture
+def download_host_reachable(monkeypatch):
+    """TFDS cannot download here; a test that mocks it passes the check that its download host
+    can be reached."""
+    from tworec.features import sources
+    monkeypatch.setattr(sources, "_check_download_host", lambda *args: None)
+
+
+def test_tfds_with_mock_data(download_host_reachable):
     import tensorflow_datasets as tfds
     with tfds.testing.mock_data(num_examples=40):
         log = load("tfds:movielens/100k-ratings")
@@ -148,7 +156,7 @@ def test_tfds_with_mock_data():
     assert set(log.user_features) == {"gender", "age", "occupation"}
 
 
-def test_tfds_names_a_missing_package_not_the_network(monkeypatch):
+def test_tfds_names_a_missing_package_not_the_network(monkeypatch, download_host_reachable):
     import tensorflow_datasets as tfds
 
     def load_without(*args, **kwargs):
@@ -157,6 +165,37 @@ def test_tfds_names_a_missing_package_not_the_network(monkeypatch):
     with pytest.raises(DataError, match=r"needs the package 'importlib_resources'.*pip install "
                                         r"importlib_resources"):
         load("tfds:movielens/100k-ratings")
+
+
+@pytest.mark.parametrize("prepared", [False, True], ids=["to_download", "prepared"])
+def test_tfds_offline_is_refused_at_once_unless_prepared(tmp_path, monkeypatch, prepared):
+    """Offline, TFDS retries its download for minutes; a data set not prepared in --data-dir
+    whose download host cannot be reached is refused at once. A prepared one is read."""
+    import socket
+    import tensorflow_datasets as tfds
+    hosts, loaded = [], []
+
+    def unreachable(address, timeout):
+        hosts.append(address)
+        raise socket.gaierror(-2, "Name or service not known")
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    for proxy in ("https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(proxy, raising=False)
+    monkeypatch.setattr(tfds.core.DatasetBuilder, "is_prepared", lambda self: prepared)
+    monkeypatch.setattr(tfds, "load", lambda name, **kwargs: loaded.append(name) or 1 / 0)
+    with pytest.raises(DataError) as error:
+        load("tfds:movielens/100k-ratings", data_dir=str(tmp_path / "tfds"))
+    if prepared:
+        assert hosts == [] and loaded == ["movielens/100k-ratings"]
+        return
+    assert hosts == [("files.grouplens.org", 443)] and loaded == []
+    where = tfds.builder("movielens/100k-ratings", data_dir=str(tmp_path / "tfds")).data_dir
+    assert where.startswith(str(tmp_path / "tfds"))
+    assert str(error.value) == (
+        f"tfds:movielens/100k-ratings: not prepared in {where}, and files.grouplens.org, where "
+        "TFDS would download it from, cannot be reached ([Errno -2] Name or service not known); prepare it elsewhere and pass its "
+        "data directory with --data-dir, or pass the GroupLens release instead: --data "
+        "path/to/ml-100k.zip (or its unpacked folder)")
 
 
 def test_tfds_can_download_in_the_installed_environment():
