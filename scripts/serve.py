@@ -148,6 +148,7 @@ def main(argv=None) -> int:
     if not tworec.verbose_requested():       # gRPC's C core logs what serve.py reports itself
         os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     from tworec.serving.manager import ModelManager
+    from tworec.serving.model import settle_native_logs
     from tworec.serving.server import ModelServer
     try:
         configs = model_configs(args)
@@ -171,6 +172,7 @@ def main(argv=None) -> int:
                          grace_seconds=args.shutdown_grace_seconds,
                          max_elements=args.max_elements_per_request)
     try:
+        settle_native_logs()
         server.start()                       # stops what it started when it fails
     except KeyboardInterrupt:                # Ctrl-C while the models load
         print("error: stopped (Ctrl-C) while the models loaded, before serving", file=sys.stderr)

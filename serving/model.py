@@ -31,6 +31,20 @@ def register_custom_ops() -> bool:
     return True
 
 
+@functools.cache
+def settle_native_logs() -> None:
+    """Runs a one-op graph in a Session with the native log lines filtered out. A process's
+    first Session run writes absl's "before absl::InitializeLog()" banner and an MLIR INFO
+    line to file descriptor 2, whatever TF_CPP_MIN_LOG_LEVEL says, and only then; after this
+    a server loads and serves with its file descriptor 2 as it is (a crash's lines intact)."""
+    from tworec.console import quiet_native_logs
+    graph = tf.Graph()
+    with graph.as_default():
+        value = tf.constant(1.0) + 1.0
+    with quiet_native_logs(), tf.compat.v1.Session(graph=graph) as session:
+        session.run(value)
+
+
 def tf_dtype(array: np.ndarray) -> tf.DType:
     """The TF dtype of a NumPy array; str, bytes and object arrays are `tf.string`."""
     return tf.string if array.dtype.kind in "OSU" else tf.as_dtype(array.dtype)

@@ -23,6 +23,7 @@ import pytest
 import tworec.serving  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow loads)
 import tensorflow as tf
 
+from tworec.console import NATIVE_NOISE
 from tworec.serving.batch import Progress, score_all
 from tworec.serving.client import Client
 from tworec.serving.errors import ServingError
@@ -140,6 +141,8 @@ def test_serve_warns_once_about_a_missing_base_path_and_serves_the_version_writt
     assert warnings == [f"warning: no versions of model scale found under {base} (the folder "
                         "does not exist); the server starts without it, polling every 0.05 s "
                         "for one"], log_of(tmp_path)
+    assert not any(NATIVE_NOISE.match(line.encode())               # the first Session run's
+                   for line in log_of(tmp_path).splitlines()), log_of(tmp_path)
 
 
 def test_serve_warns_about_a_folder_without_integer_versions(tmp_path):
