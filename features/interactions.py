@@ -16,6 +16,10 @@ class DataError(ValueError):
     """An input log that cannot be used; the message names the input and what was wrong."""
 
 
+class SourceNotFound(DataError):
+    """A log's path (a file, folder, glob or TFDS data directory) that holds nothing to read."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Interactions:
     """An interaction log with its item and user tables.

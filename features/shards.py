@@ -33,7 +33,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from tworec.console import OneLineParser
-from tworec.features.interactions import DataError, Interactions
+from tworec.features.interactions import DataError, Interactions, SourceNotFound
 from tworec.features.sources import (FLOAT32_OVERFLOW, MISSING, OUT_OF_RANGE, RATINGS_OUT_OF_RANGE,
                                      TICKS_PER_SECOND, _column_numpy,
                                      _log_from_roles, _one_line, _resolve_columns,
@@ -74,8 +74,9 @@ def find(source: str) -> ShardSet | None:
     if not os.path.exists(source) and any(c in source for c in GLOB_CHARACTERS):
         matches = sorted(p for p in glob.glob(source, recursive=True) if os.path.isfile(p))
         if not matches:
-            raise DataError(f"{source}: no file matches the pattern; pass a glob that matches "
-                            "Parquet shards, e.g. logs/part-*.parquet, or their folder")
+            raise SourceNotFound(f"{source}: no file matches the pattern; pass a glob that "
+                                 "matches Parquet shards, e.g. logs/part-*.parquet, or their "
+                                 "folder")
         other = next((p for p in matches if not p.endswith(".parquet")), None)
         if other is not None:
             raise DataError(f"{source}: the pattern matches {other}, which is not a .parquet "
@@ -344,8 +345,8 @@ def parquet_source(source: str) -> ShardSet:
     if shards is not None:
         return shards
     if not os.path.exists(source):
-        raise DataError(f"{source}: no such file or folder; pass a folder or glob of Parquet "
-                        "shards, or one .parquet file")
+        raise SourceNotFound(f"{source}: no such file or folder; pass a folder or glob of "
+                             "Parquet shards, or one .parquet file")
     if not (os.path.isfile(source) and source.endswith(".parquet")):
         raise DataError(f"{source}: not Parquet; this reads only a folder or glob of Parquet "
                         "shards or one .parquet file: write the log as Parquet first (e.g. "

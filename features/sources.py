@@ -25,7 +25,8 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from tworec.features.interactions import DataError, Interactions, drop_duplicate_rows, encode_ids
+from tworec.features.interactions import (DataError, Interactions, SourceNotFound,
+                                          drop_duplicate_rows, encode_ids)
 
 ML100K_GENRES = ("unknown", "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime",
                  "Documentary", "Drama", "Fantasy", "Film-Noir", "Horror", "Musical", "Mystery",
@@ -83,9 +84,9 @@ def load(source: str, columns: dict[str, str] | None = None, data_dir: str | Non
     if found is not None:
         return shards.read(found, columns or {})
     if not os.path.exists(source):
-        raise DataError(f"{source}: no such file or folder (expected a GroupLens release folder "
-                        "or .zip, a .csv/.tsv/.parquet log, a folder or glob of .parquet "
-                        "shards, 'synthetic' or 'tfds:NAME')")
+        raise SourceNotFound(f"{source}: no such file or folder (expected a GroupLens release "
+                             "folder or .zip, a .csv/.tsv/.parquet log, a folder or glob of "
+                             ".parquet shards, 'synthetic' or 'tfds:NAME')")
     if os.path.isdir(source) or source.endswith(".zip"):
         return load_grouplens(source)
     return load_table(source, columns or {}, delimiter)
@@ -1061,9 +1062,9 @@ def _check_download_host(source: str, url: str | None, data_dir: str,
     try:
         socket.create_connection((host, 443), timeout=timeout).close()
     except OSError as error:
-        raise DataError(f"{source}: not prepared in {data_dir}, and {host}, where TFDS would "
-                        f"download it from, cannot be reached ({_one_line(error)}); "
-                        f"{OFFLINE_ADVICE}") from None
+        raise SourceNotFound(f"{source}: not prepared in {data_dir}, and {host}, where TFDS "
+                             f"would download it from, cannot be reached "
+                             f"({_one_line(error)}); {OFFLINE_ADVICE}") from None
 
 
 def _tfds_columns(dataset, batch_size: int = 65536) -> dict[str, np.ndarray]:

@@ -14,7 +14,8 @@ import shutil
 
 import numpy as np
 
-from tworec.features import DataError, Interactions, Split, load, split
+from tworec.features import Interactions, Split, load, split
+from tworec.features.interactions import SourceNotFound
 from tworec.features.inputs import MODEL_ITEM_FEATURES
 from tworec.features.sources import has_fixed_columns, release_gaps
 from tworec.pipeline import config as run_config, report as run_report
@@ -91,13 +92,14 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
     configs.validate()                  # all but what depends on the log, before it loads
     try:
         log = load_source(source)
-    except DataError as error:
-        data = source["data"]
-        not_found = any(words in str(error) for words in ("no such file", "no file matches"))
-        if continue_run and not_found and not os.path.isabs(data):
-            raise DataError(f"{error}; {os.path.join(out, 'config.json')} holds this path as "
-                            "given, relative to the folder the run was made from: run the "
-                            "command from there") from None
+    except SourceNotFound as error:
+        data = None if has_fixed_columns(source["data"]) else source["data"]   # tfds:NAME
+        relative = [path for path in (source.get("data_dir"), data)
+                    if path and not os.path.isabs(path)]
+        if continue_run and relative:
+            raise SourceNotFound(f"{error}; {os.path.join(out, 'config.json')} holds "
+                                 f"{relative[0]} as given, relative to the folder the run was "
+                                 "made from: run the command from there") from None
         raise
     configs.validate(has_ratings=log.rating is not None,
                      has_user_features=bool(log.user_features))

@@ -13,6 +13,21 @@ except ImportError:                            # moved: the guard below stands d
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.fixture
+def offline(monkeypatch) -> list:
+    """No host can be reached and no proxy is set; returns the (host, port) pairs tried."""
+    import socket
+    tried = []
+
+    def unreachable(address, timeout=None):
+        tried.append(address)
+        raise socket.gaierror(-2, "Name or service not known")
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    for proxy in ("https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(proxy, raising=False)
+    return tried
+
+
 @pytest.fixture(scope="session")
 def retrieval_run(tmp_path_factory):
     """A run folder of train_retrieval.py on the tiny synthetic log, two retrieval members

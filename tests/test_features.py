@@ -168,19 +168,12 @@ def test_tfds_names_a_missing_package_not_the_network(monkeypatch, download_host
 
 
 @pytest.mark.parametrize("prepared", [False, True], ids=["to_download", "prepared"])
-def test_tfds_offline_is_refused_at_once_unless_prepared(tmp_path, monkeypatch, prepared):
+def test_tfds_offline_is_refused_at_once_unless_prepared(tmp_path, monkeypatch, offline,
+                                                        prepared):
     """Offline, TFDS retries its download for minutes; a data set not prepared in --data-dir
     whose download host cannot be reached is refused at once. A prepared one is read."""
-    import socket
     import tensorflow_datasets as tfds
-    hosts, loaded = [], []
-
-    def unreachable(address, timeout):
-        hosts.append(address)
-        raise socket.gaierror(-2, "Name or service not known")
-    monkeypatch.setattr(socket, "create_connection", unreachable)
-    for proxy in ("https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
-        monkeypatch.delenv(proxy, raising=False)
+    hosts, loaded = offline, []
     monkeypatch.setattr(tfds.core.DatasetBuilder, "is_prepared", lambda self: prepared)
     monkeypatch.setattr(tfds, "load", lambda name, **kwargs: loaded.append(name) or 1 / 0)
     with pytest.raises(DataError) as error:

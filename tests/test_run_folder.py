@@ -120,7 +120,7 @@ def test_a_continued_run_from_another_folder_says_its_log_path_is_relative(tmp_p
         continue_run(tmp_path / "run")
     assert str(error.value).startswith((f"{source}: no such file", f"{source}: no file matches"))
     assert str(error.value).endswith(
-        f"; {tmp_path / 'run' / 'config.json'} holds this path as given, relative to the folder "
+        f"; {tmp_path / 'run' / 'config.json'} holds {source} as given, relative to the folder "
         "the run was made from: run the command from there")
 
 
@@ -368,3 +368,32 @@ def test_a_release_without_its_movies_file_is_noted(tmp_path):
     assert checked.log.num_items == ITEMS
     assert (f"{release} has no movies.csv beside its ratings: its items have no genres, year or "
             "title") in checked.notices
+
+
+def test_a_continued_run_from_another_folder_says_its_tfds_data_dir_is_relative(tmp_path,
+                                                                              monkeypatch,
+                                                                              offline):
+    """A relative --data-dir is kept as given too: from another folder TFDS would not find
+    the prepared copy, and the message names the directory."""
+    import tensorflow_datasets as tfds
+    from tworec.features import sources
+    made_here = tmp_path / "made_here"
+    made_here.mkdir()
+    monkeypatch.chdir(made_here)
+    with monkeypatch.context() as prepared, tfds.testing.mock_data(num_examples=300):
+        prepared.setattr(sources, "_check_download_host", lambda *args: None)
+        trained_run(tmp_path / "run", "tfds:movielens/100k-ratings", columns={},
+                    recorded={"data_dir": "tfds"})
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError) as error:
+        continue_run(tmp_path / "run")
+    assert str(error.value).startswith("tfds:movielens/100k-ratings: not prepared in tfds/")
+    assert str(error.value).endswith(
+        f"; {tmp_path / 'run' / 'config.json'} holds tfds as given, relative to the folder the "
+        "run was made from: run the command from there")
+    source, configs = folder.read_run(str(tmp_path / "run"))       # no --data-dir: nothing
+    del source["data_dir"]                                          # relative to name
+    config.write(str(tmp_path / "run" / "config.json"), configs, source)
+    with pytest.raises(DataError) as error:
+        continue_run(tmp_path / "run")
+    assert "as given" not in str(error.value)
