@@ -55,6 +55,9 @@ class CheckedRun:
     overwrite: bool
 
 
+RANKING_CONFIG_NOTICE = "the ranking config is"      # a continued run's, each run its own
+
+
 def check_run(out: str, source: dict, configs: Configs, continue_run: bool = False,
               overwrite: bool = False) -> CheckedRun:
     """Loads the log and checks everything before any training: the folder, the configs
@@ -111,7 +114,7 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
     run, notices = configs.run.for_catalogue(log.num_items)
     if continue_run:                     # what no flag said: the folder's, not the preset's
         ranking = configs.ranking
-        notices.append(f"the ranking config is {out}'s (config.json), with the flags given in "
+        notices.append(f"{RANKING_CONFIG_NOTICE} {out}'s (config.json), with the flags given in "
                        f"place of its fields: model {ranking.model}, task {ranking.task}, "
                        f"epochs {ranking.epochs}, co-occurrence neighbours "
                        f"{ranking.cooccurrence_neighbors}, popularity periods "

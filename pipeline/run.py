@@ -484,7 +484,9 @@ def start_run(checked: folder.CheckedRun, verbose: int = 1) -> Run:
     for section in RETRAINED_WITH_RANKING if checked.continue_run else ():
         result.report.pop(section, None)          # no longer describes the folder's models
         result.timings.pop(STEP_OF_SECTION.get(section, section), None)
-    result.report["notices"] = checked.notices
+    kept = [notice for notice in result.report.get("notices", []) if checked.continue_run
+            and not notice.startswith(folder.RANKING_CONFIG_NOTICE)]   # still true of the folder
+    result.report["notices"] = kept + [notice for notice in checked.notices if notice not in kept]
     for notice in checked.notices:
         print(f"[run] note: {notice}", flush=True)
     if checked.overwrite and not checked.continue_run:
