@@ -91,8 +91,9 @@ def prepare_shards(source: str, out_folder: str, history_length: int = 20,
 
     Returns:
         The manifest also written as `manifest.json`: rows, the rows dropped by reason (as
-        `load` counts them), users, items, rows per split, short users, the shards and
-        DuckDB's memory limit as its connection reports it.
+        `load` counts them), users, items, rows per split, short users, the shards, DuckDB's
+        memory limit as its connection reports it, and `not_read`: the side features
+        `columns` names (`user.NAME`, `item.NAME`), which the prepared shards do not hold.
     """
     if os.path.exists(out_folder) and not os.path.isdir(out_folder):
         raise DataError(f"{out_folder}: a file, not a folder; pass a new or empty folder")
@@ -144,7 +145,8 @@ def prepare_shards(source: str, out_folder: str, history_length: int = 20,
                                      for path, count in blocks],
                     "seconds": round(seconds, 3),
                     "rows_per_second": round(rows / max(seconds, 1e-9)),
-                    "duckdb": {"memory_limit": setting}}
+                    "duckdb": {"memory_limit": setting},
+                    "not_read": sorted(role for role in mapping if "." in role)}
         with open(os.path.join(out_folder, "manifest.json"), "w") as f:
             json.dump(manifest, f, indent=1)
     return manifest
@@ -334,6 +336,10 @@ def main(argv=None) -> int:
                                   parse_columns(args.columns), progress=progress)
     except DataError as error:
         parser.error(str(error))
+    if manifest["not_read"]:
+        print(f"[prepare] note: {', '.join(manifest['not_read'])} not in the prepared shards, "
+              "which hold ids, histories, times and ratings: models trained on them read no "
+              "side features", file=sys.stderr, flush=True)
     print(json.dumps({key: manifest[key] for key in (
         "rows", "dropped", "users", "vocabulary", "split", "seconds", "rows_per_second")}))
     return 0

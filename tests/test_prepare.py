@@ -432,3 +432,16 @@ def test_text_times_beyond_float64_digits_load_exactly_and_out_of_core_are_refus
             f"{source}: column 'timestamp' holds a time beyond 2^53 as text "
             "('1577836800123456789' at row 0), which out of core is read through float64 and "
             "would lose digits: write the column as int64")
+
+
+def test_prepare_notes_the_side_features_its_shards_do_not_hold(tmp_path, capsys):
+    source = _write(tmp_path / "log", pa.table({**LOG, "plan": ["p"] * len(LOG["user_id"]),
+                                                "color": ["c"] * len(LOG["user_id"])}))
+    columns = ["--columns", "user.plan=plan,item.color=color"]
+    assert main(["--data", source, "--out", str(tmp_path / "out"), *columns]) == 0
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "[prepare] note: item.color, user.plan not in the prepared shards, which hold ids, "
+        "histories, times and ratings: models trained on them read no side features")
+    assert json.load(open(tmp_path / "out" / "manifest.json"))["not_read"] == ["item.color",
+                                                                            "user.plan"]
+    assert prepare_shards(source, str(tmp_path / "plain"))["not_read"] == []
