@@ -415,7 +415,13 @@ def index_section(report: dict, plots: list[str]) -> list[str]:
         exported = index["exported"]
         lines.append(f"The `retrieval_scann` export fetches {exported['fetch']} items per "
                      f"query so that k unseen ones remain, so it searches with "
-                     f"{scann_sentence(exported)[len('ScaNN with '):]}.")
+                     f"{scann_sentence(exported)[len('ScaNN with '):]}"
+                     + ("." if "latency_ms_p50" not in exported else   # older reports
+                        f"; one query takes {exported['latency_ms_p50']:.2f} ms (p50) against "
+                        f"{exported['exact_latency_ms_p50']:.2f} ms for brute force at that "
+                        "size" + ("." if exported["latency_ms_p50"]
+                                  < exported["exact_latency_ms_p50"] else
+                                  ", no faster: serve `retrieval` instead.")))
     return lines + image("index.png", plots, "ScaNN recall against latency")
 
 

@@ -33,8 +33,8 @@ from tworec.ranking import train as ranking
 from tworec.ranking.export import export as export_ranking
 from tworec.retrieval import train as retrieval
 from tworec.retrieval.export import export as export_retrieval, scann_fetch
-from tworec.retrieval.index import (ScannParams, build_index, exact_top_k, found_codes,
-                                    recall_against, tune_scann)
+from tworec.retrieval.index import (ScannParams, build_index, exact_top_k, exported_setting,
+                                    found_codes, recall_against, tune_scann)
 from tworec.serving.client import Client
 from tworec.serving.compose import compose_recommender
 from tworec.serving.layout import list_versions, write_models_config, write_version
@@ -116,6 +116,11 @@ class Run:
 
     # ------------------------------------------------------------------ helpers
 
+    def notice(self, text: str) -> None:
+        """Records a notice in the report and prints it."""
+        self.report.setdefault("notices", []).append(text)
+        print(f"[run] note: {text}", flush=True)
+
     @contextlib.contextmanager
     def step(self, name: str):
         """Prints a step and its duration; a failure names the step."""
@@ -178,22 +183,35 @@ class Run:
     def tune_index(self) -> None:
         """Tunes ScaNN on validation queries (training queries when the split has no
         validation) and reports the chosen setting's recall against exact search on test
-        queries; a catalogue ScaNN cannot index is noticed, and only brute force exported."""
+        queries, and the setting the export searches with its latency against brute force at
+        the export's fetch (noticed when it is no faster); a catalogue ScaNN cannot index is
+        noticed, and only brute force exported."""
         run, model = self.configs.run, self.retrieval_model
         candidates = retrieval.candidate_embeddings(model, self.inputs.num_items)
         part = "validation" if len(self.parts.validation) else "train"
         queries = retrieval.query_embeddings(model, self.inputs.examples[part])
-        sample = np.random.default_rng(0).permutation(len(queries))[:run.tuning_queries]
-        self.tuning = tune_scann(candidates, queries[np.sort(sample)], k=run.tuning_k)
+        sample = queries[np.sort(np.random.default_rng(0).permutation(len(queries))[
+            :run.tuning_queries])]
+        self.tuning = tune_scann(candidates, sample, k=run.tuning_k)
         recall_key = f"recall@{run.tuning_k}_vs_exact"
         self.report["index"] = {"kind": "scann", "tuned_on": part,
                                 **{key: self.tuning[key] for key in (
                                     "params", recall_key, "latency_ms_p50",
                                     "exact_latency_ms_p50", "table", "skipped")}}
         if self.tuning["skipped"]:
-            notice = f"{self.tuning['skipped']}; only the brute-force retrieval export is written"
-            self.report.setdefault("notices", []).append(notice)
-            print(f"[run] note: {notice}", flush=True)
+            self.notice(f"{self.tuning['skipped']}; only the brute-force retrieval export is "
+                        "written")
+        if self.tuning["params"]:
+            self.report["index"]["exported"] = exported = exported_setting(
+                candidates, sample, ScannParams(**self.tuning["params"]),
+                scann_fetch(self.inputs, run.candidates, self.inputs.exclude_seen))
+            if exported["latency_ms_p50"] >= exported["exact_latency_ms_p50"]:
+                self.notice(
+                    f"the retrieval_scann export fetches {exported['fetch']} items a query "
+                    f"({run.candidates} candidates and the most items a user has seen) and "
+                    f"takes {exported['latency_ms_p50']:.2f} ms a query against "
+                    f"{exported['exact_latency_ms_p50']:.2f} ms for brute force at that size: "
+                    "serve retrieval (export/models.config) instead")
         if self.tuning["params"] and self.evaluating:
             test = retrieval.query_embeddings(model, self.inputs.examples["test"])
             index = build_index(candidates, run.tuning_k, ScannParams(**self.tuning["params"]))
@@ -265,14 +283,10 @@ class Run:
                                                   self.export_dir("retrieval"), run.candidates,
                                                   warmup_users=users)
             if self.tuning and self.tuning["params"]:
-                params = ScannParams(**self.tuning["params"])
                 paths["retrieval_scann"] = export_retrieval(
                     self.retrieval_model, self.inputs, self.export_dir("retrieval_scann"),
-                    run.candidates, scann=params, warmup_users=users)
-                fetch = scann_fetch(self.inputs, run.candidates, self.inputs.exclude_seen)
-                self.report["index"]["exported"] = {   # the setting the export really searches
-                    "fetch": fetch, **dataclasses.asdict(
-                        params.with_enough_answers(self.inputs.num_items, fetch))}
+                    run.candidates, scann=ScannParams(**self.tuning["params"]),
+                    warmup_users=users)
         if self.ranking_model is not None:
             items = self.log.item_ids
             paths["ranking"] = export_ranking(

@@ -155,6 +155,19 @@ def single_query_latency_ms(index, queries: np.ndarray, repeats: int = 200) -> f
     return 1000 * float(np.median(times))
 
 
+def exported_setting(candidates: np.ndarray, queries: np.ndarray, params: ScannParams,
+                     fetch: int, repeats: int = 100) -> dict:
+    """The ScaNN setting an export that fetches `fetch` items a query searches with
+    (`ScannParams.with_enough_answers`), and its one-query latency against brute force at
+    that size: {"fetch", the setting's fields, "latency_ms_p50", "exact_latency_ms_p50"}."""
+    return {"fetch": fetch,
+            **dataclasses.asdict(params.with_enough_answers(len(candidates), fetch)),
+            "latency_ms_p50": single_query_latency_ms(build_index(candidates, fetch, params),
+                                                      queries, repeats),
+            "exact_latency_ms_p50": single_query_latency_ms(build_index(candidates, fetch),
+                                                            queries, repeats)}
+
+
 def scann_settings(num_items: int, k: int) -> list[ScannParams]:
     """The settings `tune_scann` tries for top-k over `num_items`, each as `build_index` builds
     it (`ScannParams.with_enough_answers`) and once; none under SCANN_MIN_ITEMS items."""

@@ -64,6 +64,11 @@ def test_report_follows_the_schema(run):
     assert {"recall@10", "ndcg@10"} <= set(report["two_stage"]["test"])
     assert report["index"]["kind"] == "scann" and report["index"]["recall@10_vs_exact"] >= 0.95
     assert report["index"]["tuned_on"] == "validation"
+    exported = report["index"]["exported"]             # timed as the ScaNN export searches
+    assert exported["num_reordering_candidates"] >= exported["fetch"] > 100
+    slower = exported["latency_ms_p50"] >= exported["exact_latency_ms_p50"]
+    assert slower == any(notice.startswith("the retrieval_scann export fetches")
+                         for notice in report["notices"])
     against = report["retrieval"]["against_baselines"]["popularity"]["ndcg@10"]
     assert against["difference"] == pytest.approx(
         report["retrieval"]["test"]["ndcg@10"] - report["baselines"]["popularity"]["ndcg@10"])

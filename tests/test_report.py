@@ -121,6 +121,24 @@ def test_the_gain_line_reads_as_the_issue_asks():
         "together).")
 
 
+@pytest.mark.parametrize("scann_ms, verdict", [(0.5, "."), (1.5, ", no faster: serve "
+                                                                 "`retrieval` instead.")])
+def test_the_index_section_times_the_scann_export_as_it_searches(scann_ms, verdict):
+    from tworec.pipeline.report import index_section
+    setting = {"num_leaves": 47, "num_leaves_to_search": 5, "num_reordering_candidates": 40}
+    index = {"params": setting, "recall@10_vs_exact": 0.97, "tuned_on": "validation",
+             "latency_ms_p50": 0.19, "exact_latency_ms_p50": 0.34,
+             "exported": {**setting, "fetch": 2490, "num_leaves_to_search": 26,
+                          "num_reordering_candidates": 2490, "latency_ms_p50": scann_ms,
+                          "exact_latency_ms_p50": 1.0}}
+    lines = index_section({"index": index}, plots=[])
+    assert lines[4] == (
+        "The `retrieval_scann` export fetches 2490 items per query so that k unseen ones "
+        "remain, so it searches with 47 leaves, searching 26 of them and re-scoring the best "
+        f"2490 exactly; one query takes {scann_ms:.2f} ms (p50) against 1.00 ms for brute "
+        f"force at that size{verdict}")
+
+
 def test_the_cold_start_sentence_says_what_users_never_seen_get_and_why():
     from tworec.pipeline.report import markdown
     assert "Users they do not know" not in markdown(report_of("global"), "RUN", [])
