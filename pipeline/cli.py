@@ -120,12 +120,21 @@ def run(args, steps: tuple[str, ...], continue_run: bool = False, verbose: int =
 def stopped(out: str, overwrite: bool) -> int:
     """Prints the one line of a run that Ctrl-C stopped (once the folder lock is released and
     the folders it made empty are gone), with how to resume when it can; returns 130."""
-    from tworec.pipeline.folder import interrupted_retrieval
-    resumes = os.path.isdir(out) and os.listdir(out) and interrupted_retrieval(out)
-    again = "rerun it without --overwrite" if overwrite else "rerun the same command"
-    print("error: stopped (Ctrl-C)" + (f"; {again} to resume the retrieval training"
-                                       if resumes else ""), file=sys.stderr)
+    print("error: stopped (Ctrl-C)" + resume_advice(out, overwrite), file=sys.stderr)
     return 130
+
+
+def resume_advice(out: str, overwrite: bool) -> str:
+    """'; rerun ... to resume ...' for a run folder a rerun resumes, else ''."""
+    from tworec.pipeline.folder import interrupted_retrieval, stopped_after_retrieval
+    if not (os.path.isdir(out) and os.listdir(out)):
+        return ""
+    again = "rerun it without --overwrite" if overwrite else "rerun the same command"
+    if interrupted_retrieval(out):
+        return f"; {again} to resume the retrieval training"
+    if stopped_after_retrieval(out):
+        return f"; {again} to resume after the trained retrieval"
+    return ""
 
 
 def _run(args, steps: tuple[str, ...], continue_run: bool, verbose: int,
@@ -141,7 +150,7 @@ def _run(args, steps: tuple[str, ...], continue_run: bool, verbose: int,
             prepared = start_run(checked, verbose=verbose)
         except (DataError, ValueError, RunFolderError) as error:
             return fail(str(error))
-        return _execute(prepared, steps, args.out)
+        return _execute(prepared, steps, args.out, getattr(args, "overwrite", False))
 
 
 def show_logs(args) -> None:
@@ -176,15 +185,15 @@ def _configs(args, steps: tuple[str, ...], continue_run: bool, overrides: dict):
                    **{"data": data_given(args), **overrides}), source_of(args)
 
 
-def _execute(prepared, steps: tuple[str, ...], out: str) -> int:
+def _execute(prepared, steps: tuple[str, ...], out: str, overwrite: bool) -> int:
     """Executes `steps` of a started run; ends with the headline test figures and where the
-    report is."""
+    report is (a failed step, with how to resume when a rerun can)."""
     from tworec.pipeline.run import StepFailed, execute
     start = time.perf_counter()
     try:
         report = execute(prepared, steps)
     except StepFailed as error:
-        return failed(str(error))
+        return failed(str(error) + resume_advice(out, overwrite))
     for line in report.get("warnings", []):
         print(f"[run] warning: {line}", flush=True)
     figures = [f"{name} {test['recall@10']:.4f} / {test['ndcg@10']:.4f}"

@@ -28,11 +28,16 @@ class RunFolderError(ValueError):
 # What a run folder holds (and `clear` removes before a run replaces it).
 RUN_ENTRIES = ("config.json", "config.json.tmp", "report.json", "report.md", "plots", "export",
                "vocab", "retrieval", "checkpoints", "tensorboard", "retrieval_config.json",
-               "retrieval_train.json", "ranking_config.json", "ranking_train.json")
+               "retrieval_train.json", "retrieval_report.json", "ranking_config.json",
+               "ranking_train.json")
 # What a retrieval training that was interrupted leaves, and nothing else: a rerun of the
 # command that started it resumes it from its checkpoint.
 INTERRUPTED_RETRIEVAL = {"config.json", "config.json.tmp", "retrieval_config.json", "checkpoints",
                          "tensorboard"}
+# The report's retrieval section and the step's seconds, written once retrieval has trained: a
+# run stopped after it (no report.json) resumes from the trained model (`AFTER_RETRIEVAL`).
+RETRIEVAL_REPORT = "retrieval_report.json"
+TRAINING, AFTER_RETRIEVAL = "training", "after retrieval"      # what a rerun resumes
 # The version of `fingerprint`: 2 digests every column a run reads (1 left out the ratings and
 # the side features).
 FINGERPRINT_FORMAT = 2
@@ -53,6 +58,7 @@ class CheckedRun:
     notices: list[str]
     continue_run: bool
     overwrite: bool
+    resume: str | None = None       # TRAINING, AFTER_RETRIEVAL or None
 
 
 RANKING_CONFIG_NOTICE = "the ranking config is"      # a continued run's, each run its own
@@ -62,14 +68,14 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
               overwrite: bool = False) -> CheckedRun:
     """Loads the log and checks everything before any training: the folder, the configs
     against the log, for a continued run that only the ranking config changed and that the
-    source still gives the log the run was trained on, and for an interrupted retrieval
-    training that it is rerun with the same source, log and configs. Raises DataError,
+    source still gives the log the run was trained on, and for a run interrupted in or after
+    its retrieval training that it is rerun with the same source, log and configs. Raises DataError,
     ValueError or RunFolderError with a one-line message; changes nothing on disk.
 
     Args:
         out: the run folder: new (or empty) for a fresh run, a run folder to replace with
-            `overwrite`, a folder holding only an interrupted retrieval training to resume, or
-            for `continue_run` the run whose retrieval model is reused.
+            `overwrite`, a folder holding a run interrupted in or after its retrieval training
+            to resume, or for `continue_run` the run whose retrieval model is reused.
         source: {"data": a `features.load` source, "columns": role -> column name, and
             optionally "delimiter" of a text log (detected when absent) and "data_dir", the
             TFDS data directory}.
@@ -87,11 +93,15 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
             raise RunFolderError(f"{out}: made before runs recorded what users never seen are "
                                  "served; train a new run (scripts/pipeline.py)")
         check_fingerprint_format(out, saved_source, "train a new run (scripts/pipeline.py)")
+        if stopped_after_retrieval(out):
+            raise RunFolderError(f"{out}: its run stopped after retrieval trained, before it "
+                                 "finished; rerun the command that started it to finish it "
+                                 "(it resumes from the trained retrieval)")
         if "retrieval" not in run_report.read(out):
             raise RunFolderError(f"{out}: its retrieval stage did not finish (no report.json with "
                                  "retrieval's results); rerun scripts/train_retrieval.py or "
                                  "scripts/pipeline.py into it with --overwrite")
-    resume = not continue_run and check_fresh(out, overwrite)
+    resume = None if continue_run else check_fresh(out, overwrite)
     configs.validate()                  # all but what depends on the log, before it loads
     try:
         log = load_source(source)
@@ -138,12 +148,15 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
     if resume:
         check_resumable(out, source, configs)
         backup = os.path.join(out, "checkpoints", "retrieval")
-        notices.append("resumes the interrupted retrieval training from its last finished epoch "
-                       f"({backup})" if checkpointed(backup) else
-                       "starts the interrupted retrieval training over: it finished no epoch")
+        notices.append(
+            "resumes after the retrieval training, which finished: loads its model and runs "
+            "the steps after it" if resume == AFTER_RETRIEVAL else
+            f"resumes the interrupted retrieval training from its last finished epoch "
+            f"({backup})" if checkpointed(backup) else
+            "starts the interrupted retrieval training over: it finished no epoch")
     return CheckedRun(out, log, parts, configs, source,
                       run_report.read(out) if continue_run else {}, notices, continue_run,
-                      overwrite)
+                      overwrite, resume)
 
 
 def load_source(source: dict) -> Interactions:
@@ -168,21 +181,24 @@ def read_run(out: str) -> tuple[dict, Configs]:
     return source, configs
 
 
-def check_fresh(out: str, overwrite: bool) -> bool:
+def check_fresh(out: str, overwrite: bool) -> str | None:
     """Raises RunFolderError unless `out` can take a new run: absent or an empty folder, with
     `overwrite` a run folder (nothing else is ever deleted), or without it a folder holding
-    only an interrupted retrieval training; returns whether the run resumes that one."""
+    only an interrupted retrieval training or a run stopped after its retrieval trained;
+    returns what the run resumes (TRAINING, AFTER_RETRIEVAL), None for a fresh one."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise RunFolderError(f"--out {out} is a file; name a folder for the run")
     if not os.path.isdir(out) or not os.listdir(out):
-        return False
+        return None
     if not os.path.exists(os.path.join(out, "config.json")):
         raise RunFolderError(f"--out {out} is a folder with other files in it; name a new or "
                              "empty folder for the run")
     if overwrite:
-        return False
+        return None
     if interrupted_retrieval(out):
-        return True
+        return TRAINING
+    if stopped_after_retrieval(out):
+        return AFTER_RETRIEVAL
     raise RunFolderError(f"--out {out} already holds a run; pass --overwrite to replace it, "
                          "or name a new folder")
 
@@ -227,6 +243,32 @@ def interrupted_retrieval(out: str) -> bool:
     (`INTERRUPTED_RETRIEVAL`): a retrieval training that stopped, with a checkpoint to resume
     from or, stopped in its first epoch, none."""
     return set(os.listdir(out)) <= INTERRUPTED_RETRIEVAL
+
+
+def stopped_after_retrieval(out: str) -> bool:
+    """Whether the run folder `out` holds a run stopped (Ctrl-C, a failed step) after its
+    retrieval training finished: the retrieval report saved (`save_retrieval_report`), no
+    report.json."""
+    return (os.path.exists(os.path.join(out, RETRIEVAL_REPORT))
+            and not os.path.exists(os.path.join(out, "report.json")))
+
+
+def save_retrieval_report(out: str, section: dict, seconds: float) -> None:
+    """Writes the report's retrieval section and the training step's seconds, atomically."""
+    path = os.path.join(out, RETRIEVAL_REPORT)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"retrieval": section, "seconds": seconds}, f)
+    os.replace(path + ".tmp", path)
+
+
+def resume_after_retrieval(out: str) -> tuple[dict, float]:
+    """Clears what the steps after retrieval wrote in `out` that a rerun would add to (the
+    exports, the plots) and returns the saved (retrieval section, training seconds)."""
+    for name in ("export", "plots"):
+        shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+    with open(os.path.join(out, RETRIEVAL_REPORT)) as f:
+        saved = json.load(f)
+    return saved["retrieval"], saved["seconds"]
 
 
 def checkpointed(backup: str) -> bool:

@@ -107,6 +107,7 @@ class Run:
                                "state": self.inputs.state()}
         self.timings = self.report.setdefault("timings", {})
         self.retrieval_model, self.retrieval_trained = None, False
+        self.retrieval_resumed = False   # trained by this run's command before it stopped
         self.signals = self.ranking_model = None
         self.test_candidates = self.tuning = None
         self.offline_test: dict[str, served.Offline] = {}
@@ -505,6 +506,10 @@ def start_run(checked: folder.CheckedRun, verbose: int = 1) -> Run:
         print(f"[run] note: {notice}", flush=True)
     if checked.overwrite and not checked.continue_run:
         folder.clear(out)
+    if checked.resume == folder.AFTER_RETRIEVAL:
+        result.report["retrieval"], result.timings["train retrieval"] = \
+            folder.resume_after_retrieval(out)
+        result.retrieval_resumed = True
     os.makedirs(out, exist_ok=True)
     run_config.write(os.path.join(out, "config.json"), result.configs, checked.source)
     return result
@@ -516,12 +521,17 @@ def execute(run: Run, steps: tuple[str, ...]) -> dict:
     unknown = [name for name in steps if name not in PIPELINE]
     if unknown:
         raise ValueError(f"unknown step(s) {unknown}; known: {list(PIPELINE)}")
+    if run.retrieval_resumed:
+        steps = tuple(name for name in steps if name != "train retrieval")
     if "train retrieval" not in steps:
         with run.step("load retrieval"):
             run.load_retrieval()
+        run.retrieval_trained = run.retrieval_resumed     # then its exports are this run's
     for name in (name for name in PIPELINE if name in steps):
         with run.step(name):
             STEP_METHODS[name](run)
+        if name == "train retrieval":
+            folder.save_retrieval_report(run.out, run.report["retrieval"], run.timings[name])
     with run.step("report"):
         run.write_report()
     return run.report

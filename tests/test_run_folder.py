@@ -286,7 +286,8 @@ def test_an_interrupted_retrieval_run_resumes_when_its_command_is_rerun(tmp_path
     assert code == 0, error
     assert json.loads((tmp_path / "retrieval_train.json").read_text())["epochs"] == 4  # 1 to 4
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["retrieval"]["test"] and "resumes the interrupted" in report["notices"][-1]
+    assert report["retrieval"]["test"] and any("resumes the interrupted" in notice
+                                               for notice in report["notices"])
 
 
 def test_a_retrieval_run_stopped_in_its_first_epoch_starts_over_when_its_command_is_rerun(
@@ -308,7 +309,8 @@ def test_a_retrieval_run_stopped_in_its_first_epoch_starts_over_when_its_command
     code, error = script("train_retrieval.py", *command)
     assert code == 0, error
     report = json.loads((tmp_path / "report.json").read_text())
-    assert "starts the interrupted retrieval training over" in report["notices"][-1]
+    assert any("starts the interrupted retrieval training over" in notice
+               for notice in report["notices"])
     assert json.loads((tmp_path / "retrieval_train.json").read_text())["epochs"] == 2
 
 
@@ -338,9 +340,55 @@ def test_ctrl_c_in_training_says_in_one_line_how_to_resume(tmp_path, script, mon
     code, error = script("train_retrieval.py", *command)
     assert code == 0, error
     report = json.loads((tmp_path / "report.json").read_text())
-    assert "resumes the interrupted retrieval training" in report["notices"][-1]
+    assert any("resumes the interrupted retrieval training" in notice
+               for notice in report["notices"])
     assert cli.stopped(str(tmp_path), overwrite=False) == 130     # a finished run: no advice
     assert capsys.readouterr().err == "error: stopped (Ctrl-C)\n"
+
+
+def test_a_run_stopped_after_retrieval_trained_resumes_from_it(tmp_path, script, monkeypatch):
+    """Ctrl-C or a failed step after the retrieval training finished: the same command loads
+    the trained model and runs the steps after it (the whole run was refused as a folder that
+    "already holds a run"); the exports start again at version 1."""
+    from tworec.pipeline import run as run_module
+    command = ["--data", "synthetic:tiny", "--preset", "tiny", "--out", str(tmp_path),
+               "--epochs", "2"]
+
+    def stop(*args):
+        raise KeyboardInterrupt
+    with monkeypatch.context() as patched:
+        patched.setattr(run_module, "write_models_config", stop)      # exports written, then
+        code, error = script("train_retrieval.py", *command)
+    assert code == 130 and error.splitlines()[-1] == (
+        "error: stopped (Ctrl-C); rerun the same command to resume after the trained "
+        "retrieval"), error
+    assert (tmp_path / "export" / "retrieval" / "1").is_dir()
+    code, error = script("train_ranking.py", "--retrieval-run", str(tmp_path))
+    assert code == 2 and "its run stopped after retrieval trained" in error, error
+    weights = (tmp_path / "retrieval" / "weights.index").read_bytes()
+    saved = json.loads((tmp_path / "retrieval_report.json").read_text())
+
+    def fail(*args):
+        raise RuntimeError("no space left")
+    with monkeypatch.context() as patched:
+        patched.setitem(run_module.STEP_METHODS, "baselines", fail)
+        code, error = script("train_retrieval.py", *command)
+    assert code == 1 and error.splitlines()[-1] == (
+        "error: step 'baselines' failed: RuntimeError: no space left; rerun the same command "
+        "to resume after the trained retrieval"), error
+    monkeypatch.setitem(run_module.STEP_METHODS, "train retrieval", fail)  # never again
+    code, error = script("train_retrieval.py", *command)
+    assert code == 0, error
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert (tmp_path / "retrieval" / "weights.index").read_bytes() == weights   # not retrained
+    retrieval = {key: value for key, value in report["retrieval"].items()
+                 if key != "against_baselines"}                    # added by the report
+    assert retrieval == saved["retrieval"] and report["index"]["params"]
+    assert report["timings"]["train retrieval"] == saved["seconds"]
+    assert ("resumes after the retrieval training, which finished: loads its model and runs "
+            "the steps after it") in report["notices"]
+    assert sorted(os.listdir(tmp_path / "export" / "retrieval")) == ["1"]
+    assert set(report["exports"]) >= {"retrieval"}
 
 
 @pytest.mark.parametrize("text", ["", '{"source": {"data": "synthetic:tiny"}, "data": {',
