@@ -16,11 +16,10 @@ from tworec.pipeline.config import PIPELINE
 
 def main(argv=None) -> int:
     parser = cli.parser_for(__doc__)
-    cli.add_run_arguments(parser, out_required=False)
+    cli.add_run_arguments(parser)
     cli.add_list_arguments(parser)
     cli.add_members_argument(parser)
     args = parser.parse_args(argv)
-    args.out = args.out or "runs/demo"
     return cli.run(args, PIPELINE, retrieval=cli.members_given(args),
                    run=cli.list_run(args))
 

@@ -229,6 +229,7 @@ def test_train_ranking_reuses_a_retrieval_run_and_matches_the_pipeline(run, retr
      "epochs must be positive"),
     ("train_ranking.py", ["--retrieval-run", "OUT"], "not a run folder"),
     ("pipeline.py", ["--data", "OUT/none.csv", "--out", "OUT/new"], "no such file"),
+    ("pipeline.py", ["--data", "synthetic:tiny"], "the following arguments are required: --out"),
     ("pipeline.py", ["--out", "OUT/a-file"], "is a file"),
     ("pipeline.py", ["--out", "OUT/a-run"], "already holds a run; pass --overwrite"),
     ("pipeline.py", ["--out", "OUT/a-folder"], "other files in it"),
