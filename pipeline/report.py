@@ -229,10 +229,10 @@ def image(name: str, plots: list[str], alt: str) -> list[str]:
 
 
 def markdown(report: dict, out: str, plots: list[str]) -> str:
-    """report.md: the data and protocol, test metrics against the baselines with the two-stage
-    gain, training, ranking, the index, the served check, example users, how to serve, and
-    timings; each plot inside the section it illustrates."""
-    sections = (data_section(report), metrics_section(report, plots),
+    """report.md: the data and protocol, the run's notices, test metrics against the baselines
+    with the two-stage gain, training, ranking, the index, the served check, example users, how
+    to serve, and timings; each plot inside the section it illustrates."""
+    sections = (data_section(report), notices_section(report), metrics_section(report, plots),
                 training_section(report, plots), ranking_section(report),
                 index_section(report, plots), served_section(report),
                 examples_section(report), serve_section(report, out), timings_section(report))
@@ -265,6 +265,12 @@ def data_section(report: dict) -> list[str]:
             f"interactions; split `{split}`, {held_out}; dropped rows: {dropped}.", "",
             f"Protocol `{split}`: {protocol_sentence(split)}. {known}"
             f"{cold_start_sentence(data.get('cold_start'))}"]
+
+
+def notices_section(report: dict) -> list[str]:
+    """The settings the run fitted to the log and what it noticed, as the command printed them."""
+    notices = report.get("notices") or []
+    return ["", "## Notes", ""] + [f"- {escape(notice)}" for notice in notices] if notices else []
 
 
 def cold_start_sentence(cold_start: dict | None) -> str:

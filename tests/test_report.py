@@ -139,6 +139,15 @@ def test_the_index_section_times_the_scann_export_as_it_searches(scann_ms, verdi
         f"force at that size{verdict}")
 
 
+def test_the_notes_say_what_the_run_noticed_as_it_printed_it():
+    from tworec.pipeline.report import notices_section
+    assert notices_section({"notices": []}) == notices_section({}) == []
+    assert notices_section({"notices": ["batch_size 512 lowered to the training rows, 180",
+                                        "item features ['color'] are not read"]}) == [
+        "", "## Notes", "", "- batch\\_size 512 lowered to the training rows, 180",
+        "- item features \\['color'\\] are not read"]
+
+
 def test_the_cold_start_sentence_says_what_users_never_seen_get_and_why():
     from tworec.pipeline.report import markdown
     assert "Users they do not know" not in markdown(report_of("global"), "RUN", [])
