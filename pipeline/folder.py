@@ -103,6 +103,7 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
                                  "scripts/pipeline.py into it with --overwrite")
     resume = None if continue_run else check_fresh(out, overwrite)
     configs.validate()                  # all but what depends on the log, before it loads
+    cluster = [] if continue_run else check_cluster(configs.retrieval.strategy)
     try:
         log = load_source(source)
     except SourceNotFound as error:
@@ -122,6 +123,7 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
                              "trained on (its rows, ids, ratings or features differ); train a "
                              "new run")
     run, notices = configs.run.for_catalogue(log.num_items)
+    notices = cluster + notices
     if continue_run:                     # what no flag said: the folder's, not the preset's
         ranking = configs.ranking
         notices.append(f"{RANKING_CONFIG_NOTICE} {out}'s (config.json), with the flags given in "
@@ -179,6 +181,30 @@ def read_run(out: str) -> tuple[dict, Configs]:
     if source.get("columns") and has_fixed_columns(source["data"]):
         source = {**source, "columns": {}}   # recorded before they were refused; never read
     return source, configs
+
+
+def check_cluster(strategy: str) -> list[str]:
+    """Raises ValueError when the retrieval `strategy` needs a TF_CONFIG cluster this process
+    is not in (parameter_server: one with ps tasks, this process its chief); for multi_worker
+    without a cluster, returns the notice that it trains on this machine alone."""
+    text = os.environ.get("TF_CONFIG", "")
+    try:
+        config = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as error:
+        raise ValueError(f"TF_CONFIG is not JSON ({error}); it names the cluster of --strategy "
+                         f"{strategy}") from None
+    cluster, task = config.get("cluster") or {}, config.get("task") or {}
+    if strategy == "parameter_server" and not (cluster.get("ps") and task.get("type") == "chief"):
+        found = ("unset" if not text.strip() else
+                 f"task {task.get('type')!r} in a cluster of {sorted(cluster)}")
+        raise ValueError(f"--strategy parameter_server runs on the chief of a TF_CONFIG cluster "
+                         f"with ps tasks (TF_CONFIG: {found}); set TF_CONFIG so (the ps and "
+                         "worker tasks run python -m tworec.features.training), or use "
+                         "--strategy mirrored on one machine")
+    if strategy == "multi_worker" and not cluster:
+        return ["--strategy multi_worker without a TF_CONFIG cluster trains on this machine "
+                "alone"]
+    return []
 
 
 def check_fresh(out: str, overwrite: bool) -> str | None:

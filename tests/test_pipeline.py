@@ -244,6 +244,9 @@ def test_train_ranking_reuses_a_retrieval_run_and_matches_the_pipeline(run, retr
     ("train_retrieval.py", ["--members", "0", "--out", "OUT/new"], "members must be positive"),
     ("train_retrieval.py", ["--partitioner", "fixed:2", "--out", "OUT/new"],
      "it goes with --strategy parameter_server"),
+    ("train_retrieval.py", ["--strategy", "parameter_server", "--out", "OUT/new"],
+     "--strategy parameter_server runs on the chief of a TF_CONFIG cluster with ps tasks "
+     "(TF_CONFIG: unset)"),
     ("train_retrieval.py", ["--strategy", "parameter_server", "--mixed-precision", "--out",
                             "OUT/new"], "mixed_precision with strategy 'parameter_server'"),
     ("pipeline.py", ["--data", "OUT/semicolons.csv", "--delimiter", ",", "--out", "OUT/new"],

@@ -462,3 +462,34 @@ def test_a_continued_run_keeps_the_folders_notices_and_says_its_own_once(tmp_pat
     assert started.report["notices"] == [earlier[0], shared] + [
         notice for notice in continued.notices if notice != shared]
     assert any(notice.startswith(folder.RANKING_CONFIG_NOTICE) for notice in continued.notices)
+
+
+def test_a_strategy_is_checked_against_tf_config_before_the_log_loads(tmp_path, monkeypatch):
+    """The parameter-server strategy failed after the log loaded and left a folder its
+    command could never resume; multi_worker without a cluster trained on one machine
+    without a word."""
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    checked = folder.check_run(str(tmp_path / "run"), {"data": write_log(tmp_path / "log.csv"),
+                                                       "columns": COLUMNS},
+                               config.resolve("tiny", retrieval={"strategy": "multi_worker"}))
+    assert checked.notices[0] == ("--strategy multi_worker without a TF_CONFIG cluster trains "
+                                  "on this machine alone")
+    assert folder.check_cluster("mirrored") == folder.check_cluster("default") == []
+    assert folder.check_cluster("multi_worker") == [
+        "--strategy multi_worker without a TF_CONFIG cluster trains on this machine alone"]
+    with pytest.raises(ValueError, match=r"\(TF_CONFIG: unset\); set TF_CONFIG so"):
+        folder.check_cluster("parameter_server")
+    cluster = {"chief": ["localhost:1"], "ps": ["localhost:2"], "worker": ["localhost:3"]}
+    for task, works in (("chief", True), ("worker", False)):
+        monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster,
+                                                    "task": {"type": task, "index": 0}}))
+        assert folder.check_cluster("multi_worker") == []
+        if works:
+            assert folder.check_cluster("parameter_server") == []
+        else:
+            with pytest.raises(ValueError, match="TF_CONFIG: task 'worker' in a cluster of "
+                                                 r"\['chief', 'ps', 'worker'\]"):
+                folder.check_cluster("parameter_server")
+    monkeypatch.setenv("TF_CONFIG", "{cluster")
+    with pytest.raises(ValueError, match="TF_CONFIG is not JSON"):
+        folder.check_cluster("multi_worker")
