@@ -219,6 +219,8 @@ def test_train_ranking_reuses_a_retrieval_run_and_matches_the_pipeline(run, retr
     _, pipeline = run
     assert report["two_stage"]["test"] == pipeline["two_stage"]["test"]
     assert report["ranking"]["test"] == pipeline["ranking"]["test"]
+    assert report["baselines"] == pipeline["baselines"]        # evaluated again, for intervals
+    assert report["two_stage"]["against_baselines"] == pipeline["two_stage"]["against_baselines"]
     assert set(report["exports"]) == {"retrieval", "retrieval_scann", "ranking", "recommender"}
     config = open(folder / "export" / "models_scann.config").read()
     assert all(f'name: "{name}"' in config for name in report["exports"])
