@@ -366,11 +366,17 @@ def ranking_section(report: dict) -> list[str]:
     auc = "not computed" if ranking["auc"] is None else f"{ranking['auc']:.3f}"
     regression = report["ranking"].get("task") == "regression"
     scores = "predicted ratings" if regression else "scores"
+    model = report["ranking"].get("model")                  # older reports did not say
+    below = (" (0.5 is chance: below it, retrieval's top candidates score above the held-out "
+             "item more often than not)" if ranking["auc"] is not None and ranking["auc"] < 0.5
+             else "")
     return ["", "## Ranking on its own", "",
-            f"RMSE of the {'regression ranker' if regression else 'rating head'}: {rmse}. "
+            (f"The ranker: {model.upper()}, trained on the {report['ranking']['task']} task. "
+             if model else "")
+            + f"RMSE of the {'regression ranker' if regression else 'rating head'}: {rmse}. "
             "AUC of each held-out item against retrieval's "
             f"top candidates for its user (the items it must beat when served), by the "
-            f"ranker's {scores}: {auc}."
+            f"ranker's {scores}: {auc}{below}."
             ] + calibration_sentence(report["ranking"]["train"].get("calibration"))
 
 
@@ -391,11 +397,13 @@ def calibration_sentence(calibration: dict | None) -> list[str]:
     weights = ", ".join(f"{name} {weight:.3g}" for name, weight in calibration["weights"].items())
     signals = f", the signal weights {weights}" if weights else ""
     before, after = calibration["loss_before"], calibration["loss_after"]
+    unused = (" The ranker's own logit keeps no weight: the two-stage order is that of the "
+              "signals alone." if round(calibration["scale"], 2) == 0 else "")
     return ["", f"The logit's balance was refitted on {calibration['rows']:,} validation lists "
                 f"as served (those of users known before validation holding their "
                 f"positive): the ranker's own logit × "
                 f"{calibration['scale']:.2f}{signals}; validation cross-entropy {before:.3f} → "
-                f"{after:.3f}."]
+                f"{after:.3f}.{unused}"]
 
 
 def index_section(report: dict, plots: list[str]) -> list[str]:

@@ -239,7 +239,7 @@ class Run:
                                                   verbose=self.verbose,
                                                   served_validation=served_validation)
         self.report["ranking"] = {
-            "task": self.configs.ranking.task,
+            "model": self.configs.ranking.model, "task": self.configs.ranking.task,
             "test": ranking.evaluate(self.ranking_model, self.inputs, self.signals, "test",
                                      hard=self.test_candidates) if self.evaluating else None,
             "train": {k: summary[k] for k in ("seconds", "epochs", "best_epoch",

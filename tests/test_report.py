@@ -186,6 +186,10 @@ def test_the_calibration_sentence_says_what_was_refitted_or_why_not():
         "known before validation holding their positive): the ranker's own logit × 0.46, the signal weights retrieval_scores "
         "10.8, transitions 0.546; validation cross-entropy 4.236 → 4.202.")]
     assert "signal weights" not in calibration_sentence({**fitted, "weights": {}})[1]
+    assert calibration_sentence({**fitted, "scale": -0.004})[1].endswith(
+        "× -0.00, the signal weights retrieval_scores 10.8, transitions 0.546; validation "
+        "cross-entropy 4.236 → 4.202. The ranker's own logit keeps no weight: the two-stage "
+        "order is that of the signals alone.")
     assert calibration_sentence({"rows": 0, "skipped": "no served validation list holds its "
                                  "positive"}) == ["", "The logit's balance was not refitted: no "
                                                   "served validation list holds its positive."]
@@ -206,6 +210,11 @@ def test_the_ranking_section_says_what_orders_the_auc(task, rated_by, scores):
     assert ranking_section(report)[3].startswith(
         f"RMSE of the {rated_by}: none (no rating head: rating_weight 0, or a log without "
         "ratings). AUC")
+    report["ranking"].update(model="bst", test={"rmse": None, "auc": 0.1324})
+    assert ranking_section(report)[3].startswith(f"The ranker: BST, trained on the {task} task. ")
+    assert ranking_section(report)[3].endswith(
+        f"by the ranker's {scores}: 0.132 (0.5 is chance: below it, retrieval's top candidates "
+        "score above the held-out item more often than not).")
 
 
 def test_example_users_show_titles_and_mark_the_held_out_item():
