@@ -82,6 +82,7 @@ class Run:
     def __init__(self, out: str, log: Interactions, configs: Configs, source: dict,
                  verbose: int = 1, report: dict | None = None, parts: Split | None = None):
         self.out, self.log, self.configs, self.verbose = out, log, configs, verbose
+        self.source, self.config_written = source, False
         self.parts = parts if parts is not None else split(log, configs.data.split)
         given = configs.data.cold_start_window
         previous = ((report or {}).get("data") or {}).get("cold_start") or {}
@@ -116,6 +117,11 @@ class Run:
         self.evaluating = len(self.parts.test) > 0      # split `none` holds nothing out
 
     # ------------------------------------------------------------------ helpers
+
+    def write_config(self) -> None:
+        """RUN/config.json: the source and the configs, what a rerun or a continued run reads."""
+        run_config.write(os.path.join(self.out, "config.json"), self.configs, self.source)
+        self.config_written = True
 
     def notice(self, text: str) -> None:
         """Records a notice in the report and prints it."""
@@ -511,7 +517,8 @@ def start_run(checked: folder.CheckedRun, verbose: int = 1) -> Run:
             folder.resume_after_retrieval(out)
         result.retrieval_resumed = True
     os.makedirs(out, exist_ok=True)
-    run_config.write(os.path.join(out, "config.json"), result.configs, checked.source)
+    if not checked.continue_run:      # a continued run's once it finished (`execute`): one
+        result.write_config()         # stopped leaves the folder's config with its models
     return result
 
 
@@ -534,4 +541,6 @@ def execute(run: Run, steps: tuple[str, ...]) -> dict:
             folder.save_retrieval_report(run.out, run.report["retrieval"], run.timings[name])
     with run.step("report"):
         run.write_report()
+    if not run.config_written:
+        run.write_config()
     return run.report

@@ -493,3 +493,26 @@ def test_a_strategy_is_checked_against_tf_config_before_the_log_loads(tmp_path, 
     monkeypatch.setenv("TF_CONFIG", "{cluster")
     with pytest.raises(ValueError, match="TF_CONFIG is not JSON"):
         folder.check_cluster("multi_worker")
+
+
+def test_a_continued_run_that_stops_leaves_the_folders_config(tmp_path, monkeypatch):
+    """config.json describes the folder's models: a continued run writes its ranking config
+    there once it finished, not when it starts (one stopped left the config of a ranker that
+    never trained, which the next continued run then trained)."""
+    from tworec.pipeline.run import StepFailed, execute, start_run
+    trained_run(tmp_path / "run", write_log(tmp_path / "log.csv"))
+    before = (tmp_path / "run" / "config.json").read_text()
+    source, saved = folder.read_run(str(tmp_path / "run"))
+    configs = config.resolve(base=saved, ranking={"model": "bst"}, steps=config.RANKING_ONLY)
+    started = start_run(folder.check_run(str(tmp_path / "run"), source, configs,
+                                         continue_run=True))
+    with pytest.raises(StepFailed, match="step 'load retrieval' failed"):
+        execute(started, config.RANKING_ONLY)                # no model to load: it stops
+    assert (tmp_path / "run" / "config.json").read_text() == before
+    from tworec.pipeline import run as run_module
+    for name in config.RANKING_ONLY:                          # each step done, as if trained
+        monkeypatch.setitem(run_module.STEP_METHODS, name, lambda run: None)
+    monkeypatch.setattr(run_module.Run, "load_retrieval", lambda run: None)
+    monkeypatch.setattr(run_module.Run, "write_report", lambda run: None)
+    execute(started, config.RANKING_ONLY)
+    assert folder.read_run(str(tmp_path / "run"))[1].ranking.model == "bst"
