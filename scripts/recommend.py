@@ -69,6 +69,8 @@ def mistake(args: argparse.Namespace) -> str | None:
         return f"{', '.join(ignored)} {verb} with {other}, not {mode}"
     if args.n < 1:
         return f"--n must be at least 1, got {args.n}"
+    if args.url and not args.url.startswith(("http://", "https://")):
+        return f"--url {args.url}: give the scheme too, e.g. http://{args.url}"
     if not args.all:
         return None
     if not args.export:
@@ -78,6 +80,9 @@ def mistake(args: argparse.Namespace) -> str | None:
     if os.path.isdir(args.out):
         return (f"--out {args.out} is a folder; give a file in it, e.g. "
                 f"{os.path.join(args.out, 'recs.parquet')}")
+    if not args.out.endswith(".parquet"):
+        return (f"--out {args.out}: the file is written as Parquet; name it .parquet, e.g. "
+                f"{os.path.splitext(args.out)[0]}.parquet")
     folder = os.path.dirname(args.out)
     if folder and not os.path.isdir(folder):
         return f"--out {args.out}: the folder {folder} does not exist"

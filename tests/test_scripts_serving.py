@@ -401,6 +401,11 @@ def test_progress_is_a_line_a_tenth_off_a_terminal_one_line_on_it_and_none_for_o
      "--grpc goes with --user, not --all"),
     (["--user", "u1", "--out", "OUT/recs.parquet"], "--out goes with --all, not --user"),
     (["--user", "u1", "--n", "0"], "--n must be at least 1, got 0"),
+    (["--user", "u1", "--url", "127.0.0.1:8501"],
+     "--url 127.0.0.1:8501: give the scheme too, e.g. http://127.0.0.1:8501"),
+    (["--all", "--export", "EXPORT", "--out", "OUT/recs.csv"],
+     "--out OUT/recs.csv: the file is written as Parquet; name it .parquet, e.g. "
+     "OUT/recs.parquet"),
     (["--user", "u1", "--n", "ten"], "argument --n: invalid int value: 'ten'"),
     ([], "give --user ID (one user, from a server) or --all --export DIR --out FILE"),
 ])
