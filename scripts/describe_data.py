@@ -1,6 +1,7 @@
 """Prints one JSON object describing a log: counts, split sizes and dropped rows by reason.
 
-    python scripts/describe_data.py --data SOURCE [--split temporal|random] [--columns user=..,item=..,time=..]
+    python scripts/describe_data.py --data SOURCE [--split temporal|random|global[:Q]|none]
+        [--columns user=..,item=..,time=..]
         [--delimiter ';'] [--summary-only] [--memory-limit 1GB]
 
 Parquet shards (a folder or a glob) are always summarised without loading them (counts, time
@@ -21,8 +22,9 @@ def main(argv=None) -> int:
                         help="synthetic[:PRESET], tfds:NAME, a GroupLens folder or .zip, a "
                              ".csv/.tsv/.parquet log, or Parquet shards (a folder of .parquet "
                              "files or a glob such as 'logs/part-*.parquet')")
-    parser.add_argument("--split", default=None, choices=["temporal", "random"],
-                        help="the split whose sizes to count (default: temporal)")
+    parser.add_argument("--split", default=None,
+                        help="the split whose sizes to count, as the pipeline's --split: "
+                             "temporal (the default), random, global[:Q] or none")
     parser.add_argument("--columns", default="", help="column mapping for generic logs, "
                         "e.g. user=uid,item=sku,time=ts,rating=stars")
     parser.add_argument("--delimiter", default=None, help=DELIMITER_HELP)

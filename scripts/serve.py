@@ -40,7 +40,7 @@ def parse_args(argv):
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
     parser.add_argument("--model_config_file", default="",
                         help="a text ModelServerConfig (model_config_list)")
-    parser.add_argument("--model_name", default="default")
+    parser.add_argument("--model_name", help="with --model_base_path (default: default)")
     parser.add_argument("--model_base_path", default="", help="folder of integer versions")
     parser.add_argument("--file_system_poll_wait_seconds", type=float, default=1.0,
                         help="seconds between polls for new versions; 0 polls once")
@@ -86,7 +86,10 @@ def parse_args(argv):
                         default=False, help="with --enable_batching: split a request larger "
                         "than --max_batch_size instead of refusing it")
     args = parser.parse_args(argv)
-    if bool(args.model_config_file) == bool(args.model_base_path):
+    if args.model_config_file and (args.model_base_path or args.model_name):
+        parser.error("--model_config_file names every model itself; leave out --model_name "
+                     "and --model_base_path, or serve one model with those two alone")
+    if not (args.model_config_file or args.model_base_path):
         parser.error("give --model_config_file, or --model_name with --model_base_path")
     batching = args.enable_batching
     for flag, least, checked in (("max_concurrent_requests", 1, True),
@@ -125,7 +128,7 @@ def model_configs(args) -> list:
     if not args.model_base_path:
         with open(args.model_config_file) as f:
             return parse_config(f.read())
-    return [ModelConfig(args.model_name, args.model_base_path)]
+    return [ModelConfig(args.model_name or "default", args.model_base_path)]
 
 
 def no_versions_warning(name: str, base_path: str, poll_seconds: float) -> str | None:

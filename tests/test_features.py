@@ -358,6 +358,10 @@ def test_describe_data_prints_one_json_object(tmp_path):
                           text=True, timeout=120)
     summary = json.loads(done.stdout)
     assert summary["split_sizes"]["test"] == summary["test_users"] > 0
+    done = subprocess.run([sys.executable, script, "--data", "synthetic:tiny", "--split",
+                           "global:0.8"], capture_output=True, text=True, timeout=120)
+    summary = json.loads(done.stdout)                   # every split the pipeline takes
+    assert summary["split"] == "global:0.8" and summary["split_sizes"]["test"] > 0
     done = subprocess.run([sys.executable, script, "--data", str(tmp_path / "none.csv")],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "no such file" in done.stderr

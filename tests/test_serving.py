@@ -974,8 +974,20 @@ def test_serve_flags_follow_tf_serving(model_dir):
     single = serve.parse_args(["--model_name=m", "--model_base_path=/m",
                                "--enable_batching=false"])
     assert serve.model_configs(single) == [ModelConfig("m", "/m")] and not single.enable_batching
+    assert serve.model_configs(serve.parse_args(["--model_base_path=/m"])) == [
+        ModelConfig("default", "/m")]                                   # TF Serving's name
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([], "give --model_config_file, or --model_name with --model_base_path"),
+    (["--model_config_file=m.config", "--model_name=m"],
+     "--model_config_file names every model itself; leave out --model_name and "
+     "--model_base_path, or serve one model with those two alone"),
+    (["--model_config_file=m.config", "--model_base_path=/m"], "--model_config_file names")])
+def test_serve_says_which_models_to_serve_in_one_line(flags, message, capsys):
     with pytest.raises(SystemExit):
-        serve.parse_args([])
+        _script("serve").parse_args(flags)
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags, message", [
