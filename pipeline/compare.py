@@ -75,8 +75,12 @@ def parse_arm(text: str, stage: str = "retrieval") -> Arm:
             widths = " (layer widths are joined by '/', e.g. deep_layers=256/128)" if (
                 not equals and any(typing.get_origin(kind) is tuple
                                    for kind in types.values())) else ""
+            other = next((name for name in STAGES if name != stage
+                          and field in typing.get_type_hints(STAGES[name])), None)
+            hint = f" ({field} is a {other} field: pass --stage {other})" if other else ""
             raise ValueError(f"--arm {text!r}: {item!r} is not FIELD=VALUE of a {stage} config "
-                             f"field{widths}; known fields: {', '.join(types)}")
+                             f"field{widths}{hint}; known fields: "
+                             f"{', '.join(name for name in types if name not in NOT_ARMS)}")
         if field in NOT_ARMS:
             raise ValueError(f"--arm {text!r}: {NOT_ARMS[field]}; leave {field} out")
         if field in replaced:

@@ -40,6 +40,8 @@ def test_an_arm_reads_each_value_as_its_field_type():
     ("a:members", "is not FIELD=VALUE"),
     ("a:width=2", "'width=2' is not FIELD=VALUE of a retrieval config field; known fields: "
                   "embedding_dim, members"),
+    ("a:num_negatives=5", "'num_negatives=5' is not FIELD=VALUE of a retrieval config field "
+                          "(num_negatives is a ranking field: pass --stage ranking)"),
     ("a:seed=1", "every arm trains with the seeds of --seeds; leave seed out"),
     ("a:strategy=mirrored", "a comparison trains every arm in one process"),
     ("a:members=two", "members takes int, got 'two'"),
@@ -51,6 +53,8 @@ def test_an_arm_that_cannot_be_read_is_named_with_what_would_work(text, message)
     with pytest.raises(ValueError, match="^--arm") as error:
         parse_arm(text)
     assert message in str(error.value)
+    known = str(error.value).partition("known fields: ")[2].split(", ")
+    assert not {"seed", "strategy", "partitioner"} & set(known)     # fields it refuses
 
 
 @pytest.mark.parametrize("arms, seeds, data, message", [
