@@ -291,7 +291,9 @@ def test_a_ranking_arm_reads_ranking_fields_and_is_checked_as_a_ranking_config()
     assert arm == Arm("b", {"model": "bst", "num_negatives": 4, "projection_dim": None},
                       "ranking")
     for text, message in (("retrieval:model=bst", "names the row of retrieval alone"),
-                          ("b:members=2", "of a ranking config field; known fields: model"),
+                          ("b:members=2", "of a ranking config field (members is a "
+                                          "retrieval field: pass --stage retrieval); known "
+                                          "fields: model"),
                           ("b:seed=3", "leave seed out")):
         with pytest.raises(ValueError, match="^--arm") as error:
             parse_arm(text, "ranking")
