@@ -62,6 +62,8 @@ class CheckedRun:
 
 
 RANKING_CONFIG_NOTICE = "the ranking config is"      # a continued run's, each run its own
+# How notices about the command that ran begin (a continued run does not keep them).
+COMMAND_NOTICES = (RANKING_CONFIG_NOTICE, "resumes ", "starts the interrupted")
 
 
 def check_run(out: str, source: dict, configs: Configs, continue_run: bool = False,

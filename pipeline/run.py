@@ -506,7 +506,7 @@ def start_run(checked: folder.CheckedRun, verbose: int = 1) -> Run:
         result.report.pop(section, None)          # no longer describes the folder's models
         result.timings.pop(STEP_OF_SECTION.get(section, section), None)
     kept = [notice for notice in result.report.get("notices", []) if checked.continue_run
-            and not notice.startswith(folder.RANKING_CONFIG_NOTICE)]   # still true of the folder
+            and not notice.startswith(folder.COMMAND_NOTICES)]     # still true of the folder
     result.report["notices"] = kept + [notice for notice in checked.notices if notice not in kept]
     for notice in checked.notices:
         print(f"[run] note: {notice}", flush=True)
