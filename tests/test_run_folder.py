@@ -449,13 +449,15 @@ def test_a_continued_run_from_another_folder_says_its_tfds_data_dir_is_relative(
 
 def test_a_continued_run_keeps_the_folders_notices_and_says_its_own_once(tmp_path):
     """The retrieval run's notices (a lowered batch, an index not tuned) still describe the
-    folder's retrieval; an earlier continued run's ranking config is replaced by this one's."""
+    folder's retrieval; what an earlier command did (its ranking config, a resumed training)
+    does not."""
     from tworec.pipeline.run import start_run
     trained_run(tmp_path / "run", write_log(tmp_path / "log.csv"))
     continued = continue_run(tmp_path / "run")
     shared = next(notice for notice in continued.notices if notice.startswith("item features"))
     earlier = ["batch_size 512 lowered to the training rows, 180",
-               f"{folder.RANKING_CONFIG_NOTICE} an earlier continued run's", shared]
+               f"{folder.RANKING_CONFIG_NOTICE} an earlier continued run's",
+               "resumes the interrupted retrieval training from its last finished epoch", shared]
     (tmp_path / "run" / "report.json").write_text(json.dumps(
         {"retrieval": {"test": None}, "notices": earlier}))
     started = start_run(continue_run(tmp_path / "run"))
