@@ -28,14 +28,14 @@ class RunFolderError(ValueError):
 # What a run folder holds (and `clear` removes before a run replaces it).
 RUN_ENTRIES = ("config.json", "config.json.tmp", "report.json", "report.md", "plots", "export",
                "vocab", "retrieval", "checkpoints", "tensorboard", "retrieval_config.json",
-               "retrieval_train.json", "retrieval_report.json", "ranking_config.json",
-               "ranking_train.json")
+               "retrieval_train.json", "retrieval_report.json", "retrieval_report.json.tmp",
+               "ranking_config.json", "ranking_train.json")
 # What a retrieval training that was interrupted leaves, and nothing else: a rerun of the
 # command that started it resumes it from its checkpoint.
 INTERRUPTED_RETRIEVAL = {"config.json", "config.json.tmp", "retrieval_config.json", "checkpoints",
                          "tensorboard"}
-# The report's retrieval section and the step's seconds, written once retrieval has trained: a
-# run stopped after it (no report.json) resumes from the trained model (`AFTER_RETRIEVAL`).
+# The report's retrieval section but its test figures, written once the trained retrieval is
+# saved: a run stopped after it (no report.json) resumes from that model (`AFTER_RETRIEVAL`).
 RETRIEVAL_REPORT = "retrieval_report.json"
 TRAINING, AFTER_RETRIEVAL = "training", "after retrieval"      # what a rerun resumes
 # The version of `fingerprint`: 2 digests every column a run reads (1 left out the ratings and
@@ -281,22 +281,22 @@ def stopped_after_retrieval(out: str) -> bool:
             and not os.path.exists(os.path.join(out, "report.json")))
 
 
-def save_retrieval_report(out: str, section: dict, seconds: float) -> None:
-    """Writes the report's retrieval section and the training step's seconds, atomically."""
+def save_retrieval_report(out: str, section: dict) -> None:
+    """Writes the report's retrieval section (its training), atomically."""
     path = os.path.join(out, RETRIEVAL_REPORT)
     with open(path + ".tmp", "w") as f:
-        json.dump({"retrieval": section, "seconds": seconds}, f)
+        json.dump(section, f)
     os.replace(path + ".tmp", path)
 
 
-def resume_after_retrieval(out: str) -> tuple[dict, float]:
+def resume_after_retrieval(out: str) -> dict:
     """Clears what the steps after retrieval wrote in `out` that a rerun would add to (the
-    exports, the plots) and returns the saved (retrieval section, training seconds)."""
-    for name in ("export", "plots"):
+    exports, the plots, the ranking's TensorBoard logs) and returns the saved retrieval
+    section."""
+    for name in ("export", "plots", os.path.join("tensorboard", "ranking")):
         shutil.rmtree(os.path.join(out, name), ignore_errors=True)
     with open(os.path.join(out, RETRIEVAL_REPORT)) as f:
-        saved = json.load(f)
-    return saved["retrieval"], saved["seconds"]
+        return json.load(f)
 
 
 def checkpointed(backup: str) -> bool:

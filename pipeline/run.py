@@ -170,11 +170,18 @@ class Run:
         store.save_retrieval(self.out, model)
         self.retrieval_model, self.retrieval_trained = model, True
         self.report["retrieval"] = {
-            "test": rank_metrics(self.offline("retrieval").ranks) if self.evaluating else None,
             "serves": self.configs.run.candidates,     # items a list holds: past it, a miss
             "train": {k: summary[k] for k in ("seconds", "epochs", "best_epoch",
                                               "examples_per_second")},
             "loss": summary["loss"]}
+        folder.save_retrieval_report(self.out, self.report["retrieval"])   # from here, a rerun
+        self.evaluate_retrieval()                                          # resumes after it
+
+    def evaluate_retrieval(self) -> None:
+        """The retrieval section's test figures, of the model the exports serve."""
+        self.report["retrieval"] = {
+            "test": rank_metrics(self.offline("retrieval").ranks) if self.evaluating else None,
+            **self.report["retrieval"]}
 
     def load_retrieval(self) -> None:
         store.check_vocabularies(self.out, self.inputs)
@@ -513,8 +520,7 @@ def start_run(checked: folder.CheckedRun, verbose: int = 1) -> Run:
     if checked.overwrite and not checked.continue_run:
         folder.clear(out)
     if checked.resume == folder.AFTER_RETRIEVAL:
-        result.report["retrieval"], result.timings["train retrieval"] = \
-            folder.resume_after_retrieval(out)
+        result.report["retrieval"] = folder.resume_after_retrieval(out)   # evaluated again
         result.retrieval_resumed = True
     os.makedirs(out, exist_ok=True)
     if not checked.continue_run:      # a continued run's once it finished (`execute`): one
@@ -533,12 +539,14 @@ def execute(run: Run, steps: tuple[str, ...]) -> dict:
     if "train retrieval" not in steps:
         with run.step("load retrieval"):
             run.load_retrieval()
+            if run.retrieval_resumed:
+                run.evaluate_retrieval()
         run.retrieval_trained = run.retrieval_resumed     # then its exports are this run's
     for name in (name for name in PIPELINE if name in steps):
         with run.step(name):
             STEP_METHODS[name](run)
-        if name == "train retrieval":
-            folder.save_retrieval_report(run.out, run.report["retrieval"], run.timings[name])
+        if name == "export" and not run.config_written:
+            run.write_config()           # a continued run's: the folder now serves its models
     with run.step("report"):
         run.write_report()
     if not run.config_written:

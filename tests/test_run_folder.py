@@ -347,44 +347,52 @@ def test_ctrl_c_in_training_says_in_one_line_how_to_resume(tmp_path, script, mon
 
 
 def test_a_run_stopped_after_retrieval_trained_resumes_from_it(tmp_path, script, monkeypatch):
-    """Ctrl-C or a failed step after the retrieval training finished: the same command loads
-    the trained model and runs the steps after it (the whole run was refused as a folder that
-    "already holds a run"); the exports start again at version 1."""
+    """Ctrl-C or a failed step once the trained retrieval is saved (its evaluation included):
+    the same command loads the trained model, evaluates it and runs the steps after it (the
+    whole run was refused as a folder that "already holds a run"); the exports start again at
+    version 1."""
     from tworec.pipeline import run as run_module
     command = ["--data", "synthetic:tiny", "--preset", "tiny", "--out", str(tmp_path),
                "--epochs", "2"]
 
     def stop(*args):
         raise KeyboardInterrupt
-    with monkeypatch.context() as patched:
-        patched.setattr(run_module, "write_models_config", stop)      # exports written, then
-        code, error = script("train_retrieval.py", *command)
-    assert code == 130 and error.splitlines()[-1] == (
-        "error: stopped (Ctrl-C); rerun the same command to resume after the trained "
-        "retrieval"), error
-    assert (tmp_path / "export" / "retrieval" / "1").is_dir()
-    code, error = script("train_ranking.py", "--retrieval-run", str(tmp_path))
-    assert code == 2 and "its run stopped after retrieval trained" in error, error
-    weights = (tmp_path / "retrieval" / "weights.index").read_bytes()
-    saved = json.loads((tmp_path / "retrieval_report.json").read_text())
 
     def fail(*args):
         raise RuntimeError("no space left")
-    with monkeypatch.context() as patched:
-        patched.setitem(run_module.STEP_METHODS, "baselines", fail)
-        code, error = script("train_retrieval.py", *command)
-    assert code == 1 and error.splitlines()[-1] == (
-        "error: step 'baselines' failed: RuntimeError: no space left; rerun the same command "
-        "to resume after the trained retrieval"), error
+    weights = None
+    for patched_name, replacement, code, line in (
+            ("evaluate_retrieval", stop, 130, "error: stopped (Ctrl-C); rerun the same command "
+                                              "to resume after the trained retrieval"),
+            ("write_models_config", stop, 130, "error: stopped (Ctrl-C); rerun the same "
+                                               "command to resume after the trained retrieval"),
+            ("baselines", fail, 1, "error: step 'baselines' failed: RuntimeError: no space "
+                                   "left; rerun the same command to resume after the trained "
+                                   "retrieval")):
+        with monkeypatch.context() as patched:
+            if patched_name == "evaluate_retrieval":
+                patched.setattr(run_module.Run, patched_name, stop)
+            elif patched_name == "baselines":
+                patched.setitem(run_module.STEP_METHODS, patched_name, replacement)
+            else:                                                # the exports are written
+                patched.setattr(run_module, patched_name, replacement)
+            done, error = script("train_retrieval.py", *command)
+        assert done == code and error.splitlines()[-1] == line, error
+        weights = weights or (tmp_path / "retrieval" / "weights.index").read_bytes()
+        if patched_name == "write_models_config":
+            assert (tmp_path / "export" / "retrieval" / "1").is_dir()
+            code, error = script("train_ranking.py", "--retrieval-run", str(tmp_path))
+            assert code == 2 and "its run stopped after retrieval trained" in error, error
+    saved = json.loads((tmp_path / "retrieval_report.json").read_text())
     monkeypatch.setitem(run_module.STEP_METHODS, "train retrieval", fail)  # never again
     code, error = script("train_retrieval.py", *command)
     assert code == 0, error
     report = json.loads((tmp_path / "report.json").read_text())
     assert (tmp_path / "retrieval" / "weights.index").read_bytes() == weights   # not retrained
     retrieval = {key: value for key, value in report["retrieval"].items()
-                 if key != "against_baselines"}                    # added by the report
-    assert retrieval == saved["retrieval"] and report["index"]["params"]
-    assert report["timings"]["train retrieval"] == saved["seconds"]
+                 if key not in ("test", "against_baselines")}       # evaluated, compared again
+    assert retrieval == saved and report["retrieval"]["test"]["recall@10"] > 0
+    assert report["index"]["params"] and "train retrieval" not in report["timings"]
     assert ("resumes after the retrieval training, which finished: loads its model and runs "
             "the steps after it") in report["notices"]
     assert sorted(os.listdir(tmp_path / "export" / "retrieval")) == ["1"]
@@ -498,9 +506,9 @@ def test_a_strategy_is_checked_against_tf_config_before_the_log_loads(tmp_path, 
 
 
 def test_a_continued_run_that_stops_leaves_the_folders_config(tmp_path, monkeypatch):
-    """config.json describes the folder's models: a continued run writes its ranking config
-    there once it finished, not when it starts (one stopped left the config of a ranker that
-    never trained, which the next continued run then trained)."""
+    """config.json describes the models the folder serves: a continued run writes its ranking
+    config there once it exported them, not when it starts (one stopped left the config of a
+    ranker that never trained, which the next continued run then trained)."""
     from tworec.pipeline.run import StepFailed, execute, start_run
     trained_run(tmp_path / "run", write_log(tmp_path / "log.csv"))
     before = (tmp_path / "run" / "config.json").read_text()
@@ -515,6 +523,10 @@ def test_a_continued_run_that_stops_leaves_the_folders_config(tmp_path, monkeypa
     for name in config.RANKING_ONLY:                          # each step done, as if trained
         monkeypatch.setitem(run_module.STEP_METHODS, name, lambda run: None)
     monkeypatch.setattr(run_module.Run, "load_retrieval", lambda run: None)
-    monkeypatch.setattr(run_module.Run, "write_report", lambda run: None)
-    execute(started, config.RANKING_ONLY)
+
+    def fail(run):
+        raise RuntimeError("port in use")
+    monkeypatch.setitem(run_module.STEP_METHODS, "serve and check", fail)
+    with pytest.raises(StepFailed, match="step 'serve and check' failed"):
+        execute(started, config.RANKING_ONLY)                # once exported, its models serve
     assert folder.read_run(str(tmp_path / "run"))[1].ranking.model == "bst"
