@@ -101,7 +101,8 @@ class Interactions:
             return np.asarray(self.user_features[name]).astype(str)
         part = self.take(rows)
         order = part.time_order()
-        last = order[np.append(part.user[order][1:] != part.user[order][:-1], True)]
+        users = part.user[order]
+        last = order[np.append(users[1:] != users[:-1], True)] if len(order) else order
         known = np.full(self.num_users, "", dtype=object)
         known[part.user[last]] = part.user_feature_rows[name][last].astype(str)
         return known.astype(str)

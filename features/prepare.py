@@ -74,7 +74,7 @@ ROW_GROUP_ROWS = 1 << 17
 def prepare_shards(source: str, out_folder: str, history_length: int = 20,
                    memory_limit: str = "1GB", columns: dict[str, str] | None = None,
                    rows_per_shard: int = ROWS_PER_SHARD, block_rows: int = BLOCK_ROWS,
-                   seed: int = 0, progress=None) -> dict:
+                   seed: int = 0, progress=None, note=None) -> dict:
     """Prepares a Parquet log out of core into training-ready shards (see the module docstring).
 
     Args:
@@ -88,6 +88,8 @@ def prepare_shards(source: str, out_folder: str, history_length: int = 20,
         block_rows: training rows of one TFRecord block.
         seed: seeds the order of the training rows in the TFRecord files.
         progress: called with (path, rows) as each shard is complete.
+        note: called with one line once the log is checked, before the work, when `columns`
+            names side features the shards will not hold.
 
     Returns:
         The manifest also written as `manifest.json`: rows, the rows dropped by reason (as
@@ -107,6 +109,10 @@ def prepare_shards(source: str, out_folder: str, history_length: int = 20,
     with _left_as_it_was_on_failure(out_folder), \
             duckdb_session(source, memory_limit, "prepare.duckdb") as connection:
         parquet.check(connection, source, catalogue)
+        not_read = sorted(role for role in mapping if "." in role)
+        if not_read and note:
+            note(f"{', '.join(not_read)} not in the prepared shards, which hold ids, histories, "
+                 "times and ratings: models trained on them read no side features")
         for folder in ("shards", "train"):
             os.makedirs(os.path.join(out_folder, folder), exist_ok=True)
         setting = connection.execute("SELECT current_setting('memory_limit')").fetchone()[0]
@@ -146,7 +152,7 @@ def prepare_shards(source: str, out_folder: str, history_length: int = 20,
                     "seconds": round(seconds, 3),
                     "rows_per_second": round(rows / max(seconds, 1e-9)),
                     "duckdb": {"memory_limit": setting},
-                    "not_read": sorted(role for role in mapping if "." in role)}
+                    "not_read": not_read}
         with open(os.path.join(out_folder, "manifest.json"), "w") as f:
             json.dump(manifest, f, indent=1)
     return manifest
@@ -331,15 +337,14 @@ def main(argv=None) -> int:
     def progress(path: str, rows: int) -> None:
         print(f"[prepare] {path}: {rows:,} rows", file=sys.stderr, flush=True)
 
+    def note(line: str) -> None:
+        print(f"[prepare] note: {line}", file=sys.stderr, flush=True)
+
     try:
         manifest = prepare_shards(args.data, args.out, args.history_length, args.memory_limit,
-                                  parse_columns(args.columns), progress=progress)
+                                  parse_columns(args.columns), progress=progress, note=note)
     except DataError as error:
         parser.error(str(error))
-    if manifest["not_read"]:
-        print(f"[prepare] note: {', '.join(manifest['not_read'])} not in the prepared shards, "
-              "which hold ids, histories, times and ratings: models trained on them read no "
-              "side features", file=sys.stderr, flush=True)
     print(json.dumps({key: manifest[key] for key in (
         "rows", "dropped", "users", "vocabulary", "split", "seconds", "rows_per_second")}))
     return 0

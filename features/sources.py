@@ -485,7 +485,7 @@ def _release_format(release: _Release):
     items, users = "items have no genres, year or title", "users have no age, gender or occupation"
     for name, reader, optional in (
             ("u.data", _read_ml100k, {"u.item": items, "u.user": users}),
-            ("ratings.dat", _read_ml1m, {"movies.dat": items, "users.dat": users}),
+            ("ratings.dat", _read_ml1m, {"movies.dat": items}),   # ml-10m has no users.dat
             ("ratings.csv", _read_ml_latest, {"movies.csv": items})):
         if release.has(name):
             return reader, optional
@@ -1013,7 +1013,8 @@ def load_tfds(name: str, data_dir: str | None = None) -> Interactions:
         for config in (name, name.replace("-ratings", "-movies")):
             builder = tfds.builder(config, data_dir=data_dir)
             if not builder.is_prepared():
-                _check_download_host(f"tfds:{name}", builder.builder_config.download_url,
+                _check_download_host(f"tfds:{name}", getattr(builder.builder_config,
+                                                              "download_url", None),
                                      builder.data_dir)
         ratings = _tfds_columns(tfds.load(name, split="train", data_dir=data_dir))
         movies = _tfds_columns(tfds.load(name.replace("-ratings", "-movies"), split="train",
@@ -1055,12 +1056,14 @@ def _check_download_host(source: str, url: str | None, data_dir: str,
     """Raises a one-line DataError at once when the host TFDS would download `url` from cannot
     be reached (TFDS itself retries a failed download for minutes). Through a proxy, TFDS's
     own attempt tells."""
-    host = urllib.parse.urlsplit(url or "").hostname
+    address = urllib.parse.urlsplit(url or "")
+    host = address.hostname
     proxies = urllib.request.getproxies()
     if host is None or ({"https", "all"} & set(proxies) and not urllib.request.proxy_bypass(host)):
         return
     try:
-        socket.create_connection((host, 443), timeout=timeout).close()
+        port = address.port or (80 if address.scheme == "http" else 443)
+        socket.create_connection((host, port), timeout=timeout).close()
     except OSError as error:
         raise SourceNotFound(f"{source}: not prepared in {data_dir}, and {host}, where TFDS "
                              f"would download it from, cannot be reached "

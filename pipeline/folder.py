@@ -122,8 +122,10 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
     log_fingerprint = fingerprint(log)
     if continue_run and source.get("fingerprint") != log_fingerprint:
         raise RunFolderError(f"{out}: {source['data']} now gives another log than the run was "
-                             "trained on (its rows, ids, ratings or features differ); train a "
-                             "new run")
+                             "trained on (its rows, ids, ratings or features differ"
+                             + (", or the run was made before user features that change within "
+                                "a user were read row by row" if log.user_feature_rows else "")
+                             + "); train a new run")
     run, notices = configs.run.for_catalogue(log.num_items)
     notices = cluster + notices
     if continue_run:                     # what no flag said: the folder's, not the preset's
@@ -189,6 +191,8 @@ def check_cluster(strategy: str) -> list[str]:
     """Raises ValueError when the retrieval `strategy` needs a TF_CONFIG cluster this process
     is not in (parameter_server: one with ps tasks, this process its chief); for multi_worker
     without a cluster, returns the notice that it trains on this machine alone."""
+    if strategy not in ("multi_worker", "parameter_server"):
+        return []
     text = os.environ.get("TF_CONFIG", "")
     try:
         config = json.loads(text) if text.strip() else {}

@@ -398,7 +398,7 @@ def calibration_sentence(calibration: dict | None) -> list[str]:
     signals = f", the signal weights {weights}" if weights else ""
     before, after = calibration["loss_before"], calibration["loss_after"]
     unused = (" The ranker's own logit keeps no weight: the two-stage order is that of the "
-              "signals alone." if round(calibration["scale"], 2) == 0 else "")
+              "signals alone." if calibration["scale"] == 0 else "")
     return ["", f"The logit's balance was refitted on {calibration['rows']:,} validation lists "
                 f"as served (those of users known before validation holding their "
                 f"positive): the ranker's own logit × "
@@ -432,8 +432,8 @@ def index_section(report: dict, plots: list[str]) -> list[str]:
                      f"{scann_sentence(exported)[len('ScaNN with '):]}"
                      + ("." if "latency_ms_p50" not in exported else   # older reports
                         f"; one query takes {exported['latency_ms_p50']:.2f} ms (p50) against "
-                        f"{exported['exact_latency_ms_p50']:.2f} ms for brute force at that "
-                        "size" + ("." if exported["latency_ms_p50"]
+                        f"{exported['exact_latency_ms_p50']:.2f} ms for the brute-force "
+                        "export's search" + ("." if exported["latency_ms_p50"]
                                   < exported["exact_latency_ms_p50"] else
                                   ", no faster: serve `retrieval` instead.")))
     return lines + image("index.png", plots, "ScaNN recall against latency")

@@ -218,14 +218,14 @@ class Run:
         if self.tuning["params"]:
             self.report["index"]["exported"] = exported = exported_setting(
                 candidates, sample, ScannParams(**self.tuning["params"]),
-                scann_fetch(self.inputs, run.candidates, self.inputs.exclude_seen))
+                scann_fetch(self.inputs, run.candidates, self.inputs.exclude_seen), run.candidates)
             if exported["latency_ms_p50"] >= exported["exact_latency_ms_p50"]:
                 self.notice(
                     f"the retrieval_scann export fetches {exported['fetch']} items a query "
                     f"({run.candidates} candidates and the most items a user has seen) and "
                     f"takes {exported['latency_ms_p50']:.2f} ms a query against "
-                    f"{exported['exact_latency_ms_p50']:.2f} ms for brute force at that size: "
-                    "serve retrieval (export/models.config) instead")
+                    f"{exported['exact_latency_ms_p50']:.2f} ms for the brute-force export's "
+                    "search: serve retrieval (export/models.config) instead")
         if self.tuning["params"] and self.evaluating:
             test = retrieval.query_embeddings(model, self.inputs.examples["test"])
             index = build_index(candidates, run.tuning_k, ScannParams(**self.tuning["params"]))

@@ -12,6 +12,7 @@ import json
 import sys
 
 from tworec.features import DataError, load, shards, split
+from tworec.features.inputs import DataConfig
 from tworec.features.sources import DELIMITER_HELP, parse_columns
 from tworec.pipeline import cli
 
@@ -41,6 +42,8 @@ def main(argv=None) -> int:
     except ValueError as error:
         return cli.fail(f"--memory-limit: {error}")
     try:
+        if args.split:
+            DataConfig(split=args.split).validate()        # before the log loads
         columns = parse_columns(args.columns)
         found = shards.find(args.data)
         summary_only = args.summary_only or found is not None

@@ -362,6 +362,9 @@ def test_describe_data_prints_one_json_object(tmp_path):
                            "global:0.8"], capture_output=True, text=True, timeout=120)
     summary = json.loads(done.stdout)                   # every split the pipeline takes
     assert summary["split"] == "global:0.8" and summary["split_sizes"]["test"] > 0
+    done = subprocess.run([sys.executable, script, "--data", str(tmp_path / "none.csv"),
+                           "--split", "global:2"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "global:Q with 0 < Q < 1" in done.stderr   # before loading
     done = subprocess.run([sys.executable, script, "--data", str(tmp_path / "none.csv")],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "no such file" in done.stderr
@@ -513,9 +516,14 @@ def test_a_release_says_what_its_missing_optional_files_leave_out(tmp_path, as_z
     ratings_only = write_release(tmp_path, {"ratings.dat": ML1M["ratings.dat"]}, as_zip)
     assert release_gaps(ratings_only) == [
         f"{ratings_only} has no movies.dat beside its ratings: its items have no genres, year "
-        "or title",
-        f"{ratings_only} has no users.dat beside its ratings: its users have no age, gender or "
-        "occupation"]
+        "or title"]                                     # users.dat: ml-10m never has one
     assert load(ratings_only).item_features == {}
+    ml10m = {name: ML1M[name] for name in ("ratings.dat", "movies.dat")}
+    assert release_gaps(write_release(tmp_path, ml10m, as_zip, folder="ml-10m")) == []
+    data_only = write_release(tmp_path, {"u.data": ML100K["u.data"]}, as_zip, folder="ml-100k")
+    assert release_gaps(data_only) == [
+        f"{data_only} has no u.item beside its ratings: its items have no genres, year or title",
+        f"{data_only} has no u.user beside its ratings: its users have no age, gender or "
+        "occupation"]
     for source in ("synthetic:tiny", "tfds:movielens/100k-ratings", str(tmp_path / "x.csv")):
         assert release_gaps(source) == []

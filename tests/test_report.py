@@ -135,8 +135,8 @@ def test_the_index_section_times_the_scann_export_as_it_searches(scann_ms, verdi
     assert lines[4] == (
         "The `retrieval_scann` export fetches 2490 items per query so that k unseen ones "
         "remain, so it searches with 47 leaves, searching 26 of them and re-scoring the best "
-        f"2490 exactly; one query takes {scann_ms:.2f} ms (p50) against 1.00 ms for brute "
-        f"force at that size{verdict}")
+        f"2490 exactly; one query takes {scann_ms:.2f} ms (p50) against 1.00 ms for the "
+        f"brute-force export's search{verdict}")
 
 
 def test_the_notes_say_what_the_run_noticed_as_it_printed_it():
@@ -186,8 +186,9 @@ def test_the_calibration_sentence_says_what_was_refitted_or_why_not():
         "known before validation holding their positive): the ranker's own logit × 0.46, the signal weights retrieval_scores "
         "10.8, transitions 0.546; validation cross-entropy 4.236 → 4.202.")]
     assert "signal weights" not in calibration_sentence({**fitted, "weights": {}})[1]
-    assert calibration_sentence({**fitted, "scale": -0.004})[1].endswith(
-        "× -0.00, the signal weights retrieval_scores 10.8, transitions 0.546; validation "
+    assert "keeps no weight" not in calibration_sentence({**fitted, "scale": 0.004})[1]
+    assert calibration_sentence({**fitted, "scale": 0.0})[1].endswith(
+        "× 0.00, the signal weights retrieval_scores 10.8, transitions 0.546; validation "
         "cross-entropy 4.236 → 4.202. The ranker's own logit keeps no weight: the two-stage "
         "order is that of the signals alone.")
     assert calibration_sentence({"rows": 0, "skipped": "no served validation list holds its "

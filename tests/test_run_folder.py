@@ -503,6 +503,7 @@ def test_a_strategy_is_checked_against_tf_config_before_the_log_loads(tmp_path, 
     monkeypatch.setenv("TF_CONFIG", "{cluster")
     with pytest.raises(ValueError, match="TF_CONFIG is not JSON"):
         folder.check_cluster("multi_worker")
+    assert folder.check_cluster("mirrored") == []               # it never reads TF_CONFIG
 
 
 def test_a_continued_run_that_stops_leaves_the_folders_config(tmp_path, monkeypatch):
