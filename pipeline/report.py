@@ -435,7 +435,7 @@ def index_section(report: dict, plots: list[str]) -> list[str]:
                         f"{exported['exact_latency_ms_p50']:.2f} ms for the brute-force "
                         "export's search" + ("." if exported["latency_ms_p50"]
                                   < exported["exact_latency_ms_p50"] else
-                                  ", no faster: serve `retrieval` instead.")))
+                                  ", no faster: ask `retrieval` instead.")))
     return lines + image("index.png", plots, "ScaNN recall against latency")
 
 

@@ -225,7 +225,8 @@ class Run:
                     f"({run.candidates} candidates and the most items a user has seen) and "
                     f"takes {exported['latency_ms_p50']:.2f} ms a query against "
                     f"{exported['exact_latency_ms_p50']:.2f} ms for the brute-force export's "
-                    "search: serve retrieval (export/models.config) instead")
+                    "search: ask retrieval (served by models.config and models_scann.config) "
+                    "instead")
         if self.tuning["params"] and self.evaluating:
             test = retrieval.query_embeddings(model, self.inputs.examples["test"])
             index = build_index(candidates, run.tuning_k, ScannParams(**self.tuning["params"]))

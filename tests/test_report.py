@@ -121,7 +121,7 @@ def test_the_gain_line_reads_as_the_issue_asks():
         "together).")
 
 
-@pytest.mark.parametrize("scann_ms, verdict", [(0.5, "."), (1.5, ", no faster: serve "
+@pytest.mark.parametrize("scann_ms, verdict", [(0.5, "."), (1.5, ", no faster: ask "
                                                                  "`retrieval` instead.")])
 def test_the_index_section_times_the_scann_export_as_it_searches(scann_ms, verdict):
     from tworec.pipeline.report import index_section
