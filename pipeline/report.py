@@ -264,7 +264,7 @@ def data_section(report: dict) -> list[str]:
             f"{data['users']:,} users, {data['items']:,} items, {data['interactions']:,} "
             f"interactions; split `{split}`, {held_out}; dropped rows: {dropped}.", "",
             f"Protocol `{split}`: {protocol_sentence(split)}. {known}"
-            f"{cold_start_sentence(data.get('cold_start'))}"]
+            f"{cold_start_sentence(data.get('cold_start'), split)}"]
 
 
 def notices_section(report: dict) -> list[str]:
@@ -273,7 +273,7 @@ def notices_section(report: dict) -> list[str]:
     return ["", "## Notes", ""] + [f"- {escape(notice)}" for notice in notices] if notices else []
 
 
-def cold_start_sentence(cold_start: dict | None) -> str:
+def cold_start_sentence(cold_start: dict | None, split: str = "temporal") -> str:
     """What users the exports do not know are served, and how the window was chosen."""
     if not cold_start:
         return ""
@@ -281,6 +281,8 @@ def cold_start_sentence(cold_start: dict | None) -> str:
     counted = "all of them" if window == 1 else f"the latest {window:.0%} of them"
     if cold_start.get("given"):
         why = " (set in the run's config)"
+    elif split == "none":
+        why = " (nothing is held out to choose on)"
     elif not cold_start["rows"]:
         why = " (validation holds no rows of users never seen)"
     elif not table:

@@ -174,6 +174,9 @@ def test_the_cold_start_sentence_says_what_users_never_seen_get_and_why():
         "all of them (validation holds no rows of users never seen).")
     report["data"]["cold_start"] = {"window": 0.05, "given": True, "validation": {}}
     assert "over the latest 5% of them (set in the run's config)." in markdown(report, "RUN", [])
+    from tworec.pipeline.report import cold_start_sentence
+    assert cold_start_sentence({"window": 1.0, "rows": 0, "users": 0}, "none").endswith(
+        "counted over all of them (nothing is held out to choose on).")
 
 
 def test_the_calibration_sentence_says_what_was_refitted_or_why_not():
