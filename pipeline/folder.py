@@ -61,9 +61,15 @@ class CheckedRun:
     resume: str | None = None       # TRAINING, AFTER_RETRIEVAL or None
 
 
-RANKING_CONFIG_NOTICE = "the ranking config is"      # a continued run's, each run its own
-# How notices about the command that ran begin (a continued run does not keep them).
-COMMAND_NOTICES = (RANKING_CONFIG_NOTICE, "resumes ", "starts the interrupted")
+# How the notices about the command that ran begin: a continued run's ranking config and what
+# a rerun resumed (a later continued run does not keep them; each says its own).
+RANKING_CONFIG_NOTICE = "the ranking config is"
+RESUMED_AFTER_RETRIEVAL = ("resumes after the retrieval training, which finished: loads its "
+                           "model and runs the steps after it")
+RESUMED_TRAINING = "resumes the interrupted retrieval training from its last finished epoch"
+RESTARTED_TRAINING = "starts the interrupted retrieval training over: it finished no epoch"
+COMMAND_NOTICES = (RANKING_CONFIG_NOTICE, RESUMED_AFTER_RETRIEVAL, RESUMED_TRAINING,
+                   RESTARTED_TRAINING)
 
 
 def check_run(out: str, source: dict, configs: Configs, continue_run: bool = False,
@@ -71,8 +77,8 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
     """Loads the log and checks everything before any training: the folder, the configs
     against the log, for a continued run that only the ranking config changed and that the
     source still gives the log the run was trained on, and for a run interrupted in or after
-    its retrieval training that it is rerun with the same source, log and configs. Raises DataError,
-    ValueError or RunFolderError with a one-line message; changes nothing on disk.
+    its retrieval training that it is rerun with the same source, log and configs. Raises
+    DataError, ValueError or RunFolderError with a one-line message; changes nothing on disk.
 
     Args:
         out: the run folder: new (or empty) for a fresh run, a run folder to replace with
@@ -154,12 +160,9 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
     if resume:
         check_resumable(out, source, configs)
         backup = os.path.join(out, "checkpoints", "retrieval")
-        notices.append(
-            "resumes after the retrieval training, which finished: loads its model and runs "
-            "the steps after it" if resume == AFTER_RETRIEVAL else
-            f"resumes the interrupted retrieval training from its last finished epoch "
-            f"({backup})" if checkpointed(backup) else
-            "starts the interrupted retrieval training over: it finished no epoch")
+        notices.append(RESUMED_AFTER_RETRIEVAL if resume == AFTER_RETRIEVAL else
+                       f"{RESUMED_TRAINING} ({backup})" if checkpointed(backup) else
+                       RESTARTED_TRAINING)
     return CheckedRun(out, log, parts, configs, source,
                       run_report.read(out) if continue_run else {}, notices, continue_run,
                       overwrite, resume)

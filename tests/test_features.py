@@ -186,9 +186,9 @@ def test_tfds_offline_is_refused_at_once_unless_prepared(tmp_path, monkeypatch, 
     assert where.startswith(str(tmp_path / "tfds"))
     assert str(error.value) == (
         f"tfds:movielens/100k-ratings: not prepared in {where}, and files.grouplens.org, where "
-        "TFDS would download it from, cannot be reached ([Errno -2] Name or service not known); prepare it elsewhere and pass its "
-        "data directory with --data-dir, or pass the GroupLens release instead: --data "
-        "path/to/ml-100k.zip (or its unpacked folder)")
+        "TFDS would download it from, cannot be reached ([Errno -2] Name or service not "
+        "known); prepare it elsewhere and pass its data directory with --data-dir, or pass the "
+        "GroupLens release instead: --data path/to/ml-100k.zip (or its unpacked folder)")
 
 
 def test_tfds_can_download_in_the_installed_environment():
