@@ -435,10 +435,32 @@ def index_section(report: dict, plots: list[str]) -> list[str]:
                      + ("." if "latency_ms_p50" not in exported else   # older reports
                         f"; one query takes {exported['latency_ms_p50']:.2f} ms (p50) against "
                         f"{exported['exact_latency_ms_p50']:.2f} ms for the brute-force "
-                        "export's search" + ("." if exported["latency_ms_p50"]
-                                  < exported["exact_latency_ms_p50"] else
-                                  ", no faster: ask `retrieval` instead.")))
+                        f"export's search, {scann_verdict(exported)}"
+                        + ("." if scann_is_faster(exported) else
+                           ": ask `retrieval` instead.")))
     return lines + image("index.png", plots, "ScaNN recall against latency")
+
+
+def scann_is_faster(exported: dict) -> bool:
+    """Whether the ScaNN export's search was found faster than brute force (older reports,
+    without a verdict: its median was lower)."""
+    if "verdict" in exported:
+        return exported["verdict"] == "faster"
+    return exported["latency_ms_p50"] < exported["exact_latency_ms_p50"]
+
+
+def scann_verdict(exported: dict) -> str:
+    """The ScaNN export's speed against brute force in words, with the 95% interval of the
+    median difference when the report has one ("faster by 0.02 to 0.05 ms a query ...")."""
+    if "verdict" not in exported:
+        return "faster" if scann_is_faster(exported) else "no faster"
+    low, high = exported["difference_ms_ci95"]
+    if exported["verdict"] == "faster":
+        return f"faster by {-high:.2f} to {-low:.2f} ms a query (95% interval)"
+    if exported["verdict"] == "slower":
+        return f"slower by {low:.2f} to {high:.2f} ms a query (95% interval)"
+    return (f"not clearly faster (the difference is {low:+.2f} to {high:+.2f} ms a query, "
+            "95% interval)")
 
 
 def served_section(report: dict) -> list[str]:

@@ -219,14 +219,14 @@ class Run:
             self.report["index"]["exported"] = exported = exported_setting(
                 candidates, sample, ScannParams(**self.tuning["params"]),
                 scann_fetch(self.inputs, run.candidates, self.inputs.exclude_seen), run.candidates)
-            if exported["latency_ms_p50"] >= exported["exact_latency_ms_p50"]:
+            if not run_report.scann_is_faster(exported):
                 self.notice(
                     f"the retrieval_scann export fetches {exported['fetch']} items a query "
                     f"({run.candidates} candidates and the most items a user has seen) and "
                     f"takes {exported['latency_ms_p50']:.2f} ms a query against "
                     f"{exported['exact_latency_ms_p50']:.2f} ms for the brute-force export's "
-                    "search: ask retrieval (served by models.config and models_scann.config) "
-                    "instead")
+                    f"search, {run_report.scann_verdict(exported)}: ask retrieval (served by "
+                    "models.config and models_scann.config) instead")
         if self.tuning["params"] and self.evaluating:
             test = retrieval.query_embeddings(model, self.inputs.examples["test"])
             index = build_index(candidates, run.tuning_k, ScannParams(**self.tuning["params"]))

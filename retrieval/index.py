@@ -10,6 +10,7 @@ import uuid
 from typing import Callable
 
 import numpy as np
+import scipy.stats
 import tensorflow as tf
 import tensorflow_recommenders as tfrs
 from scann import scann_ops
@@ -144,15 +145,38 @@ def recall_against(found: np.ndarray, exact: np.ndarray) -> float:
 
 def single_query_latency_ms(index, queries: np.ndarray, repeats: int = 200) -> float:
     """Median milliseconds of one-query calls through the TF path."""
-    call = tf.function(lambda q: index(q))
-    call(tf.constant(queries[:1]))
-    times = []
+    return 1000 * float(np.median(one_query_seconds([index], queries, repeats)[0]))
+
+
+def one_query_seconds(indexes: list, queries: np.ndarray, repeats: int) -> np.ndarray:
+    """[len(indexes), repeats] seconds of one-query calls through the TF path, the indexes
+    asked in turn with each query (the order alternating from query to query), so that what
+    slows the machine for a moment slows them alike and their differences pair."""
+    calls = [tf.function(lambda q, index=index: index(q)) for index in indexes]
+    for call in calls:
+        call(tf.constant(queries[:1]))                   # traced before timing
+    seconds = np.zeros([len(calls), repeats])
     for i in range(repeats):
         q = tf.constant(queries[i % len(queries)][None, :])
-        start = time.perf_counter()
-        call(q)[1].numpy()
-        times.append(time.perf_counter() - start)
-    return 1000 * float(np.median(times))
+        order = range(len(calls)) if i % 2 == 0 else reversed(range(len(calls)))
+        for which in order:
+            start = time.perf_counter()
+            calls[which](q)[1].numpy()
+            seconds[which, i] = time.perf_counter() - start
+    return seconds
+
+
+def faster(seconds: np.ndarray, reference: np.ndarray) -> tuple[str, list[float]]:
+    """Whether calls taking `seconds` [n] are faster than the paired `reference` [n] calls:
+    ("faster" | "slower" | "unclear", the 95% bootstrap interval of the median difference in
+    milliseconds). A verdict is given only when the interval excludes zero, so two runs on
+    a busy machine do not give opposite ones for a difference within the noise."""
+    difference = 1000 * (np.asarray(seconds) - np.asarray(reference))
+    interval = scipy.stats.bootstrap((difference,), np.median, confidence_level=0.95,
+                                     n_resamples=2000, method="percentile",
+                                     random_state=np.random.default_rng(0)).confidence_interval
+    low, high = float(interval.low), float(interval.high)
+    return ("faster" if high < 0 else "slower" if low > 0 else "unclear"), [low, high]
 
 
 def exported_setting(candidates: np.ndarray, queries: np.ndarray, params: ScannParams,
@@ -160,13 +184,16 @@ def exported_setting(candidates: np.ndarray, queries: np.ndarray, params: ScannP
     """The ScaNN setting an export that fetches `fetch` items a query (for k once seen items
     are gone) searches with (`ScannParams.with_enough_answers`), and its one-query latency
     against the brute-force export's search, top k of the whole catalogue with seen items
-    masked out: {"fetch", the setting's fields, "latency_ms_p50", "exact_latency_ms_p50"}."""
+    masked out, the two timed in turn (`one_query_seconds`): {"fetch", the setting's fields,
+    "latency_ms_p50", "exact_latency_ms_p50", "verdict" and "difference_ms_ci95" (`faster`)}."""
+    scann, exact = one_query_seconds([build_index(candidates, fetch, params),
+                                      build_index(candidates, k)], queries, repeats)
+    verdict, interval = faster(scann, exact)
     return {"fetch": fetch,
             **dataclasses.asdict(params.with_enough_answers(len(candidates), fetch)),
-            "latency_ms_p50": single_query_latency_ms(build_index(candidates, fetch, params),
-                                                      queries, repeats),
-            "exact_latency_ms_p50": single_query_latency_ms(build_index(candidates, k),
-                                                            queries, repeats)}
+            "latency_ms_p50": 1000 * float(np.median(scann)),
+            "exact_latency_ms_p50": 1000 * float(np.median(exact)),
+            "verdict": verdict, "difference_ms_ci95": interval}
 
 
 def scann_settings(num_items: int, k: int) -> list[ScannParams]:

@@ -121,16 +121,24 @@ def test_the_gain_line_reads_as_the_issue_asks():
         "together).")
 
 
-@pytest.mark.parametrize("scann_ms, verdict", [(0.5, "."), (1.5, ", no faster: ask "
-                                                                 "`retrieval` instead.")])
-def test_the_index_section_times_the_scann_export_as_it_searches(scann_ms, verdict):
+@pytest.mark.parametrize("scann_ms, timed, verdict", [
+    (0.5, {"verdict": "faster", "difference_ms_ci95": [-0.61, -0.42]},
+     ", faster by 0.42 to 0.61 ms a query (95% interval)."),
+    (1.5, {"verdict": "slower", "difference_ms_ci95": [0.38, 0.52]},
+     ", slower by 0.38 to 0.52 ms a query (95% interval): ask `retrieval` instead."),
+    (0.9, {"verdict": "unclear", "difference_ms_ci95": [-0.21, 0.05]},
+     ", not clearly faster (the difference is -0.21 to +0.05 ms a query, 95% interval): ask "
+     "`retrieval` instead."),
+    (0.5, {}, ", faster."),                                   # older reports: medians only
+    (1.5, {}, ", no faster: ask `retrieval` instead.")])
+def test_the_index_section_times_the_scann_export_as_it_searches(scann_ms, timed, verdict):
     from tworec.pipeline.report import index_section
     setting = {"num_leaves": 47, "num_leaves_to_search": 5, "num_reordering_candidates": 40}
     index = {"params": setting, "recall@10_vs_exact": 0.97, "tuned_on": "validation",
              "latency_ms_p50": 0.19, "exact_latency_ms_p50": 0.34,
              "exported": {**setting, "fetch": 2490, "num_leaves_to_search": 26,
                           "num_reordering_candidates": 2490, "latency_ms_p50": scann_ms,
-                          "exact_latency_ms_p50": 1.0}}
+                          "exact_latency_ms_p50": 1.0, **timed}}
     lines = index_section({"index": index}, plots=[])
     assert lines[4] == (
         "The `retrieval_scann` export fetches 2490 items per query so that k unseen ones "

@@ -190,15 +190,16 @@ def test_scann_settings_are_raised_to_give_k_answers():
 def test_the_exported_setting_is_timed_as_the_export_searches(monkeypatch):
     """The report's speed of the ScaNN export is measured at the export's fetch (k and the
     most items a user has seen), with the setting raised to give that many, against the
-    brute-force export's search (the top k, seen items masked): the tuned setting's speed at
-    the tuning k is not what it serves."""
+    brute-force export's search (the top k, seen items masked), the two timed in turn: the
+    tuned setting's speed at the tuning k is not what it serves."""
     from tworec.retrieval import index as index_module
     timed = []
 
-    def latency(index, queries, repeats):
-        timed.append((type(index).__name__, index._k, len(queries), repeats))
-        return 3.0 if isinstance(index, index_module.SeededScaNN) else 2.0
-    monkeypatch.setattr(index_module, "single_query_latency_ms", latency)
+    def seconds(indexes, queries, repeats):
+        timed.append([(type(index).__name__, index._k) for index in indexes] +
+                     [len(queries), repeats])
+        return np.array([[0.003, 0.004, 0.003], [0.002, 0.002, 0.001]])
+    monkeypatch.setattr(index_module, "one_query_seconds", seconds)
     rng = np.random.default_rng(0)
     candidates, queries = rng.normal(size=(300, 8)), rng.normal(size=(20, 8))
     params = ScannParams(num_leaves=10, num_leaves_to_search=1, num_reordering_candidates=40)
@@ -206,9 +207,33 @@ def test_the_exported_setting_is_timed_as_the_export_searches(monkeypatch):
                                             repeats=7)
     assert setting == {"fetch": 120, "num_leaves": 10, "num_leaves_to_search": 8,
                        "num_reordering_candidates": 120, "dimensions_per_block": 2,
-                       "latency_ms_p50": 3.0,
-                       "exact_latency_ms_p50": 2.0}
-    assert timed == [("SeededScaNN", 120, 20, 7), ("BruteForce", 30, 20, 7)]   # as exported
+                       "latency_ms_p50": pytest.approx(3.0), "exact_latency_ms_p50": 2.0,
+                       "verdict": "slower", "difference_ms_ci95": pytest.approx([1.0, 2.0])}
+    assert timed == [[("SeededScaNN", 120), ("BruteForce", 30), 20, 7]]     # as exported
+
+
+def test_a_speed_verdict_is_given_only_when_its_interval_excludes_zero():
+    """Paired one-query times: a difference within the noise is "unclear", not a verdict a
+    second run could reverse; a clear one is given with its interval (milliseconds)."""
+    from tworec.retrieval.index import faster
+    reference = np.random.default_rng(0).uniform(0.001, 0.002, 200)               # seconds
+    assert faster(reference - 0.0005, reference) == ("faster", [pytest.approx(-0.5)] * 2)
+    assert faster(reference + 0.0005, reference) == ("slower", [pytest.approx(0.5)] * 2)
+    noise = np.random.default_rng(1).normal(0, 0.0002, 200)
+    verdict, (low, high) = faster(reference + noise, reference)
+    assert verdict == "unclear" and -0.1 < low < 0 < high < 0.1
+    verdict, (low, high) = faster(reference + noise + 0.0003, reference)
+    assert verdict == "slower" and 0.2 < low < 0.3 < high < 0.4
+    assert faster(reference + noise + 0.0003, reference)[1] == [low, high]     # seeded
+
+
+def test_one_query_seconds_times_each_index_with_each_query():
+    rng = np.random.default_rng(0)
+    candidates, queries = rng.normal(size=(300, 8)), rng.normal(size=(5, 8))
+    from tworec.retrieval.index import one_query_seconds
+    seconds = one_query_seconds([build_index(candidates, 10), build_index(candidates, 20)],
+                                queries.astype(np.float32), repeats=7)
+    assert seconds.shape == (2, 7) and (seconds > 0).all()
 
 
 def test_scann_tuning_meets_the_target(trained):
