@@ -132,6 +132,12 @@ class RetrievalModule(tf.Module):
         return self._top_k(features, known, excluded)
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="user_id")])
+    def known_users(self, user_id):
+        """user_id [b] -> known [b] bool: whether the user has rows the model was fit on
+        (`serve` answers the others with the popular list)."""
+        return {"known": self.users.codes(user_id)[1]}
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="user_id")])
     def embed_user(self, user_id):
         features, _ = self.users(user_id)
         return {"embedding": self.model.query(features)}
@@ -153,7 +159,8 @@ def export(model: RetrievalModel, data: ModelInputs, base_path: str, k: int,
     """
     module = RetrievalModule(model, data, k, scann, exclude_seen=data.exclude_seen)
     signatures = {"serving_default": module.serve, "with_history": module.with_history,
-                  "embed_user": module.embed_user, "embed_items": module.embed_items}
+                  "embed_user": module.embed_user, "embed_items": module.embed_items,
+                  "known_users": module.known_users}
     options = tf.saved_model.SaveOptions(namespace_whitelist=["Scann"] if scann else None)
 
     def write(path: str) -> None:

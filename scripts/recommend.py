@@ -125,9 +125,10 @@ def recommend_one(args: argparse.Namespace, titles: dict[str, str]) -> int:
     seen = [args.seen.split(",")] if args.seen else None
     try:
         with client:
-            result = Recommender(client, args.retrieval_model or "retrieval",
-                                 args.ranking_model or "ranking").recommend(
-                [args.user], n=args.n, seen=seen)
+            recommender = Recommender(client, args.retrieval_model or "retrieval",
+                                      args.ranking_model or "ranking")
+            result = recommender.recommend([args.user], n=args.n, seen=seen)
+            known = recommender.known_users([args.user])
     except (OSError, ValueError, ServingError) as error:
         return fail(str(error), code=1)
     print(f"recommendations for user {args.user}:")
@@ -137,6 +138,9 @@ def recommend_one(args: argparse.Namespace, titles: dict[str, str]) -> int:
     if len(items) < args.n:
         print(f"note: the served models returned {len(items)} items, fewer than the {args.n} "
               "asked for")
+    if known is not None and not known[0]:
+        print(f"note: the models were fit on no rows of user {args.user}: this is the list "
+              "every user they do not know gets")
     if titles and items and not any(item in titles for item in items):
         print(f"note: no item here has a title in --movies {args.movies} (another catalogue's "
               "ids?)")

@@ -3,6 +3,7 @@
 Signatures used (batch is dimension 0):
     retrieval serving_default: user_id [b] string -> item_ids [b, k] string, scores [b, k] float32
     ranking serving_default: user_id [b] string, item_ids [b, k] string -> scores [b, k] float32
+    retrieval known_users (`Recommender.known_users`): user_id [b] string -> known [b] bool
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Sequence
 import numpy as np
 
 from tworec.serving.client import Client
+from tworec.serving.errors import ServingError
 
 PAD_ID = b""
 
@@ -75,6 +77,20 @@ class Recommender:
         if seen is not None:
             scores = np.where(_seen_mask(candidates, seen), -np.inf, scores).astype(np.float32)
         return dict(zip(("item_ids", "scores"), top_n(candidates, scores, n)))
+
+    def known_users(self, user_ids: Sequence[str] | np.ndarray) -> np.ndarray | None:
+        """[b] bool: whether the retrieval model was fit on rows of each user (the others get
+        the list for users never seen); None when its export has no `known_users` signature
+        (tworec's before it had one, or another retrieval model)."""
+        users = np.array([_bytes(u) for u in user_ids], dtype=object)         # [b]
+        try:
+            answer = self.client.predict(self.retrieval_model, {"user_id": users},
+                                         signature_name="known_users")
+        except ServingError as error:
+            if error.code != "FAILED_PRECONDITION":        # not a missing signature
+                raise
+            return None
+        return np.asarray(answer["known"], bool)
 
 
 def _seen_mask(candidates: np.ndarray, seen: Sequence[Sequence[str]]) -> np.ndarray:

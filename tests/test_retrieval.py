@@ -506,8 +506,12 @@ def test_brute_force_export_serves_the_keras_top_k_of_unseen_items(trained, tmp_
     path = export(model, data, str(tmp_path / "retrieval"), k=10)
     assert os.path.basename(path) == "1"
     run, meta = load_like_tf_serving(path)
-    assert set(meta.signature_def) >= {"serving_default", "with_history", "embed_user", "embed_items"}
+    assert set(meta.signature_def) >= {"serving_default", "with_history", "embed_user",
+                                       "embed_items", "known_users"}
     users = np.flatnonzero(data.known)[:5]
+    unknown = log.user_ids[np.flatnonzero(~data.known)[:1]].tolist() + ["nobody"]
+    assert run("known_users", user_id=np.array(log.user_ids[users].tolist() + unknown))[
+        "known"].tolist() == [True] * 5 + [False] * len(unknown)
     served = run("serving_default", user_id=log.user_ids[users])
     seen = data.seen[users].toarray()
     expected = keras_top_k(model, data, users, 10, seen)

@@ -77,6 +77,10 @@ class ToyRetrieval(tf.Module):
         best, index = tf.math.top_k(scores, self.k)                                 # [b, k]
         return {"item_ids": tf.gather(self.item_ids, index), "scores": best}
 
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="user_id")])
+    def known_users(self, user_id):
+        return {"known": tf.reduce_any(user_id[:, None] == tf.constant(USERS)[None, :], 1)}
+
 
 class ToyRanking(tf.Module):
     """user_id [b] string, item_ids [b, n] string -> scores [b, n] float32."""
@@ -109,8 +113,11 @@ class Scale(tf.Module):
 
 
 def save(module: tf.Module, base_path: str, version: int | None = None) -> str:
+    signatures = {"serving_default": module.serve}
+    if hasattr(module, "known_users"):
+        signatures["known_users"] = module.known_users
     return write_version(base_path, lambda path: tf.saved_model.save(
-        module, path, signatures={"serving_default": module.serve}), version)
+        module, path, signatures=signatures), version)
 
 
 @pytest.fixture(scope="module")
@@ -774,6 +781,14 @@ def test_recommender_drops_seen_items(client, local):
     assert list(everything["item_ids"][0]) == [PAD_ID] * 3
 
 
+def test_recommender_says_which_users_the_retrieval_model_knows(client):
+    recommender = Recommender(client)
+    assert recommender.known_users(["u1", "stranger", "u5"]).tolist() == [True, False, True]
+    assert Recommender(client, retrieval_model="scale").known_users(["u1"]) is None  # no such
+    with pytest.raises(ServingError, match="Servable not found"):           # signature there
+        Recommender(client, retrieval_model="missing").known_users(["u1"])
+
+
 def test_composed_recommender_equals_recommender(client, model_dir, tmp_path):
     base = str(tmp_path / "recommender")
     path = write_version(base, lambda out: compose_recommender(
@@ -1031,6 +1046,10 @@ def test_recommend_prints_titles(embedded, tmp_path, capsys):
                      "the 500 asked for")
     assert untitled == (f"note: no item here has a title in --movies {others} (another "
                         "catalogue's ids?)")
+    assert recommend.main(["--user", "stranger", "--url", embedded[0], "--n", "2"]) == 0
+    assert capsys.readouterr().out.splitlines()[3:] == [
+        "note: the models were fit on no rows of user stranger: this is the list every user "
+        "they do not know gets"]
 
 
 def test_reload_config_replaces_the_models_and_labels_resolve(swap_server):
