@@ -62,8 +62,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tworec.features.interactions import DataError
-from tworec.features.shards import (_sql_list, dropped_counts, duckdb_session, item_table_ids,
-                                    parquet_log, whole_seconds)
+from tworec.features.shards import (ITEM_TABLE, _sql_list, dropped_counts, duckdb_session,
+                                    item_table_ids, parquet_log, whole_seconds)
 from tworec.features.stream import BLOCK_ROWS, SPLIT_CODES, BlockWriter
 from tworec.features.vocab import FIRST, OOV, PAD
 
@@ -89,13 +89,15 @@ def prepare_shards(source: str, out_folder: str, history_length: int = 20,
         seed: seeds the order of the training rows in the TFRecord files.
         progress: called with (path, rows) as each shard is complete.
         note: called with one line once the log is checked, before the work, when `columns`
-            names side features the shards will not hold.
+            names side features or the item table has feature columns: the shards will not
+            hold them.
 
     Returns:
         The manifest also written as `manifest.json`: rows, the rows dropped by reason (as
         `load` counts them), users, items, rows per split, short users, the shards, DuckDB's
         memory limit as its connection reports it, and `not_read`: the side features
-        `columns` names (`user.NAME`, `item.NAME`), which the prepared shards do not hold.
+        `columns` names (`user.NAME`, `item.NAME`) and the item table's feature columns
+        ("items.parquet's NAME"), which the prepared shards do not hold.
     """
     if os.path.exists(out_folder) and not os.path.isdir(out_folder):
         raise DataError(f"{out_folder}: a file, not a folder; pass a new or empty folder")
@@ -109,7 +111,10 @@ def prepare_shards(source: str, out_folder: str, history_length: int = 20,
     with _left_as_it_was_on_failure(out_folder), \
             duckdb_session(source, memory_limit, "prepare.duckdb") as connection:
         parquet.check(connection, source, catalogue)
-        not_read = sorted(role for role in mapping if "." in role)
+        not_read = sorted(role for role in mapping if "." in role) + [
+            f"{ITEM_TABLE}'s {name}" for name in ([] if parquet.shards.items is None else
+                                                    pq.read_schema(parquet.shards.items).names)
+            if name != mapping["item"]]
         if not_read and note:
             note(f"{', '.join(not_read)} not in the prepared shards, which hold ids, histories, "
                  "times and ratings: models trained on them read no side features")

@@ -445,3 +445,11 @@ def test_prepare_notes_the_side_features_its_shards_do_not_hold(tmp_path, capsys
     assert json.load(open(tmp_path / "out" / "manifest.json"))["not_read"] == ["item.color",
                                                                             "user.plan"]
     assert prepare_shards(source, str(tmp_path / "plain"))["not_read"] == []
+    table = pa.table({"item_id": ["x", "y", "z"], "genres": ["A|B", "A", "B"], "year": [1, 2, 3]})
+    with_table = _write(tmp_path / "with_table", pa.table(LOG), items=table)
+    notes = []
+    assert prepare_shards(with_table, str(tmp_path / "tabled"), note=notes.append)[
+        "not_read"] == ["items.parquet's genres", "items.parquet's year"]
+    assert notes == ["items.parquet's genres, items.parquet's year not in the prepared shards, "
+                     "which hold ids, histories, times and ratings: models trained on them read "
+                     "no side features"]
