@@ -1012,7 +1012,7 @@ def load_tfds(name: str, data_dir: str | None = None) -> Interactions:
     try:
         for config in (name, name.replace("-ratings", "-movies")):
             builder = tfds.builder(config, data_dir=data_dir)
-            if not builder.is_prepared():
+            if not builder.is_prepared() and _downloads(builder):
                 _check_download_host(f"tfds:{name}", getattr(builder.builder_config,
                                                               "download_url", None),
                                      builder.data_dir)
@@ -1049,6 +1049,13 @@ def load_tfds(name: str, data_dir: str | None = None) -> Interactions:
 OFFLINE_ADVICE = ("prepare it elsewhere and pass its data directory with --data-dir, or pass "
                   "the GroupLens release instead: --data path/to/ml-100k.zip (or its unpacked "
                   "folder)")
+
+
+def _downloads(builder) -> bool:
+    """Whether preparing `builder` would download: not when its `download_and_prepare` is not
+    TFDS's own (`tfds.testing.mock_data` makes it a no-op that fakes the data)."""
+    prepare = type(builder).download_and_prepare
+    return getattr(prepare, "__module__", "").startswith("tensorflow_datasets.core")
 
 
 def _check_download_host(source: str, url: str | None, data_dir: str,

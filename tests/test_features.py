@@ -147,10 +147,13 @@ def download_host_reachable(monkeypatch):
     monkeypatch.setattr(sources, "_check_download_host", lambda *args: None)
 
 
-def test_tfds_with_mock_data(download_host_reachable):
+def test_tfds_with_mock_data(offline):
+    """Under `tfds.testing.mock_data` nothing is downloaded, so no host is asked for, even
+    offline."""
     import tensorflow_datasets as tfds
     with tfds.testing.mock_data(num_examples=40):
         log = load("tfds:movielens/100k-ratings")
+    assert offline == []
     assert len(log) + sum(log.dropped.values()) == 40
     assert log.rating is not None and "genres" in log.item_features
     assert set(log.user_features) == {"gender", "age", "occupation"}
