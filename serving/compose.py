@@ -3,6 +3,7 @@
 Built from the two SavedModels alone (no training code), with stock ops only, so TF Serving
 serves it:
     serving_default: user_id [b] string -> item_ids [b, n] string, scores [b, n] float32
+    known_users: user_id [b] string -> known [b] bool (the retrieval model's, when it has one)
 It returns what `serving.recommender.Recommender` returns when no seen items are given.
 """
 from __future__ import annotations
@@ -11,6 +12,8 @@ import numpy as np
 import tensorflow as tf
 
 from tworec.serving.layout import write_warmup_requests
+
+USER_IDS = tf.TensorSpec([None], tf.string, name="user_id")
 
 
 class ComposedRecommender(tf.Module):
@@ -21,8 +24,11 @@ class ComposedRecommender(tf.Module):
         self.retrieval = tf.saved_model.load(retrieval_dir)
         self.ranking = tf.saved_model.load(ranking_dir)
         self.top_n = top_n
+        if "known_users" in self.retrieval.signatures:
+            self.known_users = tf.function(self.retrieval.signatures["known_users"],
+                                           input_signature=[USER_IDS])
 
-    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="user_id")])
+    @tf.function(input_signature=[USER_IDS])
     def serve(self, user_id: tf.Tensor) -> dict[str, tf.Tensor]:
         candidates = self.retrieval.signatures["serving_default"](
             user_id=user_id)["item_ids"]                                              # [b, k]
@@ -50,7 +56,10 @@ def compose_recommender(retrieval_dir: str, ranking_dir: str, out_dir: str, top_
         `out_dir`.
     """
     module = ComposedRecommender(retrieval_dir, ranking_dir, top_n)
-    tf.saved_model.save(module, out_dir, signatures={"serving_default": module.serve})
+    signatures = {"serving_default": module.serve}
+    if hasattr(module, "known_users"):
+        signatures["known_users"] = module.known_users
+    tf.saved_model.save(module, out_dir, signatures=signatures)
     if warmup_user_ids:
         write_warmup_requests(out_dir, model_name,
                               {"user_id": np.array(warmup_user_ids, dtype=object)})

@@ -800,6 +800,8 @@ def test_composed_recommender_equals_recommender(client, model_dir, tmp_path):
     expected = Recommender(client).recommend(users, n=4)
     assert np.array_equal(served["item_ids"], expected["item_ids"])
     np.testing.assert_allclose(served["scores"], expected["scores"], rtol=1e-6)
+    assert composed.run({"user_id": users}, signature_name="known_users")["known"].tolist() \
+        == Recommender(client).known_users(users).tolist() == [True] * len(USERS) + [False]
     composed.close()
 
 
