@@ -360,7 +360,16 @@ def _scale_job(kind: str, source: str, steps: int, batch_size: int, out: str) ->
 
 
 def _peak_rss_gib() -> float:
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
+    """This process's peak resident memory in GiB. On Linux the kernel's high-water mark
+    (VmHWM): `ru_maxrss` of a process started by another starts at its parent's peak, so a
+    scale job started after the other parts would read theirs."""
+    try:
+        with open("/proc/self/status") as status:
+            kib = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        kib = peak / 1024 if sys.platform == "darwin" else peak      # bytes there, KiB here
+    return round(kib / 2**20, 2)
 
 
 def training_step_rate(model, dataset, steps: int) -> float:

@@ -177,6 +177,19 @@ def test_benchmark_script_runs_every_part_small():
     assert in_memory["with_rate_measurements_peak_rss_gib"] >= in_memory["peak_rss_gib"]
 
 
+def test_a_benchmark_process_reads_its_own_peak_memory_not_its_parents():
+    """A scale job runs in a process this one starts: its peak resident memory is its own,
+    not this process's (Linux starts a child's `ru_maxrss` at its parent's peak)."""
+    from tworec.pipeline.benchmark import _peak_rss_gib
+    held = bytearray(600 << 20)
+    held[::4096] = b"\1" * len(held[::4096])                 # touched: resident
+    ours = _peak_rss_gib()
+    child = subprocess.run([sys.executable, "-c", "from tworec.pipeline.benchmark import "
+                            "_peak_rss_gib; print(_peak_rss_gib())"], capture_output=True,
+                           text=True, check=True)
+    assert ours > 0.6 and 0 < float(child.stdout) < ours - 0.4, (ours, child.stdout)
+
+
 def test_the_prepared_log_snippet_runs_as_printed(tmp_path, capsys):
     """The training-from-shards snippet, on the tiny log prepared, for 5 small steps."""
     import pyarrow.parquet as pq
