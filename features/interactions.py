@@ -41,6 +41,8 @@ class Interactions:
         genre_names: the names of the `genres` columns.
         dropped: reason -> number of input rows dropped for it.
         source: where the log came from.
+        unread_columns: the columns of a generic log that no role reads (`--columns` maps
+            them), in file order.
     """
 
     user_ids: np.ndarray
@@ -55,6 +57,7 @@ class Interactions:
     genre_names: tuple[str, ...] = ()
     dropped: dict[str, int] = dataclasses.field(default_factory=dict)
     source: str = ""
+    unread_columns: tuple[str, ...] = ()
 
     def __post_init__(self):
         n = len(self.user)
@@ -116,7 +119,7 @@ class Interactions:
         return {"source": self.source, "users": self.num_users, "items": self.num_items,
                 "interactions": len(self), "has_ratings": self.rating is not None,
                 "item_features": sorted(self.item_features), "user_features": sorted(self.user_features),
-                "dropped": dict(self.dropped)}
+                "dropped": dict(self.dropped), "unread_columns": list(self.unread_columns)}
 
 
 def interaction_matrix(interactions: Interactions, rows: np.ndarray) -> sp.csr_matrix:

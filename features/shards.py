@@ -332,6 +332,7 @@ def describe(source: str, columns: dict[str, str] | None = None,
             "interactions": kept, "has_ratings": "rating" in mapping,
             "item_features": item_features, "user_features": sides["user"],
             "dropped": dropped_counts(rows, distinct_rows, kept),
+            "unread_columns": list(mapping.unread),
             "time_range": [first, last],
             "shards": [{"path": path, "rows": count}
                        for path, count in zip(parquet.shards.files, parquet.shard_rows)],

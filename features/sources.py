@@ -694,6 +694,8 @@ def _log_from_roles(source: str, mapping: dict[str, str], arrays: dict[str, np.n
         (user_features if kind == "user" else item_features)[name] = column
     interactions = from_columns(source, user, item, timestamp, rating, user_rows=user_features,
                                 names=mapping, **(items or {}))
+    interactions = dataclasses.replace(interactions,
+                                       unread_columns=getattr(mapping, "unread", ()))
     if item_features and items is not None:
         aligned = _align_user_features(interactions.item_ids, _last_per_id(item, item_features))
         interactions = dataclasses.replace(
@@ -878,8 +880,20 @@ def _parse_text(lines: bytes, delimiter: str) -> pa.Table:
                           parse_options=pacsv.ParseOptions(delimiter=delimiter))
 
 
-def _resolve_columns(path: str, names: list[str], columns: dict[str, str]) -> dict[str, str]:
-    mapping = {}
+def unread_columns_note(names) -> str:
+    """One line naming a generic log's columns that no role reads, and how to read one."""
+    return (f"the log's columns {list(names)} are not read: map one with --columns, as "
+            f"rating={names[0]}, user.{names[0]}={names[0]} or item.{names[0]}={names[0]}")
+
+
+class ColumnMapping(dict):
+    """role -> column name, as `_resolve_columns` finds it; `unread`: the file's other
+    columns, which no role reads."""
+    unread: tuple[str, ...] = ()
+
+
+def _resolve_columns(path: str, names: list[str], columns: dict[str, str]) -> ColumnMapping:
+    mapping = ColumnMapping()
     for role, candidates in DEFAULT_COLUMNS.items():
         if role in columns:
             mapping[role] = columns[role]
@@ -898,6 +912,7 @@ def _resolve_columns(path: str, names: list[str], columns: dict[str, str]) -> di
         if name not in names:
             raise DataError(f"{path}: missing required column {name!r} (for {role}); "
                             f"columns: {names}")
+    mapping.unread = tuple(name for name in names if name not in mapping.values())
     return mapping
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from tworec.features import Interactions, Split, load, split
 from tworec.features.interactions import SourceNotFound
 from tworec.features.inputs import MODEL_ITEM_FEATURES
-from tworec.features.sources import has_fixed_columns, release_gaps
+from tworec.features.sources import has_fixed_columns, release_gaps, unread_columns_note
 from tworec.pipeline import config as run_config, report as run_report
 from tworec.pipeline.config import Configs
 
@@ -142,6 +142,8 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
                        f"{ranking.cooccurrence_neighbors}, popularity periods "
                        f"{ranking.popularity_periods}")
     notices += release_gaps(source["data"])
+    if log.unread_columns:
+        notices.append(unread_columns_note(log.unread_columns))
     unread = sorted(set(log.item_features) - {*MODEL_ITEM_FEATURES, "title"})  # title: people's
     if unread:
         notices.append(f"item features {unread} are not read by the models, which read "

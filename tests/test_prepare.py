@@ -453,3 +453,8 @@ def test_prepare_notes_the_side_features_its_shards_do_not_hold(tmp_path, capsys
     assert notes == ["items.parquet's genres, items.parquet's year not in the prepared shards, "
                      "which hold ids, histories, times and ratings: models trained on them read "
                      "no side features"]
+    extra = _write(tmp_path / "extra", pa.table({**LOG, "stars": [1, 2, 3, 4]}))
+    notes = []
+    prepare_shards(extra, str(tmp_path / "extra_out"), note=notes.append)
+    assert notes == ["the log's columns ['stars'] are not read: map one with --columns, as "
+                     "rating=stars, user.stars=stars or item.stars=stars"]

@@ -381,3 +381,21 @@ def test_item_years_that_are_not_whole_are_refused(tmp_path):
         load(str(tmp_path / "log.csv"), {**SIDE_COLUMNS, "item.year": "yr"})
     assert str(error.value) == (f"{tmp_path / 'log.csv'}: column 'yr' has 1 years that are not "
                                 "whole numbers (first at row 1)")
+
+
+def test_columns_no_role_reads_are_named_not_dropped_silently(tmp_path):
+    """A rating under a name the loader does not know (`stars`) is not read: the log says
+    which columns no role reads, and a run notes them with how to map one."""
+    from tworec.pipeline import config, folder
+    path = tmp_path / "log.csv"
+    path.write_text("userId,movieId,stars,timestamp,comment\n" + "".join(
+        f"u{user},i{item},{1 + item % 5},{100 * user + item},c\n"
+        for user in range(6) for item in range(5)))
+    log = load(str(path))
+    assert log.rating is None and log.unread_columns == ("stars", "comment")
+    assert log.summary()["unread_columns"] == ["stars", "comment"]
+    assert load(str(path), columns={"rating": "stars"}).unread_columns == ("comment",)
+    checked = folder.check_run(str(tmp_path / "run"), {"data": str(path)},
+                               config.resolve("tiny"))
+    assert ("the log's columns ['stars', 'comment'] are not read: map one with --columns, as "
+            "rating=stars, user.stars=stars or item.stars=stars") in checked.notices
