@@ -353,6 +353,10 @@ def main(argv=None) -> int:
                                   parse_columns(args.columns), progress=progress, note=note)
     except DataError as error:
         parser.error(str(error))
+    except KeyboardInterrupt:                          # the folder is left as it was
+        print(f"error: stopped (Ctrl-C); {args.out} is left as it was: run the same command "
+              "again", file=sys.stderr)
+        return 130
     print(json.dumps({key: manifest[key] for key in (
         "rows", "dropped", "users", "vocabulary", "split", "seconds", "rows_per_second")}))
     return 0

@@ -458,3 +458,17 @@ def test_prepare_notes_the_side_features_its_shards_do_not_hold(tmp_path, capsys
     prepare_shards(extra, str(tmp_path / "extra_out"), note=notes.append)
     assert notes == ["the log's columns ['stars'] are not read: map one with --columns, as "
                      "rating=stars, user.stars=stars or item.stars=stars"]
+
+
+def test_prepare_stopped_by_ctrl_c_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    from tworec.features import prepare as prepare_module
+    source = _write(tmp_path / "log", pa.table(LOG))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(prepare_module, "_write_shards", interrupted)     # mid-work
+    out = tmp_path / "out"
+    assert main(["--data", source, "--out", str(out)]) == 130
+    assert capsys.readouterr().err == (f"error: stopped (Ctrl-C); {out} is left as it was: run "
+                                       "the same command again\n")
+    assert not out.exists()
