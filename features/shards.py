@@ -85,6 +85,12 @@ def find(source: str) -> ShardSet | None:
         return _with_item_table(source, matches)
     if not os.path.isdir(source):
         return None
+    if os.path.isfile(os.path.join(source, "manifest.json")) and \
+            os.path.isdir(os.path.join(source, "shards")):
+        raise DataError(f"{source}: a folder that prepare wrote, not a log; read it with "
+                        f"tworec.features.stream.PreparedLog.load({source!r}) and "
+                        "tworec.retrieval.train.fit_prepared (README: logs larger than memory), or "
+                        "pass the log it was prepared from")
     files, anything = [], False
     for folder, subfolders, names in os.walk(source):
         subfolders[:] = sorted(d for d in subfolders if not d.startswith((".", "_")))

@@ -472,3 +472,19 @@ def test_prepare_stopped_by_ctrl_c_says_so_in_one_line(tmp_path, monkeypatch, ca
     assert capsys.readouterr().err == (f"error: stopped (Ctrl-C); {out} is left as it was: run "
                                        "the same command again\n")
     assert not out.exists()
+
+
+def test_a_prepared_folder_given_as_a_log_is_named_as_such(tmp_path):
+    """Its shards and vocabularies are .parquet files, but not a log: loading or describing it
+    says what it is and what reads it (it said users.parquet lacked the item column)."""
+    prepared = str(tmp_path / "prepared")
+    prepare_shards(_write(tmp_path / "log", pa.table(LOG)), prepared)
+    for call in (load, shards.describe, lambda source: prepare_shards(source,
+                                                                      str(tmp_path / "again"))):
+        with pytest.raises(DataError) as error:
+            call(prepared)
+        assert str(error.value) == (
+            f"{prepared}: a folder that prepare wrote, not a log; read it with "
+            f"tworec.features.stream.PreparedLog.load({prepared!r}) and "
+            "tworec.retrieval.train.fit_prepared (README: logs larger than memory), or pass "
+            "the log it was prepared from")
