@@ -46,9 +46,11 @@ class RunConfig:
 
     def validate(self) -> None:
         """Raises ValueError naming the first setting that cannot work."""
+        flags = {"candidates": "--top-k (candidates)", "top_n": "--top-n (top_n)"}
         for field in dataclasses.fields(self):
             if getattr(self, field.name) <= 0:
-                raise ValueError(f"{field.name} must be positive, got {getattr(self, field.name)}")
+                raise ValueError(f"{flags.get(field.name, field.name)} must be positive, got "
+                                 f"{getattr(self, field.name)}")
         if self.top_n > self.candidates:
             raise ValueError(f"--top-n (top_n) {self.top_n} is more than the {self.candidates} "
                              f"candidates the recommender re-ranks (--top-k, candidates): give "
