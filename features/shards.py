@@ -487,6 +487,7 @@ def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int
                                                       found[2::3]):
         if not count:
             continue
+        first = _in_its_shard(shards.files, shard_rows, first)
         if wrong == "empty":
             raise empty_ids_error(source, name, count, first)
         if wrong in COUNTED:
@@ -567,6 +568,15 @@ def known_sql(shards: ShardSet, mapping: dict[str, str]) -> str:
 
 def _scan_sql(files) -> str:
     return f"read_parquet({_sql_list(files)}, filename=true, file_row_number=true)"
+
+
+def _in_its_shard(files, shard_rows: list[int], row: int) -> str:
+    """A row of the log (`_row_sql`) as a user finds it: "500 of PATH", its row in its shard
+    (from 0, as `load` counts a file's rows); just the row when the log is one file."""
+    if len(files) == 1:
+        return str(row)
+    shard = int(np.searchsorted(np.cumsum(shard_rows), row, side="right"))
+    return f"{row - sum(shard_rows[:shard])} of {files[shard]}"
 
 
 def _row_sql(files, shard_rows: list[int]) -> str:
