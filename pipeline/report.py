@@ -429,8 +429,10 @@ def index_section(report: dict, plots: list[str]) -> list[str]:
             f"{index['exact_latency_ms_p50']:.2f} ms for brute force.")
     if "exported" in index:
         exported = index["exported"]
+        why = (" so that k unseen ones remain" if (report.get("data") or {}).get(
+            "exclude_seen", True) else " (seen items kept: the k it serves)")
         lines.append(f"The `retrieval_scann` export fetches {exported['fetch']} items per "
-                     f"query so that k unseen ones remain, so it searches with "
+                     f"query{why}, so it searches with "
                      f"{scann_sentence(exported)[len('ScaNN with '):]}"
                      + ("." if "latency_ms_p50" not in exported else   # older reports
                         f"; one query takes {exported['latency_ms_p50']:.2f} ms (p50) against "
@@ -461,6 +463,17 @@ def scann_verdict(exported: dict) -> str:
         return f"slower by {low:.2f} to {high:.2f} ms a query (95% interval)"
     return (f"not clearly faster (the difference is {low:+.2f} to {high:+.2f} ms a query, "
             "95% interval)")
+
+
+def slow_scann_notice(exported: dict, candidates: int, exclude_seen: bool) -> str:
+    """The run's notice when the ScaNN export is not found faster than brute force."""
+    fetched = (f"({candidates} candidates and the most items a user has seen) "
+               if exclude_seen else "")
+    return (f"the retrieval_scann export fetches {exported['fetch']} items a query {fetched}"
+            f"and takes {exported['latency_ms_p50']:.2f} ms a query against "
+            f"{exported['exact_latency_ms_p50']:.2f} ms for the brute-force export's search, "
+            f"{scann_verdict(exported)}: ask retrieval (served by models.config and "
+            "models_scann.config) instead")
 
 
 def served_section(report: dict) -> list[str]:

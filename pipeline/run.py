@@ -220,13 +220,8 @@ class Run:
                 candidates, sample, ScannParams(**self.tuning["params"]),
                 scann_fetch(self.inputs, run.candidates, self.inputs.exclude_seen), run.candidates)
             if not run_report.scann_is_faster(exported):
-                self.notice(
-                    f"the retrieval_scann export fetches {exported['fetch']} items a query "
-                    f"({run.candidates} candidates and the most items a user has seen) and "
-                    f"takes {exported['latency_ms_p50']:.2f} ms a query against "
-                    f"{exported['exact_latency_ms_p50']:.2f} ms for the brute-force export's "
-                    f"search, {run_report.scann_verdict(exported)}: ask retrieval (served by "
-                    "models.config and models_scann.config) instead")
+                self.notice(run_report.slow_scann_notice(exported, run.candidates,
+                                                         self.inputs.exclude_seen))
         if self.tuning["params"] and self.evaluating:
             test = retrieval.query_embeddings(model, self.inputs.examples["test"])
             index = build_index(candidates, run.tuning_k, ScannParams(**self.tuning["params"]))

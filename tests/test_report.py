@@ -145,6 +145,22 @@ def test_the_index_section_times_the_scann_export_as_it_searches(scann_ms, timed
         "remain, so it searches with 47 leaves, searching 26 of them and re-scoring the best "
         f"2490 exactly; one query takes {scann_ms:.2f} ms (p50) against 1.00 ms for the "
         f"brute-force export's search{verdict}")
+    kept = index_section({"index": index, "data": {"exclude_seen": False}}, plots=[])[4]
+    assert kept.startswith("The `retrieval_scann` export fetches 2490 items per query (seen "
+                           "items kept: the k it serves), so it searches with 47 leaves")
+
+
+def test_a_scann_export_not_found_faster_is_noticed_with_why_it_fetches_what_it_does():
+    from tworec.pipeline.report import slow_scann_notice
+    exported = {"fetch": 352, "latency_ms_p50": 0.28, "exact_latency_ms_p50": 0.26,
+                "verdict": "slower", "difference_ms_ci95": [0.01, 0.02]}
+    assert slow_scann_notice(exported, 100, exclude_seen=True) == (
+        "the retrieval_scann export fetches 352 items a query (100 candidates and the most "
+        "items a user has seen) and takes 0.28 ms a query against 0.26 ms for the brute-force "
+        "export's search, slower by 0.01 to 0.02 ms a query (95% interval): ask retrieval "
+        "(served by models.config and models_scann.config) instead")
+    assert slow_scann_notice({**exported, "fetch": 100}, 100, exclude_seen=False).startswith(
+        "the retrieval_scann export fetches 100 items a query and takes 0.28 ms")  # --keep-seen
 
 
 def test_the_notes_say_what_the_run_noticed_as_it_printed_it():
