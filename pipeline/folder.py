@@ -112,6 +112,7 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
     resume = None if continue_run else check_fresh(out, overwrite)
     configs.validate()                  # all but what depends on the log, before it loads
     cluster = [] if continue_run else check_cluster(configs.retrieval.strategy)
+    cluster += gpu_settings_without_gpu(configs)
     try:
         log = load_source(source)
     except SourceNotFound as error:
@@ -216,6 +217,24 @@ def check_cluster(strategy: str) -> list[str]:
         return ["--strategy multi_worker without a TF_CONFIG cluster trains on this machine "
                 "alone"]
     return []
+
+
+def gpu_settings_without_gpu(configs: Configs) -> list[str]:
+    """The notice that XLA (jit_compile) and mixed precision, set for either model, are for a
+    GPU, when this machine has none; [] otherwise."""
+    slower = {flag: why for flag, name, why in (
+        ("--jit-compile", "jit_compile", "XLA compiles every step"),
+        ("--mixed-precision", "mixed_precision", "float16 is emulated"))
+        if any(getattr(stage, name) for stage in (configs.retrieval, configs.ranking))}
+    if not slower:
+        return []
+    import tensorflow as tf
+    if tf.config.list_physical_devices("GPU"):
+        return []
+    one = len(slower) == 1
+    return [f"{' and '.join(slower)} {'is' if one else 'are'} for a GPU and this machine has "
+            f"none: on its CPU {' and '.join(slower.values())}, so training is slower (leave "
+            f"{'it' if one else 'them'} out here)"]
 
 
 def check_fresh(out: str, overwrite: bool) -> str | None:
