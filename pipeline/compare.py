@@ -118,10 +118,11 @@ def _typed(arm: str, field: str, kind, value: str):
 def check_arms(arms: list[Arm], configs: Configs, seeds: list[int]) -> None:
     """Raises ValueError (or DataError) naming the first setting that cannot be compared:
     the data config, the shared configs, the arms and the seeds; before the log loads."""
+    if configs.data.split.partition(":")[0] not in ("temporal", "global"):
+        raise ValueError(f"split {configs.data.split!r}" + (
+            " holds no validation rows to compare on" if configs.data.split in (
+                "none", "random") else ": not a protocol") + "; use temporal or global[:Q]")
     configs.data.validate()
-    if configs.data.split in ("none", "random"):
-        raise ValueError(f"split {configs.data.split!r} holds no validation rows to compare "
-                         "on; use temporal or global[:Q]")
     configs.retrieval.validate(history_length=configs.data.history_length)
     if arms and arms[0].stage == "ranking":
         configs.ranking.validate(history_length=configs.data.history_length)

@@ -70,7 +70,8 @@ def test_an_arm_that_cannot_be_read_is_named_with_what_would_work(text, message)
     (["a", "b:members=0"], [0], {}, "arm 'b': members must be positive"),
     (["a", "b:history_encoder=lstm"], [0], {}, "arm 'b': history_encoder 'lstm'"),
     (["a", "b"], [0], {"split": "none"}, "split 'none' holds no validation rows"),
-    (["a", "b"], [0], {"split": "weekly"}, "split 'weekly'"),
+    (["a", "b"], [0], {"split": "weekly"},
+     "split 'weekly': not a protocol; use temporal or global[:Q]"),
 ])
 def test_arms_that_cannot_be_compared_are_refused_before_the_log_loads(arms, seeds, data,
                                                                       message):
