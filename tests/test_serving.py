@@ -273,7 +273,8 @@ def test_version_policies():
 def test_loads_in_a_session_and_runs_by_tensor_names(local):
     model = local["retrieval"]
     assert isinstance(model.session, tf.compat.v1.Session)
-    assert set(model.signature_defs) == {"serving_default", "__saved_model_init_op"}
+    assert set(model.signature_defs) == {"serving_default", "known_users",
+                                         "__saved_model_init_op"}
     outputs = model.run({"user_id": np.array(["u1", "nobody"])})
     toy = ToyRetrieval()                    # the same seed as the saved one
     eager = toy.serve(tf.constant(["u1", "nobody"]))
