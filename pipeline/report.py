@@ -453,16 +453,17 @@ def scann_is_faster(exported: dict) -> bool:
 
 def scann_verdict(exported: dict) -> str:
     """The ScaNN export's speed against brute force in words, with the 95% interval of the
-    median difference when the report has one ("faster by 0.02 to 0.05 ms a query ...")."""
+    median difference when the report has one ("faster by 20 to 50 µs a query ...")."""
     if "verdict" not in exported:
         return "faster" if scann_is_faster(exported) else "no faster"
-    low, high = exported["difference_ms_ci95"]
+    low, high = (1000 * value for value in exported["difference_ms_ci95"])        # µs
     if exported["verdict"] == "faster":
-        return f"faster by {-high:.2f} to {-low:.2f} ms a query (95% interval)"
+        return f"faster by {-high:.0f} to {-low:.0f} µs a query (95% interval)"
     if exported["verdict"] == "slower":
-        return f"slower by {low:.2f} to {high:.2f} ms a query (95% interval)"
-    return (f"not clearly faster (the difference is {low:+.2f} to {high:+.2f} ms a query, "
-            "95% interval)")
+        return f"slower by {low:.0f} to {high:.0f} µs a query (95% interval)"
+    return (f"not clearly faster (the difference is {low:+.0f} to {high:+.0f} µs a query, "
+            f"95% interval; a verdict needs it beyond {exported['verdict_margin']:.0%} of "
+            "brute force's time)")
 
 
 def slow_scann_notice(exported: dict, candidates: int, exclude_seen: bool) -> str:

@@ -10,7 +10,6 @@ import uuid
 from typing import Callable
 
 import numpy as np
-import scipy.stats
 import tensorflow as tf
 import tensorflow_recommenders as tfrs
 from scann import scann_ops
@@ -23,6 +22,8 @@ from tworec.evaluation import top_k_rows
 # asymmetric hashing training data size").
 SCANN_MIN_ITEMS = 16
 COPY_COLUMNS = 4096        # score columns `exact_scorer` copies to equal candidates at a time
+# A speed verdict (`faster`) needs a difference beyond this share of the reference's time.
+SPEED_MARGIN = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,43 +150,60 @@ def single_query_latency_ms(index, queries: np.ndarray, repeats: int = 200) -> f
 
 
 def one_query_seconds(indexes: list, queries: np.ndarray, repeats: int) -> np.ndarray:
-    """[len(indexes), repeats] seconds of one-query calls through the TF path, the indexes
-    asked in turn with each query (the order alternating from query to query), so that what
-    slows the machine for a moment slows them alike and their differences pair."""
+    """[len(indexes), repeats] seconds of one-query calls through the TF path (`in_turn`)."""
     calls = [tf.function(lambda q, index=index: index(q)) for index in indexes]
     for call in calls:
         call(tf.constant(queries[:1]))                   # traced before timing
+    return in_turn([lambda q, call=call: call(q)[1].numpy() for call in calls],
+                   [tf.constant(query[None, :]) for query in queries], repeats)
+
+
+def in_turn(calls: list[Callable], queries: list, repeats: int) -> np.ndarray:
+    """[len(calls), repeats] seconds of each call asked with query i % len(queries), the calls
+    in turn with each query, in the reverse order every other query: what slows the machine
+    for a moment slows them alike, and being asked second (warm caches) favours neither."""
     seconds = np.zeros([len(calls), repeats])
     for i in range(repeats):
-        q = tf.constant(queries[i % len(queries)][None, :])
         order = range(len(calls)) if i % 2 == 0 else reversed(range(len(calls)))
         for which in order:
             start = time.perf_counter()
-            calls[which](q)[1].numpy()
+            calls[which](queries[i % len(queries)])
             seconds[which, i] = time.perf_counter() - start
     return seconds
 
 
-def faster(seconds: np.ndarray, reference: np.ndarray) -> tuple[str, list[float]]:
-    """Whether calls taking `seconds` [n] are faster than the paired `reference` [n] calls:
-    ("faster" | "slower" | "unclear", the 95% bootstrap interval of the median difference in
-    milliseconds). A verdict is given only when the interval excludes zero, so two runs on
-    a busy machine do not give opposite ones for a difference within the noise."""
-    difference = 1000 * (np.asarray(seconds) - np.asarray(reference))
-    interval = scipy.stats.bootstrap((difference,), np.median, confidence_level=0.95,
-                                     n_resamples=2000, method="percentile",
-                                     random_state=np.random.default_rng(0)).confidence_interval
-    low, high = float(interval.low), float(interval.high)
-    return ("faster" if high < 0 else "slower" if low > 0 else "unclear"), [low, high]
+def faster(seconds: np.ndarray, reference: np.ndarray, margin: float = SPEED_MARGIN,
+           samples: int = 2000) -> tuple[str, list[float]]:
+    """Whether calls taking `seconds` [n] (timed `in_turn` with the `reference` [n] calls)
+    are faster: ("faster" | "slower" | "unclear", the 95% interval of the median difference
+    in milliseconds).
+
+    The differences are averaged over each pair of queries (one asked in each order), and the
+    interval is a moving-block bootstrap of their median (blocks of about sqrt(n) pairs, as
+    the times of neighbouring calls are correlated). A verdict needs the interval to clear
+    `margin` times the reference's median on one side, so that a difference within the noise
+    of a busy machine is "unclear" run after run, not faster in one and slower in the next.
+    """
+    difference = 1000 * (np.asarray(seconds, np.float64) - np.asarray(reference, np.float64))
+    pairs = difference[:len(difference) // 2 * 2].reshape(-1, 2).mean(axis=1)       # [m]
+    block = max(1, int(round(np.sqrt(len(pairs)))))
+    blocks = -(-len(pairs) // block)
+    starts = np.random.default_rng(0).integers(0, len(pairs) - block + 1, (samples, blocks))
+    drawn = pairs[(starts[:, :, None] + np.arange(block)).reshape(samples, -1)[:, :len(pairs)]]
+    low, high = (float(value) for value in np.percentile(np.median(drawn, axis=1), [2.5, 97.5]))
+    threshold = margin * 1000 * float(np.median(reference))
+    return ("faster" if high < -threshold else "slower" if low > threshold else "unclear",
+            [low, high])
 
 
 def exported_setting(candidates: np.ndarray, queries: np.ndarray, params: ScannParams,
-                     fetch: int, k: int, repeats: int = 100) -> dict:
+                     fetch: int, k: int, repeats: int = 200) -> dict:
     """The ScaNN setting an export that fetches `fetch` items a query (for k once seen items
     are gone) searches with (`ScannParams.with_enough_answers`), and its one-query latency
     against the brute-force export's search, top k of the whole catalogue with seen items
     masked out, the two timed in turn (`one_query_seconds`): {"fetch", the setting's fields,
-    "latency_ms_p50", "exact_latency_ms_p50", "verdict" and "difference_ms_ci95" (`faster`)}."""
+    "latency_ms_p50", "exact_latency_ms_p50", and `faster`'s "verdict", "difference_ms_ci95"
+    and "verdict_margin"}."""
     scann, exact = one_query_seconds([build_index(candidates, fetch, params),
                                       build_index(candidates, k)], queries, repeats)
     verdict, interval = faster(scann, exact)
@@ -193,7 +211,7 @@ def exported_setting(candidates: np.ndarray, queries: np.ndarray, params: ScannP
             **dataclasses.asdict(params.with_enough_answers(len(candidates), fetch)),
             "latency_ms_p50": 1000 * float(np.median(scann)),
             "exact_latency_ms_p50": 1000 * float(np.median(exact)),
-            "verdict": verdict, "difference_ms_ci95": interval}
+            "verdict": verdict, "difference_ms_ci95": interval, "verdict_margin": SPEED_MARGIN}
 
 
 def scann_settings(num_items: int, k: int) -> list[ScannParams]:

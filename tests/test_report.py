@@ -123,12 +123,12 @@ def test_the_gain_line_reads_as_the_issue_asks():
 
 @pytest.mark.parametrize("scann_ms, timed, verdict", [
     (0.5, {"verdict": "faster", "difference_ms_ci95": [-0.61, -0.42]},
-     ", faster by 0.42 to 0.61 ms a query (95% interval)."),
-    (1.5, {"verdict": "slower", "difference_ms_ci95": [0.38, 0.52]},
-     ", slower by 0.38 to 0.52 ms a query (95% interval): ask `retrieval` instead."),
-    (0.9, {"verdict": "unclear", "difference_ms_ci95": [-0.21, 0.05]},
-     ", not clearly faster (the difference is -0.21 to +0.05 ms a query, 95% interval): ask "
-     "`retrieval` instead."),
+     ", faster by 420 to 610 µs a query (95% interval)."),
+    (1.5, {"verdict": "slower", "difference_ms_ci95": [0.0381, 0.0524]},
+     ", slower by 38 to 52 µs a query (95% interval): ask `retrieval` instead."),
+    (0.9, {"verdict": "unclear", "difference_ms_ci95": [-0.021, 0.005], "verdict_margin": 0.05},
+     ", not clearly faster (the difference is -21 to +5 µs a query, 95% interval; a verdict "
+     "needs it beyond 5% of brute force's time): ask `retrieval` instead."),
     (0.5, {}, ", faster."),                                   # older reports: medians only
     (1.5, {}, ", no faster: ask `retrieval` instead.")])
 def test_the_index_section_times_the_scann_export_as_it_searches(scann_ms, timed, verdict):
@@ -153,11 +153,11 @@ def test_the_index_section_times_the_scann_export_as_it_searches(scann_ms, timed
 def test_a_scann_export_not_found_faster_is_noticed_with_why_it_fetches_what_it_does():
     from tworec.pipeline.report import slow_scann_notice
     exported = {"fetch": 352, "latency_ms_p50": 0.28, "exact_latency_ms_p50": 0.26,
-                "verdict": "slower", "difference_ms_ci95": [0.01, 0.02]}
+                "verdict": "slower", "difference_ms_ci95": [0.01, 0.02], "verdict_margin": 0.05}
     assert slow_scann_notice(exported, 100, exclude_seen=True) == (
         "the retrieval_scann export fetches 352 items a query (100 candidates and the most "
         "items a user has seen) and takes 0.28 ms a query against 0.26 ms for the brute-force "
-        "export's search, slower by 0.01 to 0.02 ms a query (95% interval): ask retrieval "
+        "export's search, slower by 10 to 20 µs a query (95% interval): ask retrieval "
         "(served by models.config and models_scann.config) instead")
     assert slow_scann_notice({**exported, "fetch": 100}, 100, exclude_seen=False).startswith(
         "the retrieval_scann export fetches 100 items a query and takes 0.28 ms")  # --keep-seen
