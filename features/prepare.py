@@ -64,7 +64,7 @@ import pyarrow.parquet as pq
 from tworec.features.interactions import DataError
 from tworec.features.shards import (ITEM_TABLE, _sql_list, dropped_counts, duckdb_session,
                                     item_table_ids, parquet_log, whole_seconds)
-from tworec.features.sources import unread_columns_note
+from tworec.features.sources import INDEX_COLUMN, unread_columns_note
 from tworec.features.stream import BLOCK_ROWS, SPLIT_CODES, BlockWriter
 from tworec.features.vocab import FIRST, OOV, PAD
 
@@ -115,9 +115,9 @@ def prepare_shards(source: str, out_folder: str, history_length: int = 20,
         not_read = sorted(role for role in mapping if "." in role) + [
             f"{ITEM_TABLE}'s {name}" for name in ([] if parquet.shards.items is None else
                                                     pq.read_schema(parquet.shards.items).names)
-            if name != mapping["item"]]
+            if name != mapping["item"] and not INDEX_COLUMN.fullmatch(name)]
         if mapping.unread and note:
-            note(unread_columns_note(mapping.unread))
+            note(unread_columns_note(mapping.unread, "rating" in mapping))
         if not_read and note:
             note(f"{', '.join(not_read)} not in the prepared shards, which hold ids, histories, "
                  "times and ratings: models trained on them read no side features")

@@ -139,6 +139,7 @@ def needed_columns(shards: ShardSet, columns: dict[str, str]) -> tuple[dict[str,
             if found != field.type:
                 raise DataError(f"{path}: column {field.name!r} is {found}, but {field.type} "
                                 f"in {first}; write every shard with the same schema")
+        mapping.unread = tuple(dict.fromkeys(mapping.unread + mapping.unread_of(other.names)))
     return mapping, needed
 
 

@@ -880,16 +880,29 @@ def _parse_text(lines: bytes, delimiter: str) -> pa.Table:
                           parse_options=pacsv.ParseOptions(delimiter=delimiter))
 
 
-def unread_columns_note(names) -> str:
-    """One line naming a generic log's columns that no role reads, and how to read one."""
+def unread_columns_note(names, has_rating: bool) -> str:
+    """One line naming a generic log's columns that no role reads, and how to read one (as
+    the rating too when the log has none)."""
+    first = names[0]
+    ways = ([f"rating={first}"] if not has_rating else []) + [f"user.{first}={first}",
+                                                             f"item.{first}={first}"]
     return (f"the log's columns {list(names)} are not read: map one with --columns, as "
-            f"rating={names[0]}, user.{names[0]}={names[0]} or item.{names[0]}={names[0]}")
+            f"{', '.join(ways[:-1])} or {ways[-1]}")
+
+
+# A data frame's index written beside its columns: pandas's in Parquet, `to_csv`'s unnamed one.
+INDEX_COLUMN = re.compile(r"__index_level_\d+__|Unnamed: \d+|")
 
 
 class ColumnMapping(dict):
     """role -> column name, as `_resolve_columns` finds it; `unread`: the file's other
-    columns, which no role reads."""
+    columns (`unread_of`)."""
     unread: tuple[str, ...] = ()
+
+    def unread_of(self, names) -> tuple[str, ...]:
+        """The columns of `names` that no role reads, but a data frame's index."""
+        return tuple(name for name in names
+                     if name not in self.values() and not INDEX_COLUMN.fullmatch(name))
 
 
 def _resolve_columns(path: str, names: list[str], columns: dict[str, str]) -> ColumnMapping:
@@ -912,7 +925,7 @@ def _resolve_columns(path: str, names: list[str], columns: dict[str, str]) -> Co
         if name not in names:
             raise DataError(f"{path}: missing required column {name!r} (for {role}); "
                             f"columns: {names}")
-    mapping.unread = tuple(name for name in names if name not in mapping.values())
+    mapping.unread = mapping.unread_of(names)
     return mapping
 
 

@@ -144,7 +144,7 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
                        f"{ranking.popularity_periods}")
     notices += release_gaps(source["data"])
     if log.unread_columns:
-        notices.append(unread_columns_note(log.unread_columns))
+        notices.append(unread_columns_note(log.unread_columns, log.rating is not None))
     unread = sorted(set(log.item_features) - {*MODEL_ITEM_FEATURES, "title"})  # title: people's
     if unread:
         notices.append(f"item features {unread} are not read by the models, which read "

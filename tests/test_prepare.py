@@ -453,11 +453,15 @@ def test_prepare_notes_the_side_features_its_shards_do_not_hold(tmp_path, capsys
     assert notes == ["items.parquet's genres, items.parquet's year not in the prepared shards, "
                      "which hold ids, histories, times and ratings: models trained on them read "
                      "no side features"]
-    extra = _write(tmp_path / "extra", pa.table({**LOG, "stars": [1, 2, 3, 4]}))
+    extra = _write(tmp_path / "extra", pa.table({**LOG, "stars": [1, 2, 3, 4],
+                                                 "__index_level_0__": [0, 1, 2, 3]}))
+    pq.write_table(pa.table({**LOG, "stars": [1] * 4, "note": ["n"] * 4}),   # a later shard's
+                   os.path.join(extra, "part-1.parquet"))                    # own column too
     notes = []
     prepare_shards(extra, str(tmp_path / "extra_out"), note=notes.append)
-    assert notes == ["the log's columns ['stars'] are not read: map one with --columns, as "
-                     "rating=stars, user.stars=stars or item.stars=stars"]
+    assert notes == ["the log's columns ['stars', 'note'] are not read: map one with --columns, "
+                     "as user.stars=stars or item.stars=stars"]       # the log has a rating
+    assert shards.describe(extra)["unread_columns"] == ["stars", "note"]
 
 
 def test_prepare_stopped_by_ctrl_c_says_so_in_one_line(tmp_path, monkeypatch, capsys):

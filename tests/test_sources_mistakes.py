@@ -395,6 +395,9 @@ def test_columns_no_role_reads_are_named_not_dropped_silently(tmp_path):
     assert log.rating is None and log.unread_columns == ("stars", "comment")
     assert log.summary()["unread_columns"] == ["stars", "comment"]
     assert load(str(path), columns={"rating": "stars"}).unread_columns == ("comment",)
+    indexed = tmp_path / "indexed.csv"                  # pandas's to_csv writes its index
+    indexed.write_text(",userId,movieId,timestamp\n0,u1,i1,1\n1,u1,i2,2\n")
+    assert load(str(indexed)).unread_columns == ()
     checked = folder.check_run(str(tmp_path / "run"), {"data": str(path)},
                                config.resolve("tiny"))
     assert ("the log's columns ['stars', 'comment'] are not read: map one with --columns, as "
