@@ -271,7 +271,8 @@ def write_item_table(path: str, item_ids: np.ndarray, features: dict[str, np.nda
 def duckdb_session(source: str, memory_limit: str, database: str = ":memory:"):
     """A DuckDB connection under `memory_limit` that spills to a temporary folder (created
     beside `database` when it is a file) and turns DuckDB's conversion and out-of-memory errors
-    into one-line DataErrors naming `source`."""
+    into one-line DataErrors naming `source`, and a query interrupted (DuckDB's answer to
+    Ctrl-C) into KeyboardInterrupt."""
     import duckdb
     limit = memory_bytes(memory_limit)
     with tempfile.TemporaryDirectory(prefix="tworec-duckdb-") as spill:
@@ -288,6 +289,10 @@ def duckdb_session(source: str, memory_limit: str, database: str = ":memory:"):
         except duckdb.OutOfMemoryException as error:
             raise DataError(f"{source}: DuckDB needs more than its memory limit of "
                             f"{memory_limit}; raise the limit ({_one_line(error)})") from None
+        except (duckdb.InterruptException, RuntimeError) as error:   # Ctrl-C during a query
+            if isinstance(error, duckdb.InterruptException) or str(error) == "Query interrupted":
+                raise KeyboardInterrupt from None
+            raise
         finally:
             connection.close()
 

@@ -492,3 +492,22 @@ def test_a_prepared_folder_given_as_a_log_is_named_as_such(tmp_path):
             f"tworec.features.stream.PreparedLog.load({prepared!r}) and "
             "tworec.retrieval.train.fit_prepared (README: logs larger than memory), or pass "
             "the log it was prepared from")
+
+
+@pytest.mark.parametrize("how", ["interrupt", "SIGINT"])
+def test_a_duckdb_query_stopped_by_ctrl_c_is_a_keyboard_interrupt(tmp_path, how):
+    """DuckDB answers Ctrl-C during a query with its own error ("Query interrupted"), which
+    prepare's one line for Ctrl-C would miss: the session raises KeyboardInterrupt."""
+    import signal
+    import threading
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt), \
+                shards.duckdb_session("log", "100MB") as connection:
+            stop = (connection.interrupt if how == "interrupt" else
+                    lambda: os.kill(os.getpid(), signal.SIGINT))
+            threading.Timer(0.3, stop).start()
+            connection.execute("SELECT COUNT(*) FROM range(10000000000) t(i) "
+                               "WHERE i % 7 = 3").fetchall()
+    finally:
+        signal.signal(signal.SIGINT, previous)
