@@ -62,6 +62,9 @@ def main(argv=None) -> int:
         parts = None if summary_only else split(interactions, args.split or "temporal")
     except DataError as error:
         return cli.fail(str(error))
+    except KeyboardInterrupt:
+        print("error: stopped (Ctrl-C)", file=sys.stderr)
+        return 130
     summary = interactions.summary()
     summary["time_range"] = [int(interactions.timestamp.min()), int(interactions.timestamp.max())]
     if parts is not None:

@@ -194,6 +194,21 @@ def test_describe_data_summarises_shards_without_the_split(tmp_path):
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "--split" in done.stderr
 
 
+
+def test_describe_data_stopped_by_ctrl_c_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "describe_data", os.path.join(ROOT, "scripts", "describe_data.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    write_split(a_log(), tmp_path / "shards")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(shards, "describe", interrupted)
+    assert script.main(["--data", str(tmp_path / "shards")]) == 130
+    assert capsys.readouterr().err == "error: stopped (Ctrl-C)\n"
+
 # ------------------------------------------------------------------ writing synthetic shards
 
 
