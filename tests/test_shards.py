@@ -194,7 +194,6 @@ def test_describe_data_summarises_shards_without_the_split(tmp_path):
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "--split" in done.stderr
 
 
-
 def test_describe_data_stopped_by_ctrl_c_says_so_in_one_line(tmp_path, monkeypatch, capsys):
     import importlib.util
     spec = importlib.util.spec_from_file_location(
