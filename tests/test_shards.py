@@ -208,6 +208,7 @@ def test_describe_data_stopped_by_ctrl_c_says_so_in_one_line(tmp_path, monkeypat
     assert script.main(["--data", str(tmp_path / "shards")]) == 130
     assert capsys.readouterr().err == "error: stopped (Ctrl-C)\n"
 
+
 # ------------------------------------------------------------------ writing synthetic shards
 
 
