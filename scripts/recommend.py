@@ -128,7 +128,10 @@ def recommend_one(args: argparse.Namespace, titles: dict[str, str]) -> int:
             recommender = Recommender(client, args.retrieval_model or "retrieval",
                                       args.ranking_model or "ranking")
             result = recommender.recommend([args.user], n=args.n, seen=seen)
-            known = recommender.known_users([args.user])
+            try:
+                known = recommender.known_users([args.user])
+            except (OSError, ServingError):          # for a note only: the list stands
+                known = None
     except (OSError, ValueError, ServingError) as error:
         return fail(str(error), code=1)
     print(f"recommendations for user {args.user}:")
@@ -140,7 +143,7 @@ def recommend_one(args: argparse.Namespace, titles: dict[str, str]) -> int:
               "asked for")
     if known is not None and not known[0]:
         print(f"note: the models were fit on no rows of user {args.user}: this is the list "
-              "every user they do not know gets")
+              "every user they do not know gets" + (", less the --seen items" if seen else ""))
     if titles and items and not any(item in titles for item in items):
         print(f"note: no item here has a title in --movies {args.movies} (another catalogue's "
               "ids?)")

@@ -790,6 +790,18 @@ def test_recommender_says_which_users_the_retrieval_model_knows(client):
         Recommender(client, retrieval_model="missing").known_users(["u1"])
 
 
+def test_recommend_prints_the_list_when_asking_which_users_are_known_fails(embedded, capsys,
+                                                                         monkeypatch):
+    """Whether the models know the user is for a note: a failure there leaves the list."""
+    recommend = _script("recommend")
+
+    def unavailable(self, user_ids):
+        raise ServingError("UNAVAILABLE", "the server went away")
+    monkeypatch.setattr(Recommender, "known_users", unavailable)
+    assert recommend.main(["--user", "stranger", "--url", embedded[0], "--n", "2"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 3
+
+
 def test_composed_recommender_equals_recommender(client, model_dir, tmp_path):
     base = str(tmp_path / "recommender")
     path = write_version(base, lambda out: compose_recommender(
@@ -1053,6 +1065,11 @@ def test_recommend_prints_titles(embedded, tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[3:] == [
         "note: the models were fit on no rows of user stranger: this is the list every user "
         "they do not know gets"]
+    assert recommend.main(["--user", "stranger", "--url", embedded[0], "--n", "2",
+                           "--seen", "i0"]) == 0
+    assert capsys.readouterr().out.splitlines()[3:] == [
+        "note: the models were fit on no rows of user stranger: this is the list every user "
+        "they do not know gets, less the --seen items"]
 
 
 def test_reload_config_replaces_the_models_and_labels_resolve(swap_server):
