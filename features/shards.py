@@ -71,6 +71,14 @@ def find(source: str) -> ShardSet | None:
         DataError: one line for an empty folder, a glob matching nothing or matching files that
             are not Parquet, or two item tables.
     """
+    prepared = _prepared_folder(source)
+    if prepared is not None:
+        where = ("a folder that prepare wrote" if os.path.normpath(prepared) ==
+                 os.path.normpath(source) else f"inside {prepared}, a folder that prepare wrote")
+        raise DataError(f"{source}: {where}, not a log; read it with "
+                        f"tworec.features.stream.PreparedLog.load({prepared!r}) and "
+                        "tworec.retrieval.train.fit_prepared (README: logs larger than memory), "
+                        "or pass the log it was prepared from")
     if not os.path.exists(source) and any(c in source for c in GLOB_CHARACTERS):
         matches = sorted(p for p in glob.glob(source, recursive=True) if os.path.isfile(p))
         if not matches:
@@ -85,12 +93,6 @@ def find(source: str) -> ShardSet | None:
         return _with_item_table(source, matches)
     if not os.path.isdir(source):
         return None
-    if os.path.isfile(os.path.join(source, "manifest.json")) and \
-            os.path.isdir(os.path.join(source, "shards")):
-        raise DataError(f"{source}: a folder that prepare wrote, not a log; read it with "
-                        f"tworec.features.stream.PreparedLog.load({source!r}) and "
-                        "tworec.retrieval.train.fit_prepared (README: logs larger than memory), or "
-                        "pass the log it was prepared from")
     files, anything = [], False
     for folder, subfolders, names in os.walk(source):
         subfolders[:] = sorted(d for d in subfolders if not d.startswith((".", "_")))
@@ -102,6 +104,24 @@ def find(source: str) -> ShardSet | None:
                         f"glob such as {os.path.join(source, 'part-*.parquet')}, or a GroupLens "
                         "release folder")
     return _with_item_table(source, sorted(files)) if files else None
+
+
+def _prepared_folder(source: str) -> str | None:
+    """The folder `prepare` wrote that `source` (a folder, glob or .parquet file) is or is in
+    (its shards, its training blocks' folder), known by its manifest; None otherwise."""
+    if not (os.path.isdir(source) or source.endswith(".parquet")
+            or any(c in source for c in GLOB_CHARACTERS)):
+        return None
+    folder = source if os.path.isdir(source) else os.path.dirname(source) or "."
+    for candidate in (folder, os.path.dirname(os.path.normpath(folder))):
+        try:
+            with open(os.path.join(candidate or ".", "manifest.json")) as f:
+                manifest = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(manifest, dict) and {"train_blocks", "history_slots"} <= set(manifest):
+            return candidate or "."
+    return None
 
 
 def _with_item_table(source: str, files: list[str]) -> ShardSet:

@@ -483,15 +483,25 @@ def test_a_prepared_folder_given_as_a_log_is_named_as_such(tmp_path):
     says what it is and what reads it (it said users.parquet lacked the item column)."""
     prepared = str(tmp_path / "prepared")
     prepare_shards(_write(tmp_path / "log", pa.table(LOG)), prepared)
+    advice = (f"not a log; read it with tworec.features.stream.PreparedLog.load({prepared!r}) "
+              "and tworec.retrieval.train.fit_prepared (README: logs larger than memory), or "
+              "pass the log it was prepared from")
+    inside = [os.path.join(prepared, "shards"), os.path.join(prepared, "shards", "*.parquet"),
+              os.path.join(prepared, "shards", "part-00000.parquet")]
     for call in (load, shards.describe, lambda source: prepare_shards(source,
                                                                       str(tmp_path / "again"))):
         with pytest.raises(DataError) as error:
             call(prepared)
-        assert str(error.value) == (
-            f"{prepared}: a folder that prepare wrote, not a log; read it with "
-            f"tworec.features.stream.PreparedLog.load({prepared!r}) and "
-            "tworec.retrieval.train.fit_prepared (README: logs larger than memory), or pass "
-            "the log it was prepared from")
+        assert str(error.value) == f"{prepared}: a folder that prepare wrote, {advice}"
+        for source in inside:                               # its shards: a log of codes
+            with pytest.raises(DataError) as error:
+                call(source)
+            assert str(error.value) == (f"{source}: inside {prepared}, a folder that prepare "
+                                        f"wrote, {advice}")
+    log = tmp_path / "log"                  # a log's own manifest.json is not prepare's
+    (log / "manifest.json").write_text('{"owner": "me"}')
+    os.makedirs(log / "shards")
+    assert len(load(str(log))) == 4
 
 
 @pytest.mark.parametrize("how", ["interrupt", "SIGINT"])
