@@ -112,7 +112,7 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
     resume = None if continue_run else check_fresh(out, overwrite)
     configs.validate()                  # all but what depends on the log, before it loads
     cluster = [] if continue_run else check_cluster(configs.retrieval.strategy)
-    cluster += gpu_settings_without_gpu(configs)
+    cluster += gpu_settings_without_gpu(configs, continue_run)
     try:
         log = load_source(source)
     except SourceNotFound as error:
@@ -219,13 +219,13 @@ def check_cluster(strategy: str) -> list[str]:
     return []
 
 
-def gpu_settings_without_gpu(configs: Configs) -> list[str]:
-    """The notice that XLA (jit_compile) and mixed precision, set for either model, are for a
-    GPU, when this machine has none; [] otherwise."""
-    slower = {flag: why for flag, name, why in (
-        ("--jit-compile", "jit_compile", "XLA compiles every step"),
-        ("--mixed-precision", "mixed_precision", "float16 is emulated"))
-        if any(getattr(stage, name) for stage in (configs.retrieval, configs.ranking))}
+def gpu_settings_without_gpu(configs: Configs, continue_run: bool = False) -> list[str]:
+    """The notice that XLA (jit_compile) and mixed precision, set for a model this run trains
+    (a continued run trains ranking only), are for a GPU, when this machine has none."""
+    stages = (configs.ranking,) if continue_run else (configs.retrieval, configs.ranking)
+    slower = [flag for flag, name in (("--jit-compile", "jit_compile"),
+                                      ("--mixed-precision", "mixed_precision"))
+              if any(getattr(stage, name) for stage in stages)]
     if not slower:
         return []
     import tensorflow as tf
@@ -233,7 +233,7 @@ def gpu_settings_without_gpu(configs: Configs) -> list[str]:
         return []
     one = len(slower) == 1
     return [f"{' and '.join(slower)} {'is' if one else 'are'} for a GPU and this machine has "
-            f"none: on its CPU {' and '.join(slower.values())}, so training is slower (leave "
+            f"none: on a CPU {'it trains' if one else 'they train'} slower, not faster (leave "
             f"{'it' if one else 'them'} out here)"]
 
 

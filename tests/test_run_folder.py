@@ -102,13 +102,13 @@ def test_gpu_settings_on_a_machine_without_one_are_noticed(tmp_path, monkeypatch
         ranking=dataclasses.replace(configs.ranking, mixed_precision=True))
     source = {"data": write_log(tmp_path / "log.csv"), "columns": COLUMNS}
     notice = ("--jit-compile and --mixed-precision are for a GPU and this machine has none: on "
-              "its CPU XLA compiles every step and float16 is emulated, so training is slower "
-              "(leave them out here)")
+              "a CPU they train slower, not faster (leave them out here)")
     assert notice in folder.check_run(str(tmp_path / "run"), source, configs).notices
     jit_only = dataclasses.replace(configs, ranking=config.resolve("tiny").ranking)
-    assert ("--jit-compile is for a GPU and this machine has none: on its CPU XLA compiles "
-            "every step, so training is slower (leave it out here)") in folder.check_run(
+    assert ("--jit-compile is for a GPU and this machine has none: on a CPU it trains slower, "
+            "not faster (leave it out here)") in folder.check_run(
         str(tmp_path / "run"), source, jit_only).notices
+    assert folder.gpu_settings_without_gpu(jit_only, continue_run=True) == []   # no retrieval
     assert not any("GPU" in notice for notice in folder.check_run(
         str(tmp_path / "run"), source, config.resolve("tiny")).notices)
     monkeypatch.setattr(tf.config, "list_physical_devices", lambda kind: ["a GPU"])
