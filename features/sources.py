@@ -207,7 +207,8 @@ def _changes_within(user: np.ndarray, values: np.ndarray) -> bool:
 ROLE_NAMES = {"user": "user", "item": "item", "time": "timestamp", "rating": "rating"}
 
 
-def empty_ids_error(source: str, name: str, count: int, first: int) -> DataError:
+def empty_ids_error(source: str, name: str, count: int, first: int | str) -> DataError:
+    """`first`: the first such row, or where it is ("500 of PATH", `shards._in_its_shard`)."""
     return DataError(f"{source}: column {name!r} has {count} empty ids (first at row {first}); "
                      "every row needs a user and an item id")
 

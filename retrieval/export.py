@@ -14,6 +14,7 @@ Signatures (batch is dimension 0):
     with_history: user_id [b] string, history [b, L] string -> item_ids, scores
     embed_user: user_id [b] string -> embedding [b, d] float32
     embed_items: item_ids [n] string -> embedding [n, d] float32
+    known_users: user_id [b] string -> known [b] bool (fit rows of the user: else popular items)
 d is the model's query and candidate width: `embedding_dim` times its members; a user's
 embedding dotted with an item's is the score served (with several members, the mean of
 theirs: the user's embedding is the members' side by side divided by their number).
