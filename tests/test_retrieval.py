@@ -208,7 +208,8 @@ def test_the_exported_setting_is_timed_as_the_export_searches(monkeypatch):
     assert setting == {"fetch": 120, "num_leaves": 10, "num_leaves_to_search": 8,
                        "num_reordering_candidates": 120, "dimensions_per_block": 2,
                        "latency_ms_p50": pytest.approx(3.5), "exact_latency_ms_p50": 2.0,
-                       "verdict": "slower", "difference_ms_ci95": pytest.approx([1.5, 2.0])}
+                       "verdict": "slower", "difference_ms_ci95": pytest.approx([1.5, 2.0]),
+                       "verdict_margin": 0.05}
     assert timed == [[("SeededScaNN", 120), ("BruteForce", 30), 20, 7]]     # as exported
 
 
