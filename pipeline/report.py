@@ -369,17 +369,24 @@ def ranking_section(report: dict) -> list[str]:
     regression = report["ranking"].get("task") == "regression"
     scores = "predicted ratings" if regression else "scores"
     model = report["ranking"].get("model")                  # older reports did not say
+    calibration = report["ranking"]["train"].get("calibration")
+    calibrated = bool(calibration) and "skipped" not in calibration and not regression
     below = (" (0.5 is chance: below it, retrieval's top candidates score above the held-out "
              "item more often than not)" if ranking["auc"] is not None and ranking["auc"] < 0.5
              else "")
+    retrieved = ("" if ranking.get("auc_retrieved") is None else
+                 f"; {ranking['auc_retrieved']:.3f} over the {ranking['retrieved_rows']:,} "
+                 "held-out items among those candidates, the lists it re-orders when served (a "
+                 "held-out item retrieval missed scores below them)")
     return ["", "## Ranking on its own", "",
             (f"The ranker: {model.upper()}, trained on the {report['ranking']['task']} task. "
              if model else "")
             + f"RMSE of the {'regression ranker' if regression else 'rating head'}: {rmse}. "
             "AUC of each held-out item against retrieval's "
             f"top candidates for its user (the items it must beat when served), by the "
-            f"ranker's {scores}: {auc}{below}."
-            ] + calibration_sentence(report["ranking"]["train"].get("calibration"))
+            f"ranker's {scores}{' as balanced below' if calibrated else ''}: {auc}{below}"
+            f"{retrieved}."
+            ] + calibration_sentence(calibration)
 
 
 def served_lengths(report: dict) -> str:
@@ -404,8 +411,8 @@ def calibration_sentence(calibration: dict | None) -> list[str]:
     return ["", f"The logit's balance was refitted on {calibration['rows']:,} validation lists "
                 f"as served (those of users known before validation holding their "
                 f"positive): the ranker's own logit × "
-                f"{calibration['scale']:.2f}{signals}; validation cross-entropy {before:.3f} → "
-                f"{after:.3f}.{unused}"]
+                f"{calibration['scale']:.2f}{signals}; their cross-entropy {before:.3f} → "
+                f"{after:.3f} (on the lists it was fitted on).{unused}"]
 
 
 def index_section(report: dict, plots: list[str]) -> list[str]:

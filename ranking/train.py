@@ -259,7 +259,10 @@ def evaluate(model: RankingModel, data: ModelInputs, signals: RankingSignals, pa
     predicted ratings, by which it orders candidates) order correctly, a tie counting as wrong,
     each row's negatives being the first `num_negatives` of its retrieval candidates `hard`
     [m, H] other than the positive, for every row alike (the items the ranker must beat when
-    serving); random negatives when `hard` is None."""
+    serving); random negatives when `hard` is None. With `hard`, also "auc_retrieved": the
+    AUC over the rows whose positive is among their candidates, the lists the ranker re-orders
+    when served (a positive retrieval missed is scored below them by the retrieval-score
+    signal), and "retrieved_rows", their number."""
     config = model.config
     result = {"rmse": None, "auc": None}
     if len(getattr(data.split, part)) == 0:
@@ -271,7 +274,12 @@ def evaluate(model: RankingModel, data: ModelInputs, signals: RankingSignals, pa
     else:
         lists = np.concatenate([positives[:, None], retrieval_negatives(hard, positives, count)], 1)
     scores = score_lists(model, data, signals, part, lists)   # regression: predicted ratings
-    result["auc"] = pair_auc(scores, lists[:, 1:] != EMPTY_SLOT)
+    pairs = lists[:, 1:] != EMPTY_SLOT
+    result["auc"] = pair_auc(scores, pairs)
+    if hard is not None:
+        retrieved = (hard == positives[:, None]).any(axis=1)                            # [m]
+        result.update(auc_retrieved=pair_auc(scores[retrieved], pairs[retrieved]),
+                      retrieved_rows=int(retrieved.sum()))
     if model.use_rating:
         examples = list_examples(data, signals, part, lists[:, :1])
         predicted = np.concatenate([model.predict_rating(b).numpy()

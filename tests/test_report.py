@@ -211,13 +211,14 @@ def test_the_calibration_sentence_says_what_was_refitted_or_why_not():
     assert calibration_sentence(fitted) == ["", (
         "The logit's balance was refitted on 1,234 validation lists as served (those of users "
         "known before validation holding their positive): the ranker's own logit × 0.46, the signal weights retrieval_scores "
-        "10.8, transitions 0.546; validation cross-entropy 4.236 → 4.202.")]
+        "10.8, transitions 0.546; their cross-entropy 4.236 → 4.202 (on the lists it was "
+        "fitted on).")]
     assert "signal weights" not in calibration_sentence({**fitted, "weights": {}})[1]
     assert "keeps no weight" not in calibration_sentence({**fitted, "scale": 0.004})[1]
     assert calibration_sentence({**fitted, "scale": 0.0})[1].endswith(
-        "× 0.00, the signal weights retrieval_scores 10.8, transitions 0.546; validation "
-        "cross-entropy 4.236 → 4.202. The ranker's own logit keeps no weight: the two-stage "
-        "order is that of the signals alone.")
+        "× 0.00, the signal weights retrieval_scores 10.8, transitions 0.546; their "
+        "cross-entropy 4.236 → 4.202 (on the lists it was fitted on). The ranker's own logit "
+        "keeps no weight: the two-stage order is that of the signals alone.")
     assert calibration_sentence({"rows": 0, "skipped": "no served validation list holds its "
                                  "positive"}) == ["", "The logit's balance was not refitted: no "
                                                   "served validation list holds its positive."]
@@ -234,6 +235,13 @@ def test_the_ranking_section_says_what_orders_the_auc(task, rated_by, scores):
         f"RMSE of the {rated_by}: 0.951. AUC of each held-out item against retrieval's top "
         "candidates for its user (the items it must beat when served), by the ranker's "
         f"{scores}: 0.679.")
+    report["ranking"]["test"].update(auc_retrieved=0.8123, retrieved_rows=1573)
+    report["ranking"]["train"]["calibration"] = {"rows": 9, "scale": 0.5, "weights": {},
+                                                 "loss_before": 2.0, "loss_after": 1.9}
+    assert ranking_section(report)[3].endswith(
+        f"by the ranker's {scores}{' as balanced below' if task == 'listwise' else ''}: 0.679; "
+        "0.812 over the 1,573 held-out items among those candidates, the lists it re-orders "
+        "when served (a held-out item retrieval missed scores below them).")
     report["ranking"]["test"]["rmse"] = None
     assert ranking_section(report)[3].startswith(
         f"RMSE of the {rated_by}: none (no rating head: rating_weight 0, or a log without "
@@ -241,8 +249,9 @@ def test_the_ranking_section_says_what_orders_the_auc(task, rated_by, scores):
     report["ranking"].update(model="bst", test={"rmse": None, "auc": 0.1324})
     assert ranking_section(report)[3].startswith(f"The ranker: BST, trained on the {task} task. ")
     assert ranking_section(report)[3].endswith(
-        f"by the ranker's {scores}: 0.132 (0.5 is chance: below it, retrieval's top candidates "
-        "score above the held-out item more often than not).")
+        f"by the ranker's {scores}{' as balanced below' if task == 'listwise' else ''}: 0.132 "
+        "(0.5 is chance: below it, retrieval's top candidates score above the held-out item "
+        "more often than not).")
 
 
 def test_example_users_show_titles_and_mark_the_held_out_item():
