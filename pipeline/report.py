@@ -322,7 +322,8 @@ def metrics_section(report: dict, plots: list[str]) -> list[str]:
              "served order. The models' lists are the ones their exports serve"
              + served_lengths(report) + ": a held-out item past them is a miss. The baselines "
              "are fit on the same training rows (popular now counts the training and "
-             "validation rows, as the exports do).", "",
+             "validation rows, as the exports do); item transitions score an item by how often "
+             "it followed the user's last item, its popularity breaking their ties.", "",
              "| model | Recall@10 | NDCG@10 |", "| --- | --- | --- |"]
     lines += [row(name, metrics) for name, metrics in models]
     gain = (report.get("two_stage") or {}).get("gain_over_retrieval") or {}
