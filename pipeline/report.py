@@ -434,7 +434,8 @@ def index_section(report: dict, plots: list[str]) -> list[str]:
             f"{recall:.1%} of the exact top {k} there"
             + (f" and {test:.1%} on test queries" if test is not None else "")
             + f"; one query takes {index['latency_ms_p50']:.2f} ms (p50) against "
-            f"{index['exact_latency_ms_p50']:.2f} ms for brute force.")
+            f"{index['exact_latency_ms_p50']:.2f} ms for brute force's top {k} (timed one "
+            "after the other).")
     if "exported" in index:
         exported = index["exported"]
         why = (" so that k unseen ones remain" if (report.get("data") or {}).get(
