@@ -507,8 +507,13 @@ def served_section(report: dict) -> list[str]:
         lines += ["| served model | seen items served |", "| --- | --- |"]
         lines += [f"| {name} | {figures['seen_items_served']} |"
                   for name, figures in serving["served"].items()]
-    return lines + ["", f"The ranking export's scores differ from the Keras ranker's by at "
-                        f"most {serving['ranking_export_max_abs_diff']:.1e}."]
+    scann = serving["served"].get("retrieval_scann")
+    approximate = [] if scann is None else [
+        "", f"`retrieval_scann` searches approximately: its lists hold "
+            f"{scann['share_of_exact_items']:.1%} of the items of `retrieval`'s (exact) lists."]
+    return lines + approximate + [
+        "", f"The ranking export's scores differ from the Keras ranker's by at most "
+            f"{serving['ranking_export_max_abs_diff']:.1e}."]
 
 
 def examples_section(report: dict) -> list[str]:

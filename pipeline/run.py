@@ -326,9 +326,10 @@ class Run:
     def serve_and_check(self) -> None:
         """Serves every export with the embedded server, asks for every checked test user over
         REST and gRPC, and records the metrics of the served lists beside the offline ones
-        (`pipeline.served`); fails when they differ beyond float ties, when REST and gRPC
-        disagree, when a served list holds a seen item, or when the ranking export scores
-        retrieval's candidates otherwise than the Keras ranker. Without a test part (split
+        (`pipeline.served`; the approximate `retrieval_scann`'s are measured, with the share of
+        the exact lists' items it serves); fails when they differ beyond float ties, when REST
+        and gRPC disagree, when a served list holds a seen item, or when the ranking export
+        scores retrieval's candidates otherwise than the Keras ranker. Without a test part (split
         `none`) it asks for the users the exports know, with the same checks but metrics."""
         users = self.checked_users() if self.evaluating else \
             np.flatnonzero(self.inputs.known)[:self.configs.run.checked_users]
@@ -345,7 +346,8 @@ class Run:
                     Client(grpc_target=f"127.0.0.1:{server.grpc_port}") as grpc:
                 answers = {name: {"rest": served.ask(rest, name, ids),
                                   "grpc": served.ask(grpc, name, ids)}
-                           for name in ("retrieval", "recommender")}
+                           for name in ("retrieval", "retrieval_scann", "recommender")
+                           if name in self.report["exports"]}
                 ranking_gap = self.ranking_export_gap(rest, rows[:64])
                 sample = ids[:8]
                 client_side = Recommender(grpc).recommend(sample, n=self.configs.run.top_n)
@@ -360,8 +362,8 @@ class Run:
                                         "composed SavedModel served different lists")
         self.served_lists = {"users": users, "lists": {name: by_transport["rest"]
                                                        for name, by_transport in answers.items()}}
-        offline = {name: self.offline(name).at(rows) for name in answers} \
-            if self.evaluating else {}
+        offline = {name: self.offline(name).at(rows) for name in answers
+                   if name != "retrieval_scann"} if self.evaluating else {}
         for name, by_transport in answers.items():
             rest_lists, grpc_lists = by_transport["rest"], by_transport["grpc"]
             if not np.array_equal(rest_lists["item_ids"], grpc_lists["item_ids"]):
@@ -371,9 +373,14 @@ class Run:
             if seen and self.inputs.exclude_seen:
                 raise served.ServedMismatch(f"{name}: {seen} served items were already seen")
             result["served"][name] = {"seen_items_served": seen}
+            if name == "retrieval_scann":         # approximate: measured, not compared
+                result["served"][name]["share_of_exact_items"] = served.shared_share(
+                    rest_lists["item_ids"], answers["retrieval"]["rest"]["item_ids"])
             if self.evaluating:
                 per_row = {key: values[answer_of_row] for key, values in rest_lists.items()}
-                result["served"][name].update(served.compare(name, per_row, offline[name], targets))
+                result["served"][name].update(
+                    served.scored(per_row, targets) if name == "retrieval_scann" else
+                    served.compare(name, per_row, offline[name], targets))
         if ranking_gap > 1e-4:
             raise served.ServedMismatch(f"ranking: the export's scores differ from the Keras "
                                         f"ranker's by up to {ranking_gap:.2e}")

@@ -72,6 +72,24 @@ def describe_rank(rank: int) -> str:
     return "a miss" if rank == MISS else str(rank)
 
 
+def scored(served: dict[str, np.ndarray], targets: np.ndarray) -> dict:
+    """The metrics of served lists ({"item_ids": [m, n], ...}) against the held-out items
+    [m]: {"recall@K", "ndcg@K" for every K of the report (past n a miss), "rows": m}."""
+    ranks = served_ranks(served["item_ids"], targets)
+    return {**rank_metrics(beyond_list_missed(ranks, served["item_ids"].shape[1]), KS),
+            "rows": int(len(targets))}
+
+
+def shared_share(item_ids: np.ndarray, exact_ids: np.ndarray) -> float:
+    """The share of the exact lists' items [u, n] ("" for an empty slot) that the lists
+    `item_ids` [u, n] also hold, over all users: an approximate index's recall of the exact
+    lists as served."""
+    real = exact_ids != ""
+    held = np.array([np.isin(exact, approximate) for exact, approximate in
+                     zip(exact_ids, item_ids)]).reshape(exact_ids.shape)
+    return float(held[real].mean()) if real.any() else 1.0
+
+
 def compare(name: str, served: dict[str, np.ndarray], offline: Offline,
             targets: np.ndarray) -> dict:
     """Served against offline metrics of one model on the same rows.
@@ -102,8 +120,7 @@ def compare(name: str, served: dict[str, np.ndarray], offline: Offline,
             f"{name}: {len(rows)} of {len(targets)} served lists rank the held-out item "
             f"otherwise than the offline evaluation (first row {rows[0]}: served rank "
             f"{ranks[rows[0]]}, offline {describe_rank(offline.ranks[rows[0]])})")
-    return {**rank_metrics(beyond_list_missed(ranks, length), KS), "rows": int(len(targets)),
-            "float_ties": int(len(differ))}
+    return {**scored(served, targets), "float_ties": int(len(differ))}
 
 
 def catalogue_codes(item_ids: np.ndarray, catalogue: np.ndarray) -> np.ndarray:

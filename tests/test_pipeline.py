@@ -91,6 +91,10 @@ def test_served_lists_score_what_the_report_says(run):
     two_stage = report["two_stage"]["test"]           # the recommender serves its top 10
     assert two_stage["recall@100"] == two_stage["recall@10"] < report["retrieval"]["test"]["recall@100"]
     assert serving["ranking_export_max_abs_diff"] < 1e-4
+    if "retrieval_scann" in report["exports"]:          # approximate: measured as served
+        scann = serving["served"]["retrieval_scann"]
+        assert scann["seen_items_served"] == 0 and scann["rows"] == serving["rows"]
+        assert 0.5 < scann["share_of_exact_items"] <= 1 and 0 < scann["recall@10"] <= 1
     state = report["data"]["state"]
     assert state["rows"] == report["data"]["interactions"] - report["data"]["test_users"]
 
@@ -481,3 +485,13 @@ def test_seen_items_served_are_counted():
     seen = sp.csr_matrix(np.array([[1, 0, 0, 0], [0, 0, 1, 1]], np.float32))
     assert served.seen_served(np.array([["y", "z"], ["x", ""]]), catalogue, seen) == 0
     assert served.seen_served(np.array([["x", "z"], ["w", "z"]]), catalogue, seen) == 3
+
+
+def test_an_approximate_index_is_scored_as_served_and_against_the_exact_lists():
+    from tworec.pipeline import served
+    exact = np.array([["a", "b", "c"], ["d", "e", ""]])
+    approximate = np.array([["b", "x", "a"], ["e", "y", "d"]])
+    assert served.shared_share(approximate, exact) == 4 / 5      # of the exact lists' 5 items
+    figures = served.scored({"item_ids": approximate}, np.array(["a", "z"]))
+    assert figures["recall@10"] == 0.5 and figures["rows"] == 2
+    assert figures["ndcg@10"] == pytest.approx(0.5 / np.log2(2 + 2))        # a at rank 2

@@ -416,6 +416,10 @@ def test_a_deployment_run_reports_what_it_served_without_metrics():
     assert ("asked for 40 users the exports know (nothing is held out to score) over REST and "
             "gRPC (identical answers).") in text
     assert "| served model | seen items served |\n| --- | --- |\n| retrieval | 0 |" in text
+    serving["served"]["retrieval_scann"] = {"seen_items_served": 0, "share_of_exact_items": 0.9712}
+    assert ("`retrieval_scann` searches approximately: its lists hold 97.1% of the items of "
+            "`retrieval`'s (exact) lists.") in markdown(report_of("none", serving=serving),
+                                                        "RUN", [])
 
 
 def test_a_model_below_a_baseline_is_warned_with_the_interval_of_the_difference():
