@@ -323,7 +323,8 @@ def metrics_section(report: dict, plots: list[str]) -> list[str]:
              + served_lengths(report) + ": a held-out item past them is a miss. The baselines "
              "are fit on the same training rows (popular now counts the training and "
              "validation rows, as the exports do); item transitions score an item by how often "
-             "it followed the user's last item, its popularity breaking their ties.", "",
+             "it followed the user's last item, its popularity breaking their ties (to float32 "
+             "precision).", "",
              "| model | Recall@10 | NDCG@10 |", "| --- | --- | --- |"]
     lines += [row(name, metrics) for name, metrics in models]
     gain = (report.get("two_stage") or {}).get("gain_over_retrieval") or {}
@@ -377,8 +378,9 @@ def ranking_section(report: dict) -> list[str]:
              else "")
     retrieved = ("" if ranking.get("auc_retrieved") is None else
                  f"; {ranking['auc_retrieved']:.3f} over the {ranking['retrieved_rows']:,} "
-                 "held-out items among those candidates, the lists it re-orders when served (a "
-                 "held-out item retrieval missed scores below them)")
+                 f"held-out items among retrieval's top {ranking['retrieved_among']}, the lists "
+                 "it re-orders when served (a held-out item retrieval missed is never served, "
+                 "whatever its score)")
     return ["", "## Ranking on its own", "",
             (f"The ranker: {model.upper()}, trained on the {report['ranking']['task']} task. "
              if model else "")
@@ -434,8 +436,8 @@ def index_section(report: dict, plots: list[str]) -> list[str]:
             f"{recall:.1%} of the exact top {k} there"
             + (f" and {test:.1%} on test queries" if test is not None else "")
             + f"; one query takes {index['latency_ms_p50']:.2f} ms (p50) against "
-            f"{index['exact_latency_ms_p50']:.2f} ms for brute force's top {k} (timed one "
-            "after the other).")
+            f"{index['exact_latency_ms_p50']:.2f} ms for brute force's top {k} (timed "
+            "separately, not in turn).")
     if "exported" in index:
         exported = index["exported"]
         why = (" so that k unseen ones remain" if (report.get("data") or {}).get(
@@ -510,7 +512,9 @@ def served_section(report: dict) -> list[str]:
     scann = serving["served"].get("retrieval_scann")
     approximate = [] if scann is None else [
         "", f"`retrieval_scann` searches approximately: its lists hold "
-            f"{scann['share_of_exact_items']:.1%} of the items of `retrieval`'s (exact) lists."]
+            f"{scann['share_of_exact_items']:.1%} of the items of `retrieval`'s (exact) lists"
+            + (f" for the {scann['share_users']:,} users the exports know (the others get the "
+               "same popular list from both)" if "share_users" in scann else "") + "."]
     return lines + approximate + [
         "", f"The ranking export's scores differ from the Keras ranker's by at most "
             f"{serving['ranking_export_max_abs_diff']:.1e}."]

@@ -347,7 +347,8 @@ class Run:
                 answers = {name: {"rest": served.ask(rest, name, ids),
                                   "grpc": served.ask(grpc, name, ids)}
                            for name in ("retrieval", "retrieval_scann", "recommender")
-                           if name in self.report["exports"]}
+                           if name != "retrieval_scann" or
+                           list_versions(self.export_dir("retrieval_scann"))}
                 ranking_gap = self.ranking_export_gap(rest, rows[:64])
                 sample = ids[:8]
                 client_side = Recommender(grpc).recommend(sample, n=self.configs.run.top_n)
@@ -374,8 +375,12 @@ class Run:
                 raise served.ServedMismatch(f"{name}: {seen} served items were already seen")
             result["served"][name] = {"seen_items_served": seen}
             if name == "retrieval_scann":         # approximate: measured, not compared
-                result["served"][name]["share_of_exact_items"] = served.shared_share(
-                    rest_lists["item_ids"], answers["retrieval"]["rest"]["item_ids"])
+                known = self.inputs.known[users]         # others get the same popular list
+                result["served"][name].update(
+                    share_of_exact_items=served.shared_share(
+                        rest_lists["item_ids"][known],
+                        answers["retrieval"]["rest"]["item_ids"][known]),
+                    share_users=int(known.sum()))
             if self.evaluating:
                 per_row = {key: values[answer_of_row] for key, values in rest_lists.items()}
                 result["served"][name].update(

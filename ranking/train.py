@@ -261,8 +261,8 @@ def evaluate(model: RankingModel, data: ModelInputs, signals: RankingSignals, pa
     [m, H] other than the positive, for every row alike (the items the ranker must beat when
     serving); random negatives when `hard` is None. With `hard`, also "auc_retrieved": the
     AUC over the rows whose positive is among their candidates, the lists the ranker re-orders
-    when served (a positive retrieval missed is scored below them by the retrieval-score
-    signal), and "retrieved_rows", their number."""
+    when served (a positive retrieval missed is never served, whatever its score),
+    "retrieved_rows", their number, and "retrieved_among", H."""
     config = model.config
     result = {"rmse": None, "auc": None}
     if len(getattr(data.split, part)) == 0:
@@ -279,7 +279,7 @@ def evaluate(model: RankingModel, data: ModelInputs, signals: RankingSignals, pa
     if hard is not None:
         retrieved = (hard == positives[:, None]).any(axis=1)                            # [m]
         result.update(auc_retrieved=pair_auc(scores[retrieved], pairs[retrieved]),
-                      retrieved_rows=int(retrieved.sum()))
+                      retrieved_rows=int(retrieved.sum()), retrieved_among=int(hard.shape[1]))
     if model.use_rating:
         examples = list_examples(data, signals, part, lists[:, :1])
         predicted = np.concatenate([model.predict_rating(b).numpy()

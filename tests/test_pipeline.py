@@ -67,8 +67,8 @@ def test_report_follows_the_schema(run):
     exported = report["index"]["exported"]             # timed as the ScaNN export searches
     assert exported["num_reordering_candidates"] >= exported["fetch"] > 100
     assert exported["verdict"] in ("faster", "slower", "unclear")
-    assert (exported["verdict"] != "faster") == any(notice.startswith("the retrieval_scann export fetches")
-                         for notice in report["notices"])
+    assert (exported["verdict"] != "faster") == any(
+        notice.startswith("the retrieval_scann export fetches") for notice in report["notices"])
     against = report["retrieval"]["against_baselines"]["popularity"]["ndcg@10"]
     assert against["difference"] == pytest.approx(
         report["retrieval"]["test"]["ndcg@10"] - report["baselines"]["popularity"]["ndcg@10"])
@@ -95,6 +95,7 @@ def test_served_lists_score_what_the_report_says(run):
         scann = serving["served"]["retrieval_scann"]
         assert scann["seen_items_served"] == 0 and scann["rows"] == serving["rows"]
         assert 0.5 < scann["share_of_exact_items"] <= 1 and 0 < scann["recall@10"] <= 1
+        assert 0 < scann["share_users"] <= serving["users"]
     state = report["data"]["state"]
     assert state["rows"] == report["data"]["interactions"] - report["data"]["test_users"]
 
@@ -259,7 +260,8 @@ def test_train_ranking_reuses_a_retrieval_run_and_matches_the_pipeline(run, retr
      "does not split the header"),
     ("pipeline.py", ["--top-k", "0", "--out", "OUT/new"],
      "--top-k (candidates) must be positive, got 0"),
-    ("pipeline.py", ["--top-n", "0", "--out", "OUT/new"], "--top-n (top_n) must be positive, got 0"),
+    ("pipeline.py", ["--top-n", "0", "--out", "OUT/new"],
+     "--top-n (top_n) must be positive, got 0"),
     ("pipeline.py", ["--top-k", "5", "--top-n", "10", "--out", "OUT/new"],
      "--top-n (top_n) 10 is more than the 5 candidates"),
     ("train_ranking.py", ["--data", "synthetic:tiny", "--epochs", "0", "--out", "OUT/new"],

@@ -241,9 +241,12 @@ def assert_scores_are_predicted_ratings(model, inputs, signals) -> None:
     # with the held-out item among the candidates of every other row: the same negatives, and
     # the AUC of those rows alone apart
     found = np.arange(len(lists)) % 2 == 0
-    hard = np.concatenate([lists[:, 1:], np.where(found, lists[:, 0], EMPTY_SLOT)[:, None]], 1)
+    padding = np.full((len(lists), 5), EMPTY_SLOT)              # the positive past the negatives
+    hard = np.concatenate([lists[:, 1:], padding,
+                           np.where(found, lists[:, 0], EMPTY_SLOT)[:, None]], 1)
     metrics = evaluate(model, inputs, signals, "test", hard=hard)
     assert metrics["auc"] == auc and metrics["retrieved_rows"] == found.sum()
+    assert metrics["retrieved_among"] == hard.shape[1]
     assert metrics["auc_retrieved"] == pytest.approx(np.mean(positive[found] > negative[found]))
     with pytest.raises(ValueError, match="a regression ranker has no logit to rebalance"):
         calibrate(model, inputs, signals, "test", lists)

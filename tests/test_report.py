@@ -141,7 +141,7 @@ def test_the_index_section_times_the_scann_export_as_it_searches(scann_ms, timed
                           "exact_latency_ms_p50": 1.0, **timed}}
     lines = index_section({"index": index}, plots=[])
     assert lines[3].endswith("; one query takes 0.19 ms (p50) against 0.34 ms for brute force's "
-                             "top 10 (timed one after the other).")
+                             "top 10 (timed separately, not in turn).")
     assert lines[4] == (
         "The `retrieval_scann` export fetches 2490 items per query so that k unseen ones "
         "remain, so it searches with 47 leaves, searching 26 of them and re-scoring the best "
@@ -237,13 +237,14 @@ def test_the_ranking_section_says_what_orders_the_auc(task, rated_by, scores):
         f"RMSE of the {rated_by}: 0.951. AUC of each held-out item against retrieval's top "
         "candidates for its user (the items it must beat when served), by the ranker's "
         f"{scores}: 0.679.")
-    report["ranking"]["test"].update(auc_retrieved=0.8123, retrieved_rows=1573)
+    report["ranking"]["test"].update(auc_retrieved=0.8123, retrieved_rows=1573,
+                                     retrieved_among=100)
     report["ranking"]["train"]["calibration"] = {"rows": 9, "scale": 0.5, "weights": {},
                                                  "loss_before": 2.0, "loss_after": 1.9}
     assert ranking_section(report)[3].endswith(
         f"by the ranker's {scores}{' as balanced below' if task == 'listwise' else ''}: 0.679; "
-        "0.812 over the 1,573 held-out items among those candidates, the lists it re-orders "
-        "when served (a held-out item retrieval missed scores below them).")
+        "0.812 over the 1,573 held-out items among retrieval's top 100, the lists it re-orders "
+        "when served (a held-out item retrieval missed is never served, whatever its score).")
     report["ranking"]["test"]["rmse"] = None
     assert ranking_section(report)[3].startswith(
         f"RMSE of the {rated_by}: none (no rating head: rating_weight 0, or a log without "
@@ -416,10 +417,12 @@ def test_a_deployment_run_reports_what_it_served_without_metrics():
     assert ("asked for 40 users the exports know (nothing is held out to score) over REST and "
             "gRPC (identical answers).") in text
     assert "| served model | seen items served |\n| --- | --- |\n| retrieval | 0 |" in text
-    serving["served"]["retrieval_scann"] = {"seen_items_served": 0, "share_of_exact_items": 0.9712}
+    serving["served"]["retrieval_scann"] = {"seen_items_served": 0, "share_of_exact_items": 0.9712,
+                                            "share_users": 1234}
     assert ("`retrieval_scann` searches approximately: its lists hold 97.1% of the items of "
-            "`retrieval`'s (exact) lists.") in markdown(report_of("none", serving=serving),
-                                                        "RUN", [])
+            "`retrieval`'s (exact) lists for the 1,234 users the exports know (the others get "
+            "the same popular list from both).") in markdown(report_of("none", serving=serving),
+                                                             "RUN", [])
 
 
 def test_a_model_below_a_baseline_is_warned_with_the_interval_of_the_difference():
