@@ -513,8 +513,10 @@ def served_section(report: dict) -> list[str]:
     approximate = [] if scann is None else [
         "", f"`retrieval_scann` searches approximately: its lists hold "
             f"{scann['share_of_exact_items']:.1%} of the items of `retrieval`'s (exact) lists"
-            + (f" for the {scann['share_users']:,} users the exports know (the others get the "
-               "same popular list from both)" if "share_users" in scann else "") + "."]
+            + (f" for the {scann['share_users']:,} users the exports know"
+               + (" (the others get the same popular list from both)"
+                  if scann["share_users"] < serving["users"] else "")
+               if "share_users" in scann else "") + "."]
     return lines + approximate + [
         "", f"The ranking export's scores differ from the Keras ranker's by at most "
             f"{serving['ranking_export_max_abs_diff']:.1e}."]

@@ -418,11 +418,14 @@ def test_a_deployment_run_reports_what_it_served_without_metrics():
             "gRPC (identical answers).") in text
     assert "| served model | seen items served |\n| --- | --- |\n| retrieval | 0 |" in text
     serving["served"]["retrieval_scann"] = {"seen_items_served": 0, "share_of_exact_items": 0.9712,
-                                            "share_users": 1234}
+                                            "share_users": 30}
     assert ("`retrieval_scann` searches approximately: its lists hold 97.1% of the items of "
-            "`retrieval`'s (exact) lists for the 1,234 users the exports know (the others get "
+            "`retrieval`'s (exact) lists for the 30 users the exports know (the others get "
             "the same popular list from both).") in markdown(report_of("none", serving=serving),
                                                              "RUN", [])
+    serving["served"]["retrieval_scann"]["share_users"] = 40            # every user asked
+    assert ("`retrieval`'s (exact) lists for the 40 users the exports know.") in markdown(
+        report_of("none", serving=serving), "RUN", [])
 
 
 def test_a_model_below_a_baseline_is_warned_with_the_interval_of_the_difference():
