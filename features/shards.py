@@ -108,12 +108,15 @@ def find(source: str) -> ShardSet | None:
 
 def _prepared_folder(source: str) -> str | None:
     """The folder `prepare` wrote that `source` (a folder, glob or .parquet file) is or is in
-    (its shards, its training blocks' folder), known by its manifest; None otherwise."""
+    (its `shards` or `train` folder), known by its manifest; None otherwise."""
     if not (os.path.isdir(source) or source.endswith(".parquet")
             or any(c in source for c in GLOB_CHARACTERS)):
         return None
-    folder = source if os.path.isdir(source) else os.path.dirname(source) or "."
-    for candidate in (folder, os.path.dirname(os.path.normpath(folder))):
+    folder = os.path.normpath(source if os.path.isdir(source) else
+                              os.path.dirname(source) or ".")
+    candidates = [folder] + ([os.path.dirname(folder)]
+                             if os.path.basename(folder) in ("shards", "train") else [])
+    for candidate in candidates:
         try:
             with open(os.path.join(candidate or ".", "manifest.json")) as f:
                 manifest = json.load(f)

@@ -68,7 +68,7 @@ class Recommender:
         if np.ndim(user_ids) != 1:
             raise ValueError(f"user_ids must be a flat list of ids, got shape "
                              f"{np.shape(user_ids)}")
-        users = np.array([_bytes(u) for u in user_ids], dtype=object)         # [b]
+        users = _as_bytes(user_ids)
         if seen is not None and len(seen) != len(users):
             raise ValueError(f"seen has {len(seen)} rows for {len(users)} users")
         candidates = self.client.predict(self.retrieval_model, {"user_id": users})["item_ids"]
@@ -82,7 +82,7 @@ class Recommender:
         """[b] bool: whether the retrieval model was fit on rows of each user (the others get
         the list for users never seen); None when its export has no `known_users` signature
         (tworec's before it had one, or another retrieval model)."""
-        users = np.array([_bytes(u) for u in user_ids], dtype=object)         # [b]
+        users = _as_bytes(user_ids)
         try:
             answer = self.client.predict(self.retrieval_model, {"user_id": users},
                                          signature_name="known_users")
@@ -98,6 +98,11 @@ def _seen_mask(candidates: np.ndarray, seen: Sequence[Sequence[str]]) -> np.ndar
     return np.array([[item in row_seen for item in row]
                      for row, row_seen in zip(candidates, ({_bytes(i) for i in s} for s in seen))],
                     dtype=bool).reshape(candidates.shape)
+
+
+def _as_bytes(user_ids) -> np.ndarray:
+    """[b] object array of the ids as bytes."""
+    return np.array([_bytes(u) for u in user_ids], dtype=object)
 
 
 def _bytes(value) -> bytes:

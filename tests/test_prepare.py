@@ -502,6 +502,8 @@ def test_a_prepared_folder_given_as_a_log_is_named_as_such(tmp_path):
     (log / "manifest.json").write_text('{"owner": "me"}')
     os.makedirs(log / "shards")
     assert len(load(str(log))) == 4
+    beside = _write(os.path.join(prepared, "logs"), pa.table(LOG))    # a log kept inside one
+    assert len(load(beside)) == len(load(os.path.join(beside, "*.parquet"))) == 4
 
 
 @pytest.mark.parametrize("how", ["interrupt", "SIGINT"])
