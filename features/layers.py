@@ -8,6 +8,8 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from tworec.features.vocab import OOV
+
 YEAR_BUCKETS = 32          # 0 unknown, then five-year buckets from 1900
 
 
@@ -21,7 +23,9 @@ class ItemFeatures(tf.keras.layers.Layer):
     """Catalogue codes -> concatenated item id embedding, year embedding and projected genres.
 
     Call: codes [...] int64 -> [..., dim + 8 + 16]: the genres dropped when the log has none,
-    only the id embedding [..., dim] without `use_features`.
+    only the id embedding [..., dim] without `use_features`. A code of -1 (an id outside the
+    catalogue, as `id_lookup` answers it) reads as an item without training rows and without
+    features: the out-of-vocabulary id row, no year, no genres.
     The id embedding is public (`id_embedding`) so a history encoder can share it.
     """
 
@@ -38,12 +42,16 @@ class ItemFeatures(tf.keras.layers.Layer):
                                  if use_features and item_genres.shape[1] else None)
 
     def call(self, codes: tf.Tensor) -> tf.Tensor:
-        parts = [self.id_embedding(tf.gather(self.item_index, codes))]
+        known = codes >= 0
+        codes = tf.maximum(codes, 0)
+        index = tf.where(known, tf.gather(self.item_index, codes), tf.constant(OOV, tf.int64))
+        parts = [self.id_embedding(index)]
         if self.year_embedding is not None:
-            parts.append(self.year_embedding(year_bucket(tf.gather(self.item_year, codes))))
+            year = tf.where(known, tf.gather(self.item_year, codes), 0)             # 0: no year
+            parts.append(self.year_embedding(year_bucket(year)))
         if self.genre_projection is not None:
-            parts.append(tf.cast(self.genre_projection(tf.gather(self.item_genres, codes)),
-                                 parts[0].dtype))
+            genres = tf.gather(self.item_genres, codes) * tf.cast(known, tf.float32)[..., None]
+            parts.append(tf.cast(self.genre_projection(genres), parts[0].dtype))
         return tf.concat(parts, axis=-1)
 
 

@@ -13,7 +13,8 @@ Signatures (batch is dimension 0):
     serving_default: user_id [b] string -> item_ids [b, k] string, scores [b, k] float32
     with_history: user_id [b] string, history [b, L] string -> item_ids, scores
     embed_user: user_id [b] string -> embedding [b, d] float32
-    embed_items: item_ids [n] string -> embedding [n, d] float32
+    embed_items: item_ids [n] string -> embedding [n, d] float32 (an id outside the catalogue:
+        the out-of-vocabulary id row, no features)
     known_users: user_id [b] string -> known [b] bool (fit rows of the user: else popular items)
 d is the model's query and candidate width: `embedding_dim` times its members; a user's
 embedding dotted with an item's is the score served (with several members, the mean of
@@ -145,8 +146,9 @@ class RetrievalModule(tf.Module):
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="item_ids")])
     def embed_items(self, item_ids):
-        codes = self.item_codes.lookup(item_ids)
-        return {"embedding": self.model.candidate(tf.maximum(codes, 0))}
+        """item_ids [b] -> embedding [b, d]; an id outside the catalogue gets the embedding of
+        an item without training rows or features (the out-of-vocabulary row)."""
+        return {"embedding": self.model.candidate(self.item_codes.lookup(item_ids))}
 
 
 def export(model: RetrievalModel, data: ModelInputs, base_path: str, k: int,

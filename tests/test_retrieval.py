@@ -505,6 +505,21 @@ def test_item_features_create_only_the_layers_they_call(genres, use_features):
     assert all(sublayer.built for sublayer in layer.submodules)
 
 
+def test_item_features_read_a_code_outside_the_catalogue_as_an_item_without_rows_or_features():
+    """Code -1 (an id `id_lookup` does not know) is the out-of-vocabulary id row with no year
+    bucket and no genres, not catalogue item 0."""
+    from tworec.features.layers import ItemFeatures
+    from tworec.features.vocab import OOV
+    layer = ItemFeatures(np.array([2, 3]), 4, np.array([[1, 0], [0, 1]], np.float32),
+                         np.array([1990, 2001]), dim=3)
+    out = layer(tf.constant([-1, 0], tf.int64)).numpy()                           # [2, 3+8+16]
+    expected = np.concatenate([layer.id_embedding(tf.constant([OOV])).numpy()[0],
+                               layer.year_embedding(tf.constant([0])).numpy()[0],
+                               layer.genre_projection(tf.zeros([1, 2])).numpy()[0]])
+    np.testing.assert_allclose(out[0], expected, atol=1e-6)
+    assert not np.allclose(out[0], out[1])
+
+
 def keras_top_k(model, data, users: np.ndarray, k: int, excluded) -> np.ndarray:
     """[u, k] codes of the Keras towers' top k for user codes `users`, `excluded` ([u, I] 0/1)
     skipped: the exports' answers, by NumPy."""
@@ -550,6 +565,10 @@ def test_brute_force_export_serves_the_keras_top_k_of_unseen_items(trained, tmp_
         log.item_ids[keras_top_k(model, data, users, 10, passed)].tolist()
     embedded = run("embed_items", item_ids=log.item_ids[:3])["embedding"]
     np.testing.assert_allclose(embedded, candidate_embeddings(model, data.num_items)[:3], atol=1e-5)
+    outside = run("embed_items", item_ids=np.array(["no-such-item", ""]))["embedding"]
+    np.testing.assert_allclose(outside, model.candidate(tf.constant([-1, -1], tf.int64)).numpy(),
+                               atol=1e-5)                         # not catalogue item 0's
+    assert not np.allclose(outside[0], embedded[0], atol=1e-3)
 
 
 def test_users_the_export_does_not_know_get_the_popular_items(trained, tmp_path):
