@@ -159,7 +159,13 @@ def export(model: RetrievalModel, data: ModelInputs, base_path: str, k: int,
 
     With `scann` the index is ScaNN and the model needs ScaNN's ops to serve. With
     `warmup_users` ([w] str) the version carries TF Serving warmup requests for them.
+
+    Raises:
+        ValueError: k exceeds the catalogue.
     """
+    if not 1 <= k <= data.num_items:
+        raise ValueError(f"k={k}: the export answers 1 to {data.num_items} items a user (the "
+                         f"catalogue); pass a k in that range")
     module = RetrievalModule(model, data, k, scann, exclude_seen=data.exclude_seen)
     signatures = {"serving_default": module.serve, "with_history": module.with_history,
                   "embed_user": module.embed_user, "embed_items": module.embed_items,

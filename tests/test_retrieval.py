@@ -571,6 +571,17 @@ def test_brute_force_export_serves_the_keras_top_k_of_unseen_items(trained, tmp_
     assert not np.allclose(outside[0], embedded[0], atol=1e-3)
 
 
+@pytest.mark.parametrize("k", [0, "catalogue + 1"])
+def test_an_export_of_more_items_than_the_catalogue_is_refused_before_it_traces(trained, tmp_path,
+                                                                                 k):
+    from tworec.retrieval.export import export
+    _, _, model, data, _ = trained
+    k = data.num_items + 1 if k == "catalogue + 1" else k
+    with pytest.raises(ValueError, match=f"^k={k}: the export answers 1 to {data.num_items} "):
+        export(model, data, str(tmp_path / "retrieval"), k=k)
+    assert not os.path.exists(tmp_path / "retrieval")
+
+
 def test_users_the_export_does_not_know_get_the_popular_items(trained, tmp_path):
     """Unknown ids, and users whose only rows are held out, are served `ModelInputs.popular`
     of the fit rows (here the latest tenth: not the training popularity); nothing of theirs is
