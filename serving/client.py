@@ -326,12 +326,23 @@ def _outputs_of_json(answer: dict, signature) -> dict[str, np.ndarray]:
         raise ServingError("INTERNAL", f"The predict answer's outputs {got} do not match the "
                            f"signature's {names}")
     try:
-        return {name: _array_of_json(value, tf.as_dtype(signature.outputs[name].dtype))
+        return {name: _in_its_rank(_array_of_json(value, tf.as_dtype(signature.outputs[name]
+                                                                     .dtype)),
+                                   signature.outputs[name].tensor_shape)
                 for name, value in outputs.items()}
     except (TypeError, ValueError, OverflowError, AttributeError, KeyError,
             binascii.Error) as error:
         raise ServingError("INTERNAL", f"The predict answer does not match the signature's "
                            f"dtypes or shapes: {error}") from error
+
+
+def _in_its_rank(array: np.ndarray, shape) -> np.ndarray:
+    """An empty answer (JSON `[]`, which keeps no inner sizes) in the rank of the signature's
+    `shape` (a TensorShapeProto): [0, ...] with its known sizes, 0 for the others, as gRPC's
+    tensors carry it."""
+    if array.size or shape.unknown_rank or array.ndim == len(shape.dim) or not shape.dim:
+        return array
+    return array.reshape([0] + [max(dim.size, 0) for dim in shape.dim[1:]])
 
 
 def _array_of_json(value, dtype: tf.DType) -> np.ndarray:

@@ -745,6 +745,19 @@ def test_client_predict_status_metadata(client, local):
     assert error.value.code == "NOT_FOUND"
 
 
+def test_an_empty_batch_is_answered_in_the_signatures_rank(client, local):
+    """JSON's `[]` keeps no inner sizes: the REST client restores the signature's rank, so both
+    transports (and the Recommender over them) answer an empty batch alike."""
+    users = np.array([], dtype=object)
+    expected = local["retrieval"].run({"user_id": users})
+    outputs = client.predict("retrieval", {"user_id": users})
+    assert {name: value.shape for name, value in outputs.items()} == \
+        {name: value.shape for name, value in expected.items()}
+    assert outputs["scores"].dtype == np.float32 and expected["scores"].shape[0] == 0
+    answer = Recommender(client).recommend([], n=3)
+    assert answer["item_ids"].shape == answer["scores"].shape == (0, 3)
+
+
 def test_client_splits_requests_over_its_row_limit(server, local):
     users = np.array([f"u{i % 6}".encode() for i in range(7)], dtype=object)
     expected = local["retrieval"].run({"user_id": users})
