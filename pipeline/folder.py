@@ -89,6 +89,7 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
             TFDS data directory}.
         configs: the resolved configs (for a continued run, resolved from `read_run(out)`).
     """
+    check_source(source)
     if continue_run:
         saved_source, saved = read_run(out)
         changed = [name for name in ("data", "retrieval", "run")
@@ -169,6 +170,24 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
     return CheckedRun(out, log, parts, configs, source,
                       run_report.read(out) if continue_run else {}, notices, continue_run,
                       overwrite, resume)
+
+
+SOURCE_KEYS = ("data", "columns", "delimiter", "data_dir")     # and the run's "fingerprint"
+
+
+def check_source(source) -> None:
+    """Raises ValueError, in one line, unless `source` is a dict `check_run` reads whole: a
+    `data` text and only the keys of SOURCE_KEYS (a misspelt key would go unread)."""
+    if not isinstance(source, dict) or not isinstance(source.get("data"), str):
+        raise ValueError(f"the source must be a dict with 'data', a features.load source (a "
+                         f"path, 'synthetic' or 'tfds:NAME'), got {source!r:.80}")
+    unknown = sorted(set(source) - {*SOURCE_KEYS, "fingerprint"}, key=str)
+    if unknown:
+        raise ValueError(f"the source has keys {unknown} that nothing reads; it takes "
+                         f"{list(SOURCE_KEYS)}")
+    if not isinstance(source.get("columns") or {}, dict):
+        raise ValueError(f"the source's 'columns' must map roles to column names, as "
+                         f"{{'user': 'uid'}}, got {source['columns']!r:.80}")
 
 
 def load_source(source: dict) -> Interactions:

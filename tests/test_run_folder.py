@@ -69,6 +69,18 @@ def continue_run(out) -> folder.CheckedRun:
     return folder.check_run(str(out), source, config.resolve(base=saved), continue_run=True)
 
 
+@pytest.mark.parametrize("source, message", [
+    ("log.csv", "the source must be a dict with 'data'"),
+    ({"source": "log.csv"}, "the source must be a dict with 'data'"),
+    ({"data": "synthetic:tiny", "colums": {"user": "uid"}},
+     r"the source has keys \['colums'\] that nothing reads; it takes \['data', 'columns', "),
+    ({"data": "synthetic:tiny", "columns": "user=uid"}, "the source's 'columns' must map roles")])
+def test_a_source_the_run_would_not_read_whole_is_refused_in_one_line(tmp_path, source, message):
+    with pytest.raises(ValueError, match=f"^{message}"):
+        folder.check_run(str(tmp_path / "run"), source, config.resolve("tiny"))
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_batch_larger_than_the_training_rows_is_lowered_with_a_notice(tmp_path):
     """An epoch trains on whole batches: a batch above the training rows would train nothing
     (and failed once the run had started). It is lowered before anything is written, as the
