@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import datetime
 import io
 import os
 import re
@@ -134,9 +135,10 @@ def from_columns(source: str, user, item, timestamp, rating=None, *, catalogue=N
 
     Args:
         source: name used in error messages.
-        user, item: [n] ids, any dtype; compared as strings, none empty.
-        timestamp: [n] numbers, datetime64, timedelta64 (seconds from an origin) or text
-            (numbers or ISO dates and times), made whole seconds (truncated). Below a second
+        user, item: [n] ids, any dtype; compared as strings, none empty or missing.
+        timestamp: [n] numbers, datetime64, timedelta64 (seconds from an origin), Python
+            dates or datetimes (aware ones in UTC) or text (numbers or ISO dates and times),
+            made whole seconds (truncated). Below a second
             the full-precision time still tells rows apart (they are not duplicates) and
             orders them: a user's rows of one second are placed in their true order among
             the positions they hold, so that ties of whole seconds in log order are the true
@@ -155,7 +157,8 @@ def from_columns(source: str, user, item, timestamp, rating=None, *, catalogue=N
     """
     names = {**ROLE_NAMES, **(names or {})}
     dropped = dict(dropped or {})
-    user, item = np.asarray(user).astype(str), np.asarray(item).astype(str)
+    user, item = (_id_text(source, names[role], ids) for role, ids in (("user", user),
+                                                                      ("item", item)))
     if len(user) == 0:
         raise DataError(f"{source}: the log is empty")
     for role, ids in (("user", user), ("item", item)):
@@ -207,6 +210,16 @@ def _changes_within(user: np.ndarray, values: np.ndarray) -> bool:
 ROLE_NAMES = {"user": "user", "item": "item", "time": "timestamp", "rating": "rating"}
 
 
+def _id_text(source: str, name: str, ids) -> np.ndarray:
+    """[n] ids as text; a missing one (None, NaN) is refused, not read as the id "None"."""
+    ids = np.asarray(ids, dtype=object if isinstance(ids, (list, tuple)) else None)  # NaN kept
+    if ids.dtype.kind == "f":
+        _refuse(source, name, np.isnan(ids), "missing values")
+    elif ids.dtype == object:
+        _refuse(source, name, np.equal(ids, None) | np.not_equal(ids, ids), "missing values")
+    return ids.astype(str)
+
+
 def empty_ids_error(source: str, name: str, count: int, first: int | str) -> DataError:
     """`first`: the first such row, or where it is ("500 of PATH", `shards._in_its_shard`)."""
     return DataError(f"{source}: column {name!r} has {count} empty ids (first at row {first}); "
@@ -229,8 +242,8 @@ def _times(source: str, name: str, values) -> tuple[np.ndarray, np.ndarray]:
     Text is read as a text log's time column is (`_as_number`: numbers, else ISO dates and
     times); a duration counts its whole seconds, as from an origin. Missing (NaT), infinite
     and out-of-range times are refused, and text mixing numbers and dates."""
-    values = _from_text(source, name, _numpy_times(source, name, np.asarray(values)),
-                        TIME_TYPES)
+    values = _from_text(source, name, _numpy_times(source, name, _python_times(
+        source, name, np.asarray(values))), TIME_TYPES)
     if values.dtype.kind in "mM":      # a timestamp, date or duration column, in its own unit
         _refuse(source, name, np.isnat(values), "missing values")
         unit, count = np.datetime_data(values.dtype)
@@ -263,6 +276,21 @@ OUT_OF_RANGE = "times that are infinite or beyond ±2^63 seconds"
 RATINGS_OUT_OF_RANGE = "ratings that are infinite or beyond float32's ±3.4e38"
 FLOAT32_OVERFLOW = 2.0 ** 128 - 2.0 ** 103      # from here on a double rounds to float32 inf
 COARSE_UNITS = ("Y", "M", "W", "D", "h", "m")                 # NumPy's units above a second
+
+
+def _python_times(source: str, name: str, values: np.ndarray) -> np.ndarray:
+    """An object array of Python dates or datetimes (pandas Timestamps too; None where one is
+    missing) as datetime64, read by Arrow: naive times as they are, aware ones in UTC, as a
+    Parquet timestamp column is read. Other arrays as they are; only arrays whose first value
+    is a date are looked through."""
+    present = values.flat[0] if values.dtype == object and len(values) else None
+    if not isinstance(present, datetime.date):
+        return values
+    try:
+        return pa.array(values.reshape(-1)).to_numpy(zero_copy_only=False)
+    except (pa.ArrowException, ValueError, TypeError):
+        raise DataError(f"{source}: column {name!r} holds Python dates beside date-times or "
+                        "other values; give it dates only or date-times only") from None
 
 
 def _numpy_times(source: str, name: str, values: np.ndarray, every: bool = False) -> np.ndarray:

@@ -1,6 +1,7 @@
 """Mistakes in a generic log caught before any work, each with one line naming the file and
 what would work: binary files named .csv, delimiters other than ',', decimal commas."""
 import argparse
+import datetime as dt
 import gzip
 import io
 import os
@@ -322,12 +323,25 @@ def test_times_below_a_second_order_a_text_log_and_are_not_duplicates(tmp_path):
     (np.array(["1", "2", "0xFFFFFFFFFFFFFFFF"]), "column 'timestamp' is neither all numbers nor "
      "all ISO dates and times (first value that is not a number: '0xFFFFFFFFFFFFFFFF', at row "
      "2)"),                          # Arrow alone reads it as -1; out of core, it is refused
+    ([dt.datetime(2020, 1, 1), dt.datetime(2020, 1, 1, 10, 0, 0, 500000),
+      dt.datetime(1970, 1, 2)], [1577836800, 1577872800, 86400]),
+    ([dt.datetime(2020, 1, 1, 2, tzinfo=dt.timezone(dt.timedelta(hours=2))),
+      dt.datetime(1970, 1, 2, tzinfo=dt.timezone.utc), dt.datetime(1970, 1, 1)],
+     [1577836800, 86400, 0]),
+    ([dt.date(2020, 1, 1), dt.date(1970, 1, 2), dt.date(1970, 1, 1)], [1577836800, 86400, 0]),
+    ([dt.datetime(2020, 1, 1), dt.date(1970, 1, 2), dt.datetime(1970, 1, 1)],
+     "column 'timestamp' holds Python dates beside date-times or other values; give it dates "
+     "only or date-times only"),
+    ([dt.datetime(2020, 1, 1), None, dt.datetime(1970, 1, 1)],
+     "column 'timestamp' has 1 missing values (first at row 1)"),
 ], ids=["minutes", "hours", "negative-ms", "10ms-dates", "NaT", "a-date-among-numbers",
         "a-typo-among-dates", "a-non-number-among-dates", "a-number-among-dates", "a-typo-among-both",
         "an-impossible-date", "days-past-2262", "no-unit", "days-beyond-2^63-seconds",
         "minutes-that-wrap-to-0", "picoseconds", "3-picosecond-ticks-that-wrap", "float16",
         "datetime64-objects", "datetime64-objects-of-two-units", "a-datetime64-among-numbers",
-        "a-datetime64-after-a-number", "hexadecimal", "hexadecimal-that-wraps"])
+        "a-datetime64-after-a-number", "hexadecimal", "hexadecimal-that-wraps",
+        "python-datetimes", "aware-python-datetimes", "python-dates",
+        "a-python-date-among-datetimes", "a-missing-python-datetime"])
 @pytest.mark.filterwarnings("error::RuntimeWarning")             # float16 warned, overflowing
 def test_library_callers_times_are_seconds_or_refused_in_one_line(times, expected):
     def log():
@@ -338,6 +352,14 @@ def test_library_callers_times_are_seconds_or_refused_in_one_line(times, expecte
         assert str(error.value) == f"log: {expected}"
     else:
         assert sorted(log().timestamp.tolist()) == sorted(expected)
+
+
+@pytest.mark.parametrize("users", [["u", None, "v"], ["u", float("nan"), "v"],
+                                   np.array([1.0, np.nan, 2.0])], ids=["None", "NaN", "float-NaN"])
+def test_library_callers_missing_ids_are_refused_not_read_as_text(users):
+    with pytest.raises(DataError) as error:
+        sources.from_columns("log", users, ["a", "b", "a"], [1, 2, 3])
+    assert str(error.value) == "log: column 'user' has 1 missing values (first at row 1)"
 
 
 SIDE = ("user,item,time,genre,yr\nu1,i1,1,Action|Comedy,1995\nu1,i2,2,Drama,2001.0\n"
