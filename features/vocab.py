@@ -63,9 +63,14 @@ class Vocabulary:
         return self.lookup(id_table)
 
     def decode(self, indexes) -> np.ndarray:
-        """[...] int -> [...] str; PAD and OOV decode to ''."""
-        table = np.concatenate([["", ""], self.ids])
-        return table[np.asarray(indexes)]
+        """[...] int -> [...] str; PAD and OOV decode to ''. An index outside the table
+        (negative, as `EMPTY_SLOT`, or from `size` on) is a ValueError."""
+        indexes = np.asarray(indexes)
+        outside = (indexes < 0) | (indexes >= self.size)
+        if outside.any():
+            raise ValueError(f"{self.name}: index {indexes[outside].flat[0]} is not in the "
+                             f"vocabulary's 0 to {self.size - 1}")
+        return np.concatenate([["", ""], self.ids])[indexes]
 
     def save(self, path: str) -> None:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

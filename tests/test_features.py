@@ -275,6 +275,9 @@ def test_vocabulary_round_trip(tmp_path):
     again = Vocabulary.load(str(tmp_path / "v.json"))
     assert np.array_equal(again.ids, vocab.ids)
     assert again.decode([2, 3, 1, 0]).tolist() == ["z", "y", "", ""]
+    for outside in (-1, 5):                           # -1 read the last id, 5 an IndexError
+        with pytest.raises(ValueError, match=f"index {outside} is not in the vocabulary's 0 to 4"):
+            again.decode([[2, outside]])
 
 
 def test_vocabulary_matches_keras_string_lookup():
