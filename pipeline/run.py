@@ -126,19 +126,24 @@ class Run:
     def notice(self, text: str) -> None:
         """Records a notice in the report and prints it."""
         self.report.setdefault("notices", []).append(text)
-        print(f"[run] note: {text}", flush=True)
+        self.say(f"note: {text}")
+
+    def say(self, text: str) -> None:
+        """Prints a `[run]` line unless the run is quiet (`verbose` 0)."""
+        if self.verbose:
+            print(f"[run] {text}", flush=True)
 
     @contextlib.contextmanager
     def step(self, name: str):
         """Prints a step and its duration; a failure names the step."""
-        print(f"[run] {name} ...", flush=True)
+        self.say(f"{name} ...")
         start = time.perf_counter()
         try:
             yield
         except Exception as error:
             raise StepFailed(f"step '{name}' failed: {one_line(error)}") from error
         self.timings[name] = round(time.perf_counter() - start, 2)
-        print(f"[run] {name}: {self.timings[name]:.1f} s", flush=True)
+        self.say(f"{name}: {self.timings[name]:.1f} s")
 
     def test_users(self) -> np.ndarray:
         """[t] codes of the users with a test row, increasing."""
@@ -507,7 +512,9 @@ STEP_METHODS = {"train retrieval": Run.train_retrieval, "baselines": Run.baselin
 
 def prepare_run(out: str, source: dict, configs: Configs, verbose: int = 1,
                 continue_run: bool = False, overwrite: bool = False) -> Run:
-    """`folder.check_run` (every check, before any training; its arguments), then `start_run`."""
+    """`folder.check_run` (every check, before any training; its arguments), then `start_run`.
+    `verbose` 0 prints nothing (the notices are still in the report); 1 a line a step, each
+    notice and the trainings' epochs."""
     return start_run(folder.check_run(out, source, configs, continue_run, overwrite), verbose)
 
 
@@ -524,7 +531,7 @@ def start_run(checked: folder.CheckedRun, verbose: int = 1) -> Run:
             and not notice.startswith(folder.COMMAND_NOTICES)]     # still true of the folder
     result.report["notices"] = kept + [notice for notice in checked.notices if notice not in kept]
     for notice in checked.notices:
-        print(f"[run] note: {notice}", flush=True)
+        result.say(f"note: {notice}")
     if checked.overwrite and not checked.continue_run:
         folder.clear(out)
     if checked.resume == folder.AFTER_RETRIEVAL:

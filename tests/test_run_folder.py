@@ -81,6 +81,19 @@ def test_a_source_the_run_would_not_read_whole_is_refused_in_one_line(tmp_path, 
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("verbose", [0, 1])
+def test_a_library_run_with_verbose_0_prints_nothing(tmp_path, capsys, verbose):
+    from tworec.pipeline import prepare_run
+    run = prepare_run(str(tmp_path / "run"), {"data": "synthetic:tiny"}, config.resolve("tiny"),
+                      verbose=verbose)
+    with run.step("a step"):
+        run.notice("a notice")
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in printed] == \
+        (["[run] a step ...", "[run] note", "[run] a step"] if verbose else [])
+    assert run.report["notices"] == ["a notice"]
+
+
 def test_a_batch_larger_than_the_training_rows_is_lowered_with_a_notice(tmp_path):
     """An epoch trains on whole batches: a batch above the training rows would train nothing
     (and failed once the run had started). It is lowered before anything is written, as the
