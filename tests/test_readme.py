@@ -138,6 +138,13 @@ def test_the_data_snippet_runs_as_printed():
     assert batch["history"].shape == (min(4096, len(namespace["parts"].train)), 20)
 
 
+def test_the_in_memory_columns_snippet_runs_as_printed(capsys):
+    snippet = next(block for language, block in re.findall(r"```(\w*)\n(.*?)```", README, re.S)
+                   if language == "python" and "from_columns" in block)
+    exec(snippet, {})
+    assert capsys.readouterr().out == "3 2 2\n"
+
+
 def test_soak_runs_briefly():
     """The README's soak, shortened: valid and malformed requests both sent, no valid one failed
     or answered wrongly, no malformed one answered 200 or 5xx."""
