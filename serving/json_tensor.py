@@ -32,8 +32,10 @@ def parse_json(body: bytes):
 
     As TF Serving's parser (RapidJSON), it accepts NaN and Infinity, reads an integer beyond
     64 bits as a double, and refuses a number beyond the range of a double (1e400), which
-    Python would read as infinity. A float or double input then refuses what it cannot hold
-    (`_lossless`), as TF Serving does.
+    Python would read as infinity. A float or double input then takes any number, as TF
+    Serving does since 2.5 (its commit 57dac6cd): a double, rounded to float32 for a float
+    (an integer of more than 24 bits loses its last digits, beyond float32's range is
+    infinite, as C's cast makes it).
     """
     try:
         return json.loads(body, parse_float=_double, parse_int=_integer)
@@ -276,7 +278,8 @@ def _to_array(value, spec: meta_graph_pb2.TensorInfo, name: str, shape: list[int
         return np.array(converted, dtype=object).reshape(shape)
     if dtype in _NARROW_INTS:                                   # wrapped, as TF Serving
         return np.array(converted, np.int64).astype(dtype.as_numpy_dtype).reshape(shape)
-    return np.array(converted, dtype=dtype.as_numpy_dtype).reshape(shape)
+    with np.errstate(over="ignore"):                  # 3.5e38 is float32's inf, as in C
+        return np.array(converted, dtype=dtype.as_numpy_dtype).reshape(shape)
 
 
 def _shape_of(value) -> list[int]:
@@ -321,9 +324,9 @@ def _leaf_converter(dtype: tf.DType):
     if dtype == tf.bool:
         return _typed_leaf(lambda v: isinstance(v, bool), "Bool", dtype)
     if dtype in (tf.float32, tf.float64):
-        return _lossless(_typed_leaf(
-            lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "Number", dtype),
-            dtype)
+        number = _typed_leaf(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+                             "Number", dtype)
+        return lambda leaf, name: float(number(leaf, name))       # RapidJSON's GetDouble
     if dtype in _INT_RANGES:
         low, high = _INT_RANGES[dtype]
         width = "int32" if dtype in _NARROW_INTS else dtype.name
@@ -341,23 +344,6 @@ def _typed_leaf(accepts, kind: str, dtype: tf.DType):
                                f"type: {dtype.name} (a JSON {kind})")
         return leaf
     return convert
-
-
-def _lossless(convert, dtype: tf.DType):
-    """`convert`, then TF Serving's `IsLosslessDecimal` for a float or double input: a JSON
-    integer above the largest the type holds exactly (2**24 - 1, 2**53 - 1), or a finite
-    number beyond the type's range, is refused rather than rounded."""
-    info = np.finfo(dtype.as_numpy_dtype)
-    exact, target = 2 ** (info.nmant + 1) - 1, "float" if dtype == tf.float32 else "double"
-
-    def checked(leaf, name: str):
-        leaf = convert(leaf, name)             # an int is within 64 bits (`parse_json`)
-        if (abs(leaf) > exact if isinstance(leaf, int) else
-                math.isfinite(leaf) and abs(leaf) > float(info.max)):
-            raise ServingError("INVALID_ARGUMENT", f'Input "{name}": Cannot convert JSON value: '
-                               f"{json.dumps(leaf)} to {target} without loss of precision.")
-        return leaf
-    return checked
 
 
 def _string_leaf(leaf, name: str) -> bytes:

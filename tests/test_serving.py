@@ -522,11 +522,6 @@ REST_ERRORS = {
                                f"Failed to convert version: {'9' * 5000} to numeric."),
     "number beyond a double": ("scale", b'{"inputs": [1e400]}', 400,
                                "Number too big to be stored in double"),
-    "integer a float cannot hold": ("scale", b'{"inputs": [16777217]}', 400,
-                                    "Cannot convert JSON value: 16777217 to float without loss "
-                                    "of precision."),
-    "number beyond a float": ("scale", b'{"inputs": [3.5e38]}', 400,
-                              "to float without loss of precision."),
 }
 
 
@@ -560,17 +555,24 @@ def test_rest_status_errors(server):
 
 
 def test_rest_floats_take_any_json_number_within_a_double(server):
-    """As TF Serving's parser: 0.1 rounds to float32, 2**24 - 1 and an integer past 64 bits
-    (a double to the parser) are held, NaN and Infinity parse; 1e400, 16777217 and 3.5e38 do
-    not (REST_ERRORS)."""
+    """As TF Serving's parser since 2.5 (its commit 57dac6cd): any number within a double is
+    taken and rounded to float32, an integer of more than 24 bits (1435774380, the commit's
+    own example) losing its last digits, 3.5e38 becoming infinite; NaN and Infinity parse;
+    1e400 does not (REST_ERRORS)."""
     _, rest, _ = server
     answer = _predict(rest, "scale", b'{"inputs": [0.1, 1e-400, 123456789012345678901234, '
-                                     b'NaN, -Infinity, 16777215]}')
+                                     b'NaN, -Infinity, 16777215, 1435774380, 16777217, '
+                                     b'3.5e38, 9007199791611905]}')
     values = answer.json()["outputs"]
     assert values[:3] == pytest.approx(
         (np.array([0.1, 0.0, 123456789012345678901234], np.float32) * 3).tolist())
     assert np.isnan(values[3]) and values[4] == -np.inf
-    assert values[5] == float(np.float32(16777215) * np.float32(3))
+    three = np.float32(3)
+    assert values[5:8] == [float(np.float32(n) * three) for n in (16777215, 1435774336, 16777216)]
+    assert values[8] == np.inf
+    # through a double, as RapidJSON's GetFloat: 2**53 + 2**29 + 1 is 2**53 + 2**29 as a
+    # double, halfway between two float32s, so 2**53 (straight to float32: 2**53 + 2**30)
+    assert np.float32(values[9]) == np.float32(2.0 ** 53) * three
 
 
 def test_rest_paths_are_case_insensitive_and_malformed_paths_refused(server):
