@@ -124,7 +124,10 @@ class ModelService(model_service_pb2_grpc.ModelServiceServicer):
 
     @_aborts_on_error
     def GetModelStatus(self, request, context):
-        return self.manager.status(*version_of(request.model_spec))
+        if not request.HasField("model_spec"):
+            raise ServingError("INVALID_ARGUMENT", "Missing ModelSpec")
+        name, version, _ = version_of(request.model_spec)      # a label: every version
+        return self.manager.status(name, version)
 
     @_aborts_on_error
     def HandleReloadConfigRequest(self, request: model_management_pb2.ReloadConfigRequest,

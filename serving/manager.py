@@ -325,15 +325,15 @@ class ModelManager:
                 if entry.state == "UNLOADING" and entry.leases == 0:
                     self._close(entry)
 
-    def status(self, name: str, version: int | None = None,
-               label: str | None = None) -> get_model_status_pb2.GetModelStatusResponse:
-        """The state of every version of `name`, or of one version; NOT_FOUND if unknown."""
+    def status(self, name: str, version: int | None = None
+               ) -> get_model_status_pb2.GetModelStatusResponse:
+        """The state of every version of `name`, or of one version; NOT_FOUND if unknown. A
+        label is not asked for: TF Serving's status reads the version alone and answers every
+        version when a request names a label (`GetModelStatusWithModelSpec`)."""
         with self._lock:
             versions = self._models[name].versions if name in self._models else {}
             if not versions:
                 raise ServingError("NOT_FOUND", f"Could not find any versions of model {name}")
-            if label is not None:
-                version = self._label_version(name, label)
             if version is not None and version not in versions:
                 raise ServingError("NOT_FOUND",
                                    f"Could not find version {version} of model {name}")

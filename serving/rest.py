@@ -169,7 +169,7 @@ class RestApp:
         return await _maybe_offload(big, format_predict, outputs, row_form)
 
     def _status(self, name: str, version: int | None, label: str | None) -> dict:
-        return proto_json(self.manager.status(name, version, label))
+        return proto_json(self.manager.status(name, version))      # a label: every version
 
     def _metadata(self, name: str, version: int | None, label: str | None) -> dict:
         with self.manager.lease(name, version, label) as (number, model):

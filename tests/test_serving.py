@@ -638,6 +638,13 @@ def test_grpc_status_and_metadata(stubs):
     (version,) = status.model_version_status
     assert version.version == 1 and version.state == version.AVAILABLE
     assert version.status.error_code == 0
+    labelled = get_model_status_pb2.GetModelStatusRequest()
+    labelled.model_spec.name, labelled.model_spec.version_label = "retrieval", "no-such-label"
+    assert models.GetModelStatus(labelled, timeout=10) == status   # TF Serving reads no label
+    with pytest.raises(grpc.RpcError) as error:
+        models.GetModelStatus(get_model_status_pb2.GetModelStatusRequest(), timeout=10)
+    assert (error.value.code(), error.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                                           "Missing ModelSpec")
     metadata = prediction.GetModelMetadata(_spec(get_model_metadata_pb2.GetModelMetadataRequest(
         metadata_field=["signature_def"]), "ranking"), timeout=10)
     assert metadata.model_spec.name == "ranking" and metadata.model_spec.version.value == 1
@@ -1102,8 +1109,11 @@ def test_reload_config_replaces_the_models_and_labels_resolve(swap_server):
     labelled = requests.post(f"{rest}/v1/models/other/labels/stable:predict",
                              json={"instances": [2.0]}, timeout=10)
     assert labelled.json() == {"predictions": [2.0]}
-    unknown = requests.get(f"{rest}/v1/models/other/labels/beta", timeout=10)
+    unknown = requests.post(f"{rest}/v1/models/other/labels/beta:predict",
+                            json={"instances": [2.0]}, timeout=10)
     assert unknown.status_code == 400 and "beta" in unknown.json()["error"]
+    status = requests.get(f"{rest}/v1/models/other/labels/beta", timeout=10)  # reads no label,
+    assert status.json() == requests.get(f"{rest}/v1/models/other", timeout=10).json()  # as TF
 
 
 def _reload_config(server: ModelServer, text: str) -> None:
@@ -1173,7 +1183,8 @@ def test_labels_may_only_point_at_available_versions(swap_server):
     stable = requests.post(f"{rest}/v1/models/scale/labels/stable:predict",
                            json={"inputs": [2.0]}, timeout=10)
     assert stable.json() == {"outputs": [2.0]}                   # the old labels are kept
-    canary = requests.get(f"{rest}/v1/models/scale/labels/canary", timeout=10)
+    canary = requests.post(f"{rest}/v1/models/scale/labels/canary:predict",
+                           json={"inputs": [2.0]}, timeout=10)
     assert (canary.status_code, canary.json()) == (
         400, {"error": "Unrecognized servable version label: canary"})
 
