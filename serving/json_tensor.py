@@ -35,12 +35,22 @@ def parse_json(body: bytes):
     Python would read as infinity. A float or double input then takes any number, as TF
     Serving does since 2.5 (its commit 57dac6cd): a double, rounded to float32 for a float
     (an integer of more than 24 bits loses its last digits, beyond float32's range is
-    infinite, as C's cast makes it).
+    infinite, as C's cast makes it). A key given twice keeps its first value, as RapidJSON's
+    `FindMember` finds it, and the body must be UTF-8 (Python would also read UTF-16 and 32).
     """
     try:
-        return json.loads(body, parse_float=_double, parse_int=_integer)
+        text = body.decode("utf-8") if isinstance(body, (bytes, bytearray)) else body
+        return json.loads(text, parse_float=_double, parse_int=_integer,
+                          object_pairs_hook=_first_of_each_key)
     except (ValueError, RecursionError) as error:   # UnicodeDecodeError is a ValueError
         raise ServingError("INVALID_ARGUMENT", f"JSON Parse error: {error}") from error
+
+
+def _first_of_each_key(pairs: list[tuple[str, object]]) -> dict:
+    found: dict = {}
+    for key, value in pairs:
+        found.setdefault(key, value)
+    return found
 
 
 def _integer(text: str) -> int | float:

@@ -363,6 +363,14 @@ def _predict(rest: str, model: str, body) -> requests.Response:
     return requests.post(f"{rest}/v1/models/{model}:predict", data=data, timeout=10)
 
 
+def test_a_key_given_twice_keeps_its_first_value_as_in_tf_serving(server, local):
+    _, rest, _ = server
+    expected = local["retrieval"].run({"user_id": np.array(["u1"])})["item_ids"][0]
+    answer = _predict(rest, "retrieval", b'{"instances": ["u1"], "instances": ["u2"]}')
+    assert [item.encode() for item in answer.json()["predictions"][0]["item_ids"]] == \
+        expected.tolist()
+
+
 def test_rest_predict_row_and_columnar_forms(server, local):
     _, rest, _ = server
     users = ["u0", "u3"]
@@ -507,6 +515,7 @@ REST_ERRORS = {
     "unknown signature": ("retrieval", {"signature_name": "nope", "instances": ["u1"]}, 400,
                           'Serving signature key "nope" not found.'),
     "invalid UTF-8": ("retrieval", b'{"instances": ["\xff"]}', 400, None),
+    "UTF-16": ("retrieval", '{"instances": ["u1"]}'.encode("utf-16"), 400, None),
     "deeply nested": ("scale", b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400,
                       None),
     "empty instances": ("scale", {"instances": []}, 400, None),
