@@ -209,6 +209,18 @@ def test_declared_shapes_must_match_the_bytes_sent(models, name, proto):
         assert time.monotonic() - start < 5 and _rss_bytes() - before < 32 << 20
 
 
+@pytest.mark.parametrize("proto, carried", [
+    (_proto(types_pb2.DT_STRING, [3], string_val=[b"u1"]), "carries 1; send every value"),
+    (_proto(types_pb2.DT_FLOAT, [2], tensor_content=b"\0" * 7),
+     "carries 7 bytes of tensor_content, not 2 × 4; send every value")])
+def test_a_proto_short_of_its_shape_is_refused_saying_what_to_send(proto, carried):
+    """`tf.make_tensor_proto(b"u1", shape=[3])` sends one value: TF Serving would repeat it."""
+    from tworec.serving.errors import ServingError
+    from tworec.serving.tensor_proto import to_array
+    with pytest.raises(ServingError, match=carried):
+        to_array("x", proto, max_rows=10)
+
+
 @pytest.mark.parametrize("dtype", [types_pb2.DT_INT8, types_pb2.DT_UINT8, types_pb2.DT_INT16,
                                    types_pb2.DT_UINT16])
 def test_narrow_ints_out_of_range_are_cast_as_tf_serving_casts_them(dtype):
