@@ -251,7 +251,9 @@ class HeaderTimeoutProtocol(H11Protocol):
     timeout; an idle kept-alive connection is closed by its keep-alive timeout). Each request's
     scope carries, under `extensions[DISCONNECTED]`, a future done once the connection is lost,
     and under `extensions[OVER_LIMIT]` whether it is beyond `config.max_concurrent_requests`
-    (uvicorn's `limit_concurrency` test; uvicorn's own 503 answer is not JSON).
+    requests in flight, itself counted (uvicorn's `limit_concurrency` would also count idle
+    connections, so a client's pool of kept-alive ones could refuse every other client; its
+    503 answer is not JSON either).
     """
 
     _header_timer: asyncio.TimerHandle | None = None
@@ -274,9 +276,8 @@ class HeaderTimeoutProtocol(H11Protocol):
             self._disarm()
             extensions = self.scope.setdefault("extensions", {})
             extensions[DISCONNECTED] = self._disconnected
-            limit = self.config.max_concurrent_requests   # its connection and task counted
-            extensions[OVER_LIMIT] = limit is not None and (
-                len(self.connections) > limit or len(self.tasks) > limit)
+            limit = self.config.max_concurrent_requests   # its own task counted
+            extensions[OVER_LIMIT] = limit is not None and len(self.tasks) > limit
 
     def connection_lost(self, exc) -> None:
         self._disarm()

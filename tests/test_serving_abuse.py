@@ -548,9 +548,9 @@ def test_work_for_a_gone_client_is_dropped(models):
         assert CountingLoadedModel.runs == runs
 
 
-def test_slow_clients_are_cut_off_and_connections_capped(models):
+def test_slow_clients_are_cut_off_and_requests_in_flight_capped(models):
     with _serve(models, names=("scale",), header_timeout_seconds=2.0,
-                body_timeout_seconds=2.0, max_concurrent_requests=3) as server:
+                body_timeout_seconds=3.0, max_concurrent_requests=3) as server:
         port, head, body = server.rest_port, _HEAD, _BODY
         slow_head = _connect(port)
         slow_head.sendall(head.encode())                        # the head never ends
@@ -559,15 +559,20 @@ def test_slow_clients_are_cut_off_and_connections_capped(models):
         slow_body.sendall((head + "Content-Length: 1000\r\n\r\n{").encode())
         answer = slow_body.recv(65536)
         assert b" 408 " in answer.split(b"\r\n")[0] and _closed_within(slow_body, 10)
-        idle = [_connect(port) for _ in range(2)]
-        for sock in idle:                                       # each accepted by the server
+        pools = [requests.Session() for _ in range(4)]     # a kept-alive connection each,
+        for pool in pools:                                 # idle once answered
+            assert pool.get(f"http://127.0.0.1:{port}/v1/models/scale", timeout=5).ok
+        idle = [_connect(port) for _ in range(4)]   # more idle connections than the limit:
+        for sock in idle:                           # not requests, so none is refused
             sock.sendall(b"P")
             _wait_for(lambda: _server_has_read(port, sock), seconds=30)
         assert requests.post(f"http://127.0.0.1:{port}/v1/models/scale:predict", data=body,
-                             timeout=5).json() == {"outputs": [3.0]}     # the third of 3
-        idle.append(_connect(port))                             # the connection cap
-        idle[-1].sendall(b"P")
-        _wait_for(lambda: _server_has_read(port, idle[-1]), seconds=30)
+                             timeout=5).json() == {"outputs": [3.0]}
+        in_flight = [_connect(port) for _ in range(3)]         # heads read, bodies awaited
+        for sock in in_flight:
+            sock.sendall((head + "Content-Length: 1000\r\n\r\n{").encode())
+            _wait_for(lambda: _server_has_read(port, sock), seconds=30)
+        idle += in_flight
         refused = requests.post(f"http://127.0.0.1:{port}/v1/models/scale:predict",
                                 data=body, timeout=5)
         assert refused.status_code == 503
@@ -577,6 +582,8 @@ def test_slow_clients_are_cut_off_and_connections_capped(models):
         assert all(_closed_within(sock, 10) for sock in idle)
         assert requests.post(f"http://127.0.0.1:{port}/v1/models/scale:predict", data=body,
                              timeout=5).json() == {"outputs": [3.0]}
+        for pool in pools:
+            pool.close()
 
 
 # ------------------------------------------------------------------ 8. batches fill
