@@ -4,7 +4,8 @@ Every `poll` lists each model's base path, loads the versions its policy wants t
 loaded yet, and only then retires the ones it no longer wants, so there is always a version
 serving. A request holds a lease on its version; a retired version is closed when its last
 lease ends, so a swap never fails a request in flight. A version that fails to load is retried
-`max_load_retries` times (TF Serving's `--max_num_load_retries`; it stays LOADING meanwhile),
+`max_load_retries` times (TF Serving's `--max_num_load_retries`; it stays LOADING meanwhile;
+the retries stop once the version is no longer wanted: its folder gone or a later one there),
 then reported in the status (state END with the error) and left alone; the previous one keeps
 serving, as TF Serving's availability-preserving policy keeps the last serving version while
 none of those its policy wants is AVAILABLE. A model moved to another base path by a reload
@@ -20,6 +21,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterator
 
@@ -31,6 +33,8 @@ from tensorflow_serving.config import model_server_config_pb2
 from tworec.serving.errors import ServingError, from_tf_error
 from tworec.serving.layout import list_versions
 from tworec.serving.model import LoadedModel
+
+RETRY_CHECK_SECONDS = 0.5      # how often a version waiting to retry its load checks it is wanted
 
 log = logging.getLogger(__name__)
 
@@ -439,7 +443,7 @@ class ModelManager:
                           name, number, path, attempt + 1, self.max_load_retries + 1, error)
                 failed = from_tf_error(error, f"loading version {number} of model {name}")
             self._record(model, entry, attempts=attempt + 1)
-            if attempt == self.max_load_retries or model.removed.wait(self.load_retry_seconds):
+            if attempt == self.max_load_retries or not self._wait_to_retry(model, number, path):
                 self._record(model, entry, state="END", error=ServingError(
                     failed.code, f"Version {number} of model {name} failed to load: "
                     f"{failed.message}"))
@@ -452,6 +456,29 @@ class ModelManager:
         if not self._record(model, entry, state="AVAILABLE", model=loaded,
                             attempts=attempt + 1):
             loaded.close()
+
+    def _wait_to_retry(self, model: _Model, number: int, path: str) -> bool:
+        """Waits `load_retry_seconds` before a failed version's next attempt; False, at once,
+        when the model is removed or the version is no longer wanted (its folder gone, a later
+        one on disk, the config changed), as TF Serving cancels the retries of a version that
+        leaves its aspired set: the model's one worker must not hold back a good version
+        behind a broken one's retries."""
+        deadline = time.monotonic() + self.load_retry_seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if model.removed.wait(min(left, RETRY_CHECK_SECONDS)):
+                return False
+            with self._lock:
+                config = model.config
+            try:
+                on_disk = list_versions(config.base_path)
+            except Exception:          # unlisted: as a poll, change nothing; keep waiting
+                continue
+            if (path != os.path.join(config.base_path, str(number))
+                    or number not in config.wanted(on_disk)):
+                log.info("%s version %d is no longer wanted; its load is not retried",
+                         config.name, number)
+                return False
+        return not (model.removed.is_set() or self._stop.is_set())
 
     def _record(self, owner: _Model, entry: _Version, **fields) -> bool:
         """Updates a version's entry, and swaps a moved model's new copy in once AVAILABLE;

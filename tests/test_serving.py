@@ -15,6 +15,7 @@ import base64
 import contextlib
 import json
 import os
+import shutil
 import threading
 import time
 from fractions import Fraction
@@ -958,6 +959,35 @@ def test_a_failed_load_is_retried_before_the_version_is_given_up(tmp_path, failu
         manager.stop()
 
 
+def test_a_broken_version_no_longer_wanted_stops_retrying_and_the_next_one_loads(tmp_path):
+    """A corrupt version 2 is retried (60 s apart, as TF Serving's default) until its folder is
+    removed and a version 3 written: its retries stop, as TF Serving cancels those of a version
+    that leaves its aspired set, and version 3 loads within a poll or two (not minutes later)."""
+    base = str(tmp_path / "scale")
+    save(Scale(3.0), base)
+    manager = ModelManager([ModelConfig("scale", base)], poll_seconds=0.2, max_load_retries=5,
+                           load_retry_seconds=60)
+    manager.start()
+    try:
+        def states() -> dict[int, str]:
+            return {s.version: get_model_status_pb2.ModelVersionStatus.State.Name(s.state)
+                    for s in manager.status("scale").model_version_status}
+        os.makedirs(os.path.join(base, "2"))
+        with open(os.path.join(base, "2", "saved_model.pb"), "w") as f:
+            f.write("garbage")
+        _wait_for(lambda: states().get(2) == "LOADING" and states().get(1) == "AVAILABLE")
+        time.sleep(0.5)                                                # retrying, 60 s apart
+        shutil.rmtree(os.path.join(base, "2"))
+        shutil.copytree(os.path.join(base, "1"), os.path.join(base, "3"))
+        start = time.monotonic()
+        _wait_for(lambda: states().get(3) == "AVAILABLE", seconds=20)
+        assert time.monotonic() - start < 10
+        with manager.lease("scale") as (version, _):
+            assert version == 3
+    finally:
+        manager.stop()
+
+
 # ------------------------------------------------------------------ batching
 
 
@@ -1295,8 +1325,8 @@ def test_config_file_changes_are_picked_up(swap_server, tmp_path):
 
 def test_json_inputs_are_read_as_tf_serving_reads_them():
     """`AddValueToTensor`: int8/int16/uint8 take int32s and wrap them (as gRPC's int_val),
-    float refuses what it cannot hold (FLT_MAX compared as a double), and half, bfloat16 and
-    uint16 are not read at all."""
+    float takes any double, beyond its range infinite (`GetFloat`'s cast), and half, bfloat16
+    and uint16 are not read at all."""
     from tensorflow.core.protobuf import meta_graph_pb2
     from tworec.serving.json_tensor import parse_json, parse_predict
 
@@ -1307,14 +1337,14 @@ def test_json_inputs_are_read_as_tf_serving_reads_them():
     wrapped = read(b'{"inputs": [1000, -1, 127]}', tf.int8)
     assert wrapped.tolist() == [-24, -1, 127] and wrapped.dtype == np.int8
     for body, dtype, code in ((b'{"inputs": [2147483648]}', tf.int8, "INVALID_ARGUMENT"),
-                              (b'{"inputs": [3.4028235e38]}', tf.float32, "INVALID_ARGUMENT"),
                               (b'{"inputs": [1]}', tf.float16, "UNIMPLEMENTED"),
                               (b'{"inputs": [1]}', tf.bfloat16, "UNIMPLEMENTED"),
                               (b'{"inputs": [1]}', tf.uint16, "UNIMPLEMENTED")):
         with pytest.raises(ServingError) as error:
             read(body, dtype)
         assert error.value.code == code, (body, dtype)
-    assert read(b'{"inputs": [3.4028234e38]}', tf.float32).tolist() == [np.float32(3.4028234e38)]
+    assert read(b'{"inputs": [3.4028234e38, 3.5e38]}', tf.float32).tolist() == [
+        np.float32(3.4028234e38), np.inf]
 
 
 class SwappingTransport:
