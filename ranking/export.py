@@ -17,10 +17,16 @@ import scipy.sparse as sp
 import tensorflow as tf
 
 from tworec.features.inputs import ModelInputs
-from tworec.features.layers import UserInputs, hold_model, id_lookup, write_state
+from tworec.features.layers import (UserInputs, hold_model, id_lookup, in_row_blocks,
+                                    write_state)
 from tworec.ranking.features import RankingSignals, sum_in_order
 from tworec.ranking.model import RankingModel
 from tworec.serving.layout import write_version, write_warmup_requests
+
+
+# (user, item) pairs scored at once: the ranker's intermediates take a few KiB a pair (3.3 KiB
+# for the default DCN), so a block of them tens of MiB.
+PAIRS_PER_BLOCK = 1 << 13
 
 
 def pair_table(matrix: sp.csr_matrix) -> tf.lookup.StaticHashTable:
@@ -63,10 +69,34 @@ class RankingModule(tf.Module):
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="user_id"),
                                   tf.TensorSpec([None, None], tf.string, name="item_ids")])
     def serve(self, user_id, item_ids):
+        """Scores at most PAIRS_PER_BLOCK (user, item) pairs at a time (`in_row_blocks`; a row
+        longer than that in segments of it): a request's memory grows with its pairs by their
+        inputs and scores, not by the ranker's intermediates."""
+        items = self.item_codes.lookup(item_ids)                                         # [b, n]
+        scores = tf.cond(tf.size(items) <= PAIRS_PER_BLOCK,
+                         lambda: self._scores(user_id, items),
+                         lambda: self._scores_in_blocks(user_id, items))                  # [b, n]
+        lowest = tf.reduce_min(scores, axis=1, keepdims=True) - 1.0      # [b, 1] per row
+        return {"scores": tf.where(items >= 0, scores, lowest)}
+
+    def _scores_in_blocks(self, user_id, items):
+        """`_scores` of blocks of rows, each row longer than a block cut in segments."""
+        width = tf.shape(items)[1]
+        columns = tf.clip_by_value(width, 1, PAIRS_PER_BLOCK)
+        per_row = tf.maximum((width + columns - 1) // columns, 1)   # 1 unless a row is long
+        segments = tf.reshape(tf.pad(items, [[0, 0], [0, per_row * columns - width]],
+                                     constant_values=-1), [-1, columns])        # [b * per_row, c]
+        owners = tf.repeat(user_id, per_row)                                     # [b * per_row]
+        (scores,) = in_row_blocks(
+            lambda start, end: (self._scores(owners[start:end], segments[start:end]),),
+            tf.shape(segments)[0], PAIRS_PER_BLOCK // columns, (tf.float32,))
+        return tf.reshape(scores, [-1, per_row * columns])[:, :width]                   # [b, n]
+
+    def _scores(self, user_id, items):
+        """[b, n] scores of users `user_id` [b] for catalogue codes `items` [b, n] (-1 for an
+        unknown item, scored as code 0: `serve` places it last)."""
         features, known = self.users(user_id)
         codes, _ = self.users.codes(user_id)                               # [b], 0 if unknown
-        items = self.item_codes.lookup(item_ids)                                         # [b, n]
-        # Unknown items are scored as code 0, then placed below every known item.
         features["items"] = tf.maximum(items, 0)
         if self.retrieval_latest is not None:
             query = tf.gather(self.retrieval_latest, codes) * tf.cast(known, tf.float32)[:, None]
@@ -82,10 +112,8 @@ class RankingModule(tf.Module):
             features["cooccurrence"] = sum_in_order(self.cooccurrence.lookup(keys))      # [b, n]
         if self.period_popularity is not None:
             features.update(self.popularity_signals(codes, features["items"]))
-        scores = tf.where(known[:, None], self.model(features),                          # [b, n]
-                          tf.gather(self.popularity, features["items"]))
-        lowest = tf.reduce_min(scores, axis=1, keepdims=True) - 1.0      # [b, 1] per row
-        return {"scores": tf.where(items >= 0, scores, lowest)}
+        return tf.where(known[:, None], self.model(features),                            # [b, n]
+                        tf.gather(self.popularity, features["items"]))
 
     def popularity_signals(self, codes, items):
         """The held-out popularity signals of users `codes` [b] and `items` [b, n]: each

@@ -31,11 +31,17 @@ import numpy as np
 import tensorflow as tf
 
 from tworec.features.inputs import ModelInputs
-from tworec.features.layers import UserInputs, hold_model, id_lookup, write_state
+from tworec.features.layers import (UserInputs, hold_model, id_lookup, in_row_blocks,
+                                    write_state)
 from tworec.retrieval.index import ScannParams, build_index
 from tworec.retrieval.model import RetrievalModel
 from tworec.retrieval.train import candidate_embeddings
 from tworec.serving.layout import write_version, write_warmup_requests
+
+
+# Scores one search block may hold ([rows, I]: 32 MiB of float32, with its mask and top-k
+# about 80 MiB): a request's memory grows with its rows by k, not by the catalogue.
+SCORES_PER_BLOCK = 1 << 23
 
 
 def scann_fetch(data: ModelInputs, k: int, exclude_seen: bool = True) -> int:
@@ -78,6 +84,7 @@ class RetrievalModule(tf.Module):
         popular = data.popular["test"]
         self.popular_codes = tf.constant(popular.order[:k], tf.int64)                   # [k]
         self.popular_scores = tf.constant(popular.share[popular.order[:k]])             # [k]
+        self.block_rows = max(SCORES_PER_BLOCK // self.num_items, 1)
         candidates = candidate_embeddings(model, interactions.num_items)                # [I, d]
         if scann is None:
             self.candidates, self.index = tf.constant(candidates), None
@@ -86,18 +93,36 @@ class RetrievalModule(tf.Module):
             self.index = build_index(candidates, self.fetch, scann)
 
     def _top_k(self, features, known, excluded=None):
-        """Top k codes of the query tower's scores, `excluded` ((row [n], code [n]) pairs)
-        skipped, the popular items for rows not `known`."""
+        """Top k codes of the query tower's scores, `excluded` ((row [n], code [n]) pairs,
+        rows ascending) skipped, the popular items for rows not `known`. Rows are searched
+        `block_rows` at a time (`in_row_blocks`): a [rows, I] score matrix and mask per block,
+        never per request."""
         query = self.model.query(features)                                              # [b, d]
         batch = tf.shape(query)[0]
-        if excluded is None:
-            mask = tf.zeros([batch, self.num_items], tf.bool)
-        else:
-            mask = tf.scatter_nd(tf.stack(excluded, axis=1), tf.ones_like(excluded[0], tf.int32),
-                                 [batch, self.num_items]) > 0                           # [b, I]
+        rows, items = excluded if excluded is not None else (
+            tf.zeros([0], tf.int64), tf.zeros([0], tf.int64))
+
+        def block(start, end):
+            bounds = tf.cast([[start, end]], tf.int64)
+            lo, hi = tf.unstack(tf.searchsorted(rows[None, :], bounds)[0])   # its pairs
+            pairs = tf.stack([rows[lo:hi] - tf.cast(start, tf.int64), items[lo:hi]], axis=1)
+            mask = tf.scatter_nd(pairs, tf.ones([hi - lo], tf.int32),
+                                 tf.cast([end - start, self.num_items], tf.int64)) > 0   # [r, I]
+            return self._search(query[start:end], mask)
+        scores, codes = in_row_blocks(block, batch, self.block_rows, (tf.float32, tf.int64))
+        empty = tf.math.is_inf(scores)                       # fewer than k items remained
+        codes = tf.where(empty, tf.constant(self.num_items, tf.int64), codes)
+        scores = tf.where(empty, tf.float32.min, scores)
+        codes = tf.where(known[:, None], codes, self.popular_codes[None, :])
+        scores = tf.where(known[:, None], scores, tf.tile(self.popular_scores[None, :], [batch, 1]))
+        return {"item_ids": tf.gather(self.item_ids, codes), "scores": scores}
+
+    def _search(self, query, mask):
+        """([r, k] scores, [r, k] int64 codes) of queries [r, d], the items `mask` ([r, I]
+        bool) marks skipped; -inf scores where fewer than k remain."""
         if self.index is None:
             scores, codes = tf.math.top_k(tf.where(mask, -np.inf, tf.matmul(
-                query, self.candidates, transpose_b=True)), k=self.k)                  # [b, k]
+                query, self.candidates, transpose_b=True)), k=self.k)                  # [r, k]
         else:
             if self.fetch < self.num_items:                   # k must remain of those fetched
                 most = self.fetch - self.k
@@ -106,13 +131,7 @@ class RetrievalModule(tf.Module):
                     message=f"a request excludes more than {most} items, the most the ScaNN "
                             "export skips while still returning k; use the retrieval export")
             scores, codes = usable_top_k(*self.index(query, k=self.fetch), mask, self.k)
-        codes = tf.cast(codes, tf.int64)
-        empty = tf.math.is_inf(scores)                       # fewer than k items remained
-        codes = tf.where(empty, tf.constant(self.num_items, tf.int64), codes)
-        scores = tf.where(empty, tf.float32.min, scores)
-        codes = tf.where(known[:, None], codes, self.popular_codes[None, :])
-        scores = tf.where(known[:, None], scores, tf.tile(self.popular_scores[None, :], [batch, 1]))
-        return {"item_ids": tf.gather(self.item_ids, codes), "scores": scores}
+        return scores, tf.cast(codes, tf.int64)
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="user_id")])
     def serve(self, user_id):

@@ -685,6 +685,32 @@ def test_scann_export_loads_and_answers(trained, tmp_path):
         run("with_history", user_id=users[:1], history=everything)
 
 
+@pytest.mark.parametrize("scann", [False, True], ids=["brute-force", "scann"])
+def test_an_export_searching_a_few_rows_at_a_time_answers_as_one_search(trained, tmp_path,
+                                                                        monkeypatch, scann):
+    """Blocks of 2 rows (the last one short, each with its own users' seen and given items
+    skipped) answer what one block of every row answers, and an empty request [0, k]."""
+    from tworec.retrieval import export as retrieval_export
+    log, _, model, data, _ = trained
+    params = ScannParams(4, 4, data.num_items) if scann else None
+    one, _ = load_like_tf_serving(retrieval_export.export(model, data, str(tmp_path / "one"),
+                                                          k=10, scann=params))
+    monkeypatch.setattr(retrieval_export, "SCORES_PER_BLOCK", 2 * data.num_items + 1)
+    blocks, _ = load_like_tf_serving(retrieval_export.export(
+        model, data, str(tmp_path / "blocks"), k=10, scann=params))
+    users = np.flatnonzero(data.known)[:5]
+    ids = np.array(log.user_ids[users].tolist() + ["nobody"])
+    history = np.concatenate([_history_strings(data, users), [[""] * data.history_length]])
+    assert data.seen[users].sum() > 0
+    for signature, inputs in (("serving_default", {"user_id": ids}),
+                              ("with_history", {"user_id": ids, "history": history})):
+        expected, got = one(signature, **inputs), blocks(signature, **inputs)
+        assert got["item_ids"].tolist() == expected["item_ids"].tolist(), signature
+        np.testing.assert_array_equal(got["scores"], expected["scores"])
+    empty = blocks("serving_default", user_id=np.array([], object))
+    assert empty["item_ids"].shape == empty["scores"].shape == (0, 10)
+
+
 def test_scann_padding_and_excluded_items_are_never_served():
     """ScaNN pads with a NaN score and code 0 when its searched leaves hold too few items, and
     may answer fewer columns than asked."""
