@@ -443,7 +443,15 @@ class ModelManager:
                           name, number, path, attempt + 1, self.max_load_retries + 1, error)
                 failed = from_tf_error(error, f"loading version {number} of model {name}")
             self._record(model, entry, attempts=attempt + 1)
-            if attempt == self.max_load_retries or not self._wait_to_retry(model, number, path):
+            retry = "no" if attempt == self.max_load_retries else self._wait_to_retry(
+                model, number, path)
+            if retry == "unwanted":     # END without an error: wanted again, it loads again
+                self._record(model, entry, state="END")
+                with self._changed:
+                    if model.incoming.get(number) is entry:
+                        del model.incoming[number]
+                return
+            if retry == "no":
                 self._record(model, entry, state="END", error=ServingError(
                     failed.code, f"Version {number} of model {name} failed to load: "
                     f"{failed.message}"))
@@ -457,28 +465,30 @@ class ModelManager:
                             attempts=attempt + 1):
             loaded.close()
 
-    def _wait_to_retry(self, model: _Model, number: int, path: str) -> bool:
-        """Waits `load_retry_seconds` before a failed version's next attempt; False, at once,
-        when the model is removed or the version is no longer wanted (its folder gone, a later
-        one on disk, the config changed), as TF Serving cancels the retries of a version that
-        leaves its aspired set: the model's one worker must not hold back a good version
-        behind a broken one's retries."""
+    def _wait_to_retry(self, model: _Model, number: int, path: str) -> str:
+        """Waits `load_retry_seconds` before a failed version's next attempt: "yes" then, "no"
+        at once when the model is removed or the server stops, "unwanted" at once when the
+        poll would no longer load the version (its folder gone, a later one there, the config
+        changed: `_wanted`), as TF Serving cancels the retries of a version that leaves its
+        aspired set. The model's one worker must not hold a good version back behind a broken
+        one's retries."""
         deadline = time.monotonic() + self.load_retry_seconds
         while (left := deadline - time.monotonic()) > 0:
             if model.removed.wait(min(left, RETRY_CHECK_SECONDS)):
-                return False
+                return "no"
             with self._lock:
                 config = model.config
             try:
                 on_disk = list_versions(config.base_path)
             except Exception:          # unlisted: as a poll, change nothing; keep waiting
                 continue
-            if (path != os.path.join(config.base_path, str(number))
-                    or number not in config.wanted(on_disk)):
+            with self._lock:
+                wanted = self._wanted(model, config, on_disk)
+            if path != os.path.join(config.base_path, str(number)) or number not in wanted:
                 log.info("%s version %d is no longer wanted; its load is not retried",
                          config.name, number)
-                return False
-        return not (model.removed.is_set() or self._stop.is_set())
+                return "unwanted"
+        return "no" if model.removed.is_set() or self._stop.is_set() else "yes"
 
     def _record(self, owner: _Model, entry: _Version, **fields) -> bool:
         """Updates a version's entry, and swaps a moved model's new copy in once AVAILABLE;
