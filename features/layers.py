@@ -141,12 +141,12 @@ STATE_FILE = os.path.join("assets.extra", "state.json")
 
 
 def in_row_blocks(block, num_rows: tf.Tensor, block_rows: tf.Tensor | int,
-                  dtypes: tuple[tf.DType, ...]) -> tuple[tf.Tensor, ...]:
-    """`block(start, end)` -> tensors [end - start, ...] of `dtypes`, for consecutive blocks of
-    at most `block_rows` of `num_rows` rows, each concatenated over the blocks: an export's
-    intermediates then take a block's memory, however many rows a request has. One step of a
-    While loop (stock ops) when the rows fit one block: the same ops on the same shapes as
-    without it; one step too for no rows, on an empty block, so the outputs keep their shape.
+                  specs: tuple[tf.TensorSpec, ...]) -> tuple[tf.Tensor, ...]:
+    """`block(start, end)` -> tensors [end - start, ...] as `specs` give them (dimension 0
+    None), for consecutive blocks of at most `block_rows` of `num_rows` rows in a While loop
+    (stock ops), each concatenated over the blocks: an export's intermediates then take a
+    block's memory, however many rows a request has. A caller whose rows fit one block should
+    call `block` alone (`tf.cond`), to run the same ops as without blocks.
     """
     num_rows = tf.cast(num_rows, tf.int32)
     block_rows = tf.maximum(tf.cast(block_rows, tf.int32), 1)
@@ -156,12 +156,14 @@ def in_row_blocks(block, num_rows: tf.Tensor, block_rows: tf.Tensor | int,
         start = i * block_rows
         outputs = block(start, tf.minimum(start + block_rows, num_rows))
         return i + 1, tuple(part.write(i, output) for part, output in zip(parts, outputs))
-    def in_blocks():
-        parts = tuple(tf.TensorArray(dtype, size=blocks, infer_shape=False) for dtype in dtypes)
-        _, parts = tf.while_loop(lambda i, _: i < blocks, step, (tf.constant(0), parts),
-                                 parallel_iterations=1)
-        return tuple(part.concat() for part in parts)
-    return tuple(tf.cond(blocks > 1, in_blocks, lambda: tuple(block(0, num_rows))))
+    parts = tuple(tf.TensorArray(spec.dtype, size=blocks, infer_shape=False,
+                                 element_shape=spec.shape) for spec in specs)
+    _, parts = tf.while_loop(lambda i, _: i < blocks, step, (tf.constant(0), parts),
+                             parallel_iterations=1)
+    outputs = tuple(part.concat() for part in parts)
+    for output, spec in zip(outputs, specs):
+        output.set_shape(spec.shape)
+    return outputs
 
 
 def write_state(saved_model_dir: str, inputs) -> None:

@@ -89,7 +89,8 @@ class RankingModule(tf.Module):
         owners = tf.repeat(user_id, per_row)                                     # [b * per_row]
         (scores,) = in_row_blocks(
             lambda start, end: (self._scores(owners[start:end], segments[start:end]),),
-            tf.shape(segments)[0], PAIRS_PER_BLOCK // columns, (tf.float32,))
+            tf.shape(segments)[0], PAIRS_PER_BLOCK // columns,
+            (tf.TensorSpec([None, None], tf.float32),))
         return tf.reshape(scores, [-1, per_row * columns])[:, :width]                   # [b, n]
 
     def _scores(self, user_id, items):

@@ -542,6 +542,10 @@ def test_brute_force_export_serves_the_keras_top_k_of_unseen_items(trained, tmp_
     run, meta = load_like_tf_serving(path)
     assert set(meta.signature_def) >= {"serving_default", "with_history", "embed_user",
                                        "embed_items", "known_users"}
+    for signature in ("serving_default", "with_history"):     # what REST clients decode by
+        outputs = meta.signature_def[signature].outputs
+        assert [[dim.size for dim in outputs[name].tensor_shape.dim]
+                for name in ("item_ids", "scores")] == [[-1, 10], [-1, 10]]
     users = np.flatnonzero(data.known)[:5]
     unknown = log.user_ids[np.flatnonzero(~data.known)[:1]].tolist() + ["nobody"]
     assert run("known_users", user_id=np.array(log.user_ids[users].tolist() + unknown))[
@@ -689,7 +693,8 @@ def test_scann_export_loads_and_answers(trained, tmp_path):
 def test_an_export_searching_a_few_rows_at_a_time_answers_as_one_search(trained, tmp_path,
                                                                         monkeypatch, scann):
     """Blocks of 2 rows (the last one short, each with its own users' seen and given items
-    skipped) answer what one block of every row answers, and an empty request [0, k]."""
+    skipped) answer the items one block of every row answers, their scores to float32's last
+    bits (a one-row block's product sums in another order), and an empty request [0, k]."""
     from tworec.retrieval import export as retrieval_export
     log, _, model, data, _ = trained
     params = ScannParams(4, 4, data.num_items) if scann else None
@@ -698,15 +703,15 @@ def test_an_export_searching_a_few_rows_at_a_time_answers_as_one_search(trained,
     monkeypatch.setattr(retrieval_export, "SCORES_PER_BLOCK", 2 * data.num_items + 1)
     blocks, _ = load_like_tf_serving(retrieval_export.export(
         model, data, str(tmp_path / "blocks"), k=10, scann=params))
-    users = np.flatnonzero(data.known)[:5]
-    ids = np.array(log.user_ids[users].tolist() + ["nobody"])
+    users = np.flatnonzero(data.known)[:4]
+    ids = np.array(log.user_ids[users].tolist() + ["nobody"])       # 5 rows: blocks 2, 2, 1
     history = np.concatenate([_history_strings(data, users), [[""] * data.history_length]])
     assert data.seen[users].sum() > 0
     for signature, inputs in (("serving_default", {"user_id": ids}),
                               ("with_history", {"user_id": ids, "history": history})):
         expected, got = one(signature, **inputs), blocks(signature, **inputs)
         assert got["item_ids"].tolist() == expected["item_ids"].tolist(), signature
-        np.testing.assert_array_equal(got["scores"], expected["scores"])
+        np.testing.assert_allclose(got["scores"], expected["scores"], rtol=1e-6)
     empty = blocks("serving_default", user_id=np.array([], object))
     assert empty["item_ids"].shape == empty["scores"].shape == (0, 10)
 
