@@ -338,8 +338,8 @@ def _outputs_of_json(answer: dict, signature) -> dict[str, np.ndarray]:
 
 def _in_its_rank(array: np.ndarray, shape) -> np.ndarray:
     """An empty answer (JSON `[]`, which keeps no inner sizes) in the rank of the signature's
-    `shape` (a TensorShapeProto): [0, ...] with its known sizes, 0 for the others, as gRPC's
-    tensors carry it."""
+    `shape` (a TensorShapeProto): [0, ...] with its known sizes, as gRPC's tensors carry it,
+    and 0 for the sizes the signature leaves open (gRPC's may be larger)."""
     if array.size or shape.unknown_rank or array.ndim == len(shape.dim) or not shape.dim:
         return array
     return array.reshape([0] + [max(dim.size, 0) for dim in shape.dim[1:]])

@@ -71,11 +71,10 @@ class Recommender:
         users = _as_bytes(user_ids)
         if seen is not None and len(seen) != len(users):
             raise ValueError(f"seen has {len(seen)} rows for {len(users)} users")
-        if not len(users):             # REST's JSON could not carry the [0, k] candidates
-            return {"item_ids": np.empty((0, n), object), "scores": np.empty((0, n), np.float32)}
         candidates = self.client.predict(self.retrieval_model, {"user_id": users})["item_ids"]
-        scores = self.client.predict(self.ranking_model,
-                                     {"user_id": users, "item_ids": candidates})["scores"]
+        scores = np.zeros(candidates.shape, np.float32) if not len(users) else (  # JSON could
+            self.client.predict(self.ranking_model,                # not carry [0, k] inputs
+                                {"user_id": users, "item_ids": candidates})["scores"])
         if seen is not None:
             scores = np.where(_seen_mask(candidates, seen), -np.inf, scores).astype(np.float32)
         return dict(zip(("item_ids", "scores"), top_n(candidates, scores, n)))
