@@ -49,10 +49,16 @@ def version_of(spec) -> tuple[str, int | None, str | None]:
             spec.version_label if choice == "version_label" else None)
 
 
-def _unimplemented(name: str):
+def _unimplemented(name: str, finds_the_model: bool = True):
+    """A method this server does not run: UNIMPLEMENTED, once the model the request names is
+    found (NOT_FOUND first, as TF Serving looks the servable up before anything else)."""
+    @_aborts_on_error
     def method(self, request, context):
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{name} is not supported by this server; "
-                      "use Predict with a predict signature")
+        if finds_the_model:
+            with self.manager.lease(*version_of(request.model_spec)):
+                pass
+        raise ServingError("UNIMPLEMENTED", f"{name} is not supported by this server; use "
+                           "Predict with a predict signature")
     return method
 
 
@@ -113,7 +119,7 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
 
     Classify = _unimplemented("Classify")
     Regress = _unimplemented("Regress")
-    MultiInference = _unimplemented("MultiInference")
+    MultiInference = _unimplemented("MultiInference", finds_the_model=False)  # one per task
 
 
 class ModelService(model_service_pb2_grpc.ModelServiceServicer):

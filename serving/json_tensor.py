@@ -36,21 +36,29 @@ def parse_json(body: bytes):
     Serving does since 2.5 (its commit 57dac6cd): a double, rounded to float32 for a float
     (an integer of more than 24 bits loses its last digits, beyond float32's range is
     infinite, as C's cast makes it). A key given twice keeps its first value, as RapidJSON's
-    `FindMember` finds it, and the body must be UTF-8 (Python would also read UTF-16 and 32).
+    `FindMember` finds it in the request object and in `inputs`, and the body must be UTF-8,
+    a byte-order mark skipped as RapidJSON's input stream skips it (Python would also read
+    UTF-16 and 32).
     """
     try:
-        text = body.decode("utf-8") if isinstance(body, (bytes, bytearray)) else body
+        text = body.decode("utf-8-sig") if isinstance(body, (bytes, bytearray)) else body
         return json.loads(text, parse_float=_double, parse_int=_integer,
                           object_pairs_hook=_first_of_each_key)
     except (ValueError, RecursionError) as error:   # UnicodeDecodeError is a ValueError
         raise ServingError("INVALID_ARGUMENT", f"JSON Parse error: {error}") from error
 
 
+class _Repeated(dict):
+    """A JSON object that gave a key more than once, with each key's first value: taken as the
+    request object and as `inputs` (TF Serving's `FindMember`); refused as an instance (TF
+    Serving would append both values) and as a b64 value (TF Serving wants its only key)."""
+
+
 def _first_of_each_key(pairs: list[tuple[str, object]]) -> dict:
     found: dict = {}
     for key, value in pairs:
         found.setdefault(key, value)
-    return found
+    return found if len(found) == len(pairs) else _Repeated(found)
 
 
 def _integer(text: str) -> int | float:
@@ -232,6 +240,9 @@ def _parse_instances(instances, signature) -> dict[str, tuple]:
         raise ServingError("INVALID_ARGUMENT", "No values in 'instances' list")
     if all(_is_named(row) for row in instances):
         for row in instances:
+            if isinstance(row, _Repeated):
+                raise ServingError("INVALID_ARGUMENT", "An instance names an input more than "
+                                   "once; name each input once")
             _check_names(row, signature, "instance")
         return {name: ([row[name] for row in instances], spec)
                 for name, spec in signature.inputs.items()}
@@ -261,7 +272,7 @@ def _is_named(value) -> bool:
 
 
 def _is_b64(value) -> bool:
-    return isinstance(value, dict) and list(value) == ["b64"]
+    return isinstance(value, dict) and list(value) == ["b64"] and not isinstance(value, _Repeated)
 
 
 def _check_names(named: dict, signature, where: str) -> None:

@@ -27,6 +27,7 @@ from tworec.serving.errors import ServingError
 from tworec.serving.json_tensor import format_predict, parse_json, parse_predict, signature_name
 from tworec.serving.limits import default_max_elements, default_max_rows
 from tworec.serving.manager import ModelManager
+from tworec.serving.protocol import DEFAULT_SIGNATURE
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +155,8 @@ class RestApp:
     async def _predict(self, verb: str, name: str, version: int | None, label: str | None,
                        body: bytes, scope, deadline: float | None) -> bytes:
         if verb.lower() != "predict":
+            with self.manager.lease(name, version, label):      # NOT_FOUND first, as TF's
+                pass
             raise ServingError("UNIMPLEMENTED", f"{verb} is not supported by this server; use "
                                ":predict with a predict signature")
         big = len(body) > _INLINE_BYTES
@@ -161,7 +164,7 @@ class RestApp:
         signature = signature_name(request)
         with self.manager.lease(name, version, label) as (_, model):
             inputs, row_form = await _maybe_offload(
-                big, parse_predict, request, model.signature(signature), self.max_rows,
+                big, parse_predict, request, _rest_signature(model, signature), self.max_rows,
                 self.max_elements)
             future = self.scheduler.submit(model, inputs, signature, (), deadline)
             outputs = await _wait(future, scope, deadline, self.timeout_seconds)
@@ -242,6 +245,18 @@ async def _send_json(send, status: int, data: bytes, close: bool = False) -> Non
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": data})
+
+
+def _rest_signature(model, name: str):
+    """`model.signature(name)`, refused in the words of TF Serving's REST API
+    (`HttpRestApiHandler::GetInfoMap`), not of its gRPC one."""
+    try:
+        return model.signature(name)
+    except ServingError as error:
+        if error.code != "FAILED_PRECONDITION":
+            raise
+        raise ServingError("INVALID_ARGUMENT", f'Serving signature name: '
+                           f'"{name or DEFAULT_SIGNATURE}" not found in signature def') from None
 
 
 class HeaderTimeoutProtocol(H11Protocol):

@@ -52,11 +52,13 @@ def to_array(name: str, proto: tensor_pb2.TensorProto, max_rows: int) -> np.ndar
     got = _values_present(name, proto)
     if got != want:
         carried = (f"{len(proto.tensor_content)} bytes of tensor_content, not {want} × "
-                   f"{tf.as_dtype(proto.dtype).size}" if proto.tensor_content else f"{got:g}")
+                   f"{tf.as_dtype(proto.dtype).size}" if proto.tensor_content else
+                   str(int(got)))
         raise ServingError("INVALID_ARGUMENT", f'Input "{name}" declares shape {shape} '
-                           f"({want} values) but carries {carried}; send every value (unlike "
-                           "TF Serving, this server does not repeat the last one to fill a "
-                           "shape, so that a request costs no more than it sends)")
+                           f"({want} values) but carries {carried}; send exactly the values "
+                           "the shape holds (unlike TF Serving, this server neither repeats the "
+                           "last one to fill a shape, so that a request costs no more than it "
+                           "sends, nor drops extra ones)")
     if proto.dtype in _NARROW_INTS and not proto.tensor_content:
         dtype = tf.as_dtype(proto.dtype).as_numpy_dtype
         return np.array(proto.int_val, np.int32).astype(dtype).reshape(shape)

@@ -31,7 +31,7 @@ from google.protobuf import text_format
 from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2,
                                      get_model_status_pb2, model_management_pb2,
                                      model_service_pb2_grpc, predict_pb2,
-                                     prediction_service_pb2_grpc)
+                                     prediction_service_pb2_grpc, regression_pb2)
 from tensorflow_serving.config import model_server_config_pb2
 
 from tworec.serving.client import Client
@@ -370,6 +370,11 @@ def test_a_key_given_twice_keeps_its_first_value_as_in_tf_serving(server, local)
     answer = _predict(rest, "retrieval", b'{"instances": ["u1"], "instances": ["u2"]}')
     assert [item.encode() for item in answer.json()["predictions"][0]["item_ids"]] == \
         expected.tolist()
+    named = _predict(rest, "retrieval", b'{"inputs": {"user_id": ["u1"], "user_id": ["u2"]}}')
+    assert [item.encode() for item in named.json()["outputs"]["item_ids"][0]] == \
+        expected.tolist()
+    bom = _predict(rest, "retrieval", b'\xef\xbb\xbf{"instances": ["u1"]}')   # skipped, as
+    assert bom.status_code == 200, bom.text                    # RapidJSON's stream skips it
 
 
 def test_rest_predict_row_and_columnar_forms(server, local):
@@ -514,9 +519,14 @@ REST_ERRORS = {
     "extra input": ("ranking", {"instances": [{"user_id": "u1", "item_ids": ["i1"],
                                                "more": 1}]}, 400, None),
     "unknown signature": ("retrieval", {"signature_name": "nope", "instances": ["u1"]}, 400,
-                          'Serving signature key "nope" not found.'),
+                          'Serving signature name: "nope" not found in signature def'),
     "invalid UTF-8": ("retrieval", b'{"instances": ["\xff"]}', 400, None),
     "UTF-16": ("retrieval", '{"instances": ["u1"]}'.encode("utf-16"), 400, None),
+    "an instance naming an input twice": (
+        "ranking", b'{"instances": [{"user_id": "u1", "item_ids": ["i1"], "user_id": "u2"}]}',
+        400, "An instance names an input more than once"),
+    "a b64 value with two keys": ("retrieval", b'{"instances": [{"b64": "dTE=", "b64": "dTI="}]}',
+                                  400, None),
     "deeply nested": ("scale", b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400,
                       None),
     "empty instances": ("scale", {"instances": []}, 400, None),
@@ -732,6 +742,13 @@ def test_grpc_unimplemented_and_oversized(server, stubs):
         prediction.Classify(_spec(classification_pb2.ClassificationRequest(), "scale"),
                             timeout=10)
     assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    with pytest.raises(grpc.RpcError) as error:             # the model is looked up first
+        prediction.Regress(_spec(regression_pb2.RegressionRequest(), "nope"), timeout=10)
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND
+    assert requests.post(f"{rest}/v1/models/nope:classify", json={"examples": []},
+                         timeout=10).status_code == 404
+    assert requests.post(f"{rest}/v1/models/scale:classify", json={"examples": []},
+                         timeout=10).status_code == 501
     big = np.zeros(MAX_REQUEST_BYTES // 4 + 10, np.float32)
     with pytest.raises(grpc.RpcError) as error:
         prediction.Predict(_predict_request("scale", {"x": big}), timeout=10)
@@ -984,6 +1001,77 @@ def test_a_broken_version_no_longer_wanted_stops_retrying_and_the_next_one_loads
         assert time.monotonic() - start < 10
         with manager.lease("scale") as (version, _):
             assert version == 3
+    finally:
+        manager.stop()
+
+
+class _Loaded:
+    """What a fake loader returns: a servable nothing is asked of."""
+
+    def close(self) -> None:
+        pass
+
+
+def _fake_manager(base: str, broken, retries: int, retry_seconds: float,
+                  attempts: dict | None = None) -> ModelManager:
+    """A manager of model "m" at `base` whose version folders load unless `broken(version,
+    attempt)`, counting each version's attempts in `attempts`; no TensorFlow runs."""
+    attempts = {} if attempts is None else attempts
+
+    def load(path: str) -> _Loaded:
+        version = int(os.path.basename(path))
+        attempts[version] = attempts.get(version, 0) + 1
+        if broken(version, attempts[version]):
+            raise OSError(f"version {version} is broken")
+        return _Loaded()
+    return ModelManager([ModelConfig("m", base)], poll_seconds=0.1, load=load,
+                        max_load_retries=retries, load_retry_seconds=retry_seconds)
+
+
+def _states(manager: ModelManager) -> dict[int, str]:
+    try:
+        versions = manager.status("m").model_version_status
+    except ServingError:                                        # none listed yet
+        return {}
+    return {s.version: get_model_status_pb2.ModelVersionStatus.State.Name(s.state)
+            for s in versions}
+
+
+def test_the_version_a_failed_one_falls_back_to_keeps_its_own_retries(tmp_path):
+    """Versions 1 to 3; 3 and 2 never load. 2, the poll's choice once 3 has failed, gets its
+    retries and fails in turn (not cancelled as unwanted because 3 is still on disk, which
+    would retry it at every poll, never giving it up), then 1 serves."""
+    for version in (1, 2, 3):
+        os.makedirs(tmp_path / str(version))
+    attempts: dict[int, int] = {}
+    manager = _fake_manager(str(tmp_path), lambda v, attempt: v > 1, retries=1,
+                            retry_seconds=0.3, attempts=attempts)
+    manager.start(wait=False)
+    try:
+        _wait_for(lambda: _states(manager).get(1) == "AVAILABLE", seconds=20)
+        assert _states(manager) == {1: "AVAILABLE", 2: "END", 3: "END"}
+        assert attempts == {3: 2, 2: 2, 1: 1}
+    finally:
+        manager.stop()
+
+
+def test_a_version_whose_retries_were_cancelled_loads_once_it_is_wanted_again(tmp_path):
+    """Broken version 2 is removed while it waits to retry (cancelled), then written again, good:
+    it loads, as TF Serving loads a version that is aspired again."""
+    os.makedirs(tmp_path / "1")
+    good = {1}
+    manager = _fake_manager(str(tmp_path), lambda v, attempt: v not in good, retries=3,
+                            retry_seconds=30)
+    manager.start(wait=False)
+    try:
+        _wait_for(lambda: _states(manager).get(1) == "AVAILABLE")
+        os.makedirs(tmp_path / "2")
+        _wait_for(lambda: _states(manager).get(2) == "LOADING")
+        os.rmdir(tmp_path / "2")
+        _wait_for(lambda: _states(manager).get(2) == "END")        # cancelled at once
+        good.add(2)
+        os.makedirs(tmp_path / "2")
+        _wait_for(lambda: _states(manager).get(2) == "AVAILABLE", seconds=10)
     finally:
         manager.stop()
 

@@ -210,9 +210,10 @@ def test_declared_shapes_must_match_the_bytes_sent(models, name, proto):
 
 
 @pytest.mark.parametrize("proto, carried", [
-    (_proto(types_pb2.DT_STRING, [3], string_val=[b"u1"]), "carries 1; send every value"),
+    (_proto(types_pb2.DT_STRING, [3], string_val=[b"u1"]), "carries 1; send exactly the "),
+    (_proto(types_pb2.DT_STRING, [1], string_val=[b"u1"] * 1_234_567), "carries 1234567; "),
     (_proto(types_pb2.DT_FLOAT, [2], tensor_content=b"\0" * 7),
-     "carries 7 bytes of tensor_content, not 2 × 4; send every value")])
+     "carries 7 bytes of tensor_content, not 2 × 4; send exactly the values")])
 def test_a_proto_short_of_its_shape_is_refused_saying_what_to_send(proto, carried):
     """`tf.make_tensor_proto(b"u1", shape=[3])` sends one value: TF Serving would repeat it."""
     from tworec.serving.errors import ServingError
