@@ -211,13 +211,17 @@ ROLE_NAMES = {"user": "user", "item": "item", "time": "timestamp", "rating": "ra
 
 
 def _id_text(source: str, name: str, ids) -> np.ndarray:
-    """[n] ids as text; a missing one (None, NaN) is refused, not read as the id "None"."""
-    ids = np.asarray(ids, dtype=object if isinstance(ids, (list, tuple)) else None)  # NaN kept
-    if ids.dtype.kind == "f":
-        _refuse(source, name, np.isnan(ids), "missing values")
-    elif ids.dtype == object:
-        _refuse(source, name, np.equal(ids, None) | np.not_equal(ids, ids), "missing values")
-    return ids.astype(str)
+    """[n] ids as text, as NumPy writes them; a missing one (None, NaN) is refused, not read
+    as the id "None" or "nan" (a list is looked through as given: NumPy would write a NaN
+    among text as "nan")."""
+    natural = np.asarray(ids)
+    given = np.asarray(ids, dtype=object) if isinstance(ids, (list, tuple)) else natural
+    if given.dtype.kind == "f":
+        _refuse(source, name, np.isnan(given), "missing values")
+    elif given.dtype == object:
+        _refuse(source, name, np.equal(given, None) | np.not_equal(given, given),
+                "missing values")
+    return natural.astype(str)
 
 
 def empty_ids_error(source: str, name: str, count: int, first: int | str) -> DataError:
@@ -282,12 +286,15 @@ def _python_times(source: str, name: str, values: np.ndarray) -> np.ndarray:
     """An object array of Python dates or datetimes (pandas Timestamps too; None where one is
     missing) as datetime64, read by Arrow: naive times as they are, aware ones in UTC, as a
     Parquet timestamp column is read. Other arrays as they are; only arrays whose first value
-    is a date are looked through."""
-    present = values.flat[0] if values.dtype == object and len(values) else None
+    not missing (None, NaN) is a date are looked through."""
+    if values.dtype != object:
+        return values
+    present = next((value for value in values.flat
+                    if value is not None and value == value), None)   # the first not missing
     if not isinstance(present, datetime.date):
         return values
-    try:
-        return pa.array(values.reshape(-1)).to_numpy(zero_copy_only=False)
+    try:                                      # from_pandas: NaN (a missing value) is a null
+        return pa.array(values.reshape(-1), from_pandas=True).to_numpy(zero_copy_only=False)
     except (pa.ArrowException, ValueError, TypeError):
         raise DataError(f"{source}: column {name!r} holds Python dates beside date-times or "
                         "other values; give it dates only or date-times only") from None

@@ -334,6 +334,8 @@ def test_times_below_a_second_order_a_text_log_and_are_not_duplicates(tmp_path):
      "only or date-times only"),
     ([dt.datetime(2020, 1, 1), None, dt.datetime(1970, 1, 1)],
      "column 'timestamp' has 1 missing values (first at row 1)"),
+    ([None, dt.datetime(2020, 1, 1), float("nan")],
+     "column 'timestamp' has 2 missing values (first at row 0)"),
 ], ids=["minutes", "hours", "negative-ms", "10ms-dates", "NaT", "a-date-among-numbers",
         "a-typo-among-dates", "a-non-number-among-dates", "a-number-among-dates", "a-typo-among-both",
         "an-impossible-date", "days-past-2262", "no-unit", "days-beyond-2^63-seconds",
@@ -341,7 +343,8 @@ def test_times_below_a_second_order_a_text_log_and_are_not_duplicates(tmp_path):
         "datetime64-objects", "datetime64-objects-of-two-units", "a-datetime64-among-numbers",
         "a-datetime64-after-a-number", "hexadecimal", "hexadecimal-that-wraps",
         "python-datetimes", "aware-python-datetimes", "python-dates",
-        "a-python-date-among-datetimes", "a-missing-python-datetime"])
+        "a-python-date-among-datetimes", "a-missing-python-datetime",
+        "missing-python-datetimes-first"])
 @pytest.mark.filterwarnings("error::RuntimeWarning")             # float16 warned, overflowing
 def test_library_callers_times_are_seconds_or_refused_in_one_line(times, expected):
     def log():
@@ -360,6 +363,11 @@ def test_library_callers_missing_ids_are_refused_not_read_as_text(users):
     with pytest.raises(DataError) as error:
         sources.from_columns("log", users, ["a", "b", "a"], [1, 2, 3])
     assert str(error.value) == "log: column 'user' has 1 missing values (first at row 1)"
+
+
+def test_library_callers_ids_are_written_as_numpy_writes_them():
+    log = sources.from_columns("log", [1, 2.5, 3], ["a", "b", "a"], [1, 2, 3])
+    assert sorted(log.user_ids) == ["1.0", "2.5", "3.0"]       # as np.array([1, 2.5, 3]) would
 
 
 SIDE = ("user,item,time,genre,yr\nu1,i1,1,Action|Comedy,1995\nu1,i2,2,Drama,2001.0\n"
