@@ -13,6 +13,7 @@ import codecs
 import dataclasses
 import datetime
 import io
+import math
 import os
 import re
 import socket
@@ -215,7 +216,8 @@ def _id_text(source: str, name: str, ids) -> np.ndarray:
     as the id "None" or "nan" (a list is looked through as given: NumPy would write a NaN
     among text as "nan")."""
     natural = np.asarray(ids)
-    given = np.asarray(ids, dtype=object) if isinstance(ids, (list, tuple)) else natural
+    given = (np.asarray(ids, dtype=object) if isinstance(ids, (list, tuple))
+             and natural.dtype.kind == "U" else natural)     # only text can hide a None or NaN
     if given.dtype.kind == "f":
         _refuse(source, name, np.isnan(given), "missing values")
     elif given.dtype == object:
@@ -289,8 +291,8 @@ def _python_times(source: str, name: str, values: np.ndarray) -> np.ndarray:
     not missing (None, NaN) is a date are looked through."""
     if values.dtype != object:
         return values
-    present = next((value for value in values.flat
-                    if value is not None and value == value), None)   # the first not missing
+    present = next((value for value in values.flat if not (     # the first not missing
+        value is None or isinstance(value, float) and math.isnan(value))), None)
     if not isinstance(present, datetime.date):
         return values
     try:                                      # from_pandas: NaN (a missing value) is a null

@@ -241,8 +241,8 @@ def _parse_instances(instances, signature) -> dict[str, tuple]:
     if all(_is_named(row) for row in instances):
         for row in instances:
             if isinstance(row, _Repeated):
-                raise ServingError("INVALID_ARGUMENT", "An instance names an input more than "
-                                   "once; name each input once")
+                raise ServingError("INVALID_ARGUMENT", "An instance gives a key more than "
+                                   "once; give each input once")
             _check_names(row, signature, "instance")
         return {name: ([row[name] for row in instances], spec)
                 for name, spec in signature.inputs.items()}

@@ -102,6 +102,7 @@ class _Version:
     model: LoadedModel | None = None
     leases: int = 0
     attempts: int = 0
+    cancelled: bool = False  # its retries stopped once it was no longer wanted: not failed
 
 
 @dataclasses.dataclass
@@ -196,7 +197,7 @@ class ModelManager:
             failed = []
             for name, model in self._models.items():
                 latest = model.versions[max(model.versions)] if model.versions else None
-                if latest is not None and latest.error is not None:
+                if latest is not None and latest.error is not None and not latest.cancelled:
                     failed.append(f"{{{{name: {name} version: {max(model.versions)}}} due to "
                                   f"error: {latest.error.message}}}, ")
             if failed:
@@ -379,7 +380,7 @@ class ModelManager:
         with self._lock:
             config = model.config
         try:
-            on_disk = list_versions(config.base_path)
+            on_disk = _versions_on_disk(config.base_path)
         except Exception as error:      # anything: the model must still count as listed
             log.error("listing the versions of model %s failed: %s", config.name, error)
             with self._changed:                         # what is served stays as it is
@@ -412,7 +413,7 @@ class ModelManager:
         to load from its base path."""
         def failed(number: int) -> bool:
             entry = model.versions.get(number)
-            return (entry is not None and entry.error is not None
+            return (entry is not None and entry.error is not None and not entry.cancelled
                     and entry.path == os.path.join(config.base_path, str(number)))
         return config.wanted([v for v in on_disk if not failed(v)])
 
@@ -445,16 +446,16 @@ class ModelManager:
             self._record(model, entry, attempts=attempt + 1)
             retry = "no" if attempt == self.max_load_retries else self._wait_to_retry(
                 model, number, path)
-            if retry == "unwanted":     # END without an error: wanted again, it loads again
-                self._record(model, entry, state="END")
+            if retry != "yes":          # END with its error; a cancelled one, wanted again,
+                self._record(model, entry, state="END", cancelled=retry == "unwanted",
+                             error=ServingError(failed.code, f"Version {number} of model "
+                                                f"{name} failed to load: {failed.message}"))
+            if retry == "unwanted":                                     # loads again
                 with self._changed:
                     if model.incoming.get(number) is entry:
                         del model.incoming[number]
                 return
             if retry == "no":
-                self._record(model, entry, state="END", error=ServingError(
-                    failed.code, f"Version {number} of model {name} failed to load: "
-                    f"{failed.message}"))
                 with self._changed:
                     if model.incoming.get(number) is entry:   # the old copy keeps serving
                         del model.incoming[number]
@@ -471,15 +472,19 @@ class ModelManager:
         poll would no longer load the version (its folder gone, a later one there, the config
         changed: `_wanted`), as TF Serving cancels the retries of a version that leaves its
         aspired set. The model's one worker must not hold a good version back behind a broken
-        one's retries."""
+        one's retries. Without polling (`poll_seconds` <= 0) the wanted versions never change,
+        as in TF Serving, and nothing is cancelled."""
         deadline = time.monotonic() + self.load_retry_seconds
+        if self.poll_seconds <= 0:
+            return "no" if model.removed.wait(self.load_retry_seconds) or \
+                self._stop.is_set() else "yes"
         while (left := deadline - time.monotonic()) > 0:
             if model.removed.wait(min(left, RETRY_CHECK_SECONDS)):
                 return "no"
             with self._lock:
                 config = model.config
             try:
-                on_disk = list_versions(config.base_path)
+                on_disk = _versions_on_disk(config.base_path)
             except Exception:          # unlisted: as a poll, change nothing; keep waiting
                 continue
             with self._lock:
@@ -554,6 +559,14 @@ class ModelManager:
             raise ServingError("INVALID_ARGUMENT",
                                f"Unrecognized servable version label: {label}")
         return labels[label]
+
+
+def _versions_on_disk(base_path: str) -> list[int]:
+    """`list_versions`, but a base path that is not there is an error, not "no versions": as
+    in TF Serving, a path transiently missing (a remount, a symlink swap) changes nothing."""
+    if not os.path.isdir(base_path):
+        raise FileNotFoundError(f"the base path {base_path} is not there")
+    return list_versions(base_path)
 
 
 def _check_unique(configs: list[ModelConfig]) -> None:

@@ -155,7 +155,8 @@ class RestApp:
     async def _predict(self, verb: str, name: str, version: int | None, label: str | None,
                        body: bytes, scope, deadline: float | None) -> bytes:
         if verb.lower() != "predict":
-            with self.manager.lease(name, version, label):      # NOT_FOUND first, as TF's
+            parse_json(body)             # as TF Serving: the body, then the model, then this
+            with self.manager.lease(name, version, label):
                 pass
             raise ServingError("UNIMPLEMENTED", f"{verb} is not supported by this server; use "
                                ":predict with a predict signature")

@@ -524,7 +524,7 @@ REST_ERRORS = {
     "UTF-16": ("retrieval", '{"instances": ["u1"]}'.encode("utf-16"), 400, None),
     "an instance naming an input twice": (
         "ranking", b'{"instances": [{"user_id": "u1", "item_ids": ["i1"], "user_id": "u2"}]}',
-        400, "An instance names an input more than once"),
+        400, "An instance gives a key more than once"),
     "a b64 value with two keys": ("retrieval", b'{"instances": [{"b64": "dTE=", "b64": "dTI="}]}',
                                   400, None),
     "deeply nested": ("scale", b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400,
@@ -745,10 +745,13 @@ def test_grpc_unimplemented_and_oversized(server, stubs):
     with pytest.raises(grpc.RpcError) as error:             # the model is looked up first
         prediction.Regress(_spec(regression_pb2.RegressionRequest(), "nope"), timeout=10)
     assert error.value.code() == grpc.StatusCode.NOT_FOUND
-    assert requests.post(f"{rest}/v1/models/nope:classify", json={"examples": []},
+    examples = {"examples": [{"x": [1.0]}]}
+    assert requests.post(f"{rest}/v1/models/nope:classify", json=examples,
                          timeout=10).status_code == 404
-    assert requests.post(f"{rest}/v1/models/scale:classify", json={"examples": []},
+    assert requests.post(f"{rest}/v1/models/scale:classify", json=examples,
                          timeout=10).status_code == 501
+    assert requests.post(f"{rest}/v1/models/nope:classify", data=b"{",
+                         timeout=10).status_code == 400
     big = np.zeros(MAX_REQUEST_BYTES // 4 + 10, np.float32)
     with pytest.raises(grpc.RpcError) as error:
         prediction.Predict(_predict_request("scale", {"x": big}), timeout=10)
@@ -1068,10 +1071,31 @@ def test_a_version_whose_retries_were_cancelled_loads_once_it_is_wanted_again(tm
         os.makedirs(tmp_path / "2")
         _wait_for(lambda: _states(manager).get(2) == "LOADING")
         os.rmdir(tmp_path / "2")
-        _wait_for(lambda: _states(manager).get(2) == "END")        # cancelled at once
+        _wait_for(lambda: _states(manager).get(2) == "END")        # cancelled at once,
+        (status,) = [s for s in manager.status("m").model_version_status if s.version == 2]
+        assert "version 2 is broken" in status.status.error_message     # with its error
         good.add(2)
         os.makedirs(tmp_path / "2")
         _wait_for(lambda: _states(manager).get(2) == "AVAILABLE", seconds=10)
+    finally:
+        manager.stop()
+
+
+def test_a_base_path_missing_for_a_moment_changes_nothing(tmp_path):
+    """A remount or a symlink swap: TF Serving does not read a missing base path as "no
+    versions" (which would retire the serving one) but as a failed poll."""
+    base = tmp_path / "m"
+    os.makedirs(base / "1")
+    manager = _fake_manager(str(base), lambda v, attempt: False, retries=0, retry_seconds=0)
+    manager.start()
+    try:
+        assert _states(manager) == {1: "AVAILABLE"}
+        os.rename(base, tmp_path / "away")
+        time.sleep(0.5)                                             # five polls
+        assert _states(manager) == {1: "AVAILABLE"}
+        with manager.lease("m") as (version, _):
+            assert version == 1
+        os.rename(tmp_path / "away", base)
     finally:
         manager.stop()
 
