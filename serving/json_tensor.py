@@ -252,7 +252,7 @@ def _parse_instances(instances, signature) -> dict[str, tuple]:
 
 def _parse_inputs(inputs, signature) -> dict[str, tuple]:
     if _is_named(inputs):
-        _check_names(inputs, signature, "'inputs' object")
+        _check_names(inputs, signature, "'inputs' object", extra_allowed=True)
         return {name: (inputs[name], spec) for name, spec in signature.inputs.items()}
     return _single_input(inputs, signature,
                          "Expecting 'inputs' to be an object of named inputs")
@@ -275,9 +275,12 @@ def _is_b64(value) -> bool:
     return isinstance(value, dict) and list(value) == ["b64"] and not isinstance(value, _Repeated)
 
 
-def _check_names(named: dict, signature, where: str) -> None:
+def _check_names(named: dict, signature, where: str, extra_allowed: bool = False) -> None:
+    """Refuses a missing input, and an unknown one unless `extra_allowed` (TF Serving's
+    `inputs` object: `FillTensorMapFromInputsMap` looks up the signature's names alone; an
+    instance's unknown key is refused there as here)."""
     missing = sorted(set(signature.inputs) - set(named))
-    extra = sorted(set(named) - set(signature.inputs))
+    extra = [] if extra_allowed else sorted(set(named) - set(signature.inputs))
     if missing:
         raise ServingError("INVALID_ARGUMENT", f"Missing named input: {missing[0]} in {where}; "
                            f"the signature's inputs are {sorted(signature.inputs)}")

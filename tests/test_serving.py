@@ -377,6 +377,17 @@ def test_a_key_given_twice_keeps_its_first_value_as_in_tf_serving(server, local)
     assert bom.status_code == 200, bom.text                    # RapidJSON's stream skips it
 
 
+def test_an_inputs_object_may_carry_keys_the_signature_does_not_read(server, local):
+    """As TF Serving's `FillTensorMapFromInputsMap`, which looks up the signature's names
+    alone (an instance's unknown key is refused: REST_ERRORS)."""
+    _, rest, _ = server
+    expected = local["retrieval"].run({"user_id": np.array(["u1"])})["item_ids"][0]
+    answer = _predict(rest, "retrieval", {"inputs": {"user_id": ["u1"], "debug": [1, 2]}})
+    assert answer.status_code == 200, answer.text
+    assert [item.encode() for item in answer.json()["outputs"]["item_ids"][0]] == \
+        expected.tolist()
+
+
 def test_rest_predict_row_and_columnar_forms(server, local):
     _, rest, _ = server
     users = ["u0", "u3"]

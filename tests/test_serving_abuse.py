@@ -693,8 +693,8 @@ _LEAKS = re.compile(r"/tmp/|/work/|\b\w+(Error|Exception)\b|Traceback")
     ("ranking", b'{"instances": [{"user_id": "\\ud800", "item_ids": ["i1"]}]}', 400),
     ("scale", b'{"inputs": ' + b"[" * 70 + b"1.0" + b"]" * 70 + b"}", 400),
     ("scale", b'{"signature_name": "__saved_model_init_op", "inputs": {}}', 400),
-    ("scale", b'{"inputs": {"x": [1.0], "y": [2.0]}}', 400),
-], ids=["lone-surrogate", "nested-70-deep", "init-op-signature", "unknown-input"])
+    ("scale", b'{"instances": [{"x": 1.0, "y": 2.0}]}', 400),     # inputs may carry it
+], ids=["lone-surrogate", "nested-70-deep", "init-op-signature", "unknown-input-in-an-instance"])
 def test_rest_client_mistakes_are_client_errors(models, model, body, status):
     with _serve(models) as server:
         answer = requests.post(f"http://127.0.0.1:{server.rest_port}/v1/models/{model}:predict",
