@@ -8,6 +8,7 @@ from tworec.features.sources import from_columns, load
 from tworec.features.synthetic import SyntheticConfig, generate
 
 __all__ = [
-    "DataError", "Interactions", "Split", "split", "Vocabulary", "build_history", "load", "from_columns",
+    "DataError", "Interactions", "Split", "split", "Vocabulary", "build_history", "load",
+    "from_columns",
     "SyntheticConfig", "generate",
 ]

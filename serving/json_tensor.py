@@ -244,6 +244,11 @@ def _parse_instances(instances, signature) -> dict[str, tuple]:
                 raise ServingError("INVALID_ARGUMENT", "An instance gives a key more than "
                                    "once; give each input once")
             _check_names(row, signature, "instance")
+            extra = sorted(set(row) - set(signature.inputs))       # refused here, as in TF's
+            if extra:
+                raise ServingError("INVALID_ARGUMENT", f"Unknown named input: {extra[0]} in "
+                                   f"instance; the signature's inputs are "
+                                   f"{sorted(signature.inputs)}")
         return {name: ([row[name] for row in instances], spec)
                 for name, spec in signature.inputs.items()}
     return _single_input(instances, signature,
@@ -252,7 +257,7 @@ def _parse_instances(instances, signature) -> dict[str, tuple]:
 
 def _parse_inputs(inputs, signature) -> dict[str, tuple]:
     if _is_named(inputs):
-        _check_names(inputs, signature, "'inputs' object", extra_allowed=True)
+        _check_names(inputs, signature, "'inputs' object")
         return {name: (inputs[name], spec) for name, spec in signature.inputs.items()}
     return _single_input(inputs, signature,
                          "Expecting 'inputs' to be an object of named inputs")
@@ -275,17 +280,13 @@ def _is_b64(value) -> bool:
     return isinstance(value, dict) and list(value) == ["b64"] and not isinstance(value, _Repeated)
 
 
-def _check_names(named: dict, signature, where: str, extra_allowed: bool = False) -> None:
-    """Refuses a missing input, and an unknown one unless `extra_allowed` (TF Serving's
-    `inputs` object: `FillTensorMapFromInputsMap` looks up the signature's names alone; an
-    instance's unknown key is refused there as here)."""
+def _check_names(named: dict, signature, where: str) -> None:
+    """Refuses a missing input; other keys go unread, as TF Serving's
+    `FillTensorMapFromInputsMap` looks up the signature's names alone (an instance's unknown
+    key is refused: `_parse_instances`)."""
     missing = sorted(set(signature.inputs) - set(named))
-    extra = [] if extra_allowed else sorted(set(named) - set(signature.inputs))
     if missing:
         raise ServingError("INVALID_ARGUMENT", f"Missing named input: {missing[0]} in {where}; "
-                           f"the signature's inputs are {sorted(signature.inputs)}")
-    if extra:
-        raise ServingError("INVALID_ARGUMENT", f"Unknown named input: {extra[0]} in {where}; "
                            f"the signature's inputs are {sorted(signature.inputs)}")
 
 

@@ -446,21 +446,17 @@ class ModelManager:
             self._record(model, entry, attempts=attempt + 1)
             retry = "no" if attempt == self.max_load_retries else self._wait_to_retry(
                 model, number, path)
-            if retry != "yes":          # END with its error; a cancelled one, wanted again,
-                self._record(model, entry, state="END", cancelled=retry == "unwanted",
-                             error=ServingError(failed.code, f"Version {number} of model "
-                                                f"{name} failed to load: {failed.message}"))
-            if retry == "unwanted":                                     # loads again
-                with self._changed:
-                    if model.incoming.get(number) is entry:
-                        del model.incoming[number]
-                return
-            if retry == "no":
-                with self._changed:
-                    if model.incoming.get(number) is entry:   # the old copy keeps serving
-                        del model.incoming[number]
+            if retry == "yes":
+                continue
+            self._record(model, entry, state="END", cancelled=retry == "unwanted",
+                         error=ServingError(failed.code, f"Version {number} of model {name} "
+                                            f"failed to load: {failed.message}"))
+            with self._changed:
+                if model.incoming.get(number) is entry:       # the old copy keeps serving
+                    del model.incoming[number]
+                    if retry == "no":                 # a cancelled copy may load again
                         model.failed_moves.add(path)
-                return
+            return
         log.info("serving %s version %d from %s", name, number, path)
         if not self._record(model, entry, state="AVAILABLE", model=loaded,
                             attempts=attempt + 1):

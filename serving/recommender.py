@@ -72,9 +72,11 @@ class Recommender:
         if seen is not None and len(seen) != len(users):
             raise ValueError(f"seen has {len(seen)} rows for {len(users)} users")
         candidates = self.client.predict(self.retrieval_model, {"user_id": users})["item_ids"]
-        scores = np.zeros(candidates.shape, np.float32) if not len(users) else (  # JSON could
-            self.client.predict(self.ranking_model,                # not carry [0, k] inputs
-                                {"user_id": users, "item_ids": candidates})["scores"])
+        if not len(users):               # JSON could not carry the [0, k] candidates
+            scores = np.zeros(candidates.shape, np.float32)
+        else:
+            scores = self.client.predict(self.ranking_model,
+                                         {"user_id": users, "item_ids": candidates})["scores"]
         if seen is not None:
             scores = np.where(_seen_mask(candidates, seen), -np.inf, scores).astype(np.float32)
         return dict(zip(("item_ids", "scores"), top_n(candidates, scores, n)))

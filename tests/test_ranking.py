@@ -541,12 +541,13 @@ def test_an_export_scoring_a_few_pairs_at_a_time_answers_as_one_block(inputs, si
 
 def _peak_growth_mib(run) -> float:
     """MiB the process's resident memory peaks above where it was, while `run()` runs."""
+    import os
     import threading
     import time
+    from tworec.serving.soak import rss_bytes
 
     def resident() -> int:
-        with open("/proc/self/status") as status:
-            return int(status.read().split("VmRSS:")[1].split()[0]) // 1024
+        return rss_bytes(os.getpid()) >> 20
     start, peak, done = resident(), [0], threading.Event()
 
     def watch():

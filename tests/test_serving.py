@@ -1000,18 +1000,15 @@ def test_a_broken_version_no_longer_wanted_stops_retrying_and_the_next_one_loads
                            load_retry_seconds=60)
     manager.start()
     try:
-        def states() -> dict[int, str]:
-            return {s.version: get_model_status_pb2.ModelVersionStatus.State.Name(s.state)
-                    for s in manager.status("scale").model_version_status}
         os.makedirs(os.path.join(base, "2"))
         with open(os.path.join(base, "2", "saved_model.pb"), "w") as f:
             f.write("garbage")
-        _wait_for(lambda: states().get(2) == "LOADING" and states().get(1) == "AVAILABLE")
+        _wait_for(lambda: _states(manager, "scale") == {2: "LOADING", 1: "AVAILABLE"})
         time.sleep(0.5)                                                # retrying, 60 s apart
         shutil.rmtree(os.path.join(base, "2"))
         shutil.copytree(os.path.join(base, "1"), os.path.join(base, "3"))
         start = time.monotonic()
-        _wait_for(lambda: states().get(3) == "AVAILABLE", seconds=20)
+        _wait_for(lambda: _states(manager, "scale").get(3) == "AVAILABLE", seconds=20)
         assert time.monotonic() - start < 10
         with manager.lease("scale") as (version, _):
             assert version == 3
@@ -1042,9 +1039,9 @@ def _fake_manager(base: str, broken, retries: int, retry_seconds: float,
                         max_load_retries=retries, load_retry_seconds=retry_seconds)
 
 
-def _states(manager: ModelManager) -> dict[int, str]:
+def _states(manager: ModelManager, name: str = "m") -> dict[int, str]:
     try:
-        versions = manager.status("m").model_version_status
+        versions = manager.status(name).model_version_status
     except ServingError:                                        # none listed yet
         return {}
     return {s.version: get_model_status_pb2.ModelVersionStatus.State.Name(s.state)
