@@ -156,6 +156,9 @@ class ModelManager:
         self._reloading = threading.Lock()        # one reload at a time, labels included
         _check_unique(configs)
         self._models = {c.name: _Model(c) for c in configs}
+        # The versions of models a reload removed, for their status alone: TF Serving's state
+        # monitor keeps a removed model's END states, so its status still answers.
+        self._removed_versions: dict[str, dict[int, _Version]] = {}
         self._labels = {c.name: dict(c.labels) for c in configs}   # name -> label -> version
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -333,10 +336,13 @@ class ModelManager:
     def status(self, name: str, version: int | None = None
                ) -> get_model_status_pb2.GetModelStatusResponse:
         """The state of every version of `name`, or of one version; NOT_FOUND if unknown. A
-        label is not asked for: TF Serving's status reads the version alone and answers every
+        model a reload removed keeps its versions' last states (END once unloaded), as TF
+        Serving's state monitor keeps them; re-added, its new versions' states replace them
+        version by version. A label is not asked for: TF Serving's status reads the version alone and answers every
         version when a request names a label (`GetModelStatusWithModelSpec`)."""
         with self._lock:
-            versions = self._models[name].versions if name in self._models else {}
+            versions = {**self._removed_versions.get(name, {}),
+                        **(self._models[name].versions if name in self._models else {})}
             if not versions:
                 raise ServingError("NOT_FOUND", f"Could not find any versions of model {name}")
             if version is not None and version not in versions:
@@ -507,9 +513,14 @@ class ModelManager:
             return not owner.removed.is_set()
 
     def _remove(self, name: str) -> None:
-        """Unloads every version of a model and stops its worker (lock held)."""
+        """Unloads every version of a model and stops its worker (lock held); their states stay
+        in the status."""
         model = self._models.pop(name)
         model.removed.set()
+        for entry in model.versions.values():
+            if entry.state == "LOADING":            # its load is dropped (`_record`)
+                entry.state = "END"
+        self._removed_versions.setdefault(name, {}).update(model.versions)
         self._retire(model, set(model.versions))
         model.worker.shutdown(wait=False, cancel_futures=True)
         self._changed.notify_all()

@@ -1264,7 +1264,11 @@ def test_reload_config_replaces_the_models_and_labels_resolve(swap_server):
             model_management_pb2.ReloadConfigRequest(config=config), timeout=30)
     assert response.status.error_code == 0
     rest = f"http://127.0.0.1:{server.rest_port}"
-    assert requests.get(f"{rest}/v1/models/scale", timeout=10).status_code == 404
+    removed = requests.get(f"{rest}/v1/models/scale", timeout=10)   # TF Serving's monitor
+    assert [(v["version"], v["state"]) for v in removed.json()["model_version_status"]] == [
+        ("1", "END")]                                          # keeps a removed model's END
+    assert requests.post(f"{rest}/v1/models/scale:predict", json={"instances": [2.0]},
+                         timeout=10).status_code == 404
     labelled = requests.post(f"{rest}/v1/models/other/labels/stable:predict",
                              json={"instances": [2.0]}, timeout=10)
     assert labelled.json() == {"predictions": [2.0]}
@@ -1273,6 +1277,8 @@ def test_reload_config_replaces_the_models_and_labels_resolve(swap_server):
     assert unknown.status_code == 400 and "beta" in unknown.json()["error"]
     status = requests.get(f"{rest}/v1/models/other/labels/beta", timeout=10)  # reads no label,
     assert status.json() == requests.get(f"{rest}/v1/models/other", timeout=10).json()  # as TF
+    _reload_config(server, f'config {{ name: "scale" base_path: "{base}" }}')
+    assert _states(server.manager, "scale") == {1: "AVAILABLE"}   # added again: its new state
 
 
 def _reload_config(server: ModelServer, text: str) -> None:
