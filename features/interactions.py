@@ -131,21 +131,14 @@ def interaction_matrix(interactions: Interactions, rows: np.ndarray) -> sp.csr_m
     return matrix
 
 
-def encode_ids(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Categorical encoding of an id column.
-
-    Args:
-        values: [n] ids of any dtype; they are compared as strings.
-
-    Returns:
-        (ids [d] str in order of first appearance, codes [n] int32 with ids[codes] == values).
-    """
-    strings = np.asarray(values).astype(str)
-    ids, first, codes = np.unique(strings, return_index=True, return_inverse=True)
+def first_appearance(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct [d] of `values` [n] in order of first appearance, codes [n] int32 with
+    distinct[codes] == values)."""
+    distinct, first, codes = np.unique(values, return_index=True, return_inverse=True)
     appearance = np.argsort(first, kind="stable")
     rank = np.empty_like(appearance)
     rank[appearance] = np.arange(len(appearance))
-    return ids[appearance], rank[codes.reshape(-1)].astype(np.int32)
+    return distinct[appearance], rank[codes.reshape(-1)].astype(np.int32)
 
 
 def drop_duplicate_rows(user: np.ndarray, item: np.ndarray, timestamp: np.ndarray,

@@ -28,7 +28,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from tworec.features.interactions import (DataError, Interactions, SourceNotFound,
-                                          drop_duplicate_rows, encode_ids)
+                                          drop_duplicate_rows, first_appearance)
 
 ML100K_GENRES = ("unknown", "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime",
                  "Documentary", "Drama", "Fantasy", "Film-Noir", "Horror", "Musical", "Mystery",
@@ -158,12 +158,12 @@ def from_columns(source: str, user, item, timestamp, rating=None, *, catalogue=N
     """
     names = {**ROLE_NAMES, **(names or {})}
     dropped = dict(dropped or {})
-    user, item = (_id_text(source, names[role], ids) for role, ids in (("user", user),
-                                                                      ("item", item)))
+    (user_text, user), (item_text, item) = (
+        id_codes(source, names[role], ids) for role, ids in (("user", user), ("item", item)))
     if len(user) == 0:
         raise DataError(f"{source}: the log is empty")
-    for role, ids in (("user", user), ("item", item)):
-        empty = np.flatnonzero(ids == "")
+    for role, text, codes in (("user", user_text, user), ("item", item_text, item)):
+        empty = np.flatnonzero(np.isin(codes, np.flatnonzero(text == "")))
         if len(empty):
             raise empty_ids_error(source, names[role], len(empty), int(empty[0]))
     seconds, moment = _times(source, names["time"], timestamp)
@@ -172,23 +172,26 @@ def from_columns(source: str, user, item, timestamp, rating=None, *, catalogue=N
     _count(dropped, "duplicate_row", len(keep) - int(keep.sum()))
     if catalogue is not None:
         catalogue = np.asarray(catalogue).astype(str)
-        item_codes, known = _positions(catalogue, item)
+        position, found = _positions(catalogue, item_text)
+        item_codes, known = position[item], found[item]
         _count(dropped, "item_not_in_catalogue", int((keep & ~known).sum()))
         if not (keep & known).any():
-            raise no_known_items_error(source, item[0], catalogue[:1])
+            raise no_known_items_error(source, item_text[item[0]], catalogue[:1])
         keep &= known
     rows = np.flatnonzero(keep)
-    user_ids, user_codes = encode_ids(user[rows])
+    users, user_codes = first_appearance(user[rows])
+    user_ids = user_text[users]
     if moment is not seconds:
         rows = rows[_true_order_within_seconds(user_codes, seconds[rows], moment[rows])]
     if catalogue is None:
-        item_ids, item_codes = encode_ids(item[rows])
+        items, item_codes = first_appearance(item[rows])
+        item_ids = item_text[items]
         item_features = {}
     else:
         item_ids, item_codes = catalogue, item_codes[rows].astype(np.int32)
     feature_rows = {name: np.asarray(values)[rows] for name, values in (user_rows or {}).items()}
     if feature_rows:
-        user_table = _last_per_id(user[np.sort(rows)], {
+        user_table = _last_per_id((user_text, user[np.sort(rows)]), {
             name: np.asarray(values)[np.sort(rows)] for name, values in user_rows.items()})
     changing = {name: values for name, values in feature_rows.items()
                 if _changes_within(user_codes, values)}
@@ -211,10 +214,17 @@ def _changes_within(user: np.ndarray, values: np.ndarray) -> bool:
 ROLE_NAMES = {"user": "user", "item": "item", "time": "timestamp", "rating": "rating"}
 
 
-def _id_text(source: str, name: str, ids) -> np.ndarray:
-    """[n] ids as text, as NumPy writes them; a missing one (None, NaN) is refused, not read
-    as the id "None" or "nan" (a list is looked through as given: NumPy would write a NaN
-    among text as "nan")."""
+def id_codes(source: str, name: str, ids) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct ids of a column as text, and each row's code.
+
+    Text is as NumPy writes a value, bytes decoded as UTF-8; a missing id (None, NaN) is
+    refused, not read as the id "None" or "nan" (a list is looked through as given: NumPy
+    would write a NaN among text as "nan"), as are bytes that are not UTF-8. Only the distinct
+    ids become fixed-width text: one long id costs its length once, not once a row.
+
+    Returns:
+        (text [d] str, distinct, codes [n] int64 with text[codes] the rows' ids).
+    """
     natural = np.asarray(ids)
     given = (np.asarray(ids, dtype=object) if isinstance(ids, (list, tuple))
              and natural.dtype.kind == "U" else natural)     # only text can hide a None or NaN
@@ -223,7 +233,30 @@ def _id_text(source: str, name: str, ids) -> np.ndarray:
     elif given.dtype == object:
         _refuse(source, name, np.equal(given, None) | np.not_equal(given, given),
                 "missing values")
-    return natural.astype(str)
+    text = _arrow_text(natural)
+    if text is None and natural.dtype.kind in "OS":     # not all text: each as str() writes
+        written = [_written(value) for value in natural.tolist()]   # it (a list of 1 and "1")
+        _refuse(source, name, np.equal(np.array(written, dtype=object), None),
+                "ids that are not UTF-8 text")
+        natural = np.array(written, dtype=str)
+    if text is not None:
+        distinct = pc.unique(text)                      # text may be chunked (> 2 GiB)
+        codes = pc.index_in(text, value_set=distinct).to_numpy().astype(np.int64)
+        return distinct.to_numpy(zero_copy_only=False).astype(str), codes
+    distinct, codes = np.unique(natural, return_inverse=True)           # numbers, dates, ...
+    text, merged = np.unique(distinct.astype(str), return_inverse=True)  # one id per text
+    return text, merged[codes.reshape(-1)].astype(np.int64)
+
+
+def _written(value) -> str | None:
+    """An id as text: bytes decoded as UTF-8 (None if they are not), anything else as str()
+    writes it."""
+    if not isinstance(value, bytes):
+        return str(value)
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 def empty_ids_error(source: str, name: str, count: int, first: int | str) -> DataError:
@@ -735,11 +768,12 @@ def _log_from_roles(source: str, mapping: dict[str, str], arrays: dict[str, np.n
     interactions = dataclasses.replace(interactions,
                                        unread_columns=getattr(mapping, "unread", ()))
     if item_features and items is not None:
-        aligned = _align_user_features(interactions.item_ids, _last_per_id(item, item_features))
+        aligned = _align_user_features(interactions.item_ids, _last_per_id(
+            id_codes(source, mapping["item"], item), item_features))
         interactions = dataclasses.replace(
             interactions, item_features={**interactions.item_features, **aligned})
     elif item_features:
-        ids, features = _last_per_id(item, item_features)
+        ids, features = _last_per_id(id_codes(source, mapping["item"], item), item_features)
         position, _ = _positions(ids, interactions.item_ids)
         features = {name: values[position] for name, values in features.items()}
         genre_names = {}
@@ -778,14 +812,19 @@ def whole_years(source: str, name: str, values: np.ndarray) -> np.ndarray:
     return years.astype(np.int32)
 
 
-def _last_per_id(ids: np.ndarray, features: dict[str, np.ndarray]):
-    """(distinct ids [d] str, name -> [d] the last value of the feature in file order)."""
+def _last_per_id(ids: tuple[np.ndarray, np.ndarray], features: dict[str, np.ndarray]):
+    """(distinct ids [d] str, name -> [d] the last value of the feature in file order).
+
+    Args:
+        ids: (text [t], codes [n]) as `id_codes` gives them.
+        features: name -> [n] values.
+    """
     if not features:
         return None
-    strings = ids.astype(str)
-    reversed_ids, last = np.unique(strings[::-1], return_index=True)
-    rows = len(strings) - 1 - last
-    return reversed_ids, {name: values[rows] for name, values in features.items()}
+    text, codes = ids
+    reversed_codes, last = np.unique(codes[::-1], return_index=True)
+    rows = len(codes) - 1 - last
+    return text[reversed_codes], {name: values[rows] for name, values in features.items()}
 
 
 def _parquet_column_names(path: str) -> list[str]:

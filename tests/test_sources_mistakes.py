@@ -432,3 +432,42 @@ def test_columns_no_role_reads_are_named_not_dropped_silently(tmp_path):
                                config.resolve("tiny"))
     assert ("the log's columns ['stars', 'comment'] are not read: map one with --columns, as "
             "rating=stars, user.stars=stars or item.stars=stars") in checked.notices
+
+
+def test_one_long_id_costs_its_length_once_not_once_a_row(tmp_path):
+    """Ids became fixed-width text a row each: one 5,000-character item id made every row
+    20 KB (a URL id or a garbage row could take the machine's memory); only the distinct ids
+    are text now."""
+    import tracemalloc
+    rows = 20_000
+    long_id = "x" * 5_000
+    items = np.array([f"i{row % 97}" for row in range(rows)], dtype=object)
+    items[123] = long_id
+    pq.write_table(pa.table({"user_id": [f"u{row % 500}" for row in range(rows)],
+                             "item_id": items, "timestamp": np.arange(rows)}),
+                   tmp_path / "log.parquet")
+    tracemalloc.start()
+    try:
+        log = load(str(tmp_path / "log.parquet"))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 60 << 20, f"{peak / 2**20:.0f} MiB"          # a row each: about 2 GiB
+    assert len(log) == rows and log.item_ids[log.item[123]] == long_id
+    assert log.user_ids[log.user].tolist() == [f"u{row % 500}" for row in range(rows)]
+
+
+def test_binary_ids_are_read_as_utf8_text(tmp_path):
+    """Hive, Impala and Spark write text as BINARY: its ids are UTF-8 text (NumPy decoded them
+    as ASCII and failed on 'é'); bytes that are not UTF-8 are refused in one line."""
+    path = tmp_path / "log.parquet"
+    pq.write_table(pa.table({"user_id": pa.array([b"\xc3\xa97", b"u2", b"\xc3\xa97"]),
+                             "item_id": pa.array([b"i1", b"i2", b"i3"]),
+                             "timestamp": [1, 2, 3]}), path)
+    assert load(str(path)).user_ids.tolist() == ["é7", "u2"]
+    pq.write_table(pa.table({"user_id": pa.array([b"u1", b"\xff", b"\xfe"]),
+                             "item_id": ["i1", "i2", "i3"], "timestamp": [1, 2, 3]}), path)
+    with pytest.raises(DataError) as error:
+        load(str(path))
+    assert str(error.value) == (f"{path}: column 'user_id' has 2 ids that are not UTF-8 text "
+                                "(first at row 1)")
