@@ -62,8 +62,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tworec.features.interactions import DataError
-from tworec.features.shards import (ITEM_TABLE, _sql_list, dropped_counts, duckdb_session,
-                                    item_table_ids, parquet_log, whole_seconds)
+from tworec.features.shards import (ITEM_TABLE, dropped_counts, duckdb_session,
+                                    item_table_ids, parquet_log, read_parquet_sql,
+                                    whole_seconds)
 from tworec.features.sources import INDEX_COLUMN, unread_columns_note
 from tworec.features.stream import BLOCK_ROWS, SPLIT_CODES, BlockWriter
 from tworec.features.vocab import FIRST, OOV, PAD
@@ -280,7 +281,7 @@ def _write_training_blocks(connection, shards: list[str], folder: str, length: i
     like the rest): every file and block is a uniform sample of the rows, so a reader that
     shuffles within a bounded window still mixes users and times. [(path, rows)]."""
     reader = connection.sql(
-        f"SELECT user, item, history FROM read_parquet({_sql_list(shards)}) "
+        f"SELECT user, item, history FROM {read_parquet_sql(shards)} "
         f"WHERE split = {SPLIT_CODES['train']} ORDER BY hash(row, {seed}), row"
     ).to_arrow_reader(ROW_GROUP_ROWS)
     written, writer = [], None

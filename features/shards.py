@@ -37,7 +37,8 @@ from tworec.features.interactions import DataError, Interactions, SourceNotFound
 from tworec.features.sources import (FLOAT32_OVERFLOW, MISSING, OUT_OF_RANGE, RATINGS_OUT_OF_RANGE,
                                      TICKS_PER_SECOND, _column_numpy,
                                      _log_from_roles, _one_line, _resolve_columns,
-                                     decimal_comma_advice, empty_ids_error,
+                                     decimal_comma_advice, empty_ids_error, id_codes,
+                                     not_utf8_ids_error,
                                      genres_multi_hot, no_known_items_error,
                                      whole_years)
 
@@ -139,20 +140,32 @@ def _with_item_table(source: str, files: list[str]) -> ShardSet:
     return ShardSet(source, shards, items[0] if items else None)
 
 
-def needed_columns(shards: ShardSet, columns: dict[str, str]) -> tuple[dict[str, str], pa.Schema]:
-    """The role -> column mapping (resolved on the first shard as for one Parquet log) and the
-    schema of the needed columns, which every shard must share.
+def needed_columns(shards: ShardSet, columns: dict[str, str], by_duckdb: bool = False
+                   ) -> tuple[dict[str, str], pa.Schema]:
+    """The role -> column mapping (resolved on the first shard with rows as for one Parquet
+    log) and the schema of the needed columns, which every shard with rows must share (an
+    empty one may lack them or hold them as another type: an empty day's export types a text
+    column `null`).
+
+    Args:
+        by_duckdb: the shards are for DuckDB (`parquet_log`), whose names ignore case: a
+            needed column must be the only one of its name in any case.
 
     Raises:
         DataError: one line naming the first shard that lacks a needed column or holds it with
             another type, and the shard it differs from.
     """
-    first = shards.files[0]
-    schema = _schema(first)
+    footers = {path: _footer(path) for path in shards.files}
+    first = next((path for path in shards.files if footers[path].num_rows), shards.files[0])
+    schema = footers[first].schema.to_arrow_schema()
     mapping = _resolve_columns(first, schema.names, columns)
     needed = pa.schema([schema.field(name) for name in sorted(set(mapping.values()))])
-    for path in shards.files[1:]:
-        other = _schema(path)
+    for path in shards.files:
+        other = footers[path].schema.to_arrow_schema()
+        if by_duckdb:
+            _refuse_case_twins(path, other.names, needed.names)
+        if path == first or not footers[path].num_rows:
+            continue
         for field in needed:
             if field.name not in other.names:
                 raise DataError(f"{path}: no column {field.name!r}, which {first} has; every "
@@ -166,9 +179,25 @@ def needed_columns(shards: ShardSet, columns: dict[str, str]) -> tuple[dict[str,
     return mapping, needed
 
 
+def _refuse_case_twins(path: str, names: list[str], needed: list[str]) -> None:
+    """A DataError when a needed column shares its name but for case with another: DuckDB
+    would read either (`Timestamp` for `timestamp`)."""
+    for name in needed:
+        twin = next((other for other in names
+                     if other != name and other.lower() == name.lower()), None)
+        if twin is not None:
+            raise DataError(f"{path}: columns {name!r} and {twin!r} differ only in case, which "
+                            "describe and prepare (DuckDB) do not tell apart: rename one, or "
+                            "load the log in memory")
+
+
 def _schema(path: str) -> pa.Schema:
+    return _footer(path).schema.to_arrow_schema()
+
+
+def _footer(path: str) -> pq.FileMetaData:
     try:
-        return pq.read_schema(path)
+        return pq.read_metadata(path)
     except (pa.ArrowInvalid, OSError) as error:
         raise DataError(f"{path}: not a readable Parquet file: {_one_line(error)}") from None
 
@@ -198,20 +227,40 @@ def read(shards: ShardSet, columns: dict[str, str]) -> Interactions:
 
 def read_columns(files, schema: pa.Schema, batch_rows: int = BATCH_ROWS) -> dict[str, np.ndarray]:
     """name -> [n] NumPy column of the shards concatenated in order, read one column at a time
-    and a batch of `batch_rows` at a time with Arrow's dataset scanner."""
+    and a batch of `batch_rows` at a time with Arrow's dataset scanner. A shard that cannot be
+    read (a corrupt page) is a one-line DataError naming it."""
     dataset = ds.dataset(list(files), schema=schema, format="parquet")
     columns = {}
     for field in schema:
         chunks = []
-        for tagged in dataset.scanner(columns=[field.name], batch_size=batch_rows).scan_batches():
-            column = tagged.record_batch.column(0)
-            if column.null_count:          # the whole shard's count, for the message
-                column = pq.read_table(tagged.fragment.path, columns=[field.name]).column(0)
-            chunks.append(_column_numpy(tagged.fragment.path, field.name,
-                                        pa.chunked_array([column])))
+        try:
+            for tagged in dataset.scanner(columns=[field.name],
+                                          batch_size=batch_rows).scan_batches():
+                column = tagged.record_batch.column(0)
+                if column.null_count:          # the whole shard's count, for the message
+                    column = pq.read_table(tagged.fragment.path, columns=[field.name]).column(0)
+                chunks.append(_column_numpy(tagged.fragment.path, field.name,
+                                            pa.chunked_array([column])))
+        except (pa.ArrowException, OSError):            # which shard: Arrow does not say
+            problem = _unreadable(files, [field.name])
+            if problem is None:
+                raise
+            raise problem from None
         columns[field.name] = (np.concatenate(chunks) if chunks else _column_numpy(
             files[0], field.name, pa.chunked_array([], type=field.type)))
     return columns
+
+
+def _unreadable(files, names: list[str]) -> DataError | None:
+    """The one-line error of the first of `files` whose columns `names` Arrow cannot read (a
+    corrupt page), or None. Each column is read whole: for an error's message only."""
+    for path in files:
+        for name in names:
+            try:
+                pq.read_table(path, columns=[name])
+            except (pa.ArrowException, OSError) as error:
+                return DataError(f"{path}: cannot read column {name!r}: {_one_line(error)}")
+    return None
 
 
 # ---------------------------------------------------------------- the item table
@@ -224,8 +273,9 @@ def item_table_ids(path: str, id_column: str) -> np.ndarray:
     if id_column not in names:
         raise DataError(f"{path}: the item table needs the log's item column {id_column!r}; it "
                         f"has {', '.join(names)}")
-    ids = _column_numpy(path, id_column, pq.read_table(path, columns=[id_column]).column(0))
-    ids = ids.astype(str)
+    text, codes = id_codes(path, id_column, _column_numpy(
+        path, id_column, pq.read_table(path, columns=[id_column]).column(0)))
+    ids = text[codes]
     empty = np.flatnonzero(ids == "")
     if len(empty):
         raise empty_ids_error(path, id_column, len(empty), int(empty[0]))
@@ -293,9 +343,9 @@ def write_item_table(path: str, item_ids: np.ndarray, features: dict[str, np.nda
 @contextlib.contextmanager
 def duckdb_session(source: str, memory_limit: str, database: str = ":memory:"):
     """A DuckDB connection under `memory_limit` that spills to a temporary folder (created
-    beside `database` when it is a file) and turns DuckDB's conversion and out-of-memory errors
-    into one-line DataErrors naming `source`, and a query interrupted (DuckDB's answer to
-    Ctrl-C) into KeyboardInterrupt."""
+    beside `database` when it is a file) and turns DuckDB's conversion, out-of-memory and
+    reading errors (DuckDB's own words name the file) into one-line DataErrors naming
+    `source`, and a query interrupted (DuckDB's answer to Ctrl-C) into KeyboardInterrupt."""
     import duckdb
     limit = memory_bytes(memory_limit)
     with tempfile.TemporaryDirectory(prefix="tworec-duckdb-") as spill:
@@ -316,6 +366,11 @@ def duckdb_session(source: str, memory_limit: str, database: str = ":memory:"):
             if isinstance(error, duckdb.InterruptException) or str(error) == "Query interrupted":
                 raise KeyboardInterrupt from None
             raise
+        except duckdb.Error as error:         # a file it cannot read (a corrupt page); not
+            if isinstance(error, duckdb.ProgrammingError) and not isinstance(   # SQL of ours
+                    error, duckdb.InvalidInputException):
+                raise
+            raise DataError(f"{source}: cannot read: {_one_line(error)}") from None
         finally:
             connection.close()
 
@@ -428,7 +483,7 @@ def parquet_log(source: str, columns: dict[str, str] | None, read_items) -> Parq
     `read_items(path, id_column)` first (its mistakes come before the log's), and its rows
     counted from the footers: a one-line DataError for an empty log."""
     shards = parquet_source(source)
-    mapping, schema = needed_columns(shards, columns or {})
+    mapping, schema = needed_columns(shards, columns or {}, by_duckdb=True)
     catalogue = None if shards.items is None else read_items(shards.items, mapping["item"])
     shard_rows = [pq.ParquetFile(path).metadata.num_rows for path in shards.files]
     if sum(shard_rows) == 0:
@@ -466,6 +521,7 @@ def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int
     infinite times and text ratings that are not numbers; also the text times this SQL
     cannot read as `load` does: those that are not numbers (`load` reads ISO dates and times)
     and integers beyond 2^53 (read through float64 here)."""
+    import duckdb
     checks = []                                      # (condition, column, what is wrong)
     for role in ("user", "item", "time", "rating"):
         if role not in mapping:
@@ -487,6 +543,9 @@ def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int
         checks.append((missing, mapping[role], "missing"))
         if role in ("user", "item") and (text or _is_binary(kind)):
             checks.append((f"{name} = ''", mapping[role], "empty"))
+        if role in ("user", "item") and _is_binary(kind):
+            checks.append((f"TRY(decode({name})) IS NULL AND {name} IS NOT NULL", mapping[role],
+                           "not utf8"))
         if role in ("time", "rating") and text:
             checks.append((f"{number} IS NULL AND {name} IS NOT NULL", mapping[role],
                            f"text {role}"))
@@ -501,7 +560,7 @@ def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int
             checks.append((f"{name} > {2 ** 63 - 1}", mapping[role], "out of range"))
         if role == "time" and text:                        # read through float64 below
             checks.append((f"abs({number}) >= {2 ** 53}", mapping[role], "beyond 2^53"))
-    row = _row_sql(shards.files, shard_rows)
+    row, scan = _scan(shards.files, shard_rows)
     # Parquet's min/max statistics leave NaN out, and DuckDB's statistics propagation then
     # folds isnan() to false (DuckDB 2.0): the count is taken without it.
     connection.execute("SET disabled_optimizers = 'statistics_propagation'")
@@ -509,7 +568,12 @@ def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int
         found = connection.execute("SELECT " + ", ".join(
             f"COUNT(*) FILTER (WHERE {condition}), MIN({row}) FILTER (WHERE {condition}), "
             f"arg_min(CAST({_name(name)} AS VARCHAR), {row}) FILTER (WHERE {condition})"
-            for condition, name, _ in checks) + f" FROM {_scan_sql(shards.files)}").fetchone()
+            for condition, name, _ in checks) + f" FROM {scan}").fetchone()
+    except duckdb.Error:                    # the first scan: a corrupt page shows here, and
+        problem = _unreadable(shards.files, schema.names)    # DuckDB may not name the file
+        if problem is None:
+            raise
+        raise problem from None
     finally:                                         # the session's other queries keep it
         connection.execute("RESET disabled_optimizers")
     for (_, name, wrong), count, first, value in zip(checks, found[::3], found[1::3],
@@ -519,6 +583,8 @@ def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int
         first = _in_its_shard(shards.files, shard_rows, first)
         if wrong == "empty":
             raise empty_ids_error(source, name, count, first)
+        if wrong == "not utf8":
+            raise not_utf8_ids_error(source, name, count, first)
         if wrong in COUNTED:
             raise DataError(f"{source}: column {name!r} has {count} {COUNTED[wrong]} "
                             f"(first at row {first})")
@@ -581,22 +647,45 @@ def log_sql(shards: ShardSet, shard_rows: list[int], mapping: dict[str, str],
     in whole seconds, `f` the time at full precision (it tells rows apart and orders them
     below a second), `r` the rating (NULL without one) and `row` the position in the log."""
     time = schema.field(mapping["time"])
-    return (f"SELECT CAST({_name(mapping['user'])} AS VARCHAR) AS u, "
-            f"CAST({_name(mapping['item'])} AS VARCHAR) AS i, {_time_sql(time)} AS t, "
+    row, scan = _scan(shards.files, shard_rows)
+    user, item = (schema.field(mapping[role]) for role in ("user", "item"))
+    return (f"SELECT {_id_sql(user)} AS u, {_id_sql(item)} AS i, {_time_sql(time)} AS t, "
             f"{_moment_sql(time)} AS f, {_rating_sql(mapping.get('rating'))} AS r, "
-            f"{_row_sql(shards.files, shard_rows)} AS row FROM {_scan_sql(shards.files)}")
+            f"{row} AS row FROM {scan}")
 
 
 def known_sql(shards: ShardSet, mapping: dict[str, str]) -> str:
     """SQL condition on `i`: the item is in the item table (TRUE without one)."""
     if shards.items is None:
         return "TRUE"
-    return (f"i IN (SELECT CAST({_name(mapping['item'])} AS VARCHAR) "
-            f"FROM read_parquet({_sql_list([shards.items])}))")
+    item = _schema(shards.items).field(mapping["item"])
+    return f"i IN (SELECT {_id_sql(item)} FROM {read_parquet_sql([shards.items])})"
 
 
-def _scan_sql(files) -> str:
-    return f"read_parquet({_sql_list(files)}, filename=true, file_row_number=true)"
+def _id_sql(field: pa.Field) -> str:
+    """SQL for an id column as `load` reads it: text as NumPy writes it, bytes as UTF-8
+    (CAST would write them as escapes, '\\xC3\\xA9'; `check_values` refuses those that are not
+    UTF-8)."""
+    if _is_binary(_stored(field.type)):
+        return f"decode({_name(field.name)})"
+    return f"CAST({_name(field.name)} AS VARCHAR)"
+
+
+def read_parquet_sql(paths, *options: str) -> str:
+    """DuckDB's `read_parquet` of exactly `paths`, in their order, as Arrow reads them: each
+    path a file, not a glob (its `*`, `?` and `[` escaped: `p?1.parquet` also read
+    `pa1.parquet`), and no `key=value` folder read as a column (it replaced the file's own
+    column of that name)."""
+    files = [re.sub(r"([*?\[])", r"[\1]", path) for path in paths]
+    return f"read_parquet({', '.join([_sql_list(files), 'hive_partitioning=false', *options])})"
+
+
+def _scan(files, shard_rows: list[int]) -> tuple[str, str]:
+    """SQL for the shards' rows: (a row's position in the log, the scan of the shards with
+    rows). An empty shard is left out: DuckDB would take an empty first shard's `null` types
+    for every shard's."""
+    files, shard_rows = zip(*((path, rows) for path, rows in zip(files, shard_rows) if rows))
+    return _row_sql(shard_rows), read_parquet_sql(files, "file_row_number=true")
 
 
 def _in_its_shard(files, shard_rows: list[int], row: int) -> str:
@@ -608,10 +697,12 @@ def _in_its_shard(files, shard_rows: list[int], row: int) -> str:
     return f"{row - sum(shard_rows[:shard])} of {files[shard]}"
 
 
-def _row_sql(files, shard_rows: list[int]) -> str:
-    """SQL for a row's position in the log: its file's offset plus its row in the file."""
+def _row_sql(shard_rows: list[int]) -> str:
+    """SQL for a row's position in the log: its file's offset plus its row in the file
+    (`file_index` counts the files in the order given; DuckDB's `filename` is not always the
+    path given, './a' comes back as 'a')."""
     offsets = np.concatenate([[0], np.cumsum(shard_rows)[:-1]]).astype(int).tolist()
-    return f"{offsets}[list_position({_sql_list(files)}, filename)] + file_row_number"
+    return f"{offsets}[CAST(file_index AS BIGINT) + 1] + file_row_number"
 
 
 def whole_seconds(field: pa.Field) -> bool:

@@ -236,8 +236,9 @@ def id_codes(source: str, name: str, ids) -> tuple[np.ndarray, np.ndarray]:
     text = _arrow_text(natural)
     if text is None and natural.dtype.kind in "OS":     # not all text: each as str() writes
         written = [_written(value) for value in natural.tolist()]   # it (a list of 1 and "1")
-        _refuse(source, name, np.equal(np.array(written, dtype=object), None),
-                "ids that are not UTF-8 text")
+        bad = np.flatnonzero(np.equal(np.array(written, dtype=object), None))
+        if len(bad):
+            raise not_utf8_ids_error(source, name, len(bad), int(bad[0]))
         natural = np.array(written, dtype=str)
     if text is not None:
         distinct = pc.unique(text)                      # text may be chunked (> 2 GiB)
@@ -263,6 +264,13 @@ def empty_ids_error(source: str, name: str, count: int, first: int | str) -> Dat
     """`first`: the first such row, or where it is ("500 of PATH", `shards._in_its_shard`)."""
     return DataError(f"{source}: column {name!r} has {count} empty ids (first at row {first}); "
                      "every row needs a user and an item id")
+
+
+def not_utf8_ids_error(source: str, name: str, count: int, first: int | str) -> DataError:
+    """`first`: as for `empty_ids_error`."""
+    return DataError(f"{source}: column {name!r} has {count} ids that are not UTF-8 text "
+                     f"(first at row {first}); write the ids as text (bytes such as UUIDs as "
+                     "hex)")
 
 
 def no_known_items_error(source: str, log_item: str, table_items) -> DataError:
@@ -539,9 +547,12 @@ def load_grouplens(path: str) -> Interactions:
     release = _Release(path)
     reader = _release_reader(release)
     if reader is None:
+        text = any(_text_suffix(name) for name in release.files)
+        advice = ("; to read a text log, pass the file itself (a folder of text parts is not "
+                  "read as one log: write them as Parquet shards)" if text else "")
         raise DataError(f"{path}: unknown format: expected u.data (ml-100k), ratings.dat (ml-1m) "
                         "or ratings.csv (ml-latest, ml-20m, ml-25m); found "
-                        f"{sorted(release.files)[:10]}")
+                        f"{sorted(release.files)[:10]}{advice}")
     return reader(release)
 
 

@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 import scipy.sparse as sp
 
 from tworec.features.interactions import DataError
-from tworec.features.shards import _sql_list, duckdb_session
+from tworec.features.shards import duckdb_session, read_parquet_sql
 from tworec.features.vocab import FIRST, OOV
 
 SPLIT_CODES = {"train": 0, "validation": 1, "test": 2}
@@ -199,6 +199,11 @@ class PreparedLog:
         return window_batches(numbered, batch_size, shuffle=True, seed=seed).rebatch(
             batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
 
+    def _shards_sql(self) -> str:
+        """DuckDB's scan of the prepared shards."""
+        return read_parquet_sql([os.path.join(self.folder, shard["path"])
+                                 for shard in self.manifest["shards"]])
+
     def transition_counts(self, memory_limit: str = "1GB") -> sp.csr_matrix:
         """[num_items, num_items] float32 CSR: how often catalogue item j directly followed
         item i in a user's training rows (`features.history.transition_counts` of the training
@@ -206,12 +211,10 @@ class PreparedLog:
         user's previous training row. The counts themselves are held, as in memory: 8 bytes
         per distinct pair (about 20 while read), read sorted and laid out as CSR without a
         copy in between."""
-        shards = _sql_list([os.path.join(self.folder, shard["path"])
-                            for shard in self.manifest["shards"]])
         with duckdb_session(self.folder, memory_limit) as connection:
             pairs = connection.sql(
                 f"SELECT history[{self.history_slots}] - {FIRST} AS previous, "
-                f"item - {FIRST} AS next, COUNT(*) AS n FROM read_parquet({shards}) "
+                f"item - {FIRST} AS next, COUNT(*) AS n FROM {self._shards_sql()} "
                 f"WHERE split = 0 AND history[{self.history_slots}] >= {FIRST} "
                 "GROUP BY ALL ORDER BY previous, next").to_arrow_table()
         per_row = np.bincount(pairs.column("previous").to_numpy(), minlength=self.num_items)
@@ -239,13 +242,11 @@ class PreparedLog:
         if part not in ("validation", "test"):
             raise DataError(f"unknown evaluation part {part!r}; use 'test' or 'validation'")
         code = SPLIT_CODES[part]
-        shards = _sql_list([os.path.join(self.folder, shard["path"])
-                            for shard in self.manifest["shards"]])
         passes = max(1, -(-self.manifest["rows"] // rows_per_pass))
         length = self.history_slots
         with duckdb_session(self.folder, memory_limit) as connection:
             for number in range(passes):
-                where = f"FROM read_parquet({shards}) WHERE user % {passes} = {number}"
+                where = f"FROM {self._shards_sql()} WHERE user % {passes} = {number}"
                 held = connection.sql(f"SELECT user, item, history {where} AND split = {code} "
                                       "ORDER BY row").to_arrow_table()
                 if not len(held):

@@ -221,11 +221,14 @@ LOG = {"user_id": ["a", "a", "b", "b"], "item_id": ["x", "y", "x", "z"], "timest
     ("rating", pa.nulls(4), "column 'rating' has 4 missing"),
     ("user_id", pa.array([b"a", b"", b"b", b"b"]).dictionary_encode(),
      "column 'user_id' has 1 empty ids (first at row 1)"),
+    ("item_id", pa.array([b"x", b"y", b"\xff", b"\xc3"]),
+     "column 'item_id' has 2 ids that are not UTF-8 text (first at row 2); write the ids as "
+     "text (bytes such as UUIDs as hex)"),
 ], ids=["null-user", "null-time", "nan-time", "nan-rating", "empty-item", "empty-user",
         "text-rating", "NA-text-rating", "decimal-comma-rating", "nan-text-time", "NAN-text-rating",
         "dictionary-text-rating", "inf-text-time", "inf-time", "1e19-time", "huge-text-time",
         "uint64-time", "decimal-1e20-time", "1e300-rating", "text-1e39-rating", "inf-rating",
-        "null-typed-rating", "dictionary-binary-empty-user"])
+        "null-typed-rating", "dictionary-binary-empty-user", "binary-not-utf8-item"])
 def test_prepare_refuses_the_values_load_refuses(tmp_path, column, values, expected):
     source = _write(tmp_path / "log", pa.table({**LOG, column: values}))
     for message in _three_ways(source, str(tmp_path / "out")):
@@ -284,6 +287,74 @@ def test_prepare_says_what_it_reads_and_where_it_writes(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------ times below a second, dates
+
+
+def test_empty_shards_of_null_columns_are_read_on_both_paths(tmp_path):
+    """An empty day's export types its text columns `null`: the shard set was refused
+    ("column 'item_id' is null, but string in ..."), blaming every good shard when the empty
+    one sorted first."""
+    table = _log_table()
+    empty = pa.table({name: pa.nulls(0) for name in table.column_names})
+    folder = tmp_path / "log"
+    folder.mkdir()
+    for day, part in enumerate([empty, table.slice(0, 2000), empty, table.slice(2000)]):
+        pq.write_table(part, folder / f"day-{day}.parquet")
+    manifest = prepare_shards(str(folder), str(tmp_path / "out"), history_length=LENGTH,
+                              memory_limit="256MiB")
+    log = assert_equal_to_the_in_memory_path(str(folder), str(tmp_path / "out"), manifest)
+    assert [shard["rows"] for shard in shards.describe(str(folder))["shards"]] == [
+        0, 2000, 0, len(table) - 2000]
+    assert len(log) == len(table) - 30                              # the 30 repeated rows
+
+
+def test_a_corrupt_page_is_named_in_one_line_on_every_path(tmp_path):
+    """A shard whose footer reads but whose data does not: `load` said "Corrupt snappy
+    compressed data." naming no file, `describe` and `prepare` printed DuckDB's traceback."""
+    source = _write(tmp_path / "log", _log_table())
+    pq.write_table(_log_table(1), tmp_path / "log" / "part-1.parquet")
+    broken = tmp_path / "log" / "part-1.parquet"
+    data = bytearray(broken.read_bytes())
+    data[8:2000] = bytes(byte ^ 0x5A for byte in data[8:2000])      # pages, not the footer
+    broken.write_bytes(bytes(data))
+    for message in _three_ways(source, str(tmp_path / "out")):
+        assert message.startswith(f"{broken}: cannot read column 'user_id': "), message
+
+
+def test_a_column_twinned_but_for_case_is_refused_out_of_core(tmp_path):
+    """DuckDB's names ignore case: `timestamp` read the text column `Timestamp`."""
+    source = _write(tmp_path / "log", pa.table({**LOG, "Timestamp": ["d", "c", "b", "a"]}))
+    assert load(source).timestamp.tolist() == [1, 2, 3, 4]
+    message = (f"{source}/part-0.parquet: columns 'timestamp' and 'Timestamp' differ only in "
+               "case, which describe and prepare (DuckDB) do not tell apart: rename one, or "
+               "load the log in memory")
+    with pytest.raises(DataError, match=None) as error:
+        shards.describe(source)
+    assert str(error.value) == message
+    with pytest.raises(DataError, match=None) as error:
+        prepare_shards(source, str(tmp_path / "out"))
+    assert str(error.value) == message
+
+
+def test_shards_are_read_as_their_files_hold_them_on_both_paths(tmp_path, monkeypatch):
+    """Out of core, DuckDB read a `rating=1/` folder as a column that replaced each file's own
+    ratings, a file name's `?` as a glob (`p?1.parquet` also read `pa1.parquet`: its rows
+    twice), a './' path under another name (the rows' positions were lost), and wrote binary
+    ids as escapes ('\\xC3\\xA9' for 'é')."""
+    table = _log_table()
+    users = [("é" + user).encode() for user in table.column("user_id").to_pylist()]
+    table = table.set_column(0, "user_id", pa.array(users, pa.binary()))
+    folder = tmp_path / "rating=1"
+    folder.mkdir()
+    cuts = [0, 900, 2000, len(table)]
+    for name, start, stop in zip(["p?1", "pa1", "p[2]"], cuts[:-1], cuts[1:]):
+        pq.write_table(table.slice(start, stop - start), folder / f"{name}.parquet")
+    monkeypatch.chdir(tmp_path)
+    manifest = prepare_shards("./rating=1", str(tmp_path / "out"), history_length=LENGTH,
+                              memory_limit="256MiB")
+    log = assert_equal_to_the_in_memory_path("./rating=1", str(tmp_path / "out"), manifest)
+    assert sorted(set(log.rating.tolist())) == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert all(user.startswith("é") for user in log.user_ids)
+    assert shards.describe("./rating=1")["interactions"] == len(log)
 
 
 @pytest.mark.parametrize("times", [

@@ -132,7 +132,10 @@ def test_columns_are_refused_for_sources_with_fixed_columns(tmp_path):
     write_log(logs / "part-0.csv")
     assert not has_fixed_columns(str(logs)) and not has_fixed_columns(write_log(
         tmp_path / "log.csv")) and not has_fixed_columns(str(tmp_path / "missing"))
-    assert "unknown format: expected u.data" in load_error(logs)
+    assert load_error(logs).endswith(
+        "unknown format: expected u.data (ml-100k), ratings.dat (ml-1m) or ratings.csv "
+        "(ml-latest, ml-20m, ml-25m); found ['part-0.csv']; to read a text log, pass the file "
+        "itself (a folder of text parts is not read as one log: write them as Parquet shards)")
     pq.write_table(pa.table({"user_id": ["a"], "item_id": ["x"], "timestamp": [1]}),
                    release / "part-0.parquet")
     assert not has_fixed_columns(str(release))             # read as Parquet shards, as load does
@@ -470,4 +473,5 @@ def test_binary_ids_are_read_as_utf8_text(tmp_path):
     with pytest.raises(DataError) as error:
         load(str(path))
     assert str(error.value) == (f"{path}: column 'user_id' has 2 ids that are not UTF-8 text "
-                                "(first at row 1)")
+                                "(first at row 1); write the ids as text (bytes such as UUIDs "
+                                "as hex)")
