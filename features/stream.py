@@ -229,8 +229,9 @@ class PreparedLog:
 
         Rows are read in passes over disjoint sets of users (`user % passes`, about
         `rows_per_pass` rows each) by DuckDB from the Parquet shards: a pass holds its held-out
-        rows and their users' known rows (training rows for validation, training and
-        validation rows for test), never the whole log. Each pass scans the shards' user,
+        rows and their users' known items (of training rows for validation, training and
+        validation rows for test; each (user, item) once, so that a user of millions of rows
+        costs their distinct items), never the whole log. Each pass scans the shards' user,
         item and split columns once.
 
         Yields:
@@ -251,8 +252,9 @@ class PreparedLog:
                                       "ORDER BY row").to_arrow_table()
                 if not len(held):
                     continue
-                seen = connection.sql(f"SELECT user, item {where} AND split < {code} "
-                                      f"AND item >= {FIRST}").to_arrow_table()
+                seen = connection.sql(f"SELECT DISTINCT user, item {where} "   # a heavy
+                                      f"AND split < {code} AND item >= {FIRST}"  # user's
+                                      ).to_arrow_table()                    # items, not rows
                 users = held.column("user").to_numpy()
                 excluded = self._seen_matrix(users, seen.column("user").to_numpy(),
                                              seen.column("item").to_numpy() - FIRST)

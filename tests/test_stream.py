@@ -163,6 +163,22 @@ def test_heldout_batches_equal_the_in_memory_eval_sets(folders, rows_per_pass):
             assert excluded[n] == set(codes[expected.history[row].indices]) - {-1}
 
 
+def test_a_heavy_users_known_items_are_read_once_each(tmp_path, monkeypatch):
+    """A pass held every known row of its users: a user of millions of rows cost them all."""
+    users = ["heavy"] * 400 + [f"u{n % 5}" for n in range(20)]
+    items = [f"i{n % 3}" for n in range(400)] + [f"i{n % 4}" for n in range(20)]
+    pq.write_table(pa.table({"user_id": users, "item_id": items,
+                             "timestamp": list(range(len(users)))}), tmp_path / "log.parquet")
+    prepare_shards(str(tmp_path / "log.parquet"), str(tmp_path / "out"), history_length=2)
+    pairs = []
+    seen_matrix = PreparedLog._seen_matrix
+    monkeypatch.setattr(PreparedLog, "_seen_matrix", lambda self, users, seen_users, items: (
+        pairs.extend(zip(seen_users, items)), seen_matrix(self, users, seen_users, items))[1])
+    batches = list(PreparedLog.load(str(tmp_path / "out")).heldout_batches("test"))
+    assert sum(len(batch["user"]) for batch in batches) == 6
+    assert len(pairs) == len(set(pairs)) == 3 + 5 * 4 - 5    # each user's known items
+
+
 class _PreparedCodes:
     """An in-memory model seen through a prepared log's catalogue codes."""
 
