@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 import time
+from typing import Callable
 
 import numpy as np
 import tensorflow as tf
@@ -229,6 +230,47 @@ def mixed_precision(enabled: bool):
     with float32_policy():
         tf.keras.mixed_precision.set_global_policy("mixed_float16")
         yield
+
+
+class Float32Twin:
+    """What a model trained under mixed precision is validated, evaluated, exported and
+    served as: a twin built under the float32 policy holding its weights (float32 already).
+    Float16 layers round otherwise run eagerly, as the evaluation runs them, than traced into
+    the graph of a SavedModel (a ranker's scores by up to 1e-3); float32 layers give the same
+    answer both ways, so mixed precision stays a setting of training's speed alone.
+
+    Called with the trained model, it returns the twin holding the model's weights as they
+    are then (the model itself when it computes in float32). The twin is built on the first
+    call: by `build` under the float32 policy, its weights created by the loss of one batch
+    of `dataset` (the training batches), as training created the model's."""
+
+    def __init__(self, build: Callable[[], TFRSModel], dataset: tf.data.Dataset):
+        self.build, self.dataset, self.twin = build, dataset, None
+
+    def __call__(self, model: TFRSModel) -> TFRSModel:
+        if model.compute_dtype == "float32":
+            return model
+        if self.twin is None:
+            with float32_policy():
+                twin = self.build()
+            twin.compute_loss(next(iter(self.dataset)))
+            self.twin = twin
+        self.twin.set_weights(model.get_weights())
+        return self.twin
+
+
+class Float32Validation(tf.keras.callbacks.Callback):
+    """Keras's validation, by the model's float32 twin (`Float32Twin`): after every epoch,
+    `val_NAME` for each of `evaluate`'s logs on `validation`, before the callbacks after it
+    (early stopping) read them."""
+
+    def __init__(self, validation: tf.data.Dataset, float32: Float32Twin):
+        super().__init__()
+        self.validation, self.float32 = validation, float32
+
+    def on_epoch_end(self, epoch, logs=None):
+        results = self.float32(self.model).evaluate(self.validation, verbose=0, return_dict=True)
+        logs.update({f"val_{name}": value for name, value in results.items()})
 
 
 def run_callbacks(run_dir: str | None, stage: str, config_json: str,

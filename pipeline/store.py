@@ -13,7 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from tworec.features.inputs import ModelInputs
-from tworec.features.training import mixed_precision
+from tworec.features.training import float32_policy
 from tworec.features.vocab import Vocabulary
 from tworec.pipeline.folder import RunFolderError
 from tworec.retrieval.config import RetrievalConfig
@@ -47,11 +47,12 @@ def save_retrieval(run_dir: str, model: RetrievalModel) -> None:
 
 
 def load_retrieval(run_dir: str, inputs: ModelInputs, config: RetrievalConfig) -> RetrievalModel:
-    """The run's trained two-tower model, rebuilt from its config and the inputs and restored."""
+    """The run's trained two-tower model, rebuilt from its config and the inputs and restored,
+    in float32 as `retrieval.train.fit` returns it, whatever precision it trained in."""
     path = _weights_path(run_dir)
     if not tf.io.gfile.exists(path + ".index"):
         raise RunFolderError(f"{run_dir}: no trained retrieval model ({path}.index)")
-    with mixed_precision(config.mixed_precision):           # as it was built for training
+    with float32_policy():
         model = build_model(config, inputs)
     model.candidate(tf.zeros([1], tf.int64))                         # creates the variables
     model.query({name: values[:1] for name, values in inputs.examples["train"].items()})

@@ -10,7 +10,7 @@ from tworec.evaluation import MISS, rank_metrics
 from tworec.features.batches import batches, steps_per_epoch
 from tworec.features.inputs import EMPTY_SLOT, ModelInputs
 from tworec.features.interactions import interaction_matrix
-from tworec.features.training import mixed_precision, train
+from tworec.features.training import Float32Twin, Float32Validation, mixed_precision, train
 from tworec.ranking.config import RankingConfig
 from tworec.ranking.features import RankingSignals, list_examples
 from tworec.ranking.model import RankingModel
@@ -91,7 +91,8 @@ def fit(data: ModelInputs, config: RankingConfig, signals: RankingSignals,
 
     Returns:
         (model, summary) with per-epoch logs, seconds, examples per second and, when it ran,
-        "calibration".
+        "calibration". The model computes in float32 even when it trained under mixed
+        precision, and so does its validation (`features.training.Float32Twin`).
     """
     config.validate(has_ratings=data.interactions.rating is not None,
                     history_length=data.history_length)
@@ -127,9 +128,11 @@ def fit(data: ModelInputs, config: RankingConfig, signals: RankingSignals,
         model = build_model(config, data, signals)
     dataset = batches(list_examples(data, signals, "train", lists["train"]), config.batch_size,
                       shuffle=True, seed=config.seed, epochs=None)
-    callbacks, validation = [], None
+    float32 = Float32Twin(lambda: build_model(config, data, signals), dataset)
+    callbacks = []
     if len(data.split.validation):
         validation = batches(list_examples(data, signals, "validation", lists["validation"]), 4096)
+        callbacks.append(Float32Validation(validation, float32))
         if config.early_stopping_patience:
             callbacks.append(tf.keras.callbacks.EarlyStopping(
                 "val_total_loss", patience=config.early_stopping_patience,
@@ -137,7 +140,8 @@ def fit(data: ModelInputs, config: RankingConfig, signals: RankingSignals,
     summary = train(model, dataset, stage="ranking", config=config,
                     steps_per_epoch=steps_per_epoch(len(lists["train"]), config.batch_size),
                     examples_per_epoch=len(lists["train"]), callbacks=callbacks,
-                    validation=validation, run_dir=run_dir, verbose=verbose)
+                    run_dir=run_dir, verbose=verbose)
+    model = float32(model)
     if calibrates(config) and served_validation is not None and len(data.split.validation):
         summary["calibration"] = calibrate(model, data, signals, "validation", served_validation)
     return model, summary

@@ -10,8 +10,8 @@ from tworec.features.batches import batches, steps_per_epoch as one_pass
 from tworec.features.inputs import EMPTY_SLOT, ModelInputs
 from tworec.features.stream import PreparedLog
 from tworec.features.vocab import FIRST
-from tworec.features.training import (make_optimizer, make_strategy, mixed_precision, train,
-                                      worker_seed)
+from tworec.features.training import (Float32Twin, make_optimizer, make_strategy,
+                                      mixed_precision, train, worker_seed)
 from tworec.retrieval.config import RetrievalConfig
 from tworec.retrieval.index import equal_rows, exact_scorer
 from tworec.retrieval.model import RetrievalModel, TowerEnsemble, TwoTower
@@ -169,16 +169,18 @@ def top_candidates(model: RetrievalModel, data: ModelInputs, part: str, k: int,
 
 
 class ValidationRecall(tf.keras.callbacks.Callback):
-    """Logs `val_recall@10` (full catalogue) after every epoch, for early stopping."""
+    """Logs `val_recall@10` (full catalogue) of the model's float32 twin, what would be
+    exported (`Float32Twin`), after every epoch, for early stopping."""
 
-    def __init__(self, data: ModelInputs):
+    def __init__(self, data: ModelInputs, float32: Float32Twin):
         super().__init__()
-        self.data = data
+        self.data, self.float32 = data, float32
         self.evalset = eval_set(data.interactions, data.split, "validation",
                                 exclude_seen=data.exclude_seen)
 
     def on_epoch_end(self, epoch, logs=None):
-        metrics = evaluate_model(self.model, self.data, "validation", ks=(10,), evalset=self.evalset)
+        metrics = evaluate_model(self.float32(self.model), self.data, "validation", ks=(10,),
+                                 evalset=self.evalset)
         logs["val_recall@10"] = metrics["recall@10"]
         logs["val_ndcg@10"] = metrics["ndcg@10"]
 
@@ -196,7 +198,9 @@ def fit(data: ModelInputs, config: RetrievalConfig, run_dir: str | None = None,
         validate: score the validation rows after every epoch (and stop early on them).
 
     Returns:
-        (model, summary) with summary holding per-epoch logs, seconds and examples/s.
+        (model, summary) with summary holding per-epoch logs, seconds and examples/s; the
+        model computes in float32 even when it trained under mixed precision
+        (`features.training.Float32Twin`).
     """
     config.validate(history_length=data.history_length,
                     has_user_features=bool(data.user_feature_vocabs))
@@ -206,16 +210,10 @@ def fit(data: ModelInputs, config: RetrievalConfig, run_dir: str | None = None,
     if steps == 0:
         raise ValueError(f"batch_size {config.batch_size} is larger than the training split "
                          f"({len(train_rows['user'])} rows)")
-    callbacks = []
-    if validate and len(data.split.validation):
-        callbacks.append(ValidationRecall(data))
-        if config.early_stopping_patience:
-            callbacks.append(tf.keras.callbacks.EarlyStopping(
-                "val_recall@10", mode="max", patience=config.early_stopping_patience,
-                restore_best_weights=True))
-    return _fit(data, config, steps, callbacks, run_dir, verbose,
+    return _fit(data, config, steps, run_dir, verbose,
                 lambda seed: batches(train_rows, config.batch_size, shuffle=True, seed=seed,
-                                     epochs=None, drop_remainder=True))
+                                     epochs=None, drop_remainder=True),
+                validation=data if validate and len(data.split.validation) else None)
 
 
 def fit_prepared(prepared: PreparedLog, config: RetrievalConfig, steps_per_epoch: int | None = None,
@@ -223,20 +221,22 @@ def fit_prepared(prepared: PreparedLog, config: RetrievalConfig, steps_per_epoch
     """Trains a two-tower model on a prepared log streamed from its shards
     (`PreparedLog.training_batches`), for `config.epochs` epochs of `steps_per_epoch` steps
     (default: one pass over the training rows). No validation runs between epochs
-    (`evaluate_prepared` scores a part afterwards)."""
+    (`evaluate_prepared` scores a part afterwards). The model computes in float32, as `fit`'s."""
     config.validate(history_length=prepared.history_length)
     steps = steps_per_epoch or prepared.train_rows // config.batch_size
     if steps <= 0:
         raise ValueError(f"batch_size {config.batch_size} is larger than the training split "
                          f"({prepared.train_rows} rows)")
-    return _fit(prepared, config, steps, [], run_dir, verbose,
+    return _fit(prepared, config, steps, run_dir, verbose,
                 lambda seed: prepared.training_batches(config.batch_size, seed))
 
 
-def _fit(data: ModelInputs | PreparedLog, config: RetrievalConfig, steps: int, callbacks: list,
-         run_dir: str | None, verbose: int, dataset) -> tuple[RetrievalModel, dict]:
+def _fit(data: ModelInputs | PreparedLog, config: RetrievalConfig, steps: int,
+         run_dir: str | None, verbose: int, dataset, validation: ModelInputs | None = None
+         ) -> tuple[RetrievalModel, dict]:
     """Builds the model under the config's strategy and trains it on `dataset(seed)`, an
-    endless dataset of batches."""
+    endless dataset of batches, validating (and stopping early) on `validation`'s rows when
+    given; returns the model's float32 twin (the model itself when it trained in float32)."""
     tf.keras.utils.set_random_seed(config.seed)
     strategy = make_strategy(config.strategy, config.partitioner)
     with strategy.scope(), mixed_precision(config.mixed_precision):
@@ -248,10 +248,18 @@ def _fit(data: ModelInputs | PreparedLog, config: RetrievalConfig, steps: int, c
             lambda context: dataset(worker_seed()))
     else:
         train_data = dataset(config.seed)
+    float32 = Float32Twin(lambda: build_model(config, data), train_data)
+    callbacks = []
+    if validation is not None:
+        callbacks.append(ValidationRecall(validation, float32))
+        if config.early_stopping_patience:
+            callbacks.append(tf.keras.callbacks.EarlyStopping(
+                "val_recall@10", mode="max", patience=config.early_stopping_patience,
+                restore_best_weights=True))
     summary = train(model, train_data, stage="retrieval", config=config, steps_per_epoch=steps,
                     examples_per_epoch=steps * config.batch_size, callbacks=callbacks,
                     run_dir=run_dir, verbose=verbose)
     summary["loss"] = {"logq_correction": config.logq_correction,
                        "remove_accidental_hits": config.remove_accidental_hits,
                        "num_hard_negatives": config.num_hard_negatives}
-    return model, summary
+    return float32(model), summary

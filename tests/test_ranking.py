@@ -220,6 +220,25 @@ def test_models_and_tasks_train(inputs, transitions_only, overrides):
     assert tf.keras.mixed_precision.global_policy().name == "float32"
 
 
+def test_a_mixed_precision_ranker_is_evaluated_and_exported_in_float32(inputs, transitions_only,
+                                                                      tmp_path):
+    """Float16 layers round otherwise run eagerly (the offline scores) than traced (the
+    export), here by up to 9e-4: the ranker `fit` returns computes in float32, so the export
+    serves exactly the scores evaluated offline, with no float16 op in it."""
+    from tworec.ranking.export import export
+    model, _ = fit(inputs, preset("tiny", epochs=1, mixed_precision=True), transitions_only,
+                   verbose=0)
+    run, meta = load_like_tf_serving(export(model, inputs, transitions_only,
+                                            str(tmp_path / "ranking")))
+    lists = candidate_lists(inputs, "test", 9, 0.0, seed=0)                         # [m, 10]
+    users = inputs.interactions.user_ids[inputs.interactions.user[inputs.split.test]]
+    served = run("serving_default", user_id=users,
+                 item_ids=inputs.interactions.item_ids[lists])["scores"]
+    np.testing.assert_array_equal(served, score_lists(model, inputs, transitions_only, "test",
+                                                      lists))
+    assert "DT_HALF" not in str(meta.graph_def)
+
+
 def assert_scores_are_predicted_ratings(model, inputs, signals) -> None:
     """Regression trains the rating head alone, so that head scores every candidate (there
     is no score head, which would stay as initialised): each slot's score is the rating
