@@ -3,7 +3,7 @@ stage over retrieval's top-K, and exports `ranking` and the composed `recommende
 
     python scripts/train_ranking.py --retrieval-run RUN [--model dcn|bst]
         [--task listwise|binary|regression] [--cooccurrence-neighbors K]
-        [--popularity-periods P] [--epochs N]
+        [--popularity-periods P] [--epochs N] [--mixed-precision] [--jit-compile]
     python scripts/train_ranking.py --data SOURCE --out RUN [--split temporal|random]
         [--preset tiny|default] [--members M] [--top-k 100] ...
 
@@ -35,6 +35,11 @@ def main(argv=None) -> int:
                         help="retrieval candidates to re-rank (default 100; a retrieval run "
                              "keeps its own)")
     cli.add_members_argument(parser)
+    parser.add_argument("--mixed-precision", action="store_true", default=None,
+                        help="train the ranker in float16 (weights float32; evaluated and "
+                             "exported in float32), for a GPU")
+    parser.add_argument("--jit-compile", action="store_true", default=None,
+                        help="compile the ranker's training steps with XLA, for a GPU")
     args = parser.parse_args(argv)
     kept = [flag for flag, value in (("--data", args.data), ("--data-dir", args.data_dir),
                                      ("--split", args.split),
@@ -57,7 +62,9 @@ def main(argv=None) -> int:
     ranking = {name: value for name, value in (
         ("model", args.model), ("task", args.task),
         ("cooccurrence_neighbors", args.cooccurrence_neighbors),
-        ("popularity_periods", args.popularity_periods)) if value is not None}
+        ("popularity_periods", args.popularity_periods),
+        ("mixed_precision", args.mixed_precision),
+        ("jit_compile", args.jit_compile)) if value is not None}
     if args.retrieval_run:
         return cli.run(args, RANKING_ONLY, continue_run=True, ranking=ranking)
     return cli.run(args, ("train retrieval",) + RANKING_ONLY, ranking=ranking,

@@ -140,6 +140,27 @@ def test_gpu_settings_on_a_machine_without_one_are_noticed(tmp_path, monkeypatch
     assert notice not in folder.check_run(str(tmp_path / "run"), source, configs).notices
 
 
+def test_train_ranking_takes_the_gpu_flags_the_notice_of_a_continued_run_names(tmp_path,
+                                                                             monkeypatch):
+    """A continued run is told to leave out the ranker's --jit-compile and --mixed-precision:
+    `train_ranking.py --retrieval-run` takes both, and sets them for ranking alone."""
+    import tensorflow as tf
+    from tworec.pipeline import cli
+    given = {}
+    monkeypatch.setattr(cli, "run", lambda args, steps, **kwargs: given.update(kwargs) or 0)
+    main = runpy.run_path(os.path.join(ROOT, "scripts", "train_ranking.py"))["main"]
+    assert main(["--retrieval-run", str(tmp_path), "--jit-compile", "--mixed-precision"]) == 0
+    assert given == {"continue_run": True,
+                     "ranking": {"jit_compile": True, "mixed_precision": True}}
+    configs = config.resolve("tiny")
+    configs = dataclasses.replace(configs, ranking=dataclasses.replace(
+        configs.ranking, jit_compile=True, mixed_precision=True))
+    monkeypatch.setattr(tf.config, "list_physical_devices", lambda kind: [])
+    assert folder.gpu_settings_without_gpu(configs, continue_run=True) == [
+        "--jit-compile and --mixed-precision are for a GPU and this machine has none: on a CPU "
+        "they train slower, not faster (leave them out here)"]
+
+
 def test_a_continued_run_says_whose_ranking_config_it_trains_with(tmp_path):
     """train_ranking.py --retrieval-run RUN trains with RUN's ranking config (a BST trained
     there before trains again without --model), and says so."""
