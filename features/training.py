@@ -148,6 +148,13 @@ def make_strategy(name: str, partitioner: str = "min_size") -> tf.distribute.Str
                      "parameter_server")
 
 
+def mirrored_devices() -> list[str]:
+    """The devices strategy `mirrored` trains on, as `tf.distribute.MirroredStrategy` picks
+    them: every logical GPU, else every logical CPU."""
+    devices = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
+    return [device.name for device in devices]
+
+
 @functools.cache
 def _mirrored_strategy() -> tf.distribute.MirroredStrategy:
     """One MirroredStrategy a process: each new one numbers its collectives from the start
