@@ -242,7 +242,7 @@ def mixed_precision(enabled: bool):
 class Float32Twin:
     """What a model trained under mixed precision is validated, evaluated, exported and
     served as: a twin built under the float32 policy holding its weights (float32 already).
-    Float16 layers round otherwise run eagerly, as the evaluation runs them, than traced into
+    Float16 layers round differently run eagerly, as the evaluation runs them, and traced into
     the graph of a SavedModel (a ranker's scores by up to 1e-3); float32 layers give the same
     answer both ways, so mixed precision stays a setting of training's speed alone.
 
@@ -461,8 +461,7 @@ def best_epoch(callbacks: list, epochs: int, stage: str, verbose: int) -> int:
 
 def train(model: tf.keras.Model, dataset: tf.data.Dataset, *, stage: str, config,
           steps_per_epoch: int, examples_per_epoch: int, callbacks: list = (),
-          validation: tf.data.Dataset | None = None, run_dir: str | None = None,
-          verbose: int = 1) -> dict:
+          run_dir: str | None = None, verbose: int = 1) -> dict:
     """Runs `model.fit` for `config.epochs` and returns the run summary, also written to
     RUN/STAGE_train.json: per-epoch logs (`history`), `seconds`, `epochs`, `best_epoch` and
     `examples_per_second`. In a run folder, an interrupted training resumes after its last
@@ -483,7 +482,7 @@ def train(model: tf.keras.Model, dataset: tf.data.Dataset, *, stage: str, config
         keras_verbose = 0
     start = time.perf_counter()
     history = model.fit(dataset, epochs=config.epochs, steps_per_epoch=steps_per_epoch,
-                        validation_data=validation, callbacks=callbacks, verbose=keras_verbose)
+                        callbacks=callbacks, verbose=keras_verbose)
     seconds = (resumable.seconds_before if resumable else 0.0) + time.perf_counter() - start
     logs = resumable.history if resumable else {
         name: [float(v) for v in values] for name, values in history.history.items()}
