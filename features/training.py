@@ -30,12 +30,14 @@ class TFRSModel(tfrs.Model):
     """`tfrs.Model` with two of its training steps' faults mended; both stages' models build on
     it.
 
-    Losses: `fit` and `evaluate` report `LOSSES` as means over the batches so far, weighted by
-    their rows, as Keras reports a compiled loss. TFRS's own steps report the last batch's
-    (tensorflow/recommenders#585): the per-epoch training loss, and early stopping on a
-    validation loss, would read one batch. A loss that is a batch mean (ranking's) is so
-    reported as the mean over the rows; one summed over the batch (retrieval's in-batch
-    softmax) as the average batch's sum, per replica under a distribution strategy. The
+    Losses: `fit` and `evaluate` report `LOSSES` as means over the batches so far. TFRS's own
+    steps report the last batch's (tensorflow/recommenders#585): the per-epoch training loss,
+    and early stopping on a validation loss, would read one batch. A loss that is a batch mean
+    (ranking's) is weighted by the rows, as Keras reports a compiled loss: the mean over the
+    rows. A loss summed over the batch (`summed_loss`: retrieval's in-batch softmax, where
+    under a synchronous strategy each replica's loss is its rows' share of the global batch's)
+    is reported as the mean over the batches of the global batch's sum, the replicas' shares
+    added: on any number of replicas the number one device reports for the same batches. The
     trackers are reset by Keras with the other metrics (every epoch, and before `evaluate`)
     and held outside the model's checkpoints and SavedModels.
 
@@ -44,6 +46,8 @@ class TFRSModel(tfrs.Model):
     step calls `apply_gradients` on unscaled gradients, which float16 loses below its smallest
     subnormal, about 6e-8.
     """
+
+    summed_loss = False     # `compute_loss` sums over the global batch (class docstring)
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -73,10 +77,14 @@ class TFRSModel(tfrs.Model):
     def _logs(self, inputs, losses: dict) -> dict:
         """The logs of a step: the other metrics' results, and each of `LOSSES` as its mean so
         far; `inputs` batch first."""
-        rows = tf.cast(tf.shape(tf.nest.flatten(inputs)[0])[0], tf.float32)
+        weight, scale = tf.cast(tf.shape(tf.nest.flatten(inputs)[0])[0], tf.float32), 1.0
+        if self.summed_loss:      # each batch once, as the sum of its replicas' shares
+            context = tf.distribute.get_replica_context()
+            replicas = context.num_replicas_in_sync if context is not None else 1
+            weight, scale = 1.0 / replicas, float(replicas)
         logs = {metric.name: metric.result() for metric in super().metrics}
         for name, tracker in self.loss_trackers.items():
-            tracker.update_state(losses[name], sample_weight=rows)
+            tracker.update_state(losses[name] * scale, sample_weight=weight)
             logs[name] = tracker.result()
         return logs
 

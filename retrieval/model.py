@@ -62,50 +62,98 @@ class HistoryEncoder(tf.keras.layers.Layer):
 def in_batch_softmax_loss(query: tf.Tensor, candidate: tf.Tensor, temperature: float = 1.0,
                           sampling_probability: tf.Tensor | None = None,
                           candidate_ids: tf.Tensor | None = None,
-                          num_hard_negatives: int | None = None) -> tf.Tensor:
+                          num_hard_negatives: int | None = None,
+                          offset: tf.Tensor | int = 0) -> tf.Tensor:
     """The loss of TFRS's `tasks.Retrieval` (summed in-batch softmax cross-entropy; logQ
     correction with TFRS's clip; accidental hits pushed to TFRS's MIN_FLOAT; optional hard
     negatives), with integer labels instead of TFRS's identity matrix of labels: the same loss
     and gradients with respect to the embeddings (`tests/test_retrieval.py`; no gradient
-    reaches `sampling_probability`) with fewer [b, b] tensors: training at batch 4096 on the
+    reaches `sampling_probability`) with fewer [b, n] tensors: training at batch 4096 on the
     CPU from the prepared `synthetic:10m` peaked at 1.45 GiB against TFRS's 1.81.
 
+    The queries may be a slice of the batch whose candidates they are scored against (one
+    replica's rows, `global_candidates`): query i's positive is candidate `offset + i`, and
+    the loss is those queries' share of the batch's; the shares of all slices sum to the loss
+    of the whole batch (n == b, offset 0).
+
     Args:
-        query: [b, d] float32; candidate: [b, d] float32, row i the positive of query i (one
-            candidate per query, as `TwoTower` trains; TFRS also takes extra candidates).
-        sampling_probability: [b] each candidate's probability of being in a batch.
-        candidate_ids: [b] ids; other rows' copies of a query's positive are not negatives.
+        query: [b, d] float32; candidate: [n, d] float32, row offset + i the positive of query
+            i (one candidate per query, as `TwoTower` trains; TFRS also takes extra candidates).
+        sampling_probability: [n] each candidate's probability of being in a batch.
+        candidate_ids: [n] ids; other rows' copies of a query's positive are not negatives.
+        offset: [] int32 the row of `candidate` that is query 0's positive.
 
     Returns:
-        [] the loss summed over the batch.
+        [] the loss summed over the b queries.
     """
-    # One [b, b] product and at most one [b, b] addend that no gradient flows through: every
-    # extra elementwise [b, b] op costs 64 MiB at batch 4096, and more kept for its gradient.
-    scores = tf.matmul(query / temperature, candidate, transpose_b=True)           # [b, b]
-    rows = tf.range(tf.shape(scores)[0])
-    positive = rows[:, None] == rows[None, :]                                        # [b, b]
+    # One [b, n] product and at most one [b, n] addend that no gradient flows through: every
+    # extra elementwise [b, n] op costs 64 MiB at 4096 x 4096, and more kept for its gradient.
+    scores = tf.matmul(query / temperature, candidate, transpose_b=True)           # [b, n]
+    labels = tf.range(tf.shape(scores)[0]) + offset                                 # [b]
+    columns = tf.range(tf.shape(scores)[1])                                          # [n]
+    positive = labels[:, None] == columns[None, :]                                   # [b, n]
     addend = None
-    if sampling_probability is not None:                                             # [1, b]
+    if sampling_probability is not None:                                             # [1, n]
         probability = tf.cast(sampling_probability, scores.dtype)
         addend = -tf.math.log(tf.clip_by_value(probability, 1e-6, 1.0))[None, :]
-    if candidate_ids is not None:                       # [b, b], one tensor with the logQ
-        same = (candidate_ids[:, None] == candidate_ids[None, :]) & ~positive
+    if candidate_ids is not None:                       # [b, n], one tensor with the logQ
+        query_ids = tf.gather(candidate_ids, labels)                                 # [b]
+        same = (query_ids[:, None] == candidate_ids[None, :]) & ~positive
         addend = tf.where(same, tf.constant(tfrs.layers.loss.MIN_FLOAT, scores.dtype),
                           tf.zeros([], scores.dtype) if addend is None else addend)
     if addend is not None:
         scores += tf.stop_gradient(addend)
-    labels = rows
     if num_hard_negatives is not None:    # the positive and the k best-scoring negatives
         keep = tf.minimum(num_hard_negatives + 1, tf.shape(scores)[1])
         ceiling = tf.constant(tfrs.layers.loss.MAX_FLOAT, scores.dtype)
-        _, columns = tf.math.top_k(tf.where(positive, ceiling, scores), keep)
-        scores, labels = tf.gather(scores, columns, batch_dims=1), tf.zeros_like(rows)
+        _, kept = tf.math.top_k(tf.where(positive, ceiling, scores), keep)           # [b, k+1]
+        scores, labels = tf.gather(scores, kept, batch_dims=1), tf.zeros_like(labels)
     return tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, scores))
+
+
+def global_candidates(candidate: tf.Tensor, candidate_ids: tf.Tensor | None = None,
+                      sampling_probability: tf.Tensor | None = None):
+    """The candidates of the global batch, for this replica's queries to be scored against
+    under a strategy that splits each batch across synchronous replicas (mirrored,
+    multi-worker): without it each replica's in-batch softmax, accidental hits and hard
+    negatives would see only its own slice of the batch (512 candidates a query at batch 4096
+    on 8 GPUs), another objective on every number of replicas.
+
+    The rows are all-gathered in replica order (`ReplicaContext.all_gather`, whose gradient
+    sums every replica's gradient with respect to the gathered rows and hands each replica
+    its own rows', so that each candidate tower gets the whole batch's gradient of its rows).
+    Each replica's scores are then [b, n]: one device's [n, n] split across the replicas.
+    With one replica (one device; a parameter-server worker, which trains on batches of its
+    own) nothing is gathered.
+
+    Args:
+        candidate: [b, d] this replica's candidate embeddings; candidate_ids,
+            sampling_probability: [b] or None (no gradient flows through them).
+
+    Returns:
+        (candidate [n, d], candidate_ids [n] or None, sampling_probability [n] or None,
+        offset [] int32: the row of this replica's first candidate), n the global batch's rows.
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return candidate, candidate_ids, sampling_probability, 0
+    sizes = context.all_gather(tf.shape(candidate)[:1], axis=0)                 # [replicas]
+    offset = tf.reduce_sum(sizes[:context.replica_id_in_sync_group])
+    extras = {name: tf.stop_gradient(x) for name, x in (("ids", candidate_ids),
+                                                        ("probability", sampling_probability))
+              if x is not None}
+    extras = context.all_gather(extras, axis=0) if extras else {}               # [n] each
+    return (context.all_gather(candidate, axis=0), extras.get("ids"),             # [n, d]
+            extras.get("probability"), offset)
 
 
 class TwoTower(TFRSModel):
     """Query tower: user id, user features, encoded history. Candidate tower: item id, genres,
-    year. Items enter both towers as catalogue codes ([batch] int64)."""
+    year. Items enter both towers as catalogue codes ([batch] int64). Its loss is the in-batch
+    softmax summed over the global batch (`summed_loss`): under a synchronous strategy each
+    replica's queries are scored against every replica's candidates (`global_candidates`)."""
+
+    summed_loss = True
 
     def __init__(self, config: RetrievalConfig, *, num_users: int, item_index: np.ndarray,
                  item_vocab_size: int, item_genres: np.ndarray, item_year: np.ndarray,
@@ -170,9 +218,14 @@ class TwoTower(TFRSModel):
         items = features["item"]
         probability = (tf.gather(self.item_probability, items)
                        if self.config.logq_correction else None)
-        return in_batch_softmax_loss(
-            self.query(features), self.candidate(items), self.config.temperature, probability,
-            items if self.config.remove_accidental_hits else None, self.config.num_hard_negatives)
+        # The query tower first: layers build in this order, and an initial weight's seed
+        # follows the ops created before it.
+        query = self.query(features)
+        candidate, ids, probability, offset = global_candidates(
+            self.candidate(items), items if self.config.remove_accidental_hits else None,
+            probability)
+        return in_batch_softmax_loss(query, candidate, self.config.temperature, probability, ids,
+                                     self.config.num_hard_negatives, offset)
 
 
 class TowerEnsemble(TFRSModel):
@@ -186,6 +239,8 @@ class TowerEnsemble(TFRSModel):
     Each member's loss is its own (its gradients are those it would get alone); the loss
     logged is their sum.
     """
+
+    summed_loss = True
 
     def __init__(self, config: RetrievalConfig, **towers):
         super().__init__()
