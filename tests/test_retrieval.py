@@ -812,3 +812,25 @@ def test_in_batch_softmax_loss_is_the_tfrs_retrieval_loss(temperature, logq, rem
                                                                             [query, candidate]))])
     for expected, got in zip(*results):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("logq, remove_hits, hard_negatives", [
+    (False, False, None), (True, True, None), (True, True, 3), (False, True, 50)])
+def test_in_batch_softmax_loss_of_a_batchs_slices_sums_to_the_batchs(logq, remove_hits,
+                                                                     hard_negatives):
+    """Slices of the queries (a replica's rows, `offset` their first positive) scored against
+    the whole batch's candidates: their losses and gradients sum to the whole batch's."""
+    rng = np.random.default_rng(1)
+    query, candidate = (tf.Variable(rng.normal(size=(9, 4)).astype(np.float32)) for _ in "qc")
+    ids = tf.constant([3, 1, 3, 0, 2, 1, 3, 5, 4]) if remove_hits else None
+    probability = tf.constant([0.3, 0.2, 0.3, 1e-8, 0.1, 0.2, 0.3, 0.05, 0.5]) if logq else None
+    results = []
+    for slices in ([(0, 9)], [(0, 5), (5, 9)]):
+        with tf.GradientTape() as tape:
+            value = tf.add_n([in_batch_softmax_loss(query[start:end], candidate, 0.1,
+                                                    probability, ids, hard_negatives, start)
+                              for start, end in slices])
+        results.append([value.numpy(), *(g.numpy() for g in tape.gradient(value,
+                                                                            [query, candidate]))])
+    for whole, sliced in zip(*results):
+        np.testing.assert_allclose(sliced, whole, rtol=1e-5, atol=1e-6)

@@ -11,27 +11,53 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Both member counts in one process: the second mirrored model, of other shapes, must not meet
-# the first one's collectives (each MirroredStrategy numbered them from the start again).
+# the first one's collectives (each MirroredStrategy numbered them from the start again). Then
+# one SGD step on one batch from the same weights, on one device and mirrored: the plain loss
+# on 128 rows (64 a replica), and logQ, accidental hits and hard negatives on 127 (64 and 63).
 MIRRORED = """
-import json, tensorflow as tf
+import json, numpy as np, tensorflow as tf
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 from tworec.evaluation import baselines, eval_set
 from tworec.features import generate, split
+from tworec.features.batches import batches
 from tworec.features.inputs import prepare
 from tworec.features.synthetic import PRESETS
+from tworec.features.training import make_strategy
 from tworec.retrieval.config import preset
-from tworec.retrieval.train import evaluate_model, fit
+from tworec.retrieval.train import build_model, evaluate_model, fit
 log = generate(PRESETS["tiny"], seed=0)
 data = prepare(log, split(log), history_length=5)
 results = {}
 for members in (1, 2):
     for strategy in ("default", "mirrored"):
-        model, _ = fit(data, preset("tiny", epochs=4, strategy=strategy, members=members),
-                       verbose=0)
+        model, summary = fit(data, preset("tiny", epochs=4, strategy=strategy, members=members),
+                             verbose=0)
         results[f"{strategy}_{members}"] = evaluate_model(model, data, "test", ks=(10, 50))
+        results[f"{strategy}_{members}_loss"] = summary["history"]["loss"]
         results[f"{strategy}_{members}_replicas"] = model.distribute_strategy.num_replicas_in_sync
 results["popularity"] = baselines(log, split(log), eval_set(log, split(log), "test"))["popularity"]
+batch = next(iter(batches(data.examples["train"], 128, shuffle=True, seed=0)))
+for name, rows, loss in (("plain", 128, {}), ("hits", 127, dict(
+        logq_correction=True, remove_accidental_hits=True, num_hard_negatives=20))):
+    rows = {key: value[:rows] for key, value in batch.items()}
+    start = None
+    for strategy in ("default", "mirrored"):
+        config = preset("tiny", strategy=strategy, optimizer="sgd", learning_rate=0.5, **loss)
+        with make_strategy(strategy).scope():
+            model = build_model(config, data)
+            model.compute_loss({key: value[:2] for key, value in rows.items()})   # builds it
+        start = start or [variable.numpy() for variable in model.trainable_variables]
+        for variable, value in zip(model.trainable_variables, start):
+            variable.assign(value)
+        logged = model.fit(tf.data.Dataset.from_tensors(rows), verbose=0).history["loss"]
+        update = [v.numpy() - w for v, w in zip(model.trainable_variables, start)]
+        results[f"step_{name}_{strategy}"] = {"loss": logged[0], "update": update}
+    one, mirrored = (results.pop(f"step_{name}_{s}") for s in ("default", "mirrored"))
+    norm = lambda arrays: sum(float(np.sum(np.square(a))) for a in arrays) ** 0.5
+    results[f"step_{name}"] = {
+        "update_difference": norm([a - b for a, b in zip(one["update"], mirrored["update"])])
+        / norm(one["update"]), "loss": [one["loss"], mirrored["loss"]]}
 print("RESULT", json.dumps(results))
 """
 
@@ -49,7 +75,7 @@ model, summary = fit(data, preset("tiny", epochs=4, strategy="multi_worker"),
                      run_dir=sys.argv[1], verbose=0)
 print("RESULT", json.dumps({"metrics": evaluate_model(model, data, "test", ks=(10, 50)),
                             "replicas": model.distribute_strategy.num_replicas_in_sync,
-                            "epochs": summary["epochs"]}))
+                            "epochs": summary["epochs"], "loss": summary["history"]["loss"]}))
 """
 
 
@@ -66,19 +92,29 @@ def one_device_and_mirrored() -> dict:
     return result_of(done.stdout)
 
 
-def test_mirrored_strategy_matches_one_device(one_device_and_mirrored):
-    results = one_device_and_mirrored
-    assert results["mirrored_1_replicas"] == 2
-    for metric in ("recall@10", "recall@50"):
-        assert abs(results["default_1"][metric] - results["mirrored_1"][metric]) < 0.1, results
+def test_one_sgd_step_under_mirrored_strategy_equals_one_device(one_device_and_mirrored):
+    """Each replica scores its queries against the global batch's candidates: the update and
+    the logged loss are one device's (each replica's softmax over its own half gave a 9.5%
+    other update of the plain loss, and half the logged loss)."""
+    for case in ("plain", "hits"):
+        step = one_device_and_mirrored[f"step_{case}"]
+        assert step["update_difference"] < 2e-6, (case, step)
+        assert step["loss"][1] == pytest.approx(step["loss"][0], rel=1e-6), (case, step)
 
 
-def test_mirrored_strategy_trains_retrieval_members_as_one_device(one_device_and_mirrored):
+@pytest.mark.parametrize("members", [1, 2])
+def test_mirrored_strategy_trains_as_one_device(one_device_and_mirrored, members):
+    """Four epochs of Adam from the same initial weights on the same batches: the same
+    per-epoch losses (to float rounding) and metrics."""
     results = one_device_and_mirrored
-    assert results["mirrored_2_replicas"] == 2
-    assert results["mirrored_2"]["recall@10"] > 1.5 * results["popularity"]["recall@10"], results
+    assert results[f"mirrored_{members}_replicas"] == 2
+    assert results[f"mirrored_{members}_loss"] == pytest.approx(
+        results[f"default_{members}_loss"], rel=1e-5), results
+    assert results[f"mirrored_{members}"]["recall@10"] > \
+        1.5 * results["popularity"]["recall@10"], results
     for metric in ("recall@10", "recall@50"):
-        assert abs(results["default_2"][metric] - results["mirrored_2"][metric]) < 0.1, results
+        assert abs(results[f"default_{members}"][metric] -
+                   results[f"mirrored_{members}"][metric]) <= 0.01, results
 
 
 def free_ports(count: int) -> list[int]:
@@ -111,7 +147,8 @@ def test_two_worker_processes_train_one_model_that_matches_one_device(one_device
     chief, other = (result_of(stdout) for stdout, _ in outputs)
     assert chief["replicas"] == 2 and chief["epochs"] == 4
     assert chief["metrics"] == other["metrics"]            # one model, kept in sync
-    default = one_device_and_mirrored["default_1"]
+    default = one_device_and_mirrored["default_1"]              # the same global batches
+    assert chief["loss"] == pytest.approx(one_device_and_mirrored["default_1_loss"], rel=1e-5)
     for metric in ("recall@10", "recall@50"):
-        assert abs(default[metric] - chief["metrics"][metric]) < 0.1, (default, chief)
+        assert abs(default[metric] - chief["metrics"][metric]) <= 0.01, (default, chief)
     assert (tmp_path / "run" / "retrieval_config.json").exists()
