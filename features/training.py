@@ -132,12 +132,22 @@ OPTIMIZERS = {"adam": tf.keras.optimizers.Adam, "lazy_adam": LazyAdam,
               "adagrad": tf.keras.optimizers.Adagrad, "sgd": tf.keras.optimizers.SGD}
 
 
-def make_strategy(name: str, partitioner: str = "min_size") -> tf.distribute.Strategy:
+def make_strategy(name: str, partitioner: str = "min_size",
+                  jit_compile: bool = False) -> tf.distribute.Strategy:
     """`default`, `mirrored` (all local devices), `multi_worker` or `parameter_server` (both
     read TF_CONFIG; the parameter-server strategy splits variables across the ps tasks with
-    `variable_partitioner(partitioner, num_ps)`)."""
+    `variable_partitioner(partitioner, num_ps)`). `jit_compile` (XLA) is refused with
+    `mirrored` over several CPU devices, where XLA's step, run on one device, cannot reach the
+    other replicas' variables ("Trying to access resource ... located in device CPU:1 from
+    device CPU:0", keras-team/keras#19005; one CPU device trains, GPUs are not refused)."""
     if name == "mirrored":
-        return _mirrored_strategy()
+        strategy = _mirrored_strategy()
+        cpus = [d for d in strategy.extended.worker_devices if ":CPU:" in d.upper()]
+        if jit_compile and len(cpus) > 1:
+            raise ValueError(f"jit_compile with strategy 'mirrored' over {len(cpus)} CPU "
+                             "devices: XLA cannot reach the other replicas' variables; use "
+                             "jit_compile on one device, or strategy 'mirrored' without it")
+        return strategy
     if name == "multi_worker":
         return tf.distribute.MultiWorkerMirroredStrategy()
     if name == "parameter_server":
@@ -154,13 +164,6 @@ def make_strategy(name: str, partitioner: str = "min_size") -> tf.distribute.Str
         return tf.distribute.get_strategy()
     raise ValueError(f"unknown strategy {name!r}; use default, mirrored, multi_worker or "
                      "parameter_server")
-
-
-def mirrored_devices() -> list[str]:
-    """The devices strategy `mirrored` trains on, as `tf.distribute.MirroredStrategy` picks
-    them: every logical GPU, else every logical CPU."""
-    devices = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
-    return [device.name for device in devices]
 
 
 @functools.cache

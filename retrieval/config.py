@@ -39,11 +39,10 @@ class RetrievalConfig:
     seed: int = 0
 
     def validate(self, history_length: int | None = None,
-                 has_user_features: bool | None = None,
-                 mirrored_devices: list[str] | None = None) -> None:
+                 has_user_features: bool | None = None) -> None:
         """Raises ValueError naming the first setting that cannot work (with the data config's
-        `history_length`, whether the log has user features, and the devices strategy
-        `mirrored` would train on (`features.training.mirrored_devices`), when given)."""
+        `history_length`, and whether the log has user features, when given; the devices are
+        checked by `features.training.make_strategy`)."""
         user_features = self.use_user_features and has_user_features is not False
         if not (self.use_user_id or user_features or self.history_encoder != "none"):
             raise ValueError("the query tower reads nothing: keep use_user_id or a "
@@ -66,14 +65,6 @@ class RetrievalConfig:
             raise ValueError("mixed_precision with strategy 'parameter_server': Keras's loss "
                              "scaling does not support it; use mirrored or multi_worker, or "
                              "float32")
-        cpus = [device for device in mirrored_devices or [] if ":CPU:" in device]
-        if self.jit_compile and self.strategy == "mirrored" and len(cpus) > 1:
-            # an XLA cluster runs on one device and cannot reach the other replicas' variables
-            # ("Trying to access resource ... located in device CPU:1 from device CPU:0",
-            # keras-team/keras#19005, tensorflow.org/xla/known_issues)
-            raise ValueError(f"jit_compile with strategy 'mirrored' over {len(cpus)} CPU "
-                             "devices: XLA cannot reach the other replicas' variables; use "
-                             "jit_compile on one device, or strategy 'mirrored' without it")
         for name in ("embedding_dim", "members", "batch_size", "epochs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -11,7 +11,7 @@ from tworec.features.inputs import EMPTY_SLOT, ModelInputs
 from tworec.features.stream import PreparedLog
 from tworec.features.vocab import FIRST
 from tworec.features.training import (Float32Twin, make_optimizer, make_strategy,
-                                      mirrored_devices, mixed_precision, train, worker_seed)
+                                      mixed_precision, train, worker_seed)
 from tworec.retrieval.config import RetrievalConfig
 from tworec.retrieval.index import equal_rows, exact_scorer
 from tworec.retrieval.model import RetrievalModel, TowerEnsemble, TwoTower
@@ -203,8 +203,7 @@ def fit(data: ModelInputs, config: RetrievalConfig, run_dir: str | None = None,
         (`features.training.Float32Twin`).
     """
     config.validate(history_length=data.history_length,
-                    has_user_features=bool(data.user_feature_vocabs),
-                    mirrored_devices=mirrored_devices())
+                    has_user_features=bool(data.user_feature_vocabs))
     train_rows = data.examples["train"]
     steps = steps_per_epoch or one_pass(len(train_rows["user"]), config.batch_size,
                                         drop_remainder=True)
@@ -223,7 +222,7 @@ def fit_prepared(prepared: PreparedLog, config: RetrievalConfig, steps_per_epoch
     (`PreparedLog.training_batches`), for `config.epochs` epochs of `steps_per_epoch` steps
     (default: one pass over the training rows). No validation runs between epochs
     (`evaluate_prepared` scores a part afterwards). The model computes in float32, as `fit`'s."""
-    config.validate(history_length=prepared.history_length, mirrored_devices=mirrored_devices())
+    config.validate(history_length=prepared.history_length)
     steps = steps_per_epoch or prepared.train_rows // config.batch_size
     if steps <= 0:
         raise ValueError(f"batch_size {config.batch_size} is larger than the training split "
@@ -239,7 +238,7 @@ def _fit(data: ModelInputs | PreparedLog, config: RetrievalConfig, steps: int,
     endless dataset of batches, validating (and stopping early) on `validation`'s rows when
     given; returns the model's float32 twin (the model itself when it trained in float32)."""
     tf.keras.utils.set_random_seed(config.seed)
-    strategy = make_strategy(config.strategy, config.partitioner)
+    strategy = make_strategy(config.strategy, config.partitioner, config.jit_compile)
     with strategy.scope(), mixed_precision(config.mixed_precision):
         model = build_model(config, data)
     if isinstance(strategy, tf.distribute.ParameterServerStrategy):

@@ -163,24 +163,28 @@ def test_xla_with_a_mirrored_strategy_over_cpu_devices_is_refused_before_trainin
     strategy's replicas fail on each other's variables ("Trying to access resource ...
     located in device CPU:1 from device CPU:0", keras-team/keras#19005). Over one CPU device
     it trains (measured), and GPUs are not refused."""
-    from tworec.features.training import mirrored_devices
-    from tworec.retrieval import train as retrieval_train
-    cpus = ["/job:localhost/replica:0/task:0/device:CPU:0", "/device:CPU:1"]
-    config = preset("tiny", epochs=1, strategy="mirrored", jit_compile=True)
+    from tworec.features import training
+
+    def mirrored_over(*devices):
+        strategy = type("Mirrored", (), {"extended": type("Extended", (), {
+            "worker_devices": devices})})()
+        monkeypatch.setattr(training, "_mirrored_strategy", lambda: strategy)
+        return strategy
+    cpus = ("/job:localhost/replica:0/task:0/device:CPU:0",
+            "/job:localhost/replica:0/task:0/device:CPU:1")
     message = ("jit_compile with strategy 'mirrored' over 2 CPU devices: XLA cannot reach the "
                "other replicas' variables; use jit_compile on one device, or strategy "
                "'mirrored' without it")
+    mirrored_over(*cpus)
     with pytest.raises(ValueError, match=re.escape(message)):
-        config.validate(mirrored_devices=cpus)
-    config.validate(mirrored_devices=cpus[:1])
-    config.validate(mirrored_devices=["/device:GPU:0", "/device:GPU:1"])
-    dataclasses.replace(config, jit_compile=False).validate(mirrored_devices=cpus)
-    dataclasses.replace(config, strategy="default").validate(mirrored_devices=cpus)
-    assert mirrored_devices() == ["/device:CPU:0"]                       # this machine's
-    monkeypatch.setattr(retrieval_train, "mirrored_devices", lambda: cpus)
+        training.make_strategy("mirrored", jit_compile=True)
     log = generate(PRESETS["tiny"], seed=0)
     with pytest.raises(ValueError, match=re.escape(message)):
-        train(log, split(log), config)
+        train(log, split(log), preset("tiny", epochs=1, strategy="mirrored", jit_compile=True))
+    for devices, jit_compile in ((cpus, False), (cpus[:1], True),
+                                 (("/device:GPU:0", "/device:GPU:1"), True)):
+        strategy = mirrored_over(*devices)
+        assert training.make_strategy("mirrored", jit_compile=jit_compile) is strategy
 
 
 def test_a_mixed_precision_model_is_evaluated_exported_and_reloaded_in_float32(tmp_path):
