@@ -194,7 +194,7 @@ def test_each_run_is_the_model_a_run_trains_with_its_early_stopping_and_seen_ite
     from tworec.retrieval import train as retrieval
     log = load("synthetic:tiny")
     configs = resolve("tiny", epochs=3, steps=("train retrieval",), data={"exclude_seen": False},
-                      retrieval={"early_stopping_patience": 2, "learning_rate": 0.05,
+                      retrieval={"early_stopping_patience": 2, "learning_rate": 0.1,
                                  "batch_size": 32})     # a setting whose best epoch is not 3
     prepared = []
 
