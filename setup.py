@@ -17,7 +17,7 @@ STACK = [
     "numpy",
     "scipy",
     "pyarrow",
-    "duckdb>=1.1",              # counts Parquet shards out of core (features.shards.describe)
+    "duckdb>=1.3",              # counts Parquet shards out of core (features.shards.describe)
     "matplotlib",
     "markdown",                 # report.html from report.md
     "tqdm",

@@ -155,16 +155,19 @@ def needed_columns(shards: ShardSet, columns: dict[str, str], by_duckdb: bool = 
         DataError: one line naming the first shard that lacks a needed column or holds it with
             another type, and the shard it differs from.
     """
-    footers = {path: _footer(path) for path in shards.files}
-    first = next((path for path in shards.files if footers[path].num_rows), shards.files[0])
-    schema = footers[first].schema.to_arrow_schema()
+    schemas, rows = {}, {}
+    for path in shards.files:
+        footer = _footer(path)
+        schemas[path], rows[path] = footer.schema.to_arrow_schema(), footer.num_rows
+    first = next((path for path in shards.files if rows[path]), shards.files[0])
+    schema = schemas[first]
     mapping = _resolve_columns(first, schema.names, columns)
     needed = pa.schema([schema.field(name) for name in sorted(set(mapping.values()))])
     for path in shards.files:
-        other = footers[path].schema.to_arrow_schema()
+        other = schemas[path]
         if by_duckdb:
             _refuse_case_twins(path, other.names, needed.names)
-        if path == first or not footers[path].num_rows:
+        if path == first or not rows[path]:
             continue
         for field in needed:
             if field.name not in other.names:
@@ -253,11 +256,12 @@ def read_columns(files, schema: pa.Schema, batch_rows: int = BATCH_ROWS) -> dict
 
 def _unreadable(files, names: list[str]) -> DataError | None:
     """The one-line error of the first of `files` whose columns `names` Arrow cannot read (a
-    corrupt page), or None. Each column is read whole: for an error's message only."""
+    corrupt page), or None. Read a batch at a time, for an error's message only."""
     for path in files:
         for name in names:
             try:
-                pq.read_table(path, columns=[name])
+                for _ in pq.ParquetFile(path).iter_batches(BATCH_ROWS, columns=[name]):
+                    pass
             except (pa.ArrowException, OSError) as error:
                 return DataError(f"{path}: cannot read column {name!r}: {_one_line(error)}")
     return None
@@ -484,6 +488,8 @@ def parquet_log(source: str, columns: dict[str, str] | None, read_items) -> Parq
     counted from the footers: a one-line DataError for an empty log."""
     shards = parquet_source(source)
     mapping, schema = needed_columns(shards, columns or {}, by_duckdb=True)
+    if shards.items is not None:              # DuckDB reads its item column too
+        _refuse_case_twins(shards.items, _schema(shards.items).names, [mapping["item"]])
     catalogue = None if shards.items is None else read_items(shards.items, mapping["item"])
     shard_rows = [pq.ParquetFile(path).metadata.num_rows for path in shards.files]
     if sum(shard_rows) == 0:
@@ -569,6 +575,9 @@ def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int
             f"COUNT(*) FILTER (WHERE {condition}), MIN({row}) FILTER (WHERE {condition}), "
             f"arg_min(CAST({_name(name)} AS VARCHAR), {row}) FILTER (WHERE {condition})"
             for condition, name, _ in checks) + f" FROM {scan}").fetchone()
+    except (duckdb.InterruptException, duckdb.OutOfMemoryException,
+            duckdb.ConversionException):          # `duckdb_session` says these
+        raise
     except duckdb.Error:                    # the first scan: a corrupt page shows here, and
         problem = _unreadable(shards.files, schema.names)    # DuckDB may not name the file
         if problem is None:

@@ -242,11 +242,15 @@ def id_codes(source: str, name: str, ids) -> tuple[np.ndarray, np.ndarray]:
         natural = np.array(written, dtype=str)
     if text is not None:
         distinct = pc.unique(text)                      # text may be chunked (> 2 GiB)
-        codes = pc.index_in(text, value_set=distinct).to_numpy().astype(np.int64)
-        return distinct.to_numpy(zero_copy_only=False).astype(str), codes
-    distinct, codes = np.unique(natural, return_inverse=True)           # numbers, dates, ...
-    text, merged = np.unique(distinct.astype(str), return_inverse=True)  # one id per text
-    return text, merged[codes.reshape(-1)].astype(np.int64)
+        codes = pc.index_in(text, value_set=distinct).to_numpy()
+        written = distinct.to_numpy(zero_copy_only=False).astype(str)
+    else:                                               # numbers, dates, ...; a float by its
+        keys = (natural.view(f"u{natural.itemsize}")    # bits: -0.0 writes otherwise than 0.0
+                if natural.dtype.kind == "f" and natural.itemsize in (2, 4, 8) else natural)
+        _, first, codes = np.unique(keys, return_index=True, return_inverse=True)
+        written = natural[first].astype(str)
+    text, merged = np.unique(written, return_inverse=True)   # one id a text: NumPy drops a
+    return text, merged[codes.reshape(-1)].astype(np.int64)  # trailing NUL ("a\0" is "a")
 
 
 def _written(value) -> str | None:

@@ -278,9 +278,10 @@ class Float32Twin:
 
 
 class Float32Validation(tf.keras.callbacks.Callback):
-    """Keras's validation, by the model's float32 twin (`Float32Twin`): after every epoch,
-    `val_NAME` for each of `evaluate`'s logs on `validation`, before the callbacks after it
-    (early stopping) read them."""
+    """Keras's validation, by the model's float32 twin (`Float32Twin`), for a model trained
+    under mixed precision: after every epoch, `val_NAME` for each of `evaluate`'s logs on
+    `validation`, before the callbacks after it (early stopping) read them. (TensorBoard then
+    logs the epoch's `val_` values, not Keras's per-evaluation series.)"""
 
     def __init__(self, validation: tf.data.Dataset, float32: Float32Twin):
         super().__init__()
@@ -472,7 +473,8 @@ def best_epoch(callbacks: list, epochs: int, stage: str, verbose: int) -> int:
 
 def train(model: tf.keras.Model, dataset: tf.data.Dataset, *, stage: str, config,
           steps_per_epoch: int, examples_per_epoch: int, callbacks: list = (),
-          run_dir: str | None = None, verbose: int = 1) -> dict:
+          validation: tf.data.Dataset | None = None, run_dir: str | None = None,
+          verbose: int = 1) -> dict:
     """Runs `model.fit` for `config.epochs` and returns the run summary, also written to
     RUN/STAGE_train.json: per-epoch logs (`history`), `seconds`, `epochs`, `best_epoch` and
     `examples_per_second`. In a run folder, an interrupted training resumes after its last
@@ -493,7 +495,7 @@ def train(model: tf.keras.Model, dataset: tf.data.Dataset, *, stage: str, config
         keras_verbose = 0
     start = time.perf_counter()
     history = model.fit(dataset, epochs=config.epochs, steps_per_epoch=steps_per_epoch,
-                        callbacks=callbacks, verbose=keras_verbose)
+                        validation_data=validation, callbacks=callbacks, verbose=keras_verbose)
     seconds = (resumable.seconds_before if resumable else 0.0) + time.perf_counter() - start
     logs = resumable.history if resumable else {
         name: [float(v) for v in values] for name, values in history.history.items()}

@@ -129,10 +129,12 @@ def fit(data: ModelInputs, config: RankingConfig, signals: RankingSignals,
     dataset = batches(list_examples(data, signals, "train", lists["train"]), config.batch_size,
                       shuffle=True, seed=config.seed, epochs=None)
     float32 = Float32Twin(lambda: build_model(config, data, signals), dataset)
-    callbacks = []
+    callbacks, validation = [], None
     if len(data.split.validation):
         validation = batches(list_examples(data, signals, "validation", lists["validation"]), 4096)
-        callbacks.append(Float32Validation(validation, float32))
+        if config.mixed_precision:            # else Keras's own (TensorBoard logs it too)
+            callbacks.append(Float32Validation(validation, float32))
+            validation = None
         if config.early_stopping_patience:
             callbacks.append(tf.keras.callbacks.EarlyStopping(
                 "val_total_loss", patience=config.early_stopping_patience,
@@ -140,7 +142,7 @@ def fit(data: ModelInputs, config: RankingConfig, signals: RankingSignals,
     summary = train(model, dataset, stage="ranking", config=config,
                     steps_per_epoch=steps_per_epoch(len(lists["train"]), config.batch_size),
                     examples_per_epoch=len(lists["train"]), callbacks=callbacks,
-                    run_dir=run_dir, verbose=verbose)
+                    validation=validation, run_dir=run_dir, verbose=verbose)
     model = float32(model)
     if calibrates(config) and served_validation is not None and len(data.split.validation):
         summary["calibration"] = calibrate(model, data, signals, "validation", served_validation)

@@ -333,6 +333,14 @@ def test_a_column_twinned_but_for_case_is_refused_out_of_core(tmp_path):
     with pytest.raises(DataError, match=None) as error:
         prepare_shards(source, str(tmp_path / "out"))
     assert str(error.value) == message
+    items = _write(tmp_path / "items", pa.table(LOG),          # the item table's too
+                   pa.table({"Item_id": ["x", "Z", "y"], "item_id": ["x", "y", "z"]}))
+    assert len(load(items)) == 4
+    with pytest.raises(DataError, match=None) as error:
+        shards.describe(items)
+    assert str(error.value) == (f"{items}/items.parquet: columns 'item_id' and 'Item_id' "
+                                "differ only in case, which describe and prepare (DuckDB) do "
+                                "not tell apart: rename one, or load the log in memory")
 
 
 def test_shards_are_read_as_their_files_hold_them_on_both_paths(tmp_path, monkeypatch):

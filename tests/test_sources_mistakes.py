@@ -371,6 +371,11 @@ def test_library_callers_missing_ids_are_refused_not_read_as_text(users):
 def test_library_callers_ids_are_written_as_numpy_writes_them():
     log = sources.from_columns("log", [1, 2.5, 3], ["a", "b", "a"], [1, 2, 3])
     assert sorted(log.user_ids) == ["1.0", "2.5", "3.0"]       # as np.array([1, 2.5, 3]) would
+    log = sources.from_columns("log", [0.0, -0.0, 1.0], ["a", "b", "a"], [1, 2, 3])
+    assert log.user_ids.tolist() == ["0.0", "-0.0", "1.0"]     # two ids, as their texts differ
+    log = sources.from_columns("log", np.array([b"a", b"a\0", b"b"], dtype=object),
+                               ["x", "y", "x"], [1, 2, 3])
+    assert log.user_ids.tolist() == ["a", "b"]                  # NumPy's text drops the NUL
 
 
 SIDE = ("user,item,time,genre,yr\nu1,i1,1,Action|Comedy,1995\nu1,i2,2,Drama,2001.0\n"
