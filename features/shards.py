@@ -165,9 +165,11 @@ def needed_columns(shards: ShardSet, columns: dict[str, str], by_duckdb: bool = 
     needed = pa.schema([schema.field(name) for name in sorted(set(mapping.values()))])
     for path in shards.files:
         other = schemas[path]
+        if not rows[path]:                    # neither compared nor read by DuckDB
+            continue
         if by_duckdb:
             _refuse_case_twins(path, other.names, needed.names)
-        if path == first or not rows[path]:
+        if path == first:
             continue
         for field in needed:
             if field.name not in other.names:
@@ -184,8 +186,9 @@ def needed_columns(shards: ShardSet, columns: dict[str, str], by_duckdb: bool = 
 
 def _refuse_case_twins(path: str, names: list[str], needed: list[str]) -> None:
     """A DataError when a needed column shares its name but for case with another: DuckDB
-    would read either (`Timestamp` for `timestamp`)."""
-    for name in needed:
+    would read either (`Timestamp` for `timestamp`). A needed column that is not there is the
+    schema check's to name."""
+    for name in (name for name in needed if name in names):
         twin = next((other for other in names
                      if other != name and other.lower() == name.lower()), None)
         if twin is not None:

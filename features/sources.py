@@ -226,6 +226,9 @@ def id_codes(source: str, name: str, ids) -> tuple[np.ndarray, np.ndarray]:
         (text [d] str, distinct, codes [n] int64 with text[codes] the rows' ids).
     """
     natural = np.asarray(ids)
+    if natural.ndim != 1:
+        raise DataError(f"{source}: column {name!r} is of shape {natural.shape}; give one id a "
+                        "row, a flat list or array")
     given = (np.asarray(ids, dtype=object) if isinstance(ids, (list, tuple))
              and natural.dtype.kind == "U" else natural)     # only text can hide a None or NaN
     if given.dtype.kind == "f":

@@ -480,7 +480,8 @@ def train(model: tf.keras.Model, dataset: tf.data.Dataset, *, stage: str, config
     `examples_per_second`. In a run folder, an interrupted training resumes after its last
     finished epoch, on the batches the uninterrupted one would have read next (`dataset` is
     endless and depends only on its position, as `features.batches`'s are), and its summary
-    counts every epoch. With `verbose`, a terminal gets Keras's progress bar and any other
+    counts every epoch. `validation`, when given, is Keras's `validation_data` (its `val_`
+    logs after every epoch). With `verbose`, a terminal gets Keras's progress bar and any other
     output (and the parameter-server strategy, where Keras has no progress bar) one line per
     epoch."""
     early_stopping = [c for c in callbacks if isinstance(c, tf.keras.callbacks.EarlyStopping)]

@@ -376,6 +376,10 @@ def test_library_callers_ids_are_written_as_numpy_writes_them():
     log = sources.from_columns("log", np.array([b"a", b"a\0", b"b"], dtype=object),
                                ["x", "y", "x"], [1, 2, 3])
     assert log.user_ids.tolist() == ["a", "b"]                  # NumPy's text drops the NUL
+    with pytest.raises(DataError) as error:
+        sources.from_columns("log", [["u"], ["v"]], ["a", "b"], [1, 2])
+    assert str(error.value) == ("log: column 'user' is of shape (2, 1); give one id a row, a "
+                                "flat list or array")
 
 
 SIDE = ("user,item,time,genre,yr\nu1,i1,1,Action|Comedy,1995\nu1,i2,2,Drama,2001.0\n"
