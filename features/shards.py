@@ -22,6 +22,7 @@ import dataclasses
 import glob
 import json
 import os
+import pathlib
 import re
 import sys
 import tempfile
@@ -37,8 +38,9 @@ from tworec.features.interactions import DataError, Interactions, SourceNotFound
 from tworec.features.sources import (FLOAT32_OVERFLOW, MISSING, OUT_OF_RANGE, RATINGS_OUT_OF_RANGE,
                                      TICKS_PER_SECOND, _column_numpy,
                                      _log_from_roles, _one_line, _resolve_columns,
-                                     decimal_comma_advice, empty_ids_error, id_codes,
-                                     not_utf8_ids_error,
+                                     NUL, decimal_comma_advice, empty_ids_error,
+                                     id_codes, id_type_error, not_utf8_ids_error,
+                                     nul_ids_error,
                                      genres_multi_hot, no_known_items_error,
                                      whole_years)
 
@@ -66,7 +68,8 @@ class ShardSet:
 
 def find(source: str) -> ShardSet | None:
     """The shards a folder or glob names; None for a source that is neither (a file, or a
-    folder without `.parquet` files such as a GroupLens release).
+    folder without `.parquet` files such as a GroupLens release). Names starting with `_` or
+    `.` are skipped in a folder and where a glob's wildcards reach them (`_hidden_match`).
 
     Raises:
         DataError: one line for an empty folder, a glob matching nothing or matching files that
@@ -81,7 +84,8 @@ def find(source: str) -> ShardSet | None:
                         "tworec.retrieval.train.fit_prepared (README: logs larger than memory), "
                         "or pass the log it was prepared from")
     if not os.path.exists(source) and any(c in source for c in GLOB_CHARACTERS):
-        matches = sorted(p for p in glob.glob(source, recursive=True) if os.path.isfile(p))
+        matches = sorted(p for p in glob.glob(source, recursive=True)
+                         if os.path.isfile(p) and not _hidden_match(source, p))
         if not matches:
             raise SourceNotFound(f"{source}: no file matches the pattern; pass a glob that "
                                  "matches Parquet shards, e.g. logs/part-*.parquet, or their "
@@ -105,6 +109,16 @@ def find(source: str) -> ShardSet | None:
                         f"glob such as {os.path.join(source, 'part-*.parquet')}, or a GroupLens "
                         "release folder")
     return _with_item_table(source, sorted(files)) if files else None
+
+
+def _hidden_match(pattern: str, path: str) -> bool:
+    """Whether the wildcards of `pattern` reached `path` through a file or folder whose name
+    starts with `_` or `.` (Spark's `_temporary` of a write in progress, `_SUCCESS`), which a
+    folder read skips as Spark, Hive and Arrow's datasets do; a name the pattern spells out
+    is read."""
+    spelt = set(pathlib.PurePath(pattern).parts)
+    return any(part.startswith(("_", ".")) and part not in spelt
+               for part in pathlib.PurePath(path).parts)
 
 
 def _prepared_folder(source: str) -> str | None:
@@ -552,9 +566,14 @@ def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int
         checks.append((missing, mapping[role], "missing"))
         if role in ("user", "item") and (text or _is_binary(kind)):
             checks.append((f"{name} = ''", mapping[role], "empty"))
+        if role in ("user", "item") and not _read_as_id(kind):
+            raise id_type_error(source, mapping[role], kind)
         if role in ("user", "item") and _is_binary(kind):
             checks.append((f"TRY(decode({name})) IS NULL AND {name} IS NOT NULL", mapping[role],
                            "not utf8"))
+        if role in ("user", "item") and (text or _is_binary(kind)):
+            value = f"TRY(decode({name}))" if _is_binary(kind) else name
+            checks.append((f"contains({value}, chr({ord(NUL)}))", mapping[role], "nul"))
         if role in ("time", "rating") and text:
             checks.append((f"{number} IS NULL AND {name} IS NOT NULL", mapping[role],
                            f"text {role}"))
@@ -597,6 +616,8 @@ def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int
             raise empty_ids_error(source, name, count, first)
         if wrong == "not utf8":
             raise not_utf8_ids_error(source, name, count, first)
+        if wrong == "nul":
+            raise nul_ids_error(source, name, count, first)
         if wrong in COUNTED:
             raise DataError(f"{source}: column {name!r} has {count} {COUNTED[wrong]} "
                             f"(first at row {first})")
@@ -639,6 +660,14 @@ def _read_as(role: str, kind: pa.DataType) -> bool:
     return (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
             or pa.types.is_decimal(kind) or pa.types.is_null(kind) or _is_text(kind)
             or (role == "time" and moment))
+
+
+def _read_as_id(kind: pa.DataType) -> bool:
+    """Whether an id column of Arrow type `kind` (not a dictionary) is read as `load` reads
+    it: text, bytes and numbers (`sources.id_type_error` refuses dates, times and booleans)."""
+    return (_is_text(kind) or _is_binary(kind) or pa.types.is_integer(kind)
+            or pa.types.is_floating(kind) or pa.types.is_decimal(kind)
+            or pa.types.is_null(kind))
 
 
 def _is_binary(kind: pa.DataType) -> bool:

@@ -219,8 +219,10 @@ def id_codes(source: str, name: str, ids) -> tuple[np.ndarray, np.ndarray]:
 
     Text is as NumPy writes a value, bytes decoded as UTF-8; a missing id (None, NaN) is
     refused, not read as the id "None" or "nan" (a list is looked through as given: NumPy
-    would write a NaN among text as "nan"), as are bytes that are not UTF-8. Only the distinct
-    ids become fixed-width text: one long id costs its length once, not once a row.
+    would write a NaN among text as "nan"), as are bytes that are not UTF-8, ids holding a NUL
+    (NumPy's text drops a trailing one) and dates, times and booleans (`id_type_error`). Only
+    the distinct ids become fixed-width text: one long id costs its length once, not once a
+    row.
 
     Returns:
         (text [d] str, distinct, codes [n] int64 with text[codes] the rows' ids).
@@ -229,6 +231,8 @@ def id_codes(source: str, name: str, ids) -> tuple[np.ndarray, np.ndarray]:
     if natural.ndim != 1:
         raise DataError(f"{source}: column {name!r} is of shape {natural.shape}; give one id a "
                         "row, a flat list or array")
+    if natural.dtype.kind in "bmM":
+        raise id_type_error(source, name, natural.dtype)
     given = (np.asarray(ids, dtype=object) if isinstance(ids, (list, tuple))
              and natural.dtype.kind == "U" else natural)     # only text can hide a None or NaN
     if given.dtype.kind == "f":
@@ -242,18 +246,22 @@ def id_codes(source: str, name: str, ids) -> tuple[np.ndarray, np.ndarray]:
         bad = np.flatnonzero(np.equal(np.array(written, dtype=object), None))
         if len(bad):
             raise not_utf8_ids_error(source, name, len(bad), int(bad[0]))
-        natural = np.array(written, dtype=str)
+        text = pa.array(written, pa.string())
     if text is not None:
         distinct = pc.unique(text)                      # text may be chunked (> 2 GiB)
         codes = pc.index_in(text, value_set=distinct).to_numpy()
+        nul = np.flatnonzero(pc.match_substring(distinct, NUL).to_numpy(zero_copy_only=False))
+        if len(nul):
+            rows = np.flatnonzero(np.isin(codes, nul))
+            raise nul_ids_error(source, name, len(rows), int(rows[0]))
         written = distinct.to_numpy(zero_copy_only=False).astype(str)
-    else:                                               # numbers, dates, ...; a float by its
-        keys = (natural.view(f"u{natural.itemsize}")    # bits: -0.0 writes otherwise than 0.0
+    else:                                               # numbers; a float by its bits: -0.0
+        keys = (natural.view(f"u{natural.itemsize}")    # writes otherwise than 0.0
                 if natural.dtype.kind == "f" and natural.itemsize in (2, 4, 8) else natural)
         _, first, codes = np.unique(keys, return_index=True, return_inverse=True)
         written = natural[first].astype(str)
-    text, merged = np.unique(written, return_inverse=True)   # one id a text: NumPy drops a
-    return text, merged[codes.reshape(-1)].astype(np.int64)  # trailing NUL ("a\0" is "a")
+    text, merged = np.unique(written, return_inverse=True)   # one id a text (1 and "1")
+    return text, merged[codes.reshape(-1)].astype(np.int64)
 
 
 def _written(value) -> str | None:
@@ -278,6 +286,24 @@ def not_utf8_ids_error(source: str, name: str, count: int, first: int | str) -> 
     return DataError(f"{source}: column {name!r} has {count} ids that are not UTF-8 text "
                      f"(first at row {first}); write the ids as text (bytes such as UUIDs as "
                      "hex)")
+
+
+NUL = "\x00"
+
+
+def nul_ids_error(source: str, name: str, count: int, first: int | str) -> DataError:
+    """`first`: as for `empty_ids_error`."""
+    return DataError(f"{source}: column {name!r} has {count} ids holding a NUL character "
+                     f"(first at row {first}); strip it from the ids (a fixed-width export "
+                     "pads them with NULs)")
+
+
+def id_type_error(source: str, name: str, kind) -> DataError:
+    """An id column of dates, times or booleans (NumPy dtype or Arrow type `kind`): in memory
+    and out of core would write them as different text."""
+    return DataError(f"{source}: column {name!r} holds {kind} values, which are not read as "
+                     "ids; map the role to a column of text or integer ids, or write these "
+                     "as text")
 
 
 def no_known_items_error(source: str, log_item: str, table_items) -> DataError:

@@ -226,11 +226,20 @@ LOG = {"user_id": ["a", "a", "b", "b"], "item_id": ["x", "y", "x", "z"], "timest
     ("item_id", pa.array([b"x", b"y", b"\xff", b"\xc3"]),
      "column 'item_id' has 2 ids that are not UTF-8 text (first at row 2); write the ids as "
      "text (bytes such as UUIDs as hex)"),
+    ("user_id", ["a", "a\x00", "b", "b\x00c"], "column 'user_id' has 2 ids holding a NUL "
+     "character (first at row 1); strip it from the ids"),       # NumPy's text read a\0 as a
+    ("item_id", pa.array([b"x", b"y", b"x\x00", b"z"]), "column 'item_id' has 1 ids holding a "
+     "NUL character (first at row 2)"),
+    ("user_id", pa.array([1, 1, 2, 2], pa.timestamp("s")), "column 'user_id' holds "),
+    ("item_id", pa.array([5, 6, 5, 7], pa.date32()), "values, which are not read as ids; map "
+     "the role to a column of text or integer ids"),       # load and prepare wrote other text
+    ("item_id", [True, False, True, True], "column 'item_id' holds bool"),
 ], ids=["null-user", "null-time", "nan-time", "nan-rating", "empty-item", "empty-user",
         "text-rating", "NA-text-rating", "decimal-comma-rating", "nan-text-time", "NAN-text-rating",
         "dictionary-text-rating", "inf-text-time", "inf-time", "1e19-time", "huge-text-time",
         "uint64-time", "decimal-1e20-time", "1e300-rating", "text-1e39-rating", "inf-rating",
-        "null-typed-rating", "dictionary-binary-empty-user", "binary-not-utf8-item"])
+        "null-typed-rating", "dictionary-binary-empty-user", "binary-not-utf8-item",
+        "nul-user", "binary-nul-item", "timestamp-user", "date-item", "bool-item"])
 def test_prepare_refuses_the_values_load_refuses(tmp_path, column, values, expected):
     source = _write(tmp_path / "log", pa.table({**LOG, column: values}))
     for message in _three_ways(source, str(tmp_path / "out")):

@@ -104,8 +104,13 @@ def test_shards_are_read_in_path_order_and_may_nest(tmp_path):
     write_split(table.slice(0, 50), tmp_path / "shards" / "a")
     write_split(table.slice(50), tmp_path / "shards" / "b", cuts=(0, 20))
     (tmp_path / "shards" / "_SUCCESS").write_text("")
-    assert_same_log(load(str(tmp_path / "shards"), columns=MAPPING),
-                    load(str(tmp_path / "log.parquet"), columns=MAPPING))
+    write_split(table.slice(0, 30), tmp_path / "shards" / "b" / "_temporary" / "0")  # a write
+    whole = load(str(tmp_path / "log.parquet"), columns=MAPPING)            # in progress
+    assert_same_log(load(str(tmp_path / "shards"), columns=MAPPING), whole)
+    assert_same_log(load(str(tmp_path / "shards" / "**" / "*.parquet"), columns=MAPPING), whole)
+    pq.write_table(table.slice(0, 30), tmp_path / "first.parquet")     # a name spelt out
+    assert_same_log(load(str(tmp_path / "shards" / "b" / "_temporary" / "*" / "*.parquet"),
+                         columns=MAPPING), load(str(tmp_path / "first.parquet"), columns=MAPPING))
 
 
 def test_shard_mistakes_are_one_line_naming_the_path_and_what_works(tmp_path):
