@@ -706,9 +706,12 @@ def known_sql(shards: ShardSet, mapping: dict[str, str]) -> str:
 def _id_sql(field: pa.Field) -> str:
     """SQL for an id column as `load` reads it: text as NumPy writes it, bytes as UTF-8
     (CAST would write them as escapes, '\\xC3\\xA9'; `check_values` refuses those that are not
-    UTF-8)."""
-    if _is_binary(_stored(field.type)):
+    UTF-8), a float32 as the float64 it is."""
+    kind = _stored(field.type)
+    if _is_binary(kind):
         return f"decode({_name(field.name)})"
+    if pa.types.is_floating(kind) and kind.bit_width < 64:
+        return f"CAST(CAST({_name(field.name)} AS DOUBLE) AS VARCHAR)"
     return f"CAST({_name(field.name)} AS VARCHAR)"
 
 

@@ -217,7 +217,7 @@ ROLE_NAMES = {"user": "user", "item": "item", "time": "timestamp", "rating": "ra
 def id_codes(source: str, name: str, ids) -> tuple[np.ndarray, np.ndarray]:
     """The distinct ids of a column as text, and each row's code.
 
-    Text is as NumPy writes a value, bytes decoded as UTF-8; a missing id (None, NaN) is
+    Text is as NumPy writes a value (a float32 as its float64), bytes decoded as UTF-8; a missing id (None, NaN) is
     refused, not read as the id "None" or "nan" (a list is looked through as given: NumPy
     would write a NaN among text as "nan"), as are bytes that are not UTF-8, ids holding a NUL
     (NumPy's text drops a trailing one) and dates, times and booleans (`id_type_error`). Only
@@ -255,8 +255,10 @@ def id_codes(source: str, name: str, ids) -> tuple[np.ndarray, np.ndarray]:
             rows = np.flatnonzero(np.isin(codes, nul))
             raise nul_ids_error(source, name, len(rows), int(rows[0]))
         written = distinct.to_numpy(zero_copy_only=False).astype(str)
-    else:                                               # numbers; a float by its bits: -0.0
-        keys = (natural.view(f"u{natural.itemsize}")    # writes otherwise than 0.0
+    else:                                               # numbers
+        if natural.dtype.kind == "f" and natural.itemsize < 8:
+            natural = natural.astype(np.float64)        # NumPy's float32 text is DuckDB's not
+        keys = (natural.view(f"u{natural.itemsize}")    # a float by its bits: -0.0 writes
                 if natural.dtype.kind == "f" and natural.itemsize in (2, 4, 8) else natural)
         _, first, codes = np.unique(keys, return_index=True, return_inverse=True)
         written = natural[first].astype(str)

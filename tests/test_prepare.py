@@ -357,11 +357,16 @@ def test_a_column_twinned_but_for_case_is_refused_out_of_core(tmp_path):
 def test_shards_are_read_as_their_files_hold_them_on_both_paths(tmp_path, monkeypatch):
     """Out of core, DuckDB read a `rating=1/` folder as a column that replaced each file's own
     ratings, a file name's `?` as a glob (`p?1.parquet` also read `pa1.parquet`: its rows
-    twice), a './' path under another name (the rows' positions were lost), and wrote binary
-    ids as escapes ('\\xC3\\xA9' for 'é')."""
+    twice), a './' path under another name (the rows' positions were lost), wrote binary
+    ids as escapes ('\\xC3\\xA9' for 'é'); a float32 id is written as its float64 on both
+    paths (NumPy wrote 2e7 as 2e+07, DuckDB wrote 0.1 as 0.1)."""
     table = _log_table()
     users = [("é" + user).encode() for user in table.column("user_id").to_pylist()]
-    table = table.set_column(0, "user_id", pa.array(users, pa.binary()))
+    _, items = np.unique(table.column("item_id").to_numpy(zero_copy_only=False),
+                         return_inverse=True)
+    items = np.where(items % 2, items * np.float32(0.1), items * np.float32(1e7))
+    table = table.set_column(0, "user_id", pa.array(users, pa.binary())).set_column(
+        1, "item_id", pa.array(items.astype(np.float32)))
     folder = tmp_path / "rating=1"
     folder.mkdir()
     cuts = [0, 900, 2000, len(table)]
@@ -373,6 +378,7 @@ def test_shards_are_read_as_their_files_hold_them_on_both_paths(tmp_path, monkey
     log = assert_equal_to_the_in_memory_path("./rating=1", str(tmp_path / "out"), manifest)
     assert sorted(set(log.rating.tolist())) == [1.0, 2.0, 3.0, 4.0, 5.0]
     assert all(user.startswith("é") for user in log.user_ids)
+    assert {"20000000.0", "0.10000000149011612"} <= set(log.item_ids)    # as float64 writes them
     assert shards.describe("./rating=1")["interactions"] == len(log)
 
 
