@@ -157,9 +157,9 @@ def _with_item_table(source: str, files: list[str]) -> ShardSet:
 def needed_columns(shards: ShardSet, columns: dict[str, str], by_duckdb: bool = False
                    ) -> tuple[dict[str, str], pa.Schema]:
     """The role -> column mapping (resolved on the first shard with rows as for one Parquet
-    log) and the schema of the needed columns, which every shard with rows must share (an
-    empty one may lack them or hold them as another type: an empty day's export types a text
-    column `null`).
+    log) and the schema of the needed columns, which every shard with rows must share but for
+    width (`_widened`: int32 and int64 read as int64 on both paths); an empty shard may lack
+    them or hold them as another type (an empty day's export types a text column `null`).
 
     Args:
         by_duckdb: the shards are for DuckDB (`parquet_log`), whose names ignore case: a
@@ -190,12 +190,39 @@ def needed_columns(shards: ShardSet, columns: dict[str, str], by_duckdb: bool = 
                 raise DataError(f"{path}: no column {field.name!r}, which {first} has; every "
                                 "shard needs the same columns (found: "
                                 f"{', '.join(other.names)})")
-            found = other.field(field.name).type
-            if found != field.type:
-                raise DataError(f"{path}: column {field.name!r} is {found}, but {field.type} "
-                                f"in {first}; write every shard with the same schema")
+            found, wide = other.field(field.name).type, needed.field(field.name).type
+            if found != wide:
+                wide = _widened(wide, found)
+                if wide is None:
+                    raise DataError(f"{path}: column {field.name!r} is {found}, but "
+                                    f"{schema.field(field.name).type} in {first}; write every "
+                                    "shard with the same schema")
+                needed = needed.set(needed.get_field_index(field.name), field.with_type(wide))
         mapping.unread = tuple(dict.fromkeys(mapping.unread + mapping.unread_of(other.names)))
     return mapping, needed
+
+
+def _widened(one: pa.DataType, other: pa.DataType) -> pa.DataType | None:
+    """The type a column of two shards is read as when they hold it in kinds that differ only
+    in width, as Arrow's dataset scanner casts it in memory and DuckDB's `union_by_name` out of
+    core: integers of one sign as 64 bits, floats as float64, text and bytes as their large
+    types, timestamps of one zone in s, ms or us as the finest. None for any other pair."""
+    one, other = _stored(one), _stored(other)
+    for kind, wide in ((pa.types.is_signed_integer, pa.int64()),
+                       (pa.types.is_unsigned_integer, pa.uint64()),
+                       (pa.types.is_floating, pa.float64()), (_is_text, pa.large_string()),
+                       (_is_variable_binary, pa.large_binary())):
+        if kind(one) and kind(other):
+            return wide
+    units = ("s", "ms", "us")                # DuckDB reads a union with ns otherwise
+    if (pa.types.is_timestamp(one) and pa.types.is_timestamp(other) and one.tz == other.tz
+            and one.unit in units and other.unit in units):
+        return pa.timestamp(max(one.unit, other.unit, key=units.index), one.tz)
+    return None
+
+
+def _is_variable_binary(kind: pa.DataType) -> bool:
+    return pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
 
 
 def _refuse_case_twins(path: str, names: list[str], needed: list[str]) -> None:
@@ -729,7 +756,8 @@ def _scan(files, shard_rows: list[int]) -> tuple[str, str]:
     rows). An empty shard is left out: DuckDB would take an empty first shard's `null` types
     for every shard's."""
     files, shard_rows = zip(*((path, rows) for path, rows in zip(files, shard_rows) if rows))
-    return _row_sql(shard_rows), read_parquet_sql(files, "file_row_number=true")
+    return _row_sql(shard_rows), read_parquet_sql(files, "file_row_number=true",
+                                                  "union_by_name=true")   # `_widened`
 
 
 def _in_its_shard(files, shard_rows: list[int], row: int) -> str:

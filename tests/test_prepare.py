@@ -382,6 +382,48 @@ def test_shards_are_read_as_their_files_hold_them_on_both_paths(tmp_path, monkey
     assert shards.describe("./rating=1")["interactions"] == len(log)
 
 
+@pytest.mark.parametrize("item_types", [(pa.int16(), pa.int32(), pa.int64()),
+                                        (pa.float32(), pa.float64(), pa.float32())],
+                         ids=["integer-items", "float-items"])
+def test_shards_whose_columns_differ_only_in_width_read_as_one_file_on_both_paths(tmp_path,
+                                                                                item_types):
+    """Shards written by other writers (ids of 16, 32 and 64 bits; string, large_string and
+    dictionary text; times in ms and us; float32 and float64 ratings) read as one file of the
+    widest types would, in memory and out of core; they were refused as other schemas."""
+    table = _log_table()
+    _, items = np.unique(table.column("item_id").to_numpy(zero_copy_only=False),
+                         return_inverse=True)
+    items = items * (0.1 if pa.types.is_floating(item_types[0]) else 1)
+    micros = (table.column("timestamp").to_numpy() * 86_400 * 10**6
+              + np.arange(len(table)) % 7 * 150)          # rows of a second apart by 150 us
+    cuts = [0, 900, 2000, len(table)]
+    wide = pa.schema([("user_id", pa.large_string()), ("item_id", pa.float64()
+                      if pa.types.is_floating(item_types[0]) else pa.int64()),
+                      ("timestamp", pa.timestamp("us")), ("rating", pa.float64())])
+    folder, parts = tmp_path / "shards", []
+    folder.mkdir()
+    for index, (start, stop, text, item_type, unit, real) in enumerate(zip(
+            cuts[:-1], cuts[1:], [pa.string(), pa.large_string(), None], item_types,
+            ["ms", "us", "us"], [pa.float32(), pa.float64(), pa.float32()])):
+        users = table.column("user_id").slice(start, stop - start)
+        parts.append(pa.table({
+            "user_id": users.dictionary_encode() if text is None else users.cast(text),
+            "item_id": pa.array(items[start:stop]).cast(item_type, safe=False),
+            "timestamp": pa.array(micros[start:stop] // (1000 if unit == "ms" else 1),
+                                  pa.timestamp(unit)),
+            "rating": table.column("rating").slice(start, stop - start).cast(real)}))
+        pq.write_table(parts[-1], folder / f"part-{index}.parquet")
+    pq.write_table(pa.concat_tables([part.cast(wide) for part in parts]),
+                   tmp_path / "whole.parquet")
+    expected, log = load(str(tmp_path / "whole.parquet")), load(str(folder))
+    for name in ("user_ids", "item_ids", "user", "item", "timestamp", "rating"):
+        np.testing.assert_array_equal(getattr(log, name), getattr(expected, name), err_msg=name)
+    manifest = prepare_shards(str(folder), str(tmp_path / "out"), history_length=LENGTH,
+                              memory_limit="256MiB")
+    assert_equal_to_the_in_memory_path(str(folder), str(tmp_path / "out"), manifest)
+    assert shards.describe(str(folder))["interactions"] == len(log)
+
+
 @pytest.mark.parametrize("times", [
     pa.array(np.array([10_900, 10_200, 5_000, 1_000, 10_900, 10_950, 10_100, 10_500],
                       "datetime64[ms]")),
