@@ -84,8 +84,13 @@ def find(source: str) -> ShardSet | None:
                         "tworec.retrieval.train.fit_prepared (README: logs larger than memory), "
                         "or pass the log it was prepared from")
     if not os.path.exists(source) and any(c in source for c in GLOB_CHARACTERS):
-        matches = sorted(p for p in glob.glob(source, recursive=True)
-                         if os.path.isfile(p) and not _hidden_match(source, p))
+        found = sorted(p for p in glob.glob(source, recursive=True) if os.path.isfile(p))
+        matches = [path for path in found if not _hidden_match(source, path)]
+        if found and not matches:
+            raise SourceNotFound(f"{source}: the pattern's wildcards reach only names starting "
+                                 f"with _ or . ({found[0]}), which are skipped as a write in "
+                                 "progress (Spark's _temporary); spell such a name out in the "
+                                 "pattern to read it")
         if not matches:
             raise SourceNotFound(f"{source}: no file matches the pattern; pass a glob that "
                                  "matches Parquet shards, e.g. logs/part-*.parquet, or their "
@@ -114,11 +119,17 @@ def find(source: str) -> ShardSet | None:
 def _hidden_match(pattern: str, path: str) -> bool:
     """Whether the wildcards of `pattern` reached `path` through a file or folder whose name
     starts with `_` or `.` (Spark's `_temporary` of a write in progress, `_SUCCESS`), which a
-    folder read skips as Spark, Hive and Arrow's datasets do; a name the pattern spells out
-    is read."""
-    spelt = set(pathlib.PurePath(pattern).parts)
-    return any(part.startswith(("_", ".")) and part not in spelt
-               for part in pathlib.PurePath(path).parts)
+    folder read skips as Spark, Hive and Arrow's datasets do. A component of the pattern that
+    itself starts so (`_part-*.parquet`) reads it, as `glob` treats dot files; what `**`
+    matches is a wildcard's."""
+    patterns, parts = pathlib.PurePath(pattern).parts, pathlib.PurePath(path).parts
+    stars = [index for index, part in enumerate(patterns) if part == "**"]
+    head, tail = (stars[0], len(patterns) - stars[-1] - 1) if stars else (len(patterns), 0)
+    pairs = (list(zip(patterns[:head], parts[:head]))
+             + list(zip(patterns[len(patterns) - tail:], parts[len(parts) - tail:]))
+             + [("**", part) for part in parts[head:len(parts) - tail]])
+    return any(part.startswith(("_", ".")) and not component.startswith(part[0])
+               for component, part in pairs)
 
 
 def _prepared_folder(source: str) -> str | None:
@@ -158,8 +169,8 @@ def needed_columns(shards: ShardSet, columns: dict[str, str], by_duckdb: bool = 
                    ) -> tuple[dict[str, str], pa.Schema]:
     """The role -> column mapping (resolved on the first shard with rows as for one Parquet
     log) and the schema of the needed columns, which every shard with rows must share but for
-    width (`_widened`: int32 and int64 read as int64 on both paths); an empty shard may lack
-    them or hold them as another type (an empty day's export types a text column `null`).
+    width (`_widened`: int32 and int64 are read as int64); an empty shard may lack them or
+    hold them as another type (an empty day's export types a text column `null`).
 
     Args:
         by_duckdb: the shards are for DuckDB (`parquet_log`), whose names ignore case: a
@@ -733,11 +744,11 @@ def known_sql(shards: ShardSet, mapping: dict[str, str]) -> str:
 def _id_sql(field: pa.Field) -> str:
     """SQL for an id column as `load` reads it: text as NumPy writes it, bytes as UTF-8
     (CAST would write them as escapes, '\\xC3\\xA9'; `check_values` refuses those that are not
-    UTF-8), a float32 as the float64 it is."""
+    UTF-8), a float as the float64 it is."""
     kind = _stored(field.type)
     if _is_binary(kind):
         return f"decode({_name(field.name)})"
-    if pa.types.is_floating(kind) and kind.bit_width < 64:
+    if pa.types.is_floating(kind):       # DuckDB may read float16 and float32 shards as FLOAT
         return f"CAST(CAST({_name(field.name)} AS DOUBLE) AS VARCHAR)"
     return f"CAST({_name(field.name)} AS VARCHAR)"
 

@@ -233,16 +233,22 @@ def id_codes(source: str, name: str, ids) -> tuple[np.ndarray, np.ndarray]:
                         "row, a flat list or array")
     if natural.dtype.kind in "bmM":
         raise id_type_error(source, name, natural.dtype)
-    given = (np.asarray(ids, dtype=object) if isinstance(ids, (list, tuple))
-             and natural.dtype.kind == "U" else natural)     # only text can hide a None or NaN
-    if given.dtype.kind == "f":
-        _refuse(source, name, np.isnan(given), "missing values")
-    elif given.dtype == object:
-        _refuse(source, name, np.equal(given, None) | np.not_equal(given, given),
+    if isinstance(ids, (list, tuple)) and natural.dtype.kind in "US":
+        natural = np.asarray(ids, dtype=object)     # as given: NumPy's text would drop a
+    elif natural.dtype.kind == "S":                 # trailing NUL and write a NaN as "nan"
+        natural = natural.astype(object)            # bytes without NumPy's NUL padding
+    if natural.dtype.kind == "f":
+        _refuse(source, name, np.isnan(natural), "missing values")
+    elif natural.dtype == object:
+        _refuse(source, name, np.equal(natural, None) | np.not_equal(natural, natural),
                 "missing values")
     text = _arrow_text(natural)
-    if text is None and natural.dtype.kind in "OS":     # not all text: each as str() writes
-        written = [_written(value) for value in natural.tolist()]   # it (a list of 1 and "1")
+    if text is None and natural.dtype == object:        # not all text: each as str() writes
+        values = natural.tolist()                       # it (a list of 1 and "1")
+        odd = next((value for value in values if isinstance(value, NOT_IDS)), None)
+        if odd is not None:
+            raise id_type_error(source, name, type(odd).__name__)
+        written = [_written(value) for value in values]
         bad = np.flatnonzero(np.equal(np.array(written, dtype=object), None))
         if len(bad):
             raise not_utf8_ids_error(source, name, len(bad), int(bad[0]))
@@ -298,6 +304,10 @@ def nul_ids_error(source: str, name: str, count: int, first: int | str) -> DataE
     return DataError(f"{source}: column {name!r} has {count} ids holding a NUL character "
                      f"(first at row {first}); strip it from the ids (a fixed-width export "
                      "pads them with NULs)")
+
+
+NOT_IDS = (bool, np.bool_, datetime.date, datetime.time, datetime.timedelta, np.datetime64,
+           np.timedelta64)            # Python's and NumPy's values `id_type_error` refuses
 
 
 def id_type_error(source: str, name: str, kind) -> DataError:

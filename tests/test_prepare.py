@@ -234,12 +234,14 @@ LOG = {"user_id": ["a", "a", "b", "b"], "item_id": ["x", "y", "x", "z"], "timest
     ("item_id", pa.array([5, 6, 5, 7], pa.date32()), "values, which are not read as ids; map "
      "the role to a column of text or integer ids"),       # load and prepare wrote other text
     ("item_id", [True, False, True, True], "column 'item_id' holds bool"),
+    ("user_id", pa.array([1, 1, 2, 2], pa.time64("us")), "values, which are not read as ids"),
 ], ids=["null-user", "null-time", "nan-time", "nan-rating", "empty-item", "empty-user",
         "text-rating", "NA-text-rating", "decimal-comma-rating", "nan-text-time", "NAN-text-rating",
         "dictionary-text-rating", "inf-text-time", "inf-time", "1e19-time", "huge-text-time",
         "uint64-time", "decimal-1e20-time", "1e300-rating", "text-1e39-rating", "inf-rating",
         "null-typed-rating", "dictionary-binary-empty-user", "binary-not-utf8-item",
-        "nul-user", "binary-nul-item", "timestamp-user", "date-item", "bool-item"])
+        "nul-user", "binary-nul-item", "timestamp-user", "date-item", "bool-item",
+        "time-of-day-user"])
 def test_prepare_refuses_the_values_load_refuses(tmp_path, column, values, expected):
     source = _write(tmp_path / "log", pa.table({**LOG, column: values}))
     for message in _three_ways(source, str(tmp_path / "out")):
@@ -383,8 +385,9 @@ def test_shards_are_read_as_their_files_hold_them_on_both_paths(tmp_path, monkey
 
 
 @pytest.mark.parametrize("item_types", [(pa.int16(), pa.int32(), pa.int64()),
-                                        (pa.float32(), pa.float64(), pa.float32())],
-                         ids=["integer-items", "float-items"])
+                                        (pa.float32(), pa.float64(), pa.float32()),
+                                        (pa.float16(), pa.float32(), pa.float16())],
+                         ids=["integer-items", "float-items", "float16-items"])
 def test_shards_whose_columns_differ_only_in_width_read_as_one_file_on_both_paths(tmp_path,
                                                                                 item_types):
     """Shards written by other writers (ids of 16, 32 and 64 bits; string, large_string and

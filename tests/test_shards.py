@@ -104,13 +104,18 @@ def test_shards_are_read_in_path_order_and_may_nest(tmp_path):
     write_split(table.slice(0, 50), tmp_path / "shards" / "a")
     write_split(table.slice(50), tmp_path / "shards" / "b", cuts=(0, 20))
     (tmp_path / "shards" / "_SUCCESS").write_text("")
-    write_split(table.slice(0, 30), tmp_path / "shards" / "b" / "_temporary" / "0")  # a write
-    whole = load(str(tmp_path / "log.parquet"), columns=MAPPING)            # in progress
+    progress = a_log(seed=1).slice(0, 30)                     # a write in progress: other rows
+    write_split(progress, tmp_path / "shards" / "b" / "_temporary" / "0")
+    (tmp_path / "shards" / "_part-9.parquet").write_text("not a shard")
+    whole = load(str(tmp_path / "log.parquet"), columns=MAPPING)
     assert_same_log(load(str(tmp_path / "shards"), columns=MAPPING), whole)
     assert_same_log(load(str(tmp_path / "shards" / "**" / "*.parquet"), columns=MAPPING), whole)
-    pq.write_table(table.slice(0, 30), tmp_path / "first.parquet")     # a name spelt out
-    assert_same_log(load(str(tmp_path / "shards" / "b" / "_temporary" / "*" / "*.parquet"),
-                         columns=MAPPING), load(str(tmp_path / "first.parquet"), columns=MAPPING))
+    pq.write_table(progress, tmp_path / "progress.parquet")     # names the pattern spells out
+    for spelt in (("b", "_temporary", "*", "*.parquet"), ("b", "_*", "0", "part-*.parquet")):
+        assert_same_log(load(str(tmp_path.joinpath("shards", *spelt)), columns=MAPPING),
+                        load(str(tmp_path / "progress.parquet"), columns=MAPPING))
+    message = one_line(lambda: load(str(tmp_path / "shards" / "*" / "*" / "*" / "*.parquet")))
+    assert "the pattern's wildcards reach only names starting with _ or ." in message
 
 
 def test_shard_mistakes_are_one_line_naming_the_path_and_what_works(tmp_path):

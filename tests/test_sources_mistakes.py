@@ -373,11 +373,19 @@ def test_library_callers_ids_are_written_as_numpy_writes_them():
     assert sorted(log.user_ids) == ["1.0", "2.5", "3.0"]       # as np.array([1, 2.5, 3]) would
     log = sources.from_columns("log", [0.0, -0.0, 1.0], ["a", "b", "a"], [1, 2, 3])
     assert log.user_ids.tolist() == ["0.0", "-0.0", "1.0"]     # two ids, as their texts differ
-    with pytest.raises(DataError) as error:           # NumPy's text would drop the NUL: "a"
-        sources.from_columns("log", np.array([b"a", b"a\0", b"b"], dtype=object),
-                             ["x", "y", "x"], [1, 2, 3])
-    assert str(error.value).startswith("log: column 'user' has 1 ids holding a NUL character "
-                                       "(first at row 1)")
+    for ids in (np.array([b"a", b"a\0", b"b"], dtype=object), ["a", "a\0", "b"]):
+        with pytest.raises(DataError) as error:        # NumPy's text would drop the NUL: "a"
+            sources.from_columns("log", ids, ["x", "y", "x"], [1, 2, 3])
+        assert str(error.value).startswith("log: column 'user' has 1 ids holding a NUL "
+                                           "character (first at row 1)")
+    for ids in ([b"alice", b"bob", b"alice"], np.array([b"alice", b"bob", b"alice"])):
+        log = sources.from_columns("log", ids, ["x", "y", "x"], [1, 2, 3])
+        assert log.user_ids.tolist() == ["alice", "bob"]     # not NumPy's NUL-padded bytes
+    for ids, kind in (([dt.time(1), dt.time(2)], "time"), ([True, False], "bool")):
+        with pytest.raises(DataError) as error:
+            sources.from_columns("log", ids, ["x", "y"], [1, 2])
+        assert str(error.value).startswith(f"log: column 'user' holds {kind} values, which are "
+                                           "not read as ids")
     with pytest.raises(DataError) as error:
         sources.from_columns("log", [["u"], ["v"]], ["a", "b"], [1, 2])
     assert str(error.value) == ("log: column 'user' is of shape (2, 1); give one id a row, a "
