@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import glob
 import json
 import os
@@ -84,7 +85,7 @@ def find(source: str) -> ShardSet | None:
                         "tworec.retrieval.train.fit_prepared (README: logs larger than memory), "
                         "or pass the log it was prepared from")
     if not os.path.exists(source) and any(c in source for c in GLOB_CHARACTERS):
-        found = sorted(p for p in glob.glob(source, recursive=True) if os.path.isfile(p))
+        found = sorted({p for p in glob.glob(source, recursive=True) if os.path.isfile(p)})
         matches = [path for path in found if not _hidden_match(source, path)]
         if found and not matches:
             raise SourceNotFound(f"{source}: the pattern's wildcards reach only names starting "
@@ -125,9 +126,11 @@ def _hidden_match(pattern: str, path: str) -> bool:
     patterns, parts = pathlib.PurePath(pattern).parts, pathlib.PurePath(path).parts
     stars = [index for index, part in enumerate(patterns) if part == "**"]
     head, tail = (stars[0], len(patterns) - stars[-1] - 1) if stars else (len(patterns), 0)
+    between = [part for part in patterns[head:len(patterns) - tail] if part != "**"]
     pairs = (list(zip(patterns[:head], parts[:head]))
              + list(zip(patterns[len(patterns) - tail:], parts[len(parts) - tail:]))
-             + [("**", part) for part in parts[head:len(parts) - tail]])
+             + [(next((c for c in between if fnmatch.fnmatchcase(part, c)), "**"), part)
+                for part in parts[head:len(parts) - tail]])      # a name spelt between two **
     return any(part.startswith(("_", ".")) and not component.startswith(part[0])
                for component, part in pairs)
 

@@ -109,9 +109,12 @@ def test_shards_are_read_in_path_order_and_may_nest(tmp_path):
     (tmp_path / "shards" / "_part-9.parquet").write_text("not a shard")
     whole = load(str(tmp_path / "log.parquet"), columns=MAPPING)
     assert_same_log(load(str(tmp_path / "shards"), columns=MAPPING), whole)
-    assert_same_log(load(str(tmp_path / "shards" / "**" / "*.parquet"), columns=MAPPING), whole)
+    for pattern in (("**", "*.parquet"), ("**", "**", "*.parquet")):   # glob lists the 2nd's
+        assert_same_log(load(str(tmp_path.joinpath("shards", *pattern)), columns=MAPPING),
+                        whole)                                        # files twice
     pq.write_table(progress, tmp_path / "progress.parquet")     # names the pattern spells out
-    for spelt in (("b", "_temporary", "*", "*.parquet"), ("b", "_*", "0", "part-*.parquet")):
+    for spelt in (("b", "_temporary", "*", "*.parquet"), ("b", "_*", "0", "part-*.parquet"),
+                  ("**", "_temporary", "**", "*.parquet")):
         assert_same_log(load(str(tmp_path.joinpath("shards", *spelt)), columns=MAPPING),
                         load(str(tmp_path / "progress.parquet"), columns=MAPPING))
     message = one_line(lambda: load(str(tmp_path / "shards" / "*" / "*" / "*" / "*.parquet")))

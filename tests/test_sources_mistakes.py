@@ -378,10 +378,15 @@ def test_library_callers_ids_are_written_as_numpy_writes_them():
             sources.from_columns("log", ids, ["x", "y", "x"], [1, 2, 3])
         assert str(error.value).startswith("log: column 'user' has 1 ids holding a NUL "
                                            "character (first at row 1)")
+    floats = np.array([0.1, 2e7, 0.1], np.float32)
+    scalars = np.array(list(floats), dtype=object)                    # of NumPy float32s
+    assert (sources.from_columns("log", scalars, ["x", "y", "x"], [1, 2, 3]).user_ids
+            == sources.from_columns("log", floats, ["x", "y", "x"], [1, 2, 3]).user_ids).all()
     for ids in ([b"alice", b"bob", b"alice"], np.array([b"alice", b"bob", b"alice"])):
         log = sources.from_columns("log", ids, ["x", "y", "x"], [1, 2, 3])
         assert log.user_ids.tolist() == ["alice", "bob"]     # not NumPy's NUL-padded bytes
-    for ids, kind in (([dt.time(1), dt.time(2)], "time"), ([True, False], "bool")):
+    for ids, kind in (([dt.time(1), dt.time(2)], "time"), ([True, False], "bool"),
+                      ([True, 2], "bool")):                  # NumPy makes it [1, 2]
         with pytest.raises(DataError) as error:
             sources.from_columns("log", ids, ["x", "y"], [1, 2])
         assert str(error.value).startswith(f"log: column 'user' holds {kind} values, which are "
