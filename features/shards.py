@@ -225,7 +225,7 @@ def _widened(one: pa.DataType, other: pa.DataType) -> pa.DataType | None:
     for kind, wide in ((pa.types.is_signed_integer, pa.int64()),
                        (pa.types.is_unsigned_integer, pa.uint64()),
                        (pa.types.is_floating, pa.float64()), (_is_text, pa.large_string()),
-                       (_is_variable_binary, pa.large_binary())):
+                       (_is_binary, pa.large_binary())):
         if kind(one) and kind(other):
             return wide
     units = ("s", "ms", "us")                # DuckDB reads a union with ns otherwise
@@ -233,10 +233,6 @@ def _widened(one: pa.DataType, other: pa.DataType) -> pa.DataType | None:
             and one.unit in units and other.unit in units):
         return pa.timestamp(max(one.unit, other.unit, key=units.index), one.tz)
     return None
-
-
-def _is_variable_binary(kind: pa.DataType) -> bool:
-    return pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
 
 
 def _refuse_case_twins(path: str, names: list[str], needed: list[str]) -> None:
@@ -605,10 +601,10 @@ def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int
         if role in ("time", "rating") and (text or pa.types.is_floating(kind)):
             missing += f" OR isnan({number})"
         checks.append((missing, mapping[role], "missing"))
-        if role in ("user", "item") and (text or _is_binary(kind)):
-            checks.append((f"{name} = ''", mapping[role], "empty"))
         if role in ("user", "item") and not _read_as_id(kind):
             raise id_type_error(source, mapping[role], kind)
+        if role in ("user", "item") and (text or _is_binary(kind)):
+            checks.append((f"{name} = ''", mapping[role], "empty"))
         if role in ("user", "item") and _is_binary(kind):
             checks.append((f"TRY(decode({name})) IS NULL AND {name} IS NOT NULL", mapping[role],
                            "not utf8"))
