@@ -411,7 +411,8 @@ def duckdb_session(source: str, memory_limit: str, database: str = ":memory:"):
                                     else os.path.join(spill, database))
         try:
             for setting in (f"memory_limit='{limit}B'", f"temp_directory='{spill}'",
-                            "preserve_insertion_order=false"):
+                            "preserve_insertion_order=false",
+                            "enable_progress_bar=false"):   # prepare says its own progress
                 connection.execute(f"SET {setting}")
             yield connection
         except duckdb.ConversionException as error:

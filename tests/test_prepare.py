@@ -647,6 +647,18 @@ def test_a_prepared_folder_given_as_a_log_is_named_as_such(tmp_path):
     assert len(load(beside)) == len(load(os.path.join(beside, "*.parquet"))) == 4
 
 
+def test_a_duckdb_session_draws_no_progress_bar():
+    """prepare says its own progress; DuckDB drew its bar over it (and into a library caller's
+    output) for any query longer than 2 s. The setting is read in a process of its own: under
+    pytest's capture DuckDB leaves the bar off by itself."""
+    done = subprocess.run([sys.executable, "-c", "from tworec.features import shards\n"
+                           "with shards.duckdb_session('log', '100MB') as connection:\n"
+                           "    print(connection.execute(\"SELECT current_setting("
+                           "'enable_progress_bar')\").fetchone()[0])"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.stdout == "False\n", done.stderr[-2000:]
+
+
 CTRL_C = """
 import os, signal, sys, threading, time
 from tworec.features import shards
