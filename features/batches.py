@@ -12,6 +12,8 @@ windows of blocks read from files, shuffled within a bounded number of rows.
 """
 from __future__ import annotations
 
+from typing import Iterator
+
 import numpy as np
 import tensorflow as tf
 
@@ -87,6 +89,17 @@ def batches(features: dict[str, np.ndarray], batch_size: int, *, shuffle: bool =
         epoch_numbers = epoch_numbers.take(epochs)
     return window_batches(epoch_numbers.map(lambda epoch: (epoch, tensors)), batch_size,
                           shuffle=shuffle, seed=seed, drop_remainder=drop_remainder)
+
+
+def batches_in_order(features: dict[str, np.ndarray], batch_size: int
+                     ) -> Iterator[dict[str, tf.Tensor]]:
+    """The rows of in-memory arrays in order, `batch_size` a batch, as {name: [batch, ...]}
+    tensors, for inference loops: the batches of `batches(features, batch_size)` without the
+    `tf.data` pipeline it builds (0.25 s a call on a CPU, more than a tiny model's answer)."""
+    rows = len(next(iter(features.values()), ()))
+    for start in range(0, rows, batch_size):
+        yield {name: tf.constant(values[start:start + batch_size])
+               for name, values in features.items()}
 
 
 def steps_per_epoch(num_rows: int, batch_size: int, drop_remainder: bool = False) -> int:

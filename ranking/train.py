@@ -7,7 +7,7 @@ import scipy.special
 import tensorflow as tf
 
 from tworec.evaluation import MISS, rank_metrics
-from tworec.features.batches import batches, steps_per_epoch
+from tworec.features.batches import batches, batches_in_order, steps_per_epoch
 from tworec.features.inputs import EMPTY_SLOT, ModelInputs
 from tworec.features.interactions import interaction_matrix
 from tworec.features.training import Float32Twin, Float32Validation, mixed_precision, train
@@ -236,7 +236,7 @@ def score_lists(model: RankingModel, data: ModelInputs, signals: RankingSignals,
     empty = items == EMPTY_SLOT
     items = np.where(empty, 0, items)                       # scored as code 0, as the export
     examples = list_examples(data, signals, part, items)
-    scores = np.concatenate([model(b).numpy() for b in batches(examples, batch_size)]
+    scores = np.concatenate([model(b).numpy() for b in batches_in_order(examples, batch_size)]
                             or [np.zeros((0, items.shape[1]), np.float32)])
     finite = np.isfinite(scores).all(1)
     if not finite.all():
@@ -289,7 +289,7 @@ def evaluate(model: RankingModel, data: ModelInputs, signals: RankingSignals, pa
     if model.use_rating:
         examples = list_examples(data, signals, part, lists[:, :1])
         predicted = np.concatenate([model.predict_rating(b).numpy()
-                                    for b in batches(examples, 4096)])
+                                    for b in batches_in_order(examples, 4096)])
         result["rmse"] = float(np.sqrt(np.mean((predicted - examples["rating"]) ** 2)))
     return result
 

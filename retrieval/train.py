@@ -6,7 +6,7 @@ import tensorflow as tf
 
 from tworec.evaluation import KS, EvalSet, eval_set, evaluate, top_k_rows
 from tworec.evaluation.metrics import prepared_ranks, rank_metrics
-from tworec.features.batches import batches, steps_per_epoch as one_pass
+from tworec.features.batches import batches, batches_in_order, steps_per_epoch as one_pass
 from tworec.features.inputs import EMPTY_SLOT, ModelInputs
 from tworec.features.stream import PreparedLog
 from tworec.features.vocab import FIRST
@@ -42,8 +42,8 @@ def build_model(config: RetrievalConfig, data: ModelInputs | PreparedLog) -> Ret
 
 def embed_items(model: RetrievalModel, codes: np.ndarray, batch_size: int = 8192) -> np.ndarray:
     """[n, d] float32 candidate-tower embeddings of catalogue codes [n]."""
-    dataset = tf.data.Dataset.from_tensor_slices(codes.astype(np.int64)).batch(batch_size)
-    return np.concatenate([model.candidate(batch).numpy() for batch in dataset])
+    return np.concatenate([model.candidate(batch["item"]).numpy() for batch in
+                           batches_in_order({"item": codes.astype(np.int64)}, batch_size)])
 
 
 def candidate_embeddings(model: RetrievalModel, num_items: int,
@@ -61,7 +61,7 @@ def query_embeddings(model: RetrievalModel, examples: dict[str, np.ndarray],
     """[m, d] float32 query embeddings of example rows (d: `embedding_dim` x members)."""
     if not len(examples["user"]):
         return np.zeros((0, model.config.embedding_dim * model.config.members), np.float32)
-    return np.concatenate([model.query(b).numpy() for b in batches(examples, batch_size)])
+    return np.concatenate([model.query(b).numpy() for b in batches_in_order(examples, batch_size)])
 
 
 def latest_queries(model: RetrievalModel, data: ModelInputs) -> np.ndarray:

@@ -10,7 +10,7 @@ import pytest
 
 from tworec.features import DataError, Vocabulary, build_history, load, split
 from tworec.features.history import latest_history
-from tworec.features.batches import batches, steps_per_epoch
+from tworec.features.batches import batches, batches_in_order, steps_per_epoch
 from tworec.features.synthetic import PRESETS, SyntheticConfig, generate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -333,6 +333,17 @@ def test_batches_cover_the_arrays_once_per_epoch():
     plain = list(batches(data, 4, drop_remainder=True))
     assert [b["a"].numpy().tolist() for b in plain] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert steps_per_epoch(10, 4) == 3 and steps_per_epoch(10, 4, drop_remainder=True) == 2
+
+
+def test_batches_in_order_are_the_unshuffled_batches_without_a_pipeline():
+    data = {"a": np.arange(10), "b": np.arange(30, dtype=np.float32).reshape(10, 3)}
+    ours, theirs = list(batches_in_order(data, 4)), list(batches(data, 4))
+    assert [len(b["a"]) for b in ours] == [4, 4, 2]
+    for mine, reference in zip(ours, theirs, strict=True):
+        for name in data:
+            assert mine[name].dtype == reference[name].dtype
+            np.testing.assert_array_equal(mine[name].numpy(), reference[name].numpy())
+    assert list(batches_in_order({"a": np.arange(0)}, 4)) == []
 
 
 def test_batches_reject_bad_input():

@@ -83,6 +83,8 @@ def test_training_learns_the_planted_structure(trained):
     assert summary["epochs"] == 4 and summary["examples_per_second"] > 0
     assert metrics["recall@10"] > 1.5 * popularity["recall@10"], (metrics, popularity)
     assert summary["history"]["loss"][-1] < summary["history"]["loss"][0]
+    # its variables made before `fit`, which traced its step once (twice if it made them)
+    assert model.train_function.experimental_get_tracing_count() == 1
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +117,7 @@ def test_an_ensemble_export_serves_the_keras_top_k_and_reloads(ensemble, tmp_pat
     SavedModels answer the ensemble's own top k, and the model rebuilt from the checkpoint
     embeds as the trained one."""
     from tworec.pipeline.store import load_retrieval, save_retrieval
-    from tworec.retrieval.export import export
+    from tworec.retrieval.export import export, traced_query
     log, _, model, data = ensemble
     users = np.flatnonzero(data.known)[:5]
     seen = data.seen[users].toarray()
@@ -128,6 +130,8 @@ def test_an_ensemble_export_serves_the_keras_top_k_and_reloads(ensemble, tmp_pat
         assert run("serving_default", user_id=log.user_ids[users])["item_ids"].astype(
             str).tolist() == expected
         assert_holds_the_weights_alone(path, model)
+    # both exports' signatures call one query tower, traced for [b, L] and [b, None] histories
+    assert traced_query(model).experimental_get_tracing_count() == 2
     save_retrieval(str(tmp_path / "run"), model)
     loaded = load_retrieval(str(tmp_path / "run"), data, model.config)
     np.testing.assert_array_equal(candidate_embeddings(loaded, data.num_items),
