@@ -1,16 +1,10 @@
 """Fixtures shared by several test files."""
-import os
-import subprocess
-import sys
-
 import pytest
 
 try:
     from _pytest.compat import ascii_escaped   # how pytest writes bytes in an id (private)
 except ImportError:                            # moved: the guard below stands down
     ascii_escaped = None
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
@@ -26,20 +20,6 @@ def offline(monkeypatch) -> list:
     for proxy in ("https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
         monkeypatch.delenv(proxy, raising=False)
     return tried
-
-
-@pytest.fixture(scope="session")
-def retrieval_run(tmp_path_factory):
-    """A run folder of train_retrieval.py on the tiny synthetic log, two retrieval members
-    (retrieval, baselines, index, retrieval exports, report); tests that change it copy it
-    first."""
-    out = tmp_path_factory.mktemp("retrieval_run")
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train_retrieval.py"),
-                           "--data", "synthetic:tiny", "--preset", "tiny", "--members", "2",
-                           "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    return out
 
 
 def pytest_collection_modifyitems(items):

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from helpers import exit_before_tensorflow
+from helpers import answers_of, exit_before_tensorflow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEMA = {
@@ -37,6 +37,20 @@ def run(tmp_path_factory):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     (out / "command_output.txt").write_text(done.stdout + done.stderr)
     return out, json.load(open(out / "report.json"))
+
+
+@pytest.fixture(scope="module")
+def retrieval_run(tmp_path_factory):
+    """A run folder of train_retrieval.py on the tiny synthetic log, two retrieval members
+    (retrieval, baselines, index, retrieval exports, report); tests that change it copy it
+    first."""
+    out = tmp_path_factory.mktemp("retrieval_run")
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train_retrieval.py"),
+                           "--data", "synthetic:tiny", "--preset", "tiny", "--members", "2",
+                           "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return out
 
 
 def test_the_run_is_quiet_and_says_each_step_and_where_the_report_is(run):
@@ -205,6 +219,21 @@ def test_train_retrieval_script_writes_its_part_of_the_run(retrieval_run):
     assert (retrieval_run / "retrieval" / "weights.index").exists()
     assert "| popularity |" in (retrieval_run / "report.md").read_text()
     assert json.load(open(retrieval_run / "config.json"))["retrieval"]["members"] == 2
+
+
+def test_a_run_that_served_nothing_shows_retrievals_list(retrieval_run):
+    """train_retrieval.py: no ranking, nothing served; the report's example users show
+    retrieval's list (here, not in test_report.py: one file builds `retrieval_run` once)."""
+    out, report = retrieval_run, json.load(open(retrieval_run / "report.json"))
+    examples = report["examples"]
+    assert examples["list"] == "retrieval" and len(examples["users"]) == 5
+    users = [user["user"] for user in examples["users"]]
+    served = answers_of(report["exports"]["retrieval"], users)
+    assert [[item["id"] for item in user["list"]] for user in examples["users"]] == \
+        [list(answer[:10]) for answer in served]
+    text = (out / "report.md").read_text()
+    assert "| # | retrieval's top 10 |" in text and "Two-stage against" not in text
+    assert "Protocol `temporal`: per user, the last interaction is held out" in text
 
 
 def test_train_ranking_reuses_a_retrieval_run_and_matches_the_pipeline(run, retrieval_run,

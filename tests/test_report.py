@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from helpers import answers_of
 from tworec.evaluation.metrics import paired_bootstrap, rank_metrics, row_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -316,14 +317,6 @@ def by_user_in_time(log, rows) -> dict[str, list[str]]:
     return items
 
 
-def answers_of(export: str, user_ids: list[str]) -> np.ndarray:
-    """[u, n] item ids a SavedModel export serves to `user_ids`."""
-    import tensorflow as tf
-    import tworec.serving  # noqa: F401  (the environment the exports are loaded in)
-    signature = tf.saved_model.load(export).signatures["serving_default"]
-    return signature(user_id=tf.constant(user_ids))["item_ids"].numpy().astype(str)
-
-
 def test_example_users_show_what_the_served_recommender_answered(global_run):
     """Five test users of the served check, those the exports know first (four, here); their
     last items are the fit rows' last five, their list the recommender export's answer, their
@@ -391,20 +384,6 @@ def test_the_report_says_its_protocol_and_rounds_its_numbers(global_run):
                 "<h2>Candidate index", 'alt="ScaNN', "<h2>Served", "<h2>Example users",
                 "<strong>Item", "<h2>Serve</h2>"]
     assert [page.index(mark) for mark in sections] == sorted(page.index(m) for m in sections)
-
-
-def test_a_run_that_served_nothing_shows_retrievals_list(retrieval_run):
-    """train_retrieval.py: no ranking, nothing served."""
-    out, report = retrieval_run, json.load(open(retrieval_run / "report.json"))
-    examples = report["examples"]
-    assert examples["list"] == "retrieval" and len(examples["users"]) == 5
-    users = [user["user"] for user in examples["users"]]
-    served = answers_of(report["exports"]["retrieval"], users)
-    assert [[item["id"] for item in user["list"]] for user in examples["users"]] == \
-        [list(answer[:10]) for answer in served]
-    text = (out / "report.md").read_text()
-    assert "| # | retrieval's top 10 |" in text and "Two-stage against" not in text
-    assert "Protocol `temporal`: per user, the last interaction is held out" in text
 
 
 def test_a_deployment_run_reports_what_it_served_without_metrics():
