@@ -78,11 +78,7 @@ def batches(features: dict[str, np.ndarray], batch_size: int, *, shuffle: bool =
     missing = [name for name in names if name not in features]
     if missing:
         raise DataError(f"batches: no feature(s) {missing}; have {sorted(features)}")
-    sizes = {name: len(features[name]) for name in names}
-    if len(set(sizes.values())) != 1:
-        raise DataError(f"batches: features have different numbers of rows: {sizes}")
-    if batch_size <= 0:
-        raise DataError(f"batches: batch_size must be positive, got {batch_size}")
+    check_rows({name: features[name] for name in names}, batch_size)
     tensors = {name: tf.constant(features[name]) for name in names}
     epoch_numbers = tf.data.Dataset.counter()
     if epochs is not None:
@@ -96,10 +92,21 @@ def batches_in_order(features: dict[str, np.ndarray], batch_size: int
     """The rows of in-memory arrays in order, `batch_size` a batch, as {name: [batch, ...]}
     tensors, for inference loops: the batches of `batches(features, batch_size)` without the
     `tf.data` pipeline it builds (0.25 s a call on a CPU, more than a tiny model's answer)."""
-    rows = len(next(iter(features.values()), ()))
+    rows = check_rows(features, batch_size)
     for start in range(0, rows, batch_size):
         yield {name: tf.constant(values[start:start + batch_size])
                for name, values in features.items()}
+
+
+def check_rows(features: dict[str, np.ndarray], batch_size: int) -> int:
+    """The number of rows of `features`, after checking that every feature has it and that
+    `batch_size` is positive."""
+    sizes = {name: len(values) for name, values in features.items()}
+    if len(set(sizes.values())) != 1:
+        raise DataError(f"batches: features have different numbers of rows: {sizes}")
+    if batch_size <= 0:
+        raise DataError(f"batches: batch_size must be positive, got {batch_size}")
+    return next(iter(sizes.values()))
 
 
 def steps_per_epoch(num_rows: int, batch_size: int, drop_remainder: bool = False) -> int:

@@ -474,12 +474,14 @@ def best_epoch(callbacks: list, epochs: int, stage: str, verbose: int) -> int:
 def create_variables(model: TFRSModel, dataset: tf.data.Dataset) -> None:
     """Creates the model's and its optimizer's variables before `fit`, from the loss of
     `dataset`'s first batch run eagerly (metrics it updates are reset by `fit` at every epoch;
-    no random op runs). Otherwise they are created in `fit`'s first trace of the training step,
-    and `tf.function` traces a function that creates variables twice: the second trace of a
-    tiny two-tower model's step took 2 s of its 6 s `fit` on a CPU.
-    Only under the default strategy: a distributed strategy creates variables in its replicas'
-    context, as `fit` does."""
-    if model.distribute_strategy is not tf.distribute.get_strategy():
+    the models' losses run no random op, and Keras's initializers draw their seeds in Python,
+    in the order the layers are built, eagerly or traced). Otherwise they are created in `fit`'s
+    first trace of the training step, and `tf.function` traces a function that creates
+    variables twice: the second trace of a tiny two-tower model's step took 2 s of its 6 s
+    `fit` on a CPU. Only for a model of the default strategy, outside any strategy's scope: a
+    distributed strategy creates variables in its replicas' context, as `fit` does."""
+    default = tf.distribute.get_strategy()
+    if tf.distribute.has_strategy() or model.distribute_strategy is not default:
         return
     model.compute_loss(next(iter(dataset)))
     model.optimizer.build(model.trainable_variables)
@@ -501,6 +503,7 @@ def train(model: tf.keras.Model, dataset: tf.data.Dataset, *, stage: str, config
     early_stopping = [c for c in callbacks if isinstance(c, tf.keras.callbacks.EarlyStopping)]
     callbacks = list(callbacks) + run_callbacks(run_dir, stage, config.to_json(), early_stopping)
     resumable = next((c for c in callbacks if isinstance(c, ResumableTraining)), None)
+    start = time.perf_counter()                # setting up counts, as it did inside `fit`
     if isinstance(dataset, tf.data.Dataset):
         create_variables(model, dataset)
     if resumable and isinstance(dataset, tf.data.Dataset):
@@ -510,7 +513,6 @@ def train(model: tf.keras.Model, dataset: tf.data.Dataset, *, stage: str, config
     if verbose and (coordinated or not sys.stdout.isatty()):
         callbacks.append(EpochLog(stage, config.epochs))
         keras_verbose = 0
-    start = time.perf_counter()
     history = model.fit(dataset, epochs=config.epochs, steps_per_epoch=steps_per_epoch,
                         validation_data=validation, callbacks=callbacks, verbose=keras_verbose)
     seconds = (resumable.seconds_before if resumable else 0.0) + time.perf_counter() - start

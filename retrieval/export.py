@@ -74,11 +74,12 @@ def traced_query(model: RetrievalModel) -> tf.types.experimental.PolymorphicFunc
     signatures of every export of the model call it, so the query tower is traced once for
     each history shape ([b, L] baked in, [b, None] given), not once for each signature of each
     export (a tiny two-member model: 2.4 s a trace)."""
-    query = model.__dict__.get("_traced_query")
-    if query is None:
-        query = tf.function(model.query)
-        object.__setattr__(model, "_traced_query", query)
-    return query
+    # Set past Keras's tracking (checkpoints skip it), in a dict: a SavedModel holding the
+    # whole model (`hold_model`) saves every function attribute with its traces.
+    functions = model.__dict__.setdefault("_tworec_functions", {})
+    if "query" not in functions:
+        functions["query"] = tf.function(model.query)
+    return functions["query"]
 
 
 class RetrievalModule(tf.Module):

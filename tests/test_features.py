@@ -344,6 +344,10 @@ def test_batches_in_order_are_the_unshuffled_batches_without_a_pipeline():
             assert mine[name].dtype == reference[name].dtype
             np.testing.assert_array_equal(mine[name].numpy(), reference[name].numpy())
     assert list(batches_in_order({"a": np.arange(0)}, 4)) == []
+    with pytest.raises(DataError, match="different numbers of rows"):
+        list(batches_in_order({"a": np.arange(3), "b": np.arange(4)}, 2))
+    with pytest.raises(DataError, match="batch_size must be positive"):
+        list(batches_in_order(data, 0))
 
 
 def test_batches_reject_bad_input():
