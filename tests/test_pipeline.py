@@ -27,29 +27,33 @@ SCHEMA = {
 }
 
 
+def script(name: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", name), *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def tiny_run(name: str, out) -> subprocess.CompletedProcess:
+    """scripts/`name` on the tiny synthetic log with two retrieval members, into `out`."""
+    done = script(name, "--data", "synthetic:tiny", "--preset", "tiny", "--members", "2",
+                  "--out", str(out), timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "pipeline.py"),
-                           "--data", "synthetic:tiny", "--preset", "tiny", "--members", "2",
-                           "--out", str(out)],
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    done = tiny_run("pipeline.py", out)
     (out / "command_output.txt").write_text(done.stdout + done.stderr)
     return out, json.load(open(out / "report.json"))
 
 
 @pytest.fixture(scope="module")
 def retrieval_run(tmp_path_factory):
-    """A run folder of train_retrieval.py on the tiny synthetic log, two retrieval members
-    (retrieval, baselines, index, retrieval exports, report); tests that change it copy it
-    first."""
+    """A run folder of train_retrieval.py (retrieval, baselines, index, retrieval exports,
+    report); tests that change it copy it first."""
     out = tmp_path_factory.mktemp("retrieval_run")
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train_retrieval.py"),
-                           "--data", "synthetic:tiny", "--preset", "tiny", "--members", "2",
-                           "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    tiny_run("train_retrieval.py", out)
     return out
 
 
@@ -202,11 +206,6 @@ def test_plots_and_human_report_exist(run):
     assert "<table>" in page and page.count('src="data:image/png;base64,') == 3
     assert "http://" not in page and "https://" not in page        # nothing fetched to read it
     assert (out / "config.json").exists() and (out / "tensorboard").is_dir()
-
-
-def script(name: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", name), *args],
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def test_train_retrieval_script_writes_its_part_of_the_run(retrieval_run):
