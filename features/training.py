@@ -338,6 +338,7 @@ class ResumableTraining(tf.keras.callbacks.BackupAndRestore):
         self.early_stopping = list(early_stopping)
         self.state_dir = os.path.join(backup_dir, "state")
         self.history, self.seconds_before = {}, 0.0
+        self.started = None          # when `train` began setting up (else when `fit` begins)
 
     def finished_epochs(self) -> int:
         """Epochs the checkpoint in the backup folder holds; 0 when there is none.
@@ -369,7 +370,7 @@ class ResumableTraining(tf.keras.callbacks.BackupAndRestore):
 
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)               # restores weights, optimizer and epoch
-        self.start = time.perf_counter()
+        self.start = self.started or time.perf_counter()
         done = self.finished_epochs()
         state = {"history": {}, "seconds": 0.0, "early_stopping": []}
         if done:
@@ -504,6 +505,8 @@ def train(model: tf.keras.Model, dataset: tf.data.Dataset, *, stage: str, config
     callbacks = list(callbacks) + run_callbacks(run_dir, stage, config.to_json(), early_stopping)
     resumable = next((c for c in callbacks if isinstance(c, ResumableTraining)), None)
     start = time.perf_counter()                # setting up counts, as it did inside `fit`
+    if resumable:
+        resumable.started = start                  # in every process of a resumed training
     if isinstance(dataset, tf.data.Dataset):
         create_variables(model, dataset)
     if resumable and isinstance(dataset, tf.data.Dataset):

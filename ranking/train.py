@@ -191,7 +191,8 @@ def calibrate(model: RankingModel, data: ModelInputs, signals: RankingSignals, p
         return {"rows": 0, "skipped": "no served validation list holds its positive" + (
             "" if fit_rows is None else " among the rows it may fit on")}
     examples = list_examples(data, signals, part, np.maximum(candidates, 0))
-    logits = np.concatenate([model(b).numpy() for b in batches_in_order(examples, 1024)])[rows]  # [r, C]
+    logits = np.concatenate([model(b).numpy()
+                             for b in batches_in_order(examples, 1024)])[rows]         # [r, C]
     signal = (np.stack([examples[name][rows] for name in names], -1) if names    # [r, C, k]
               else np.zeros(logits.shape + (0,), np.float32))
     lists = candidates[rows]
