@@ -12,6 +12,7 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import datetime
+import decimal
 import io
 import math
 import os
@@ -227,6 +228,8 @@ def id_codes(source: str, name: str, ids) -> tuple[np.ndarray, np.ndarray]:
     Returns:
         (text [d] str, distinct, codes [n] int64 with text[codes] the rows' ids).
     """
+    if isinstance(ids, (list, tuple)):           # NumPy would make bytearrays rows of bytes
+        ids = [bytes(value) if isinstance(value, BYTES_LIKE) else value for value in ids]
     natural = np.asarray(ids)
     if natural.ndim != 1:
         raise DataError(f"{source}: column {name!r} is of shape {natural.shape}; give one id a "
@@ -243,8 +246,7 @@ def id_codes(source: str, name: str, ids) -> tuple[np.ndarray, np.ndarray]:
     if natural.dtype.kind == "f":
         _refuse(source, name, np.isnan(natural), "missing values")
     elif natural.dtype == object:
-        _refuse(source, name, np.equal(natural, None) | np.not_equal(natural, natural),
-                "missing values")
+        _refuse(source, name, _missing(natural), "missing values")
     text = _arrow_text(natural)
     if text is None and natural.dtype == object:        # not all text: each as str() writes
         values = natural.tolist()                       # it (a list of 1 and "1")
@@ -275,15 +277,28 @@ def id_codes(source: str, name: str, ids) -> tuple[np.ndarray, np.ndarray]:
     return text, merged[codes.reshape(-1)].astype(np.int64)
 
 
+BYTES_LIKE = (bytes, bytearray, memoryview)    # ids as bytes, decoded as UTF-8
+
+
+def _missing(values: np.ndarray) -> np.ndarray:
+    """[n] bool: which values of an object array are None or a NaN (a float's or a Decimal's,
+    signalling ones too, which refuse to be compared)."""
+    try:
+        return np.equal(values, None) | np.not_equal(values, values)
+    except decimal.InvalidOperation:
+        return np.array([value is None or (value.is_nan() if isinstance(value, decimal.Decimal)
+                                           else value != value) for value in values.tolist()])
+
+
 def _written(value) -> str | None:
-    """An id as text: bytes decoded as UTF-8 (None if they are not), anything else as str()
-    writes it."""
+    """An id as text: bytes (and bytearrays, memoryviews) decoded as UTF-8 (None if they are
+    not), anything else as str() writes it."""
     if isinstance(value, (np.float16, np.float32)):
         return str(float(value))                    # as its float64, as in an array
-    if not isinstance(value, bytes):
+    if not isinstance(value, BYTES_LIKE):
         return str(value)
     try:
-        return value.decode("utf-8")
+        return bytes(value).decode("utf-8")
     except UnicodeDecodeError:
         return None
 

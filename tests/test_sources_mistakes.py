@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import zipfile
+from decimal import Decimal
 
 import numpy as np
 import pyarrow as pa
@@ -361,7 +362,9 @@ def test_library_callers_times_are_seconds_or_refused_in_one_line(times, expecte
 
 
 @pytest.mark.parametrize("users", [["u", None, "v"], ["u", float("nan"), "v"],
-                                   np.array([1.0, np.nan, 2.0])], ids=["None", "NaN", "float-NaN"])
+                                   np.array([1.0, np.nan, 2.0]),
+                                   [Decimal(1), Decimal("sNaN"), Decimal(2)]],
+                         ids=["None", "NaN", "float-NaN", "signalling-Decimal-NaN"])
 def test_library_callers_missing_ids_are_refused_not_read_as_text(users):
     with pytest.raises(DataError) as error:
         sources.from_columns("log", users, ["a", "b", "a"], [1, 2, 3])
@@ -382,9 +385,16 @@ def test_library_callers_ids_are_written_as_numpy_writes_them():
     scalars = np.array(list(floats), dtype=object)                    # of NumPy float32s
     assert (sources.from_columns("log", scalars, ["x", "y", "x"], [1, 2, 3]).user_ids
             == sources.from_columns("log", floats, ["x", "y", "x"], [1, 2, 3]).user_ids).all()
-    for ids in ([b"alice", b"bob", b"alice"], np.array([b"alice", b"bob", b"alice"])):
+    held = np.empty(3, dtype=object)
+    held[:] = [bytearray(b"alice"), memoryview(b"bob"), b"alice"]
+    for ids in ([b"alice", b"bob", b"alice"], np.array([b"alice", b"bob", b"alice"]),
+                [bytearray(b"alice"), memoryview(b"bob"), b"alice"], held):
         log = sources.from_columns("log", ids, ["x", "y", "x"], [1, 2, 3])
         assert log.user_ids.tolist() == ["alice", "bob"]     # not NumPy's NUL-padded bytes
+    held[1] = bytearray(b"\xff")                       # nor a bytearray's repr as its id
+    with pytest.raises(DataError) as error:
+        sources.from_columns("log", held, ["x", "y", "x"], [1, 2, 3])
+    assert str(error.value).startswith("log: column 'user' has 1 ids that are not UTF-8 text")
     for ids, kind in (([dt.time(1), dt.time(2)], "time"), ([True, False], "bool"),
                       ([True, 2], "bool")):                  # NumPy makes it [1, 2]
         with pytest.raises(DataError) as error:
