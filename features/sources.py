@@ -218,7 +218,8 @@ ROLE_NAMES = {"user": "user", "item": "item", "time": "timestamp", "rating": "ra
 def id_codes(source: str, name: str, ids) -> tuple[np.ndarray, np.ndarray]:
     """The distinct ids of a column as text, and each row's code.
 
-    Text is as NumPy writes a value (a float32 as its float64), bytes decoded as UTF-8; a
+    Text is as NumPy writes a value (a float32 as its float64), bytes (also a bytearray or
+    memoryview) decoded as UTF-8; a
     missing id (None, NaN) is refused, not read as the id "None" or "nan" (a list is looked
     through as given: NumPy would write a NaN among text as "nan"), as are bytes that are not
     UTF-8, ids holding a NUL (NumPy's text drops a trailing one) and dates, times and
@@ -228,7 +229,7 @@ def id_codes(source: str, name: str, ids) -> tuple[np.ndarray, np.ndarray]:
     Returns:
         (text [d] str, distinct, codes [n] int64 with text[codes] the rows' ids).
     """
-    if isinstance(ids, (list, tuple)):           # NumPy would make bytearrays rows of bytes
+    if isinstance(ids, (list, tuple)):           # NumPy would read a bytearray as numbers
         ids = [bytes(value) if isinstance(value, BYTES_LIKE) else value for value in ids]
     natural = np.asarray(ids)
     if natural.ndim != 1:
@@ -281,13 +282,23 @@ BYTES_LIKE = (bytes, bytearray, memoryview)    # ids as bytes, decoded as UTF-8
 
 
 def _missing(values: np.ndarray) -> np.ndarray:
-    """[n] bool: which values of an object array are None or a NaN (a float's or a Decimal's,
-    signalling ones too, which refuse to be compared)."""
+    """[n] bool: which values of an object array are missing: None, a NaN (a float's or a
+    Decimal's, signalling ones too, which refuse to be compared) or a value unequal to itself
+    but not false (pandas' NA)."""
     try:
         return np.equal(values, None) | np.not_equal(values, values)
-    except decimal.InvalidOperation:
-        return np.array([value is None or (value.is_nan() if isinstance(value, decimal.Decimal)
-                                           else value != value) for value in values.tolist()])
+    except (decimal.InvalidOperation, TypeError, ValueError):
+        return np.array([_is_missing(value) for value in values.tolist()], bool)
+
+
+def _is_missing(value) -> bool:
+    """`_missing` of one value."""
+    if value is None:
+        return True
+    if isinstance(value, decimal.Decimal):
+        return value.is_nan()
+    unequal = value != value
+    return not isinstance(unequal, (bool, np.bool_)) or bool(unequal)
 
 
 def _written(value) -> str | None:

@@ -361,10 +361,22 @@ def test_library_callers_times_are_seconds_or_refused_in_one_line(times, expecte
         assert sorted(log().timestamp.tolist()) == sorted(expected)
 
 
+class NotAvailable:
+    """As pandas' NA (a nullable column's `to_numpy()`): compared, it is itself, and it has
+    no truth value."""
+
+    def __ne__(self, other):
+        return self
+
+    def __bool__(self):
+        raise TypeError("boolean value of NA is ambiguous")
+
+
 @pytest.mark.parametrize("users", [["u", None, "v"], ["u", float("nan"), "v"],
                                    np.array([1.0, np.nan, 2.0]),
-                                   [Decimal(1), Decimal("sNaN"), Decimal(2)]],
-                         ids=["None", "NaN", "float-NaN", "signalling-Decimal-NaN"])
+                                   [Decimal(1), Decimal("sNaN"), Decimal(2)],
+                                   np.array(["u", NotAvailable(), "v"], dtype=object)],
+                         ids=["None", "NaN", "float-NaN", "signalling-Decimal-NaN", "pandas-NA"])
 def test_library_callers_missing_ids_are_refused_not_read_as_text(users):
     with pytest.raises(DataError) as error:
         sources.from_columns("log", users, ["a", "b", "a"], [1, 2, 3])
@@ -391,6 +403,9 @@ def test_library_callers_ids_are_written_as_numpy_writes_them():
                 [bytearray(b"alice"), memoryview(b"bob"), b"alice"], held):
         log = sources.from_columns("log", ids, ["x", "y", "x"], [1, 2, 3])
         assert log.user_ids.tolist() == ["alice", "bob"]     # not NumPy's NUL-padded bytes
+    mixed = sources.from_columns("log", [bytearray(b"alice"), 7, b"alice"], ["x", "y", "x"],
+                                 [1, 2, 3])
+    assert sorted(mixed.user_ids) == ["7", "alice"]
     held[1] = bytearray(b"\xff")                       # nor a bytearray's repr as its id
     with pytest.raises(DataError) as error:
         sources.from_columns("log", held, ["x", "y", "x"], [1, 2, 3])
