@@ -219,17 +219,17 @@ def id_codes(source: str, name: str, ids) -> tuple[np.ndarray, np.ndarray]:
     """The distinct ids of a column as text, and each row's code.
 
     Text is as NumPy writes a value (a float32 as its float64), bytes (also a bytearray or
-    memoryview) decoded as UTF-8; a
-    missing id (None, NaN) is refused, not read as the id "None" or "nan" (a list is looked
-    through as given: NumPy would write a NaN among text as "nan"), as are bytes that are not
-    UTF-8, ids holding a NUL (NumPy's text drops a trailing one) and dates, times and
-    booleans (`id_type_error`). Only the distinct ids become fixed-width text: one long id
-    costs its length once, not once a row.
+    memoryview) decoded as UTF-8; a missing id (None, NaN, pandas' NA) is refused, not read as
+    the id "None" or "nan" (a list is looked through as given: NumPy would write a NaN among
+    text as "nan"), as are bytes that are not UTF-8, ids holding a NUL (NumPy's text drops a
+    trailing one) and dates, times and booleans (`id_type_error`). Only the distinct ids
+    become fixed-width text: one long id costs its length once, not once a row.
 
     Returns:
         (text [d] str, distinct, codes [n] int64 with text[codes] the rows' ids).
     """
-    if isinstance(ids, (list, tuple)):           # NumPy would read a bytearray as numbers
+    listed = isinstance(ids, (list, tuple))
+    if listed:                                   # NumPy would read a bytearray as numbers
         ids = [bytes(value) if isinstance(value, BYTES_LIKE) else value for value in ids]
     natural = np.asarray(ids)
     if natural.ndim != 1:
@@ -237,10 +237,10 @@ def id_codes(source: str, name: str, ids) -> tuple[np.ndarray, np.ndarray]:
                         "row, a flat list or array")
     if natural.dtype.kind in "bmM":
         raise id_type_error(source, name, natural.dtype)
-    if (isinstance(ids, (list, tuple)) and natural.dtype.kind in "iuf"
+    if (listed and natural.dtype.kind in "iuf"
             and any(isinstance(value, (bool, np.bool_)) for value in ids)):
         raise id_type_error(source, name, "bool")            # NumPy made them numbers
-    if isinstance(ids, (list, tuple)) and natural.dtype.kind in "US":
+    if listed and natural.dtype.kind in "US":
         natural = np.asarray(ids, dtype=object)     # as given: NumPy's text would drop a
     elif natural.dtype.kind == "S":                 # trailing NUL and write a NaN as "nan"
         natural = natural.astype(object)            # bytes without NumPy's NUL padding

@@ -90,8 +90,6 @@ class RetrievalModule(tf.Module):
         super().__init__()
         interactions = data.interactions
         hold_model(self, model)
-        query = traced_query(model)
-        object.__setattr__(self, "query", lambda features: query(features))     # untracked
         self.k, self.exclude_seen = k, exclude_seen
         self.num_items = interactions.num_items
         self.users = UserInputs(data)
@@ -114,7 +112,7 @@ class RetrievalModule(tf.Module):
         rows ascending) skipped, the popular items for rows not `known`. Rows are searched
         `block_rows` at a time (`in_row_blocks`): a [rows, I] score matrix and mask per block,
         never per request."""
-        query = self.query(features)                                              # [b, d]
+        query = traced_query(self.model)(features)                                      # [b, d]
         batch = tf.shape(query)[0]
         rows, items = excluded if excluded is not None else (
             tf.zeros([0], tf.int64), tf.zeros([0], tf.int64))
@@ -180,7 +178,7 @@ class RetrievalModule(tf.Module):
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="user_id")])
     def embed_user(self, user_id):
         features, _ = self.users(user_id)
-        return {"embedding": self.query(features)}
+        return {"embedding": traced_query(self.model)(features)}
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="item_ids")])
     def embed_items(self, item_ids):

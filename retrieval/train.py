@@ -61,7 +61,8 @@ def query_embeddings(model: RetrievalModel, examples: dict[str, np.ndarray],
     """[m, d] float32 query embeddings of example rows (d: `embedding_dim` x members)."""
     if not len(examples["user"]):
         return np.zeros((0, model.config.embedding_dim * model.config.members), np.float32)
-    return np.concatenate([model.query(b).numpy() for b in batches_in_order(examples, batch_size)])
+    return np.concatenate([model.query(batch).numpy()
+                           for batch in batches_in_order(examples, batch_size)])
 
 
 def latest_queries(model: RetrievalModel, data: ModelInputs) -> np.ndarray:
