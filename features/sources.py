@@ -35,6 +35,7 @@ ML100K_GENRES = ("unknown", "Action", "Adventure", "Animation", "Children's", "C
                  "Documentary", "Drama", "Fantasy", "Film-Noir", "Horror", "Musical", "Mystery",
                  "Romance", "Sci-Fi", "Thriller", "War", "Western")
 TFDS_NAMES = ("100k", "1m", "latest-small", "25m")
+TIE_SEED = 0              # of the random order of a GroupLens ratings.csv's ties
 DEFAULT_COLUMNS = {"user": ("user_id", "userId", "user", "uid"),
                    "item": ("item_id", "movieId", "movie_id", "item", "iid"),
                    "time": ("timestamp", "time", "ts", "datetime"),
@@ -777,8 +778,22 @@ def _read_ml_latest(release: _Release) -> Interactions:
                                 header=True)
         items = _movies_table(table.rename_columns(
             ["item" if c == "movieId" else c for c in table.column_names]))
-    return _ratings(release, "ratings.csv", ratings, ("userId", "movieId", "rating", "timestamp"),
-                    **(items or {}))
+    return _ties_shuffled(_ratings(release, "ratings.csv", ratings,
+                                   ("userId", "movieId", "rating", "timestamp"), **(items or {})))
+
+
+def _ties_shuffled(log: Interactions) -> Interactions:
+    """The log of a file that lists each user's rows by item (GroupLens's `ratings.csv`:
+    "ordered first by userId, then, within user, by movieId") with each user's rows in time
+    order, the rows of one user and second in a random order (seed `TIE_SEED`, the same on
+    every load). The log's order breaks ties of time everywhere (`Interactions.time_order`): in
+    movie-id order, the held-out last rating of a second would be its highest movie id and
+    every rating of a second would follow a lower id, an order of the file that models learn
+    (on ml-latest-small, test NDCG@10 of item transitions 0.055 against 0.044 in a random
+    order) and users never showed. Reordered after `from_columns`, whose messages name the
+    file's rows and whose codes follow the file's order."""
+    shuffled = np.random.default_rng(TIE_SEED).permutation(len(log))
+    return log.take(np.lexsort((shuffled, log.timestamp, log.user)))
 
 
 def _movies_table(table: pa.Table) -> dict:

@@ -1,4 +1,5 @@
 """The data layer: sources, validation, splits, vocabularies, history and batches."""
+import collections
 import dataclasses
 import os
 import subprocess
@@ -83,6 +84,27 @@ def test_ml_latest(tmp_path, as_zip):
     assert log.item_features["title"][1] == "American President, The (1995)"
     assert log.user_ids[log.user].tolist() == ["1", "1", "2"]
     assert log.item_ids[log.item].tolist() == ["10", "20", "10"]
+
+
+def test_ml_latest_ties_are_not_in_movie_id_order(tmp_path):
+    """GroupLens lists a user's ratings by movie id: the ratings of one second must not reach
+    the models in that order (the held-out last one would be the highest id)."""
+    rows = "".join(f"{user},30,4.0,9\n{user},5,3.0,1\n{user},10,4.0,9\n{user},20,2.0,9\n"
+                   for user in range(300))
+    files = {"ratings.csv": "userId,movieId,rating,timestamp\n" + rows}
+    release = write_release(tmp_path, files, as_zip=False)
+    log = load(release)
+    assert sorted(zip(log.user_ids[log.user], log.item_ids[log.item], log.timestamp)) == sorted(
+        (str(user), item, time) for user in range(300)
+        for item, time in (("30", 9), ("5", 1), ("10", 9), ("20", 9)))       # nothing lost
+    ordered = log.item_ids[log.item[log.time_order()]].reshape(300, 4)
+    assert (ordered[:, 0] == "5").all()                    # times ordered, ties shuffled
+    last = collections.Counter(ordered[:, -1])
+    assert set(last) == {"10", "20", "30"} and min(last.values()) > 70, last
+    assert (log.item == load(release).item).all()          # the same order on every load
+    files["ratings.csv"] = files["ratings.csv"].replace("\n0,5,3.0,1\n", "\n0,5,3.0,\n")
+    with pytest.raises(DataError, match=r"'timestamp' has 1 missing values \(first at row 1\)"):
+        load(write_release(tmp_path, files, as_zip=False, folder="missing"))   # the file's row
 
 
 @pytest.mark.skipif(not os.path.isdir(ML_LATEST_SMALL), reason="shared MovieLens copy absent")
