@@ -35,7 +35,7 @@ ML100K_GENRES = ("unknown", "Action", "Adventure", "Animation", "Children's", "C
                  "Documentary", "Drama", "Fantasy", "Film-Noir", "Horror", "Musical", "Mystery",
                  "Romance", "Sci-Fi", "Thriller", "War", "Western")
 TFDS_NAMES = ("100k", "1m", "latest-small", "25m")
-TIE_SEED = 0              # of the random order of a GroupLens ratings.csv's ties
+TIE_SEED = 0                       # of the random order of a GroupLens release's ties
 DEFAULT_COLUMNS = {"user": ("user_id", "userId", "user", "uid"),
                    "item": ("item_id", "movieId", "movie_id", "item", "iid"),
                    "time": ("timestamp", "time", "ts", "datetime"),
@@ -98,10 +98,13 @@ def load(source: str, columns: dict[str, str] | None = None, data_dir: str | Non
 
 def has_fixed_columns(source: str) -> bool:
     """Whether `source` gives a log whose columns are its own, which --columns cannot map:
-    synthetic data, TFDS, a GroupLens release (a folder or `.zip` holding one; a folder of
+    synthetic data, TFDS, a GroupLens release."""
+    return source == "synthetic" or source.startswith(("synthetic:", "tfds:")) or is_release(source)
+
+
+def is_release(source: str) -> bool:
+    """Whether `source` is a GroupLens release: a folder or `.zip` holding one (a folder of
     Parquet shards is read as shards first, as `load` does)."""
-    if source == "synthetic" or source.startswith(("synthetic:", "tfds:")):
-        return True
     from tworec.features import shards
     try:
         if not ((os.path.isdir(source) or source.endswith(".zip")) and os.path.exists(source)
@@ -690,9 +693,21 @@ def _read_delimited(release: _Release, name: str, names: list[str], delimiter: s
 
 def _ratings(release: _Release, name: str, table: pa.Table, roles: tuple[str, str, str, str],
              **tables) -> Interactions:
-    """Interactions from a ratings table whose (user, item, rating, time) columns are `roles`."""
+    """Interactions from a ratings table whose (user, item, rating, time) columns are `roles`,
+    its ties of time shuffled (`_ties_shuffled`)."""
     user, item, rating, time = (_to_numpy(release.where(name), table, c) for c in roles)
-    return from_columns(release.path, user, item, time, rating, **tables)
+    return _ties_shuffled(from_columns(release.path, user, item, time, rating, **tables))
+
+
+def _ties_shuffled(log: Interactions) -> Interactions:
+    """The log with each user's rows in time order and the rows of one user and second in a
+    random order (seed `TIE_SEED`, the same on every load). For GroupLens releases, whose
+    files list a user's ratings by movie id (ml-latest, ml-20m, ml-25m, ml-10m) or at random
+    (ml-100k): ties keep the log's order (`Interactions.time_order`), and in movie-id order the
+    held-out last rating of a second would be its highest id. Applied after `from_columns`,
+    so that messages name the file's rows."""
+    shuffled = np.random.default_rng(TIE_SEED).permutation(len(log))
+    return log.take(np.lexsort((shuffled, log.timestamp, log.user)))
 
 
 def _to_numpy(where: str, table: pa.Table, name: str) -> np.ndarray:
@@ -778,22 +793,8 @@ def _read_ml_latest(release: _Release) -> Interactions:
                                 header=True)
         items = _movies_table(table.rename_columns(
             ["item" if c == "movieId" else c for c in table.column_names]))
-    return _ties_shuffled(_ratings(release, "ratings.csv", ratings,
-                                   ("userId", "movieId", "rating", "timestamp"), **(items or {})))
-
-
-def _ties_shuffled(log: Interactions) -> Interactions:
-    """The log of a file that lists each user's rows by item (GroupLens's `ratings.csv`:
-    "ordered first by userId, then, within user, by movieId") with each user's rows in time
-    order, the rows of one user and second in a random order (seed `TIE_SEED`, the same on
-    every load). The log's order breaks ties of time everywhere (`Interactions.time_order`): in
-    movie-id order, the held-out last rating of a second would be its highest movie id and
-    every rating of a second would follow a lower id, an order of the file that models learn
-    (on ml-latest-small, test NDCG@10 of item transitions 0.055 against 0.044 in a random
-    order) and users never showed. Reordered after `from_columns`, whose messages name the
-    file's rows and whose codes follow the file's order."""
-    shuffled = np.random.default_rng(TIE_SEED).permutation(len(log))
-    return log.take(np.lexsort((shuffled, log.timestamp, log.user)))
+    return _ratings(release, "ratings.csv", ratings, ("userId", "movieId", "rating", "timestamp"),
+                    **(items or {}))
 
 
 def _movies_table(table: pa.Table) -> dict:

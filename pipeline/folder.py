@@ -17,7 +17,8 @@ import numpy as np
 from tworec.features import Interactions, Split, load, split
 from tworec.features.interactions import SourceNotFound
 from tworec.features.inputs import MODEL_ITEM_FEATURES
-from tworec.features.sources import has_fixed_columns, release_gaps, unread_columns_note
+from tworec.features.sources import (has_fixed_columns, is_release, release_gaps,
+                                     unread_columns_note)
 from tworec.pipeline import config as run_config, report as run_report
 from tworec.pipeline.config import Configs
 
@@ -133,6 +134,8 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
                              "trained on (its rows, ids, ratings or features differ"
                              + (", or the run was made before user features that change within "
                                 "a user were read row by row" if log.user_feature_rows else "")
+                             + (", or the run was made before a release's ratings of one second "
+                                "were read in a random order" if is_release(source["data"]) else "")
                              + "); train a new run")
     run, notices = configs.run.for_catalogue(log.num_items)
     notices = cluster + notices

@@ -86,25 +86,33 @@ def test_ml_latest(tmp_path, as_zip):
     assert log.item_ids[log.item].tolist() == ["10", "20", "10"]
 
 
-def test_ml_latest_ties_are_not_in_movie_id_order(tmp_path):
+@pytest.mark.parametrize("name, header, separator", [
+    ("ratings.csv", "userId,movieId,rating,timestamp\n", ","), ("ratings.dat", "", "::"),
+    ("u.data", "", "\t")], ids=["ml-latest", "ml-1m", "ml-100k"])
+def test_a_release_shuffles_its_ties(tmp_path, name, header, separator):
     """GroupLens lists a user's ratings by movie id: the ratings of one second must not reach
     the models in that order (the held-out last one would be the highest id)."""
-    rows = "".join(f"{user},30,4.0,9\n{user},5,3.0,1\n{user},10,4.0,9\n{user},20,2.0,9\n"
-                   for user in range(300))
-    files = {"ratings.csv": "userId,movieId,rating,timestamp\n" + rows}
-    release = write_release(tmp_path, files, as_zip=False)
-    log = load(release)
-    assert sorted(zip(log.user_ids[log.user], log.item_ids[log.item], log.timestamp)) == sorted(
-        (str(user), item, time) for user in range(300)
-        for item, time in (("30", 9), ("5", 1), ("10", 9), ("20", 9)))       # nothing lost
-    ordered = log.item_ids[log.item[log.time_order()]].reshape(300, 4)
-    assert (ordered[:, 0] == "5").all()                    # times ordered, ties shuffled
-    last = collections.Counter(ordered[:, -1])
+    rated = [("10", 9), ("20", 9), ("30", 9), ("40", 1)]            # (movie, second) in id order
+
+    def release(folder, wrong_rating=""):
+        rows = [(str(user), movie, wrong_rating if (user, movie) == (0, "40") and wrong_rating
+                 else movie[0], str(second)) for user in range(300) for movie, second in rated]
+        lines = "".join(separator.join(row) + "\n" for row in rows)
+        return write_release(tmp_path, {name: header + lines}, as_zip=False, folder=folder)
+
+    log = load(release("ml"))
+    assert sorted(zip(log.user_ids[log.user], log.item_ids[log.item], log.rating,
+                      log.timestamp)) == sorted(
+        (str(user), movie, float(movie[0]), second)
+        for user in range(300) for movie, second in rated)                 # nothing lost
+    movies = log.item_ids[log.item].reshape(300, 4)                          # users in file order
+    assert (movies[:, 0] == "40").all()                                      # rows in time order
+    last = collections.Counter(movies[:, -1])                                # held out
     assert set(last) == {"10", "20", "30"} and min(last.values()) > 70, last
-    assert (log.item == load(release).item).all()          # the same order on every load
-    files["ratings.csv"] = files["ratings.csv"].replace("\n0,5,3.0,1\n", "\n0,5,3.0,\n")
-    with pytest.raises(DataError, match=r"'timestamp' has 1 missing values \(first at row 1\)"):
-        load(write_release(tmp_path, files, as_zip=False, folder="missing"))   # the file's row
+    assert (log.item == load(release("again")).item).all()                  # on every load
+    with pytest.raises(DataError, match=r"'rating' has 1 ratings that are infinite .*\(first at "
+                                        r"row 3\)"):                      # the file's row
+        load(release("wrong", wrong_rating="1e40"))
 
 
 @pytest.mark.skipif(not os.path.isdir(ML_LATEST_SMALL), reason="shared MovieLens copy absent")

@@ -481,6 +481,24 @@ def test_a_config_that_cannot_be_read_is_named_in_one_line(tmp_path, script, tex
     assert "pass --overwrite to start over" in error and len(error.strip().splitlines()) == 1
 
 
+def test_a_continued_run_of_a_release_may_predate_its_shuffled_ties(tmp_path):
+    """A release's log changed when its ties of time were shuffled: a run made before cannot
+    continue, and the message says that this, not the data, may have changed."""
+    release = tmp_path / "ml-latest-small"
+    release.mkdir()
+    (release / "ratings.csv").write_text("userId,movieId,rating,timestamp\n" + "".join(
+        f"{user},{movie},4,{second}\n" for user in range(20) for movie, second in
+        ((1, 5), (2, 5), (3, 6), (4, 7))))
+    trained_run(tmp_path / "run", str(release), columns={})
+    values = json.loads((tmp_path / "run" / "config.json").read_text())
+    values["source"]["fingerprint"]["sha256"] = "0" * 64               # as the older log's
+    (tmp_path / "run" / "config.json").write_text(json.dumps(values))
+    with pytest.raises(folder.RunFolderError, match="or the run was made before a release's "
+                                                    "ratings of one second were read in a random "
+                                                    "order\\); train a new run"):
+        continue_run(tmp_path / "run")
+
+
 def test_a_release_without_its_movies_file_is_noted(tmp_path):
     """A GroupLens folder of ratings.csv alone loads (the log's items make the catalogue), and
     the run says its items have no genres, year or title."""
