@@ -104,7 +104,10 @@ def has_fixed_columns(source: str) -> bool:
 
 def is_release(source: str) -> bool:
     """Whether `source` is a GroupLens release: a folder or `.zip` holding one (a folder of
-    Parquet shards is read as shards first, as `load` does)."""
+    Parquet shards is read as shards first, and synthetic and TFDS names as theirs, as `load`
+    does)."""
+    if source == "synthetic" or source.startswith(("synthetic:", "tfds:")):
+        return False
     from tworec.features import shards
     try:
         if not ((os.path.isdir(source) or source.endswith(".zip")) and os.path.exists(source)
@@ -630,8 +633,8 @@ def load_grouplens(path: str) -> Interactions:
         text = any(_text_suffix(name) for name in release.files)
         advice = ("; to read a text log, pass the file itself (a folder of text parts is not "
                   "read as one log: write them as Parquet shards)" if text else "")
-        raise DataError(f"{path}: unknown format: expected u.data (ml-100k), ratings.dat (ml-1m) "
-                        "or ratings.csv (ml-latest, ml-20m, ml-25m); found "
+        raise DataError(f"{path}: unknown format: expected u.data (ml-100k), ratings.dat (ml-1m, "
+                        "ml-10m) or ratings.csv (ml-latest, ml-20m, ml-25m); found "
                         f"{sorted(release.files)[:10]}{advice}")
     return reader(release)
 
@@ -701,11 +704,10 @@ def _ratings(release: _Release, name: str, table: pa.Table, roles: tuple[str, st
 
 def _ties_shuffled(log: Interactions) -> Interactions:
     """The log with each user's rows in time order and the rows of one user and second in a
-    random order (seed `TIE_SEED`, the same on every load). For GroupLens releases, whose
-    files list a user's ratings by movie id (ml-latest, ml-20m, ml-25m, ml-10m) or at random
-    (ml-100k): ties keep the log's order (`Interactions.time_order`), and in movie-id order the
-    held-out last rating of a second would be its highest id. Applied after `from_columns`,
-    so that messages name the file's rows."""
+    random order (seed `TIE_SEED`, the same on every load), for a GroupLens release. Ties keep
+    the log's order (`Interactions.time_order`), and most releases list a user's ratings by
+    movie id: the held-out last rating of a second would be its highest id. After
+    `from_columns`, so that its messages name the file's rows."""
     shuffled = np.random.default_rng(TIE_SEED).permutation(len(log))
     return log.take(np.lexsort((shuffled, log.timestamp, log.user)))
 

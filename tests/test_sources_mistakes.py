@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tworec.features import DataError, load, sources, split
-from tworec.features.sources import has_fixed_columns, read_titles
+from tworec.features.sources import has_fixed_columns, is_release, read_titles
 from tworec.pipeline import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -113,6 +113,15 @@ def test_a_wrong_explicit_delimiter_names_itself_and_the_header(tmp_path):
         load("synthetic:tiny", delimiter=";")
 
 
+def test_a_release_in_a_folder_named_synthetic_is_not_read_as_one(tmp_path, monkeypatch):
+    """`load` reads `synthetic` as the generator's data, whatever folder has that name."""
+    monkeypatch.chdir(tmp_path)
+    os.mkdir("synthetic")
+    with open(os.path.join("synthetic", "ratings.csv"), "w") as ratings:
+        ratings.write("userId,movieId,rating,timestamp\n1,2,3.0,4\n")
+    assert is_release(str(tmp_path / "synthetic")) and not is_release("synthetic")
+
+
 def test_columns_are_refused_for_sources_with_fixed_columns(tmp_path):
     """--columns would be ignored by a synthetic, TFDS or GroupLens source (a release folder or
     .zip): refused, naming it; a folder that is no release keeps its own message."""
@@ -124,6 +133,7 @@ def test_columns_are_refused_for_sources_with_fixed_columns(tmp_path):
         packed.write(release / "ratings.csv", "ml-latest-small/ratings.csv")
     for source in ("synthetic:tiny", "tfds:movielens/100k-ratings", str(release), archive):
         assert has_fixed_columns(source)
+        assert is_release(source) == (source in (str(release), archive))
         with pytest.raises(DataError) as error:
             load(source, columns={"user": "u"})
         assert str(error.value) == (f"--columns user=u: {source} has fixed columns; the option "
@@ -134,7 +144,7 @@ def test_columns_are_refused_for_sources_with_fixed_columns(tmp_path):
     assert not has_fixed_columns(str(logs)) and not has_fixed_columns(write_log(
         tmp_path / "log.csv")) and not has_fixed_columns(str(tmp_path / "missing"))
     assert load_error(logs).endswith(
-        "unknown format: expected u.data (ml-100k), ratings.dat (ml-1m) or ratings.csv "
+        "unknown format: expected u.data (ml-100k), ratings.dat (ml-1m, ml-10m) or ratings.csv "
         "(ml-latest, ml-20m, ml-25m); found ['part-0.csv']; to read a text log, pass the file "
         "itself (a folder of text parts is not read as one log: write them as Parquet shards)")
     pq.write_table(pa.table({"user_id": ["a"], "item_id": ["x"], "timestamp": [1]}),
