@@ -661,7 +661,7 @@ def release_gaps(source: str) -> list[str]:
     """What a GroupLens release `source` (as `load` reads it) lacks of its format's optional
     files, one line each ("SOURCE has no movies.csv: items have no genres, year or title");
     [] for a complete release or any other source."""
-    if not has_fixed_columns(source):
+    if not is_release(source):
         return []
     release = _Release(source)
     try:

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tworec.features import DataError, load, sources, split
-from tworec.features.sources import has_fixed_columns, is_release, read_titles
+from tworec.features.sources import has_fixed_columns, is_release, read_titles, release_gaps
 from tworec.pipeline import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -113,13 +113,16 @@ def test_a_wrong_explicit_delimiter_names_itself_and_the_header(tmp_path):
         load("synthetic:tiny", delimiter=";")
 
 
-def test_a_release_in_a_folder_named_synthetic_is_not_read_as_one(tmp_path, monkeypatch):
-    """`load` reads `synthetic` as the generator's data, whatever folder has that name."""
+@pytest.mark.parametrize("name", ["synthetic", "synthetic:tiny", "tfds:movielens"])
+def test_a_release_in_a_folder_named_as_a_source_is_not_read_as_one(tmp_path, monkeypatch,
+                                                                     name):
+    """`load` reads `synthetic` and `tfds:NAME` as theirs, whatever folder has that name."""
     monkeypatch.chdir(tmp_path)
-    os.mkdir("synthetic")
-    with open(os.path.join("synthetic", "ratings.csv"), "w") as ratings:
+    os.mkdir(name)
+    with open(os.path.join(name, "ratings.csv"), "w") as ratings:
         ratings.write("userId,movieId,rating,timestamp\n1,2,3.0,4\n")
-    assert is_release(str(tmp_path / "synthetic")) and not is_release("synthetic")
+    assert is_release(str(tmp_path / name)) and release_gaps(str(tmp_path / name))
+    assert not is_release(name) and release_gaps(name) == []
 
 
 def test_columns_are_refused_for_sources_with_fixed_columns(tmp_path):
