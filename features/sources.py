@@ -99,14 +99,20 @@ def load(source: str, columns: dict[str, str] | None = None, data_dir: str | Non
 def has_fixed_columns(source: str) -> bool:
     """Whether `source` gives a log whose columns are its own, which --columns cannot map:
     synthetic data, TFDS, a GroupLens release."""
-    return source == "synthetic" or source.startswith(("synthetic:", "tfds:")) or is_release(source)
+    return _named_data(source) or is_release(source)
+
+
+def _named_data(source: str) -> bool:
+    """Whether `source` names data `load` makes or fetches (synthetic, TFDS), whatever a
+    folder of that name holds."""
+    return source == "synthetic" or source.startswith(("synthetic:", "tfds:"))
 
 
 def is_release(source: str) -> bool:
     """Whether `source` is a GroupLens release: a folder or `.zip` holding one (a folder of
     Parquet shards is read as shards first, and synthetic and TFDS names as theirs, as `load`
     does)."""
-    if source == "synthetic" or source.startswith(("synthetic:", "tfds:")):
+    if _named_data(source):
         return False
     from tworec.features import shards
     try:
