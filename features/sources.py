@@ -13,7 +13,6 @@ import codecs
 import dataclasses
 import datetime
 import decimal
-import io
 import math
 import os
 import re
@@ -680,16 +679,21 @@ def release_gaps(source: str) -> list[str]:
 
 def _read_delimited(release: _Release, name: str, names: list[str], delimiter: str,
                     encoding: str = "utf8", header: bool = False, types=None) -> pa.Table:
-    """Parses one delimited file of a release with Arrow; `::` is mapped to a single byte."""
+    """Parses one delimited file of a release with Arrow; `::` is mapped to a single byte, and
+    other encodings than UTF-8 are decoded here (Arrow's transcoding would call Python's codecs
+    from its threads: see `_in_arrow_memory`)."""
     data = release.read(name)
+    if encoding != "utf8":
+        data = data.decode(encoding).encode()
     if delimiter == "::":
         data, delimiter = data.replace(b"::", b"\x1f"), "\x1f"
-    read = pacsv.ReadOptions(column_names=None if header else names, encoding=encoding,
-                             block_size=BLOCK_SIZE)
+    source = _in_arrow_memory(data)
+    del data                                  # only Arrow's copy is kept while it is parsed
+    read = pacsv.ReadOptions(column_names=None if header else names, block_size=BLOCK_SIZE)
     parse = pacsv.ParseOptions(delimiter=delimiter, quote_char='"' if header else False)
     convert = pacsv.ConvertOptions(column_types=types or {}, strings_can_be_null=False)
     try:
-        table = pacsv.read_csv(io.BytesIO(data), read_options=read, parse_options=parse,
+        table = pacsv.read_csv(source, read_options=read, parse_options=parse,
                                convert_options=convert)
     except pa.ArrowInvalid as error:
         raise DataError(f"{release.where(name)}: cannot parse: {error}") from None
@@ -1064,8 +1068,19 @@ def _first_lines(head: bytes, count: int) -> bytes:
 
 def _parse_text(lines: bytes, delimiter: str) -> pa.Table:
     """Arrow's table of a few whole lines (Arrow reads no header from a line without its end)."""
-    return pacsv.read_csv(io.BytesIO(lines + b"\n"),
+    return pacsv.read_csv(_in_arrow_memory(lines + b"\n"),
                           parse_options=pacsv.ParseOptions(delimiter=delimiter))
+
+
+def _in_arrow_memory(data: bytes) -> pa.BufferReader:
+    """A copy of `data` in Arrow's memory, for Arrow's CSV reader to read from. Its readahead
+    runs on Arrow's threads, which need the interpreter's lock to read or release a Python
+    object (`io.BytesIO`, or the bytes themselves); if the parse fails and the process exits at
+    once, one still doing so during the interpreter's finalization aborts the process
+    ("terminate called without an active exception", exit -6)."""
+    sink = pa.BufferOutputStream()
+    sink.write(data)
+    return pa.BufferReader(sink.getvalue())
 
 
 def unread_columns_note(names, has_rating: bool) -> str:

@@ -7,6 +7,8 @@ import sys
 import zipfile
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
 import pytest
 
 from tworec.features import DataError, Vocabulary, build_history, load, split
@@ -63,6 +65,26 @@ def test_ml100k(tmp_path, as_zip):
     assert names[log.item_features["genres"][0] == 1].tolist() == ["Animation", "Children's", "Comedy"]
     assert log.user_features["occupation"].tolist() == ["technician", "other"]
     assert log.rating.tolist() == [5, 3, 4, 2]
+
+
+def test_arrow_parses_bytes_from_its_own_memory(tmp_path, monkeypatch):
+    """Arrow's CSV reader is handed a release's files and a text log's first lines as copies
+    in Arrow's memory, never as a Python object: its threads would need the interpreter to
+    read one, and one still reading when a script exits after a parse error aborts the
+    process (exit -6; `sources._in_arrow_memory`)."""
+    read_csv, sources_read = pacsv.read_csv, []
+
+    def recording(source, *args, **kwargs):
+        sources_read.append(source)
+        return read_csv(source, *args, **kwargs)
+
+    monkeypatch.setattr(pacsv, "read_csv", recording)
+    load(write_release(tmp_path, ML100K, as_zip=False))
+    assert len(sources_read) == 3                                 # u.data, u.item, u.user
+    (tmp_path / "log.csv").write_text("user_id;item_id;timestamp\nu1;i1;1\nu1;i2;2\n")
+    load(str(tmp_path / "log.csv"))                    # its delimiter found from its head
+    assert len(sources_read) > 3
+    assert all(isinstance(source, pa.BufferReader) for source in sources_read), sources_read
 
 
 @pytest.mark.parametrize("as_zip", [False, True], ids=["dir", "zip"])
