@@ -722,6 +722,34 @@ def _ties_shuffled(log: Interactions) -> Interactions:
     return log.take(np.lexsort((shuffled, log.timestamp, log.user)))
 
 
+def tie_order_notes(log: Interactions) -> list[str]:
+    """One line when the log lists the rows of one user and timestamp by increasing item id
+    (nine pairs in ten of such rows or more, and ties one row in a hundred or more), as
+    GroupLens's ratings.csv does, read as a file: ties keep the log's order, so the held-out
+    last row of a timestamp is its highest id, an order of the file that models learn. [] for
+    any other log, and for a release, whose ties `load` shuffles."""
+    order = log.time_order()
+    user, timestamp = log.user[order], log.timestamp[order]
+    tied = (user[1:] == user[:-1]) & (timestamp[1:] == timestamp[:-1])        # [n - 1]
+    if tied.sum() < max(20, len(log) // 100):
+        return []
+    ids = log.item_ids
+    numeric = bool(np.char.isdigit(ids).all() and np.char.str_len(ids).max() < 19)
+    rank = np.argsort(np.argsort(ids.astype(np.int64) if numeric else ids, kind="stable"))
+    item = rank[log.item[order]]                                             # [n] id order
+    increasing = (item[1:] > item[:-1])[tied].mean()
+    if increasing < 0.9:
+        return []
+    last = np.flatnonzero(np.append(user[1:] != user[:-1], True))            # [U'] positions
+    held_out = int(tied[last[last > 0] - 1].sum())
+    return [f"{log.source}: {tied.mean():.0%} of its rows share their user's timestamp with the "
+            f"row before, and it lists {np.floor(increasing * 100):.0f}% of those by increasing "
+            f"item id; ties keep the log's order, so the last row of {held_out} users (the "
+            "temporal protocol's held-out one) is the highest id of its timestamp, an order of "
+            "the file that models learn and that flatters their figures: "
+            "write ties in the order they happened, or in a random one (README: Splits)"]
+
+
 def _to_numpy(where: str, table: pa.Table, name: str) -> np.ndarray:
     return _column_numpy(where, name, table.column(name))
 

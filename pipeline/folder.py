@@ -18,7 +18,7 @@ from tworec.features import Interactions, Split, load, split
 from tworec.features.interactions import SourceNotFound
 from tworec.features.inputs import MODEL_ITEM_FEATURES
 from tworec.features.sources import (has_fixed_columns, is_release, release_gaps,
-                                     unread_columns_note)
+                                     tie_order_notes, unread_columns_note)
 from tworec.pipeline import config as run_config, report as run_report
 from tworec.pipeline.config import Configs
 
@@ -147,6 +147,7 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
                        f"{ranking.cooccurrence_neighbors}, popularity periods "
                        f"{ranking.popularity_periods}")
     notices += release_gaps(source["data"])
+    notices += tie_order_notes(log)
     if log.unread_columns:
         notices.append(unread_columns_note(log.unread_columns, log.rating is not None))
     unread = sorted(set(log.item_features) - {*MODEL_ITEM_FEATURES, "title"})  # title: people's

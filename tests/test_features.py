@@ -13,6 +13,7 @@ import pytest
 
 from tworec.features import DataError, Vocabulary, build_history, load, split
 from tworec.features.history import latest_history
+from tworec.features.sources import tie_order_notes
 from tworec.features.batches import batches, batches_in_order, steps_per_epoch
 from tworec.features.synthetic import PRESETS, SyntheticConfig, generate
 
@@ -132,9 +133,35 @@ def test_a_release_shuffles_its_ties(tmp_path, name, header, separator):
     last = collections.Counter(movies[:, -1])                                # held out
     assert set(last) == {"10", "20", "30"} and min(last.values()) > 70, last
     assert (log.item == load(release("again")).item).all()                  # on every load
+    assert tie_order_notes(log) == []                                        # shuffled
     with pytest.raises(DataError, match=r"'rating' has 1 ratings that are infinite .*\(first at "
                                         r"row 3\)"):                      # the file's row
         load(release("wrong", wrong_rating="1e40"))
+
+
+@pytest.mark.parametrize("first, ids", [("1", ("5", "40", "300")), ("z", ("a", "b", "c"))],
+                         ids=["numbers", "text"])
+def test_a_log_with_its_ties_in_id_order_is_noted(tmp_path, first, ids):
+    """A generic log keeps its ties' order (it is taken as the order things happened), and a
+    run says when that order is the ids' (nine tied pairs in ten or more): number ids compare
+    as numbers ('5' < '40' < '300')."""
+    def log(users, order, name):
+        path = tmp_path / name
+        path.write_text("user_id,item_id,timestamp\n" + "".join(
+            f"u{user},{first},1\n" + "".join(f"u{user},{ids[i]},9\n" for i in order(user))
+            for user in range(users)))
+        return load(str(path))
+
+    in_id_order = log(300, lambda user: (0, 1, 2), "sorted.csv")
+    assert tie_order_notes(in_id_order) == [
+        f"{tmp_path / 'sorted.csv'}: 50% of its rows share their user's timestamp with the row "
+        "before, and it lists 100% of those by increasing item id; ties keep the log's order, "
+        "so the last row of 300 users (the temporal protocol's held-out one) is the highest id "
+        "of its timestamp, an order of the file that models learn and that flatters their "
+        "figures: write ties in the order they happened, or in a random one (README: Splits)"]
+    rotated = log(300, lambda user: np.roll((0, 1, 2), user), "rotated.csv")    # 2 in 3 up
+    assert tie_order_notes(rotated) == []
+    assert tie_order_notes(log(9, lambda user: (0, 1, 2), "few.csv")) == []      # 18 ties
 
 
 @pytest.mark.skipif(not os.path.isdir(ML_LATEST_SMALL), reason="shared MovieLens copy absent")

@@ -516,6 +516,17 @@ def test_a_release_without_its_movies_file_is_noted(tmp_path):
             "title") in checked.notices
 
 
+def test_a_log_with_its_ties_in_id_order_is_noted(tmp_path):
+    """A run says when a generic log lists its tied rows by item id (`tie_order_notes`)."""
+    path = tmp_path / "ratings.csv"
+    path.write_text("user_id,item_id,timestamp\n" + "".join(
+        f"u{user},i0,1\n" + "".join(f"u{user},i{item},9\n" for item in (1, 2, 3))
+        for user in range(300)))
+    checked = folder.check_run(str(tmp_path / "run"), {"data": str(path)}, config.resolve("tiny"))
+    assert sum(notice.startswith(f"{path}: 50% of its rows share their user's timestamp")
+               for notice in checked.notices) == 1, checked.notices
+
+
 def test_a_continued_run_from_another_folder_says_its_tfds_data_dir_is_relative(tmp_path,
                                                                               monkeypatch,
                                                                               offline):
