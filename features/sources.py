@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 
 from tworec.features.interactions import (DataError, Interactions, SourceNotFound,
                                           drop_duplicate_rows, first_appearance)
+from tworec.features.splits import temporal_split
 
 ML100K_GENRES = ("unknown", "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime",
                  "Documentary", "Drama", "Fantasy", "Film-Noir", "Horror", "Musical", "Mystery",
@@ -723,31 +724,34 @@ def _ties_shuffled(log: Interactions) -> Interactions:
 
 
 def tie_order_notes(log: Interactions) -> list[str]:
-    """One line when the log lists the rows of one user and timestamp by increasing item id
-    (nine pairs in ten of such rows or more, and ties one row in a hundred or more), as
-    GroupLens's ratings.csv does, read as a file: ties keep the log's order, so the held-out
-    last row of a timestamp is its highest id, an order of the file that models learn. [] for
-    any other log, and for a release, whose ties `load` shuffles."""
+    """One line when the log lists the rows of one user and timestamp by increasing item id, as
+    GroupLens's ratings.csv does (read as a file): nine tied pairs in ten or more, and at least
+    20 rows and one in a hundred tied with the row before. Ties keep the log's order, which the
+    models take for the order things happened, and the temporal protocol holds out the last row
+    of a timestamp: its highest id. [] for any other log (a release's ties are shuffled)."""
     order = log.time_order()
     user, timestamp = log.user[order], log.timestamp[order]
     tied = (user[1:] == user[:-1]) & (timestamp[1:] == timestamp[:-1])        # [n - 1]
-    if tied.sum() < max(20, len(log) // 100):
+    if tied.sum() < max(20, len(log) / 100):
         return []
     ids = log.item_ids
-    numeric = bool(np.char.isdigit(ids).all() and np.char.str_len(ids).max() < 19)
-    rank = np.argsort(np.argsort(ids.astype(np.int64) if numeric else ids, kind="stable"))
-    item = rank[log.item[order]]                                             # [n] id order
-    increasing = (item[1:] > item[:-1])[tied].mean()
-    if increasing < 0.9:
+    numeric = bool(np.char.isdecimal(ids).all() and np.char.str_len(ids).max() < 19)
+    rank = np.empty(len(ids), np.int64)                                      # [I] in id order
+    rank[np.argsort(ids.astype(np.int64) if numeric else ids, kind="stable")] = np.arange(len(ids))
+    item = rank[log.item[order]]                                             # [n]
+    up = tied & (item[1:] > item[:-1])                                       # [n - 1]
+    if up.sum() < 0.9 * tied.sum():
         return []
-    last = np.flatnonzero(np.append(user[1:] != user[:-1], True))            # [U'] positions
-    held_out = int(tied[last[last > 0] - 1].sum())
-    return [f"{log.source}: {tied.mean():.0%} of its rows share their user's timestamp with the "
-            f"row before, and it lists {np.floor(increasing * 100):.0f}% of those by increasing "
-            f"item id; ties keep the log's order, so the last row of {held_out} users (the "
-            "temporal protocol's held-out one) is the highest id of its timestamp, an order of "
-            "the file that models learn and that flatters their figures: "
-            "write ties in the order they happened, or in a random one (README: Splits)"]
+    position = np.empty(len(log), np.int64)
+    position[order] = np.arange(len(log))
+    held_out = int(up[position[temporal_split(log).test] - 1].sum())  # a test row has 2 before
+    return [f"{log.source}: {math.floor(100 * tied.sum() / len(log))}% of its rows share their "
+            f"user's timestamp with the row before, and it lists "
+            f"{math.floor(100 * up.sum() / tied.sum())}% of those by increasing item id; ties "
+            "keep the log's order, which models learn as the order things happened"
+            + (f", and the temporal protocol holds out the highest id of a timestamp for "
+               f"{held_out} users" if held_out else "")
+            + ": write ties in the order they happened, or in a random one (README: Splits)"]
 
 
 def _to_numpy(where: str, table: pa.Table, name: str) -> np.ndarray:
@@ -1106,9 +1110,9 @@ def _in_arrow_memory(data: bytes) -> pa.BufferReader:
     object (`io.BytesIO`, or the bytes themselves); if the parse fails and the process exits at
     once, one still doing so during the interpreter's finalization aborts the process
     ("terminate called without an active exception", exit -6)."""
-    sink = pa.BufferOutputStream()
-    sink.write(data)
-    return pa.BufferReader(sink.getvalue())
+    copy = pa.allocate_buffer(len(data))                  # its exact size (a stream's doubles)
+    pa.FixedSizeBufferWriter(copy).write(data)
+    return pa.BufferReader(copy)
 
 
 def unread_columns_note(names, has_rating: bool) -> str:

@@ -7,12 +7,12 @@ import sys
 import zipfile
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.csv as pacsv
 import pytest
 
 from tworec.features import DataError, Vocabulary, build_history, load, split
 from tworec.features.history import latest_history
+from tworec.features import sources
 from tworec.features.sources import tie_order_notes
 from tworec.features.batches import batches, batches_in_order, steps_per_epoch
 from tworec.features.synthetic import PRESETS, SyntheticConfig, generate
@@ -73,19 +73,29 @@ def test_arrow_parses_bytes_from_its_own_memory(tmp_path, monkeypatch):
     in Arrow's memory, never as a Python object: its threads would need the interpreter to
     read one, and one still reading when a script exits after a parse error aborts the
     process (exit -6; `sources._in_arrow_memory`)."""
-    read_csv, sources_read = pacsv.read_csv, []
+    read_csv, in_arrow_memory, sources_read, copies = (
+        pacsv.read_csv, sources._in_arrow_memory, [], [])
 
     def recording(source, *args, **kwargs):
         sources_read.append(source)
         return read_csv(source, *args, **kwargs)
 
+    def copying(data):
+        copies.append(in_arrow_memory(data))
+        return copies[-1]
+
     monkeypatch.setattr(pacsv, "read_csv", recording)
+    monkeypatch.setattr(sources, "_in_arrow_memory", copying)
     load(write_release(tmp_path, ML100K, as_zip=False))
-    assert len(sources_read) == 3                                 # u.data, u.item, u.user
+    released = len(sources_read)                                  # u.data, u.item, u.user
     (tmp_path / "log.csv").write_text("user_id;item_id;timestamp\nu1;i1;1\nu1;i2;2\n")
     load(str(tmp_path / "log.csv"))                    # its delimiter found from its head
-    assert len(sources_read) > 3
-    assert all(isinstance(source, pa.BufferReader) for source in sources_read), sources_read
+    assert released == 3 and len(sources_read) > released
+    assert all(any(source is copy for copy in copies) for source in sources_read), sources_read
+    data = bytearray(b"a\n1\n")
+    copy = in_arrow_memory(data)
+    data[2:3] = b"2"                                    # Arrow's copy does not see the change
+    assert copy.read() == b"a\n1\n"
 
 
 @pytest.mark.parametrize("as_zip", [False, True], ids=["dir", "zip"])
@@ -144,24 +154,43 @@ def test_a_release_shuffles_its_ties(tmp_path, name, header, separator):
 def test_a_log_with_its_ties_in_id_order_is_noted(tmp_path, first, ids):
     """A generic log keeps its ties' order (it is taken as the order things happened), and a
     run says when that order is the ids' (nine tied pairs in ten or more): number ids compare
-    as numbers ('5' < '40' < '300')."""
-    def log(users, order, name):
+    as numbers ('5' < '40' < '300'). Users of two rows are not held out."""
+    def log(users, order, name, short_users=0):
         path = tmp_path / name
         path.write_text("user_id,item_id,timestamp\n" + "".join(
             f"u{user},{first},1\n" + "".join(f"u{user},{ids[i]},9\n" for i in order(user))
-            for user in range(users)))
+            for user in range(users)) + "".join(
+            f"s{user},{ids[0]},9\ns{user},{ids[1]},9\n" for user in range(short_users)))
         return load(str(path))
 
-    in_id_order = log(300, lambda user: (0, 1, 2), "sorted.csv")
-    assert tie_order_notes(in_id_order) == [
+    assert tie_order_notes(log(300, lambda user: (0, 1, 2), "sorted.csv", short_users=100)) == [
         f"{tmp_path / 'sorted.csv'}: 50% of its rows share their user's timestamp with the row "
         "before, and it lists 100% of those by increasing item id; ties keep the log's order, "
-        "so the last row of 300 users (the temporal protocol's held-out one) is the highest id "
-        "of its timestamp, an order of the file that models learn and that flatters their "
-        "figures: write ties in the order they happened, or in a random one (README: Splits)"]
+        "which models learn as the order things happened, and the temporal protocol holds out "
+        "the highest id of a timestamp for 300 users: write ties in the order they happened, "
+        "or in a random one (README: Splits)"]
     rotated = log(300, lambda user: np.roll((0, 1, 2), user), "rotated.csv")    # 2 in 3 up
     assert tie_order_notes(rotated) == []
-    assert tie_order_notes(log(9, lambda user: (0, 1, 2), "few.csv")) == []      # 18 ties
+
+
+def tied_pairs_log(path, up: int, down: int = 0, untied: int = 0):
+    """A log of `up` users with one tied pair in increasing id order, `down` with one in
+    decreasing order, each after an earlier row, and `untied` users of one row."""
+    rows = [(f"u{user}", "1", 1) for user in range(up + down)]
+    rows += [(f"u{user}", item, 9) for user in range(up) for item in ("2", "3")]
+    rows += [(f"u{user}", item, 9) for user in range(up, up + down) for item in ("3", "2")]
+    rows += [(f"v{user}", "1", 5) for user in range(untied)]
+    path.write_text("user_id,item_id,timestamp\n" + "".join(f"{u},{i},{t}\n" for u, i, t in rows))
+    return load(str(path))
+
+
+@pytest.mark.parametrize("up, down, untied, noted", [
+    (20, 0, 0, True), (19, 0, 0, False),                  # at least 20 tied rows
+    (90, 10, 0, True), (89, 11, 0, False),                # nine in ten of them in id order
+    (21, 0, 2037, True), (21, 0, 2038, False)])           # and one row in a hundred or more
+def test_the_tie_order_note_has_its_thresholds(tmp_path, up, down, untied, noted):
+    log = tied_pairs_log(tmp_path / "log.csv", up, down, untied)
+    assert bool(tie_order_notes(log)) == noted
 
 
 @pytest.mark.skipif(not os.path.isdir(ML_LATEST_SMALL), reason="shared MovieLens copy absent")
