@@ -728,7 +728,10 @@ def tie_order_notes(log: Interactions) -> list[str]:
     GroupLens's ratings.csv does (read as a file): nine tied pairs in ten or more, and at least
     20 rows and one in a hundred tied with the row before. Ties keep the log's order, which the
     models take for the order things happened, and the temporal protocol holds out the last row
-    of a timestamp: its highest id. [] for any other log (a release's ties are shuffled)."""
+    of a timestamp: its highest id. [] for any other log, and for a release (`load` shuffles
+    its ties)."""
+    if is_release(log.source):
+        return []
     order = log.time_order()
     user, timestamp = log.user[order], log.timestamp[order]
     tied = (user[1:] == user[:-1]) & (timestamp[1:] == timestamp[:-1])        # [n - 1]

@@ -424,6 +424,7 @@ def table(result: dict) -> str:
         lines.append("Each ranking arm re-ranks the lists of the same retrieval model per seed "
                      "(retrieval alone's row), as the served two-stage list; a calibrated "
                      "ranker is calibrated on half of the users and scores the other half.")
+    lines += [f"Note: {note}" for note in result.get("notes", [])]
     if result.get("seeds_left"):
         lines.append(f"Partial: {seeds_named(result['seeds_left'])} not run yet (the "
                      "comparison stopped, or is still running).")

@@ -147,8 +147,7 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
                        f"{ranking.cooccurrence_neighbors}, popularity periods "
                        f"{ranking.popularity_periods}")
     notices += release_gaps(source["data"])
-    if not is_release(source["data"]):                   # whose ties load shuffles
-        notices += tie_order_notes(log)
+    notices += tie_order_notes(log)
     if log.unread_columns:
         notices.append(unread_columns_note(log.unread_columns, log.rating is not None))
     unread = sorted(set(log.item_features) - {*MODEL_ITEM_FEATURES, "title"})  # title: people's

@@ -17,6 +17,7 @@ test row is scored.
 import os
 import sys
 
+from tworec.features.sources import tie_order_notes
 from tworec.pipeline import cli
 from tworec.pipeline.compare import (ARM_FORM, OUTPUTS, check_arms, compare, parse_arm,
                                      seeds_named, table, validation_split, write)
@@ -83,6 +84,7 @@ def _compare(args) -> int:
         check_arms(arms, configs, args.seeds)
         cli.show_logs(args)
         log = load_source(source)
+        notes = tie_order_notes(log)
         parts = validation_split(log, configs, arms)
     except ValueError as error:                       # DataError included
         return cli.fail(str(error))
@@ -92,10 +94,12 @@ def _compare(args) -> int:
         if os.path.exists(os.path.join(args.out, name)):
             os.remove(os.path.join(args.out, name))
     written = []
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
 
     def write_seeds(result: dict, ranks: dict) -> None:
         """The seeds done so far, written: a comparison that stops keeps them."""
-        write(args.out, result, ranks, source, configs)
+        write(args.out, {**result, "notes": notes}, ranks, source, configs)
         written[:] = result["seeds"]
 
     def kept() -> str:
@@ -112,7 +116,7 @@ def _compare(args) -> int:
     except KeyboardInterrupt:
         print(f"error: stopped; {kept()}", file=sys.stderr)
         return 130
-    print(table(result), end="")
+    print(table({**result, "notes": notes}), end="")
     return 0
 
 

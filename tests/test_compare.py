@@ -504,6 +504,7 @@ def test_the_table_gives_the_seeds_gains_and_warns_when_arms_choose_epochs_diffe
     assert table({**result, "early_stopping": False, "epoch_choice_differs": False}
                  ).splitlines()[0].endswith("Each run kept its last epoch (no early stopping).")
     assert "Note:" not in table({**result, "epoch_choice_differs": False})
+    assert table({**result, "notes": ["log.csv: ties"]}).splitlines()[1] == "Note: log.csv: ties"
     over = {"ndcg@10": {"difference": 0.03, "ci95": [0.01, 0.05]}}
     ranking = {**result, "stage": "ranking", "epoch_choice_differs": False,
                "retrieval": {"recall@10": 0.4, "ndcg@10": 0.2}, "arms": {
