@@ -13,7 +13,7 @@ import sys
 
 from tworec.features import DataError, load, shards, split
 from tworec.features.inputs import DataConfig
-from tworec.features.sources import DELIMITER_HELP, parse_columns
+from tworec.features.sources import DELIMITER_HELP, parse_columns, tie_order_notes
 from tworec.pipeline import cli
 
 
@@ -67,6 +67,7 @@ def main(argv=None) -> int:
         return 130
     summary = interactions.summary()
     summary["time_range"] = [int(interactions.timestamp.min()), int(interactions.timestamp.max())]
+    summary["notes"] = tie_order_notes(interactions)
     if parts is not None:
         summary.update(split=args.split or "temporal", split_sizes=parts.sizes(),
                        test_users=int(len(set(interactions.user[parts.test].tolist()))),

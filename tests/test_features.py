@@ -497,6 +497,11 @@ def test_describe_data_prints_one_json_object(tmp_path):
     done = subprocess.run([sys.executable, script, "--data", str(tmp_path / "none.csv")],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "no such file" in done.stderr
+    assert summary["notes"] == []
+    notes = tie_order_notes(tied_pairs_log(tmp_path / "tied.csv", up=20))
+    done = subprocess.run([sys.executable, script, "--data", str(tmp_path / "tied.csv")],
+                          capture_output=True, text=True, timeout=120)
+    assert json.loads(done.stdout)["notes"] == notes and len(notes) == 1
 
 
 PINNED = (80105, 499732, 1624789569)      # rows, sum of the first 1000 items, last timestamp
