@@ -145,6 +145,31 @@ def test_the_in_memory_columns_snippet_runs_as_printed(capsys):
     assert capsys.readouterr().out == "3 2 2\n"
 
 
+def test_the_tie_shuffling_snippet_runs_as_printed(tmp_path, monkeypatch):
+    """The DuckDB line that reorders a ratings.csv listed by movie id: the same rows, in time
+    order within each user, their ties no longer in id order and not in one order for all."""
+    from tworec.features import load
+    from tworec.features.sources import tie_order_notes
+    snippet = next(block for language, block in re.findall(r"```(\w*)\n(.*?)```", README, re.S)
+                   if language == "python" and "duckdb" in block)
+    rows = [(user, movie, 4.0, second) for user in range(1, 301)
+            for movie, second in ((5, 1), (10, 9), (20, 9), (30, 9))]
+    (tmp_path / "ratings.csv").write_text("userId,movieId,rating,timestamp\n" + "".join(
+        f"{user},{movie},{rating},{second}\n" for user, movie, rating, second in rows))
+    assert tie_order_notes(load(str(tmp_path / "ratings.csv")))            # in id order
+    monkeypatch.chdir(tmp_path)
+    exec(snippet, {})
+    lines = (tmp_path / "shuffled.csv").read_text().splitlines()
+    assert lines[0] == "userId,movieId,rating,timestamp"
+    shuffled = [tuple(map(float, line.split(","))) for line in lines[1:]]
+    assert sorted(shuffled) == sorted(rows)
+    assert [(u, t) for u, _, _, t in shuffled] == sorted((u, t) for u, _, _, t in rows)
+    last = [movie for (user, movie, _, _), after in zip(shuffled, shuffled[1:] + [(0,) * 4])
+            if after[0] != user]                                          # each user's last
+    assert set(last) == {10, 20, 30} and min(map(last.count, (10, 20, 30))) > 50
+    assert tie_order_notes(load(str(tmp_path / "shuffled.csv"))) == []
+
+
 def test_soak_runs_briefly():
     """The README's soak, shortened: valid and malformed requests both sent, no valid one failed
     or answered wrongly, no malformed one answered 200 or 5xx."""
