@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 
 from tworec.features.interactions import (DataError, Interactions, SourceNotFound,
                                           drop_duplicate_rows, first_appearance)
-from tworec.features.splits import temporal_split
+from tworec.features.splits import HELD_OUT_FROM
 
 ML100K_GENRES = ("unknown", "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime",
                  "Documentary", "Drama", "Fantasy", "Film-Noir", "Horror", "Musical", "Mystery",
@@ -727,9 +727,10 @@ def tie_order_notes(log: Interactions) -> list[str]:
     """One line when the log lists the rows of one user and timestamp by increasing item id, as
     GroupLens's ratings.csv does (read as a file): nine tied pairs in ten or more, and at least
     20 rows and one in a hundred tied with the row before. Ties keep the log's order, which the
-    models take for the order things happened, and the temporal protocol holds out the last row
-    of a timestamp: its highest id. [] for any other log, and for a release (`load` shuffles
-    its ties)."""
+    models take for the order things happened, and the temporal protocol holds out a user's
+    last row: the highest id of its timestamp. [] for any other log (ids in another order, such
+    as decreasing or 'item_9' before 'item_10', are not told apart from a random one), and for a
+    release (`load` shuffles its ties)."""
     if is_release(log.source):
         return []
     order = log.time_order()
@@ -745,15 +746,15 @@ def tie_order_notes(log: Interactions) -> list[str]:
     up = tied & (item[1:] > item[:-1])                                       # [n - 1]
     if up.sum() < 0.9 * tied.sum():
         return []
-    position = np.empty(len(log), np.int64)
-    position[order] = np.arange(len(log))
-    held_out = int(up[position[temporal_split(log).test] - 1].sum())  # a test row has 2 before
+    last = np.flatnonzero(np.append(user[1:] != user[:-1], True))            # [U] positions
+    held = last[np.bincount(log.user)[user[last]] >= HELD_OUT_FROM]          # test rows
+    held_out = int(up[held - 1].sum())
     return [f"{log.source}: {math.floor(100 * tied.sum() / len(log))}% of its rows share their "
             f"user's timestamp with the row before, and it lists "
             f"{math.floor(100 * up.sum() / tied.sum())}% of those by increasing item id; ties "
             "keep the log's order, which models learn as the order things happened"
-            + (f", and the temporal protocol holds out the highest id of a timestamp for "
-               f"{held_out} users" if held_out else "")
+            + (f", and for {held_out} users the last row, which the temporal protocol holds "
+               "out, is the highest id of its timestamp" if held_out else "")
             + ": write ties in the order they happened, or in a random one (README: Splits)"]
 
 

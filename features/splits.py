@@ -103,14 +103,17 @@ def positions_from_end(interactions: Interactions) -> tuple[np.ndarray, np.ndarr
     return from_end, counts[interactions.user]
 
 
+HELD_OUT_FROM = 3                # rows of a user the temporal protocol holds rows out of
+
+
 def temporal_split(interactions: Interactions) -> Split:
     from_end, count = positions_from_end(interactions)
-    eligible = count >= 3
+    eligible = count >= HELD_OUT_FROM
     test = np.flatnonzero(eligible & (from_end == 0))
     validation = np.flatnonzero(eligible & (from_end == 1))
     train = np.flatnonzero(~eligible | (from_end >= 2))
     counts = np.bincount(interactions.user, minlength=interactions.num_users)
-    short = int(((counts > 0) & (counts < 3)).sum())
+    short = int(((counts > 0) & (counts < HELD_OUT_FROM)).sum())
     return Split("temporal", train, validation, test, short_users=short)
 
 

@@ -12,7 +12,8 @@ three:members=3`. Ranking arms re-rank the lists of one retrieval model per seed
 retrieval alone. Prints the table and writes DIR/compare.md, DIR/compare.json and
 DIR/ranks.npz (the rank of every validation row under each arm and seed, and the row and its
 user), rewritten after every seed: a comparison that stops keeps the seeds it finished. No
-test row is scored.
+test row is scored. A log whose ties are listed by item id is noted (stderr, the table and
+compare.json's "notes").
 """
 import os
 import sys

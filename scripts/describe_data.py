@@ -67,11 +67,10 @@ def main(argv=None) -> int:
         return 130
     summary = interactions.summary()
     summary["time_range"] = [int(interactions.timestamp.min()), int(interactions.timestamp.max())]
-    summary["notes"] = tie_order_notes(interactions)
     if parts is not None:
         summary.update(split=args.split or "temporal", split_sizes=parts.sizes(),
                        test_users=int(len(set(interactions.user[parts.test].tolist()))),
-                       short_users=parts.short_users)
+                       short_users=parts.short_users, notes=tie_order_notes(interactions))
     print(json.dumps(summary))
     return 0
 

@@ -361,6 +361,41 @@ def test_the_script_prints_the_table_and_writes_it_with_the_ranks(tmp_path):
     assert (out / "compare.md").read_text() == table_text
 
 
+def test_the_script_notes_a_log_whose_ties_are_in_id_order(tmp_path, monkeypatch, capsys):
+    """The note goes to stderr, the table and compare.json, written after every seed (the
+    comparison itself stubbed: what is checked is the script's wiring)."""
+    import importlib.util
+    from test_features import tied_pairs_log
+    from tworec.features.sources import tie_order_notes
+    spec = importlib.util.spec_from_file_location("compare_script",
+                                                  os.path.join(ROOT, "scripts", "compare.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    notes = tie_order_notes(tied_pairs_log(tmp_path / "tied.csv", up=300))
+    result = {"split": "temporal", "seeds": [0], "validation": {"rows": 1, "users": 1},
+              "early_stopping": False, "epoch_choice_differs": False, "arms": {
+                  "a": {"fields": {}, "runs": [{"gain": None}], "recall@10": 0.5,
+                        "ndcg@10": 0.25, "gain": None}}}
+    tables = []
+
+    def compared(*args, seed_done, **kwargs):
+        seed_done({**result, "seeds_left": [1]}, {"rows": np.arange(1)})
+        tables.append((tmp_path / "out" / "compare.md").read_text())
+        return result, {"rows": np.arange(1)}
+
+    monkeypatch.setattr(script, "compare", compared)
+    monkeypatch.setattr(script.cli, "show_logs", lambda args: None)    # fd 2 left as it is
+    assert script.main(["--data", str(tmp_path / "tied.csv"), "--out", str(tmp_path / "out"),
+                        "--preset", "tiny", "--arm", "a", "--arm", "b:members=2", "--seeds", "0",
+                        "1"]) == 0, capsys.readouterr().err
+    printed = capsys.readouterr()
+    assert len(notes) == 1 and printed.err == f"note: {notes[0]}\n"
+    assert f"Note: {notes[0]}" in printed.out                       # the table printed
+    assert f"Note: {notes[0]}" in tables[0]                         # the partial table too
+    assert f"Note: {notes[0]}" in (tmp_path / "out" / "compare.md").read_text()
+    assert json.loads((tmp_path / "out" / "compare.json").read_text())["notes"] == notes
+
+
 def test_a_failed_write_leaves_the_older_table_and_nothing_aside(tmp_path, monkeypatch):
     """The files are written aside, then renamed, the table last: a write that fails while
     writing leaves the folder as it was, one that fails while renaming leaves the older

@@ -163,12 +163,19 @@ def test_a_log_with_its_ties_in_id_order_is_noted(tmp_path, first, ids):
             f"s{user},{ids[0]},9\ns{user},{ids[1]},9\n" for user in range(short_users)))
         return load(str(path))
 
-    assert tie_order_notes(log(300, lambda user: (0, 1, 2), "sorted.csv", short_users=100)) == [
+    mostly = log(330, lambda user: (0, 1, 2) if user < 300 else (0, 2, 1), "sorted.csv",
+                 short_users=100)                  # 30 users' last ties down, 100 not held out
+    assert tie_order_notes(mostly) == [
         f"{tmp_path / 'sorted.csv'}: 50% of its rows share their user's timestamp with the row "
+        "before, and it lists 96% of those by increasing item id; ties keep the log's order, "
+        "which models learn as the order things happened, and for 300 users the last row, "
+        "which the temporal protocol holds out, is the highest id of its timestamp: write ties "
+        "in the order they happened, or in a random one (README: Splits)"]
+    assert tie_order_notes(log(0, None, "short.csv", short_users=25)) == [     # none held out
+        f"{tmp_path / 'short.csv'}: 50% of its rows share their user's timestamp with the row "
         "before, and it lists 100% of those by increasing item id; ties keep the log's order, "
-        "which models learn as the order things happened, and the temporal protocol holds out "
-        "the highest id of a timestamp for 300 users: write ties in the order they happened, "
-        "or in a random one (README: Splits)"]
+        "which models learn as the order things happened: write ties in the order they "
+        "happened, or in a random one (README: Splits)"]
     rotated = log(300, lambda user: np.roll((0, 1, 2), user), "rotated.csv")    # 2 in 3 up
     assert tie_order_notes(rotated) == []
 
