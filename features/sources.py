@@ -728,7 +728,7 @@ def tie_order_notes(log: Interactions) -> list[str]:
     GroupLens's ratings.csv does (read as a file): nine tied pairs in ten or more, and at least
     20 rows and one in a hundred tied with the row before. Ties keep the log's order, which the
     models take for the order things happened, and the temporal protocol holds out a user's
-    last row: the highest id of its timestamp. [] for any other log (ids in another order, such
+    last row: mostly the highest id of its timestamp. [] for any other log (ids in another order, such
     as decreasing or 'item_9' before 'item_10', are not told apart from a random one), and for a
     release (`load` shuffles its ties)."""
     if is_release(log.source):
@@ -754,7 +754,7 @@ def tie_order_notes(log: Interactions) -> list[str]:
             f"{math.floor(100 * up.sum() / tied.sum())}% of those by increasing item id; ties "
             "keep the log's order, which models learn as the order things happened"
             + (f", and for {held_out} users the last row, which the temporal protocol holds "
-               "out, is the highest id of its timestamp" if held_out else "")
+               "out, comes after a lower id of its timestamp" if held_out else "")
             + ": write ties in the order they happened, or in a random one (README: Splits)"]
 
 

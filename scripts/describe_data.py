@@ -1,4 +1,5 @@
-"""Prints one JSON object describing a log: counts, split sizes and dropped rows by reason.
+"""Prints one JSON object describing a log: counts, split sizes, dropped rows by reason and
+notes (a log whose ties are listed by item id).
 
     python scripts/describe_data.py --data SOURCE [--split temporal|random|global[:Q]|none]
         [--columns user=..,item=..,time=..]

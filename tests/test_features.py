@@ -169,8 +169,8 @@ def test_a_log_with_its_ties_in_id_order_is_noted(tmp_path, first, ids):
         f"{tmp_path / 'sorted.csv'}: 50% of its rows share their user's timestamp with the row "
         "before, and it lists 96% of those by increasing item id; ties keep the log's order, "
         "which models learn as the order things happened, and for 300 users the last row, "
-        "which the temporal protocol holds out, is the highest id of its timestamp: write ties "
-        "in the order they happened, or in a random one (README: Splits)"]
+        "which the temporal protocol holds out, comes after a lower id of its timestamp: write "
+        "ties in the order they happened, or in a random one (README: Splits)"]
     assert tie_order_notes(log(0, None, "short.csv", short_users=25)) == [     # none held out
         f"{tmp_path / 'short.csv'}: 50% of its rows share their user's timestamp with the row "
         "before, and it lists 100% of those by increasing item id; ties keep the log's order, "
@@ -509,6 +509,9 @@ def test_describe_data_prints_one_json_object(tmp_path):
     done = subprocess.run([sys.executable, script, "--data", str(tmp_path / "tied.csv")],
                           capture_output=True, text=True, timeout=120)
     assert json.loads(done.stdout)["notes"] == notes and len(notes) == 1
+    done = subprocess.run([sys.executable, script, "--data", str(tmp_path / "tied.csv"),
+                           "--summary-only"], capture_output=True, text=True, timeout=120)
+    assert "notes" not in json.loads(done.stdout)              # no split, no sort for notes
 
 
 PINNED = (80105, 499732, 1624789569)      # rows, sum of the first 1000 items, last timestamp
