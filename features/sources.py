@@ -728,9 +728,9 @@ def tie_order_notes(log: Interactions) -> list[str]:
     GroupLens's ratings.csv does (read as a file): nine tied pairs in ten or more, and at least
     20 rows and one in a hundred tied with the row before. Ties keep the log's order, which the
     models take for the order things happened, and the temporal protocol holds out a user's
-    last row: mostly the highest id of its timestamp. [] for any other log (ids in another order, such
-    as decreasing or 'item_9' before 'item_10', are not told apart from a random one), and for a
-    release (`load` shuffles its ties)."""
+    last row: mostly the highest id of its timestamp. [] for any other log (ids in another
+    order, such as decreasing or 'item_9' before 'item_10', are not told apart from a random
+    one), and for a release, skipped without sorting (`load` shuffles its ties)."""
     if is_release(log.source):
         return []
     order = log.time_order()

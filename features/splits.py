@@ -103,7 +103,7 @@ def positions_from_end(interactions: Interactions) -> tuple[np.ndarray, np.ndarr
     return from_end, counts[interactions.user]
 
 
-HELD_OUT_FROM = 3                # rows of a user the temporal protocol holds rows out of
+HELD_OUT_FROM = 3        # rows a user needs before the temporal protocol holds any out
 
 
 def temporal_split(interactions: Interactions) -> Split:
