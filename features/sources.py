@@ -725,12 +725,13 @@ def _ties_shuffled(log: Interactions) -> Interactions:
 
 def tie_order_notes(log: Interactions) -> list[str]:
     """One line when the log lists the rows of one user and timestamp by increasing item id, as
-    GroupLens's ratings.csv does (read as a file): nine tied pairs in ten or more, and at least
-    20 rows and one in a hundred tied with the row before. Ties keep the log's order, which the
-    models take for the order things happened, and the temporal protocol holds out a user's
-    last row: mostly the highest id of its timestamp. [] for any other log (ids in another
-    order, such as decreasing or 'item_9' before 'item_10', are not told apart from a random
-    one), and for a release, skipped without sorting (`load` shuffles its ties)."""
+    GroupLens's ratings.csv does (read as a file), or by decreasing id: nine tied pairs in ten
+    or more one way, and at least 20 rows and one in a hundred tied with the row before. Ties
+    keep the log's order, which the models take for the order things happened, and the
+    temporal protocol holds out a user's last row: mostly the highest (or lowest) id of its
+    timestamp. [] for any other log (ids in another order, such as 'item_9' before 'item_10',
+    are not told apart from a random one), and for a release, skipped without sorting (`load`
+    shuffles its ties)."""
     if is_release(log.source):
         return []
     order = log.time_order()
@@ -743,18 +744,20 @@ def tie_order_notes(log: Interactions) -> list[str]:
     rank = np.empty(len(ids), np.int64)                                      # [I] in id order
     rank[np.argsort(ids.astype(np.int64) if numeric else ids, kind="stable")] = np.arange(len(ids))
     item = rank[log.item[order]]                                             # [n]
-    up = tied & (item[1:] > item[:-1])                                       # [n - 1]
-    if up.sum() < 0.9 * tied.sum():
+    up, down = tied & (item[1:] > item[:-1]), tied & (item[1:] < item[:-1])  # [n - 1]
+    ordered, way, before = ((up, "increasing", "lower") if up.sum() >= down.sum() else
+                            (down, "decreasing", "higher"))
+    if ordered.sum() < 0.9 * tied.sum():
         return []
     last = np.flatnonzero(np.append(user[1:] != user[:-1], True))            # [U] positions
     held = last[np.bincount(log.user)[user[last]] >= HELD_OUT_FROM]          # test rows
-    held_out = int(up[held - 1].sum())
+    held_out = int(ordered[held - 1].sum())
     return [f"{log.source}: {math.floor(100 * tied.sum() / len(log))}% of its rows share their "
             f"user's timestamp with the row before, and it lists "
-            f"{math.floor(100 * up.sum() / tied.sum())}% of those by increasing item id; ties "
+            f"{math.floor(100 * ordered.sum() / tied.sum())}% of those by {way} item id; ties "
             "keep the log's order, which models learn as the order things happened"
             + (f", and for {held_out} users the last row, which the temporal protocol holds "
-               "out, comes after a lower id of its timestamp" if held_out else "")
+               f"out, comes after a {before} id of its timestamp" if held_out else "")
             + ": write ties in the order they happened, or in a random one (README: Splits)"]
 
 

@@ -178,6 +178,13 @@ def test_a_log_with_its_ties_in_id_order_is_noted(tmp_path, first, ids):
         "happened, or in a random one (README: Splits)"]
     rotated = log(300, lambda user: np.roll((0, 1, 2), user), "rotated.csv")    # 2 in 3 up
     assert tie_order_notes(rotated) == []
+    falling = log(330, lambda user: (2, 1, 0) if user < 300 else (2, 0, 1), "falling.csv")
+    assert tie_order_notes(falling) == [
+        f"{tmp_path / 'falling.csv'}: 50% of its rows share their user's timestamp with the row "
+        "before, and it lists 95% of those by decreasing item id; ties keep the log's order, "
+        "which models learn as the order things happened, and for 300 users the last row, "
+        "which the temporal protocol holds out, comes after a higher id of its timestamp: write "
+        "ties in the order they happened, or in a random one (README: Splits)"]
 
 
 def tied_pairs_log(path, up: int, down: int = 0, untied: int = 0):
@@ -194,6 +201,7 @@ def tied_pairs_log(path, up: int, down: int = 0, untied: int = 0):
 @pytest.mark.parametrize("up, down, untied, noted", [
     (20, 0, 0, True), (19, 0, 0, False),                  # at least 20 tied rows
     (90, 10, 0, True), (89, 11, 0, False),                # nine in ten of them in id order
+    (10, 90, 0, True), (11, 89, 0, False),                # or in decreasing id order
     (21, 0, 2037, True), (21, 0, 2038, False)])           # and one row in a hundred or more
 def test_the_tie_order_note_has_its_thresholds(tmp_path, up, down, untied, noted):
     log = tied_pairs_log(tmp_path / "log.csv", up, down, untied)
