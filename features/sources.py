@@ -729,8 +729,9 @@ def tie_order_notes(log: Interactions) -> list[str]:
     or more one way, and at least 20 rows and one in a hundred tied with the row before. Ties
     keep the log's order, which the models take for the order things happened, and the
     temporal protocol holds out a user's last row: mostly the highest (or lowest) id of its
-    timestamp. [] for any other log (ids in another order, such as 'item_9' before 'item_10',
-    are not told apart from a random one), and for a release, skipped without sorting (`load`
+    timestamp. Ids compare as numbers when all are decimal, else as text ('item_10' before
+    'item_9'), so ids such as 'item_9' listed in their number order may be noted either way, or
+    not at all. [] for any other log, and for a release, skipped without sorting (`load`
     shuffles its ties)."""
     if is_release(log.source):
         return []
