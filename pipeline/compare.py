@@ -5,7 +5,9 @@ training rows (with early stopping on validation, as a run does) and ranks every
 as the run scores validation. A retrieval arm ranks the full catalogue
 (`retrieval.train.catalogue_scorer`: known items excluded, users it does not know served the
 popular list). Ranking arms re-rank the validation lists one retrieval model per seed serves
-(retrieval alone is their reference row); a calibrated ranker is calibrated on one half of the
+(retrieval alone is their reference row), or one per retrieval config when arms set retrieval
+fields (`retrieval.members=1`: each such model has its own row, and a served two-stage list
+is compared with another); a calibrated ranker is calibrated on one half of the
 validation users and scores the other (`cross_fitted_scores`), so no row is scored by a
 calibration fitted on it (early stopping still chooses epochs on every validation row, as a run
 does). An arm's per-row Recall@10 and NDCG@10 are averaged over its seeds, and every arm
@@ -39,6 +41,7 @@ STAGES = {"retrieval": RetrievalConfig, "ranking": RankingConfig}
 ARM_FORM = "NAME:FIELD=VALUE[,FIELD=VALUE...], e.g. three:members=3 (layers: 256/128)"
 ARM_NAME = re.compile(r"[\w.-]+")
 RETRIEVAL_ALONE = "retrieval"          # the reference row of ranking arms (not an arm's name)
+RETRIEVED = "retrieval."               # a ranking arm's retrieval field: retrieval.members=1
 CALIBRATION_FOLDS = 2                  # of validation users: calibrated on one, scored on the other
 SEEDS = range(2 ** 32)                    # what `tf.keras.utils.set_random_seed` takes
 OUTPUTS = ("compare.md", "compare.json", "ranks.npz")
@@ -51,15 +54,25 @@ NOT_ARMS = {"seed": "every arm trains with the seeds of --seeds",
 
 @dataclasses.dataclass(frozen=True)
 class Arm:
-    """One side of a comparison: its name and the fields it replaces in its stage's config."""
+    """One side of a comparison: its name, the fields it replaces in its stage's config and,
+    for a ranking arm, those it replaces in the config of the retrieval model whose lists it
+    re-ranks (`retrieval`, given as `retrieval.FIELD=VALUE`)."""
     name: str
     fields: dict
     stage: str = "retrieval"
+    retrieval: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def shown_fields(self) -> dict:
+        """The fields it replaces as `--arm` names them (retrieval ones as `retrieval.FIELD`)."""
+        return {**self.fields, **{f"{RETRIEVED}{field}": value
+                                  for field, value in self.retrieval.items()}}
 
 
 def parse_arm(text: str, stage: str = "retrieval") -> Arm:
     """`NAME:FIELD=VALUE,...` (or `NAME` alone: the config unchanged) -> Arm, each value read
-    as its field's type in the `stage`'s config (`none` for an optional field's None)."""
+    as its field's type in the `stage`'s config (`none` for an optional field's None); a
+    ranking arm's `retrieval.FIELD=VALUE`, in the retrieval config."""
     name, _, fields = (part.strip() for part in text.partition(":"))
     if not ARM_NAME.fullmatch(name):
         raise ValueError(f"--arm {text!r}: name the arm with letters, digits, '_', '.' or "
@@ -67,26 +80,32 @@ def parse_arm(text: str, stage: str = "retrieval") -> Arm:
     if stage == "ranking" and name == RETRIEVAL_ALONE:
         raise ValueError(f"--arm {text!r}: {RETRIEVAL_ALONE!r} names the row of retrieval "
                          "alone; name the arm otherwise")
-    types = typing.get_type_hints(STAGES[stage])
-    replaced = {}
+    replaced, retrieval = {}, {}
     for item in filter(None, fields.split(",")):
         field, equals, value = (part.strip() for part in item.partition("="))
+        own = stage == "ranking" and field.startswith(RETRIEVED)
+        field = field[len(RETRIEVED):] if own else field
+        field_stage = "retrieval" if own else stage
+        types = typing.get_type_hints(STAGES[field_stage])
         if not equals or field not in types:
             widths = " (layer widths are joined by '/', e.g. deep_layers=256/128)" if (
                 not equals and any(typing.get_origin(kind) is tuple
                                    for kind in types.values())) else ""
-            other = next((name for name in STAGES if name != stage
+            other = next((name for name in STAGES if name != field_stage
                           and field in typing.get_type_hints(STAGES[name])), None)
-            hint = f" ({field} is a {other} field: pass --stage {other})" if other else ""
-            raise ValueError(f"--arm {text!r}: {item!r} is not FIELD=VALUE of a {stage} config "
-                             f"field{widths}{hint}; known fields: "
+            hint = (f" ({field} is a {other} field: pass --stage {other}"
+                    + (f", or {RETRIEVED}{field}=VALUE to train this arm's retrieval with it"
+                       if other == "retrieval" else "") + ")") if other else ""
+            raise ValueError(f"--arm {text!r}: {item!r} is not FIELD=VALUE of a {field_stage} "
+                             f"config field{widths}{hint}; known fields: "
                              f"{', '.join(name for name in types if name not in NOT_ARMS)}")
         if field in NOT_ARMS:
             raise ValueError(f"--arm {text!r}: {NOT_ARMS[field]}; leave {field} out")
-        if field in replaced:
-            raise ValueError(f"--arm {text!r}: {field} is given twice")
-        replaced[field] = _typed(text, field, types[field], value)
-    return Arm(name, replaced, stage)
+        given = retrieval if own else replaced
+        if field in given:
+            raise ValueError(f"--arm {text!r}: {RETRIEVED if own else ''}{field} is given twice")
+        given[field] = _typed(text, field, types[field], value)
+    return Arm(name, replaced, stage, retrieval)
 
 
 def _typed(arm: str, field: str, kind, value: str):
@@ -171,6 +190,7 @@ def validation_split(log: Interactions, configs: Configs, arms: list[Arm]) -> Sp
         arm_config = _checked(arm, configs, log)
         if arm_config.retrieval.batch_size > len(parts.train):
             whose = (f"arm {arm.name!r}" if arm.stage == "retrieval" else
+                     f"arm {arm.name!r}'s retrieval config" if arm.retrieval else
                      "the retrieval config every ranking arm re-ranks")
             raise ValueError(f"{whose}: batch_size {arm_config.retrieval.batch_size} is larger "
                              f"than the training split ({len(parts.train)} rows)")
@@ -181,10 +201,23 @@ def arm_configs(arm: Arm, configs: Configs, seed: int) -> Configs:
     """The configs an arm trains with one seed (`pipeline.config.resolve`, which refuses what
     it refuses for a run): its fields replaced in its stage's config, and the seed in every
     stage it trains."""
-    stages = {"retrieval": {"seed": seed},
+    stages = {"retrieval": {"seed": seed, **arm.retrieval},
               "ranking": {"seed": seed} if arm.stage == "ranking" else {}}
     stages[arm.stage].update(arm.fields)
     return resolve(base=configs, **stages)
+
+
+def retrieval_rows(arms: list[Arm], configs: Configs) -> dict[str, str]:
+    """Ranking arm name -> the row of the retrieval model whose lists it re-ranks:
+    RETRIEVAL_ALONE for the first arm's retrieval config, `retrieval:NAME` for another, after
+    the first arm NAME that trains it. Arms whose resolved retrieval configs are equal share one
+    model a seed."""
+    rows, named = {}, {}
+    for arm in arms:
+        config = arm_configs(arm, configs, 0).retrieval
+        named.setdefault(config, f"{RETRIEVAL_ALONE}:{arm.name}" if named else RETRIEVAL_ALONE)
+        rows[arm.name] = named[config]
+    return rows
 
 
 def compare(log: Interactions, parts: Split, configs: Configs, arms: list[Arm],
@@ -225,6 +258,7 @@ def compare(log: Interactions, parts: Split, configs: Configs, arms: list[Arm],
               "validation": {"rows": len(evalset), "users": len(np.unique(evalset.users))},
               "early_stopping": early_stopping, "epoch_choice_differs": epoch_choice_differs}
     ranks = {"rows": evalset.rows, "users": evalset.users}
+    retrieval_of = retrieval_rows(arms, configs) if stage == "ranking" else {}
     runs: dict[str, list[dict]] = {}
     rows: dict[str, dict[str, list]] = {}                  # name -> metric -> [seeds][m]
     for done, seed in enumerate(seeds, 1):
@@ -245,16 +279,18 @@ def compare(log: Interactions, parts: Split, configs: Configs, arms: list[Arm],
                       flush=True)
         if done == len(seeds) or seed_done is not None:
             result = {**header, "seeds": list(seeds[:done]), "seeds_left": list(seeds[done:]),
-                      **_summaries(arms, runs, rows, evalset.users)}
+                      **_summaries(arms, runs, rows, evalset.users, retrieval_of)}
             if done < len(seeds):
                 seed_done(result, dict(ranks))
     return result, ranks
 
 
 def _summaries(arms: list[Arm], runs: dict[str, list[dict]], rows: dict[str, dict[str, list]],
-               users: np.ndarray) -> dict:
-    """The result's "arms" (and "retrieval" for ranking arms) from each row's runs and its
-    per-row figures of every seed done (`rows`: name -> metric -> [seeds][m])."""
+               users: np.ndarray, retrieval_of: dict[str, str]) -> dict:
+    """The result's "arms" (and for ranking arms "retrieval", and "other_retrieval" when
+    some arms re-rank another retrieval model's lists: `retrieval_of`, arm -> its retrieval
+    row) from each row's runs and its per-row figures of every seed done (`rows`: name ->
+    metric -> [seeds][m])."""
     means = {name: {metric: np.mean(values, axis=0) for metric, values in metrics.items()}
              for name, metrics in rows.items()}                   # name -> metric -> [m]
 
@@ -269,29 +305,42 @@ def _summaries(arms: list[Arm], runs: dict[str, list[dict]], rows: dict[str, dic
     first, ranking = arms[0].name, arms[0].stage == "ranking"
     result = {"arms": {}}
     for arm in arms:
-        result["arms"][arm.name] = {"fields": arm.fields,
+        result["arms"][arm.name] = {"fields": arm.shown_fields,
                                     **summary(arm.name, None if arm.name == first else first)}
         for run, reference in zip(result["arms"][arm.name]["runs"], runs[first]):
             run["gain"] = None if arm.name == first else {
                 metric: run[metric] - reference[metric] for metric in METRICS}
         if ranking:
+            result["arms"][arm.name]["retrieval"] = retrieval_of[arm.name]
             result["arms"][arm.name]["gain_over_retrieval"] = summary(
-                arm.name, RETRIEVAL_ALONE)["gain"]
+                arm.name, retrieval_of[arm.name])["gain"]
     if ranking:
-        result["retrieval"] = {key: value for key, value in summary(RETRIEVAL_ALONE, None).items()
-                               if key != "gain"}
+        alone = {}
+        for arm in arms:                          # each retrieval row, with its first arm's fields
+            row = retrieval_of[arm.name]
+            if row not in alone:
+                alone[row] = {"fields": {f"{RETRIEVED}{field}": value
+                                         for field, value in arm.retrieval.items()},
+                              **{key: value for key, value in summary(row, None).items()
+                                 if key != "gain"}}
+        result["retrieval"] = alone.pop(RETRIEVAL_ALONE)
+        if alone:
+            result["other_retrieval"] = alone
     return result
 
 
 def stopping_of(arms: list[Arm], configs: Configs) -> tuple[bool, bool]:
     """(whether an arm stops early, whether arms stop early after other epochs or patience:
     then they choose their epoch among more or fewer looks at the rows they are compared on)."""
-    stopping = {(config.epochs, config.early_stopping_patience)
-                for config in (getattr(arm_configs(arm, configs, 0), arm.stage) for arm in arms)}
-    early_stopping = any(patience > 0 for _, patience in stopping)
-    if arms and arms[0].stage == "ranking":              # its retrieval chooses its epoch too
-        early_stopping |= configs.retrieval.early_stopping_patience > 0
-    return early_stopping, len(stopping) > 1 and any(patience > 0 for _, patience in stopping)
+    stages = ["retrieval"] + (["ranking"] if arms and arms[0].stage == "ranking" else [])
+    early_stopping = differs = False               # a ranking arm's retrieval chooses its epoch too
+    for stage in stages:
+        stopping = {(config.epochs, config.early_stopping_patience) for config in
+                    (getattr(arm_configs(arm, configs, 0), stage) for arm in arms)}
+        stops = any(patience > 0 for _, patience in stopping)
+        early_stopping |= stops
+        differs |= len(stopping) > 1 and stops
+    return early_stopping, differs
 
 
 @contextlib.contextmanager
@@ -333,25 +382,34 @@ def _retrieval_runs(arms: list[Arm], seed: int, configs: Configs, inputs: ModelI
 def _ranking_runs(arms: list[Arm], seed: int, configs: Configs, inputs: ModelInputs,
                   evalset: EvalSet):
     """Yields retrieval alone's, then every ranking arm's (name, {"epochs", "best_epoch",
-    "seconds", and a ranker's "calibration": each fold's}, [m] ranks) with `seed`: one
-    retrieval model serves the lists every arm re-ranks, and gives the hard negatives, as in a
-    run; a re-ranked row's rank past the served top_n is a miss."""
+    "seconds", and a ranker's "calibration": each fold's}, [m] ranks) with `seed`, an arm's
+    own retrieval row (`retrieval_rows`) before the first arm that re-ranks it: a retrieval
+    model serves the lists its arms re-rank, and gives the hard negatives, as in a run; a
+    re-ranked row's rank past the served top_n is a miss."""
     from tworec.ranking import features as ranking_features        # TensorFlow from here
     from tworec.ranking import train as ranking
     from tworec.retrieval import train as retrieval
     run_config, _ = configs.run.for_catalogue(inputs.num_items)
-    start = time.perf_counter()
-    with _failing_as(RETRIEVAL_ALONE, seed):
-        model, run, found = _retrieval_run(arm_configs(arms[0], configs, seed).retrieval,
-                                           inputs, evalset)
-        hard = {part: retrieval.top_candidates(model, inputs, part, run_config.hard_negative_pool)
-                for part in ("train", "validation")}
-        served = retrieval.top_candidates(model, inputs, "validation", run_config.candidates,
-                                          evalset=evalset)                        # [m, C]
-        embeddings = retrieval.embeddings_for_ranking(model, inputs)
-    yield RETRIEVAL_ALONE, {**run, "seconds": round(time.perf_counter() - start, 1)}, \
-        np.where(found >= run_config.candidates, MISS, found)     # as the export serves it
-    for arm in arms:
+    retrieval_of, lists = retrieval_rows(arms, configs), {}
+    for at, arm in enumerate(arms):
+        row = retrieval_of[arm.name]
+        if row not in lists:
+            start = time.perf_counter()
+            with _failing_as(row, seed):
+                model, run, found = _retrieval_run(arm_configs(arm, configs, seed).retrieval,
+                                                   inputs, evalset)
+                lists[row] = (
+                    {part: retrieval.top_candidates(model, inputs, part,
+                                                    run_config.hard_negative_pool)
+                     for part in ("train", "validation")},
+                    retrieval.top_candidates(model, inputs, "validation",                # [m, C]
+                                             run_config.candidates, evalset=evalset),
+                    retrieval.embeddings_for_ranking(model, inputs))
+            yield row, {**run, "seconds": round(time.perf_counter() - start, 1)}, \
+                np.where(found >= run_config.candidates, MISS, found)   # as the export serves it
+        hard, served, embeddings = lists[row]
+        if all(retrieval_of[later.name] != row for later in arms[at + 1:]):
+            del lists[row]                           # no later arm re-ranks its lists
         start = time.perf_counter()
         config = arm_configs(arm, configs, seed).ranking
         with _failing_as(f"arm {arm.name!r}", seed):
@@ -409,7 +467,7 @@ def cross_fitted_scores(model, inputs: ModelInputs, signals, candidates: np.ndar
 def table(result: dict) -> str:
     """The comparison as Markdown: each arm's means over seeds, its gain over the first arm
     with the 95% interval, and the least and most of its seeds' own gains; for ranking arms,
-    retrieval alone's row first and each arm's gain over it."""
+    retrieval alone's rows first and each arm's gain over the one whose lists it re-ranks."""
     names = list(result["arms"])
     ranking = result.get("stage") == "ranking"
     lines = [f"Validation ({result['split']}, {result['validation']['rows']} rows of "
@@ -420,10 +478,15 @@ def table(result: dict) -> str:
                  "A run that stops early (early_stopping_patience > 0) chose its epoch on "
                  "these rows, as a run chooses it." if result["early_stopping"] else
                  "Each run kept its last epoch (no early stopping).")]
+    others = result.get("other_retrieval", {})
     if ranking:
-        lines.append("Each ranking arm re-ranks the lists of the same retrieval model per seed "
-                     "(retrieval alone's row), as the served two-stage list; a calibrated "
-                     "ranker is calibrated on half of the users and scores the other half.")
+        lines.append(("Each ranking arm re-ranks the lists of the same retrieval model per seed "
+                      "(retrieval alone's row)" if not others else
+                      "Each ranking arm re-ranks the lists of its retrieval model per seed "
+                      "(retrieval alone's row, or the row named after the first arm that sets "
+                      "those retrieval fields; its gain over retrieval is over that row)")
+                     + ", as the served two-stage list; a calibrated ranker is calibrated on "
+                     "half of the users and scores the other half.")
     lines += [f"Note: {note}" for note in result.get("notes", [])]
     if result.get("seeds_left"):
         lines.append(f"Partial: {seeds_named(result['seeds_left'])} not run yet (the "
@@ -446,12 +509,17 @@ def table(result: dict) -> str:
         return "-" if gain is None else "{difference:+.4f} ({ci95[0]:+.4f} to " \
             "{ci95[1]:+.4f})".format(**gain)
 
+    def shown(fields: dict) -> str:
+        return ", ".join(f"{key}={value}" for key, value in fields.items()) or "-"
+
     if ranking:
-        alone = result["retrieval"]
-        lines.append(f"| retrieval alone | - | {alone['recall@10']:.4f} | "
-                     f"{alone['ndcg@10']:.4f} | - | - | - | - |")
+        for row, alone in {"retrieval alone": result["retrieval"],
+                           **{f"retrieval alone ({row})": alone
+                              for row, alone in others.items()}}.items():
+            lines.append(f"| {row} | {shown(alone.get('fields', {}))} | "
+                         f"{alone['recall@10']:.4f} | {alone['ndcg@10']:.4f} | - | - | - | - |")
     for name, arm in result["arms"].items():
-        fields = ", ".join(f"{key}={value}" for key, value in arm["fields"].items()) or "-"
+        fields = shown(arm["fields"])
         gains = [interval(arm["gain"] and arm["gain"][metric]) for metric in METRICS]
         seeds = [run["gain"]["ndcg@10"] for run in arm["runs"] if run["gain"]]
         spread = f"{min(seeds):+.4f} to {max(seeds):+.4f}" if seeds else "-"

@@ -225,9 +225,10 @@ def test_each_run_is_the_model_a_run_trains_with_its_early_stopping_and_seen_ite
 
 def test_ranking_arms_rerank_one_retrieval_model_per_seed_calibrated_out_of_fold():
     """Ranking arms re-rank the validation lists one retrieval model per seed serves (its own
-    row, "retrieval", a miss past the served list), as a run trains and serves them; a calibrated ranker scores each fold
-    of users calibrated on the other fold only (here by hiding the scored fold's lists), an
-    uncalibrated one as trained; a rank past the served top_n is a miss."""
+    row, "retrieval", a miss past the served list), as a run trains and serves them; a
+    calibrated ranker scores each fold of users calibrated on the other fold only (here by
+    hiding the scored fold's lists), an uncalibrated one as trained; a rank past the served
+    top_n is a miss."""
     from tworec.evaluation import MISS, eval_set, evaluate_ranks
     from tworec.features.inputs import EMPTY_SLOT, prepare
     from tworec.ranking import features as ranking_features
@@ -293,8 +294,9 @@ def test_a_ranking_arm_reads_ranking_fields_and_is_checked_as_a_ranking_config()
                       "ranking")
     for text, message in (("retrieval:model=bst", "names the row of retrieval alone"),
                           ("b:members=2", "of a ranking config field (members is a "
-                                          "retrieval field: pass --stage retrieval); known "
-                                          "fields: model"),
+                                          "retrieval field: pass --stage retrieval, or "
+                                          "retrieval.members=VALUE to train this arm's "
+                                          "retrieval with it); known fields: model"),
                           ("b:seed=3", "leave seed out")):
         with pytest.raises(ValueError, match="^--arm") as error:
             parse_arm(text, "ranking")
@@ -327,6 +329,117 @@ def test_a_ranking_arm_reads_ranking_fields_and_is_checked_as_a_ranking_config()
     ranking_arms = [parse_arm("a", "ranking"), parse_arm("b:epochs=9", "ranking")]
     assert stopping_of(ranking_arms, resolve("default")) == (True, True)
     assert stopping_of(ranking_arms, resolve("tiny")) == (False, False)
+
+
+def test_a_ranking_arm_reads_retrieval_fields_for_the_model_whose_lists_it_reranks():
+    arm = parse_arm("b:retrieval.members=2,calibrate=false,retrieval.history_encoder=mean",
+                    "ranking")
+    assert arm == Arm("b", {"calibrate": False}, "ranking",
+                      {"members": 2, "history_encoder": "mean"})
+    assert arm.shown_fields == {"calibrate": False, "retrieval.members": 2,
+                                "retrieval.history_encoder": "mean"}
+    for text, stage, message in (
+            ("b:retrieval.model=bst", "ranking", "'retrieval.model=bst' is not FIELD=VALUE of "
+             "a retrieval config field (model is a ranking field: pass --stage ranking); "
+             "known fields: embedding_dim"),
+            ("b:retrieval.seed=1", "ranking", "every arm trains with the seeds of --seeds"),
+            ("b:retrieval.members=1,retrieval.members=2", "ranking",
+             "retrieval.members is given twice"),
+            ("b:retrieval.members=x", "ranking", "members takes int, got 'x'"),
+            ("b:retrieval.members=2", "retrieval", "'retrieval.members=2' is not FIELD=VALUE of "
+             "a retrieval config field; known")):
+        with pytest.raises(ValueError, match="^--arm") as error:
+            parse_arm(text, stage)
+        assert message in str(error.value), str(error.value)
+    configs = resolve("tiny")                                   # one member
+    arms = [parse_arm(text, "ranking") for text in (
+        "a", "b:retrieval.members=2", "c:retrieval.members=2,calibrate=false",
+        "d:retrieval.members=1", "e:retrieval.temperature=0.1")]
+    assert comparison.retrieval_rows(arms, configs) == {
+        "a": "retrieval", "b": "retrieval:b", "c": "retrieval:b", "d": "retrieval",
+        "e": "retrieval:e"}                                  # d's config is the first arm's
+    assert comparison.arm_configs(arms[1], configs, 7).retrieval == dataclasses.replace(
+        configs.retrieval, members=2, seed=7)
+    with pytest.raises(ValueError, match="^arm 'b': temperature must be a positive number"):
+        check_arms([arms[0], parse_arm("b:retrieval.temperature=-1", "ranking")], configs, [0])
+    with pytest.raises(ValueError, match="^arm 'b''s retrieval config: batch_size 100000 is "
+                                         "larger than the training split"):
+        validation_split(load("synthetic:tiny"), configs, [
+            arms[0], parse_arm("b:retrieval.batch_size=100000", "ranking")])
+    default = resolve("default")
+    for texts, expected in ((["a", "b:retrieval.epochs=3"], (True, True)),
+                            (["a", "b:retrieval.members=1"], (True, False))):
+        assert stopping_of([parse_arm(text, "ranking") for text in texts], default) == expected
+    assert stopping_of(arms[:2], configs) == (False, False)     # tiny: no stage stops early
+
+
+def test_ranking_arms_with_their_own_retrieval_rerank_its_lists_and_gain_over_it():
+    """An arm that sets retrieval fields re-ranks the lists of a retrieval model trained with
+    them (its own row, as a run of those configs serves it), and its gain over retrieval is
+    over that row; arms compare their served two-stage lists."""
+    from tworec.evaluation import MISS, eval_set, evaluate_ranks
+    from tworec.features.inputs import prepare
+    from tworec.ranking import features as ranking_features
+    from tworec.ranking import train as ranking
+    from tworec.retrieval import train as retrieval
+    log = load("synthetic:tiny")
+    configs = resolve("tiny", epochs=1, steps=("train retrieval", "train ranking"),
+                      run={"top_n": 5, "candidates": 20})
+    arms = [parse_arm("one", "ranking"), parse_arm("two:retrieval.members=2", "ranking"),
+            parse_arm("raw:calibrate=false", "ranking")]       # the first arm's lists again
+    result, ranks = compare(log, validation_split(log, configs, arms), configs, arms, [2],
+                            verbose=0)
+    assert sorted(ranks) == ["one/2", "raw/2", "retrieval/2", "retrieval:two/2", "rows",
+                             "two/2", "users"]                      # two retrieval models
+    assert len(result["retrieval"]["runs"]) == 1            # trained once, raw re-ranks it too
+    assert len(result["other_retrieval"]["retrieval:two"]["runs"]) == 1
+
+    parts = split(log, "temporal")
+    inputs = prepare(log, parts, configs.data.history_length,
+                     cold_start_window=result["cold_start_window"])
+    evalset = eval_set(log, parts, "validation", exclude_seen=True)
+    run, _ = configs.run.for_catalogue(inputs.num_items)
+    model, _ = retrieval.fit(inputs, dataclasses.replace(configs.retrieval, members=2, seed=2),
+                             verbose=0)
+    assert len(model.members) == 2
+    alone = evaluate_ranks(retrieval.catalogue_scorer(model, inputs, "validation", evalset),
+                           evalset, "retrieval")
+    assert np.array_equal(ranks["retrieval:two/2"], np.where(alone >= 20, MISS, alone))
+    assert not np.array_equal(ranks["retrieval:two/2"], ranks["retrieval/2"])
+    served = retrieval.top_candidates(model, inputs, "validation", 20, evalset=evalset)
+    hard = {part: retrieval.top_candidates(model, inputs, part, run.hard_negative_pool)
+            for part in ("train", "validation")}
+    config = dataclasses.replace(configs.ranking, seed=2)
+    signals = ranking_features.signals(inputs, config,
+                                       retrieval.embeddings_for_ranking(model, inputs))
+    ranker, _ = ranking.fit(inputs, config, signals, hard=hard, verbose=0)
+    scores, _ = comparison.cross_fitted_scores(ranker, inputs, signals, served, evalset.users)
+    positions, _ = ranking.reranked_ranks(scores, served, inputs.examples["validation"]["item"])
+    assert np.array_equal(ranks["two/2"], np.where(positions < 5, positions, MISS))
+
+    two = result["arms"]["two"]
+    assert two["fields"] == {"retrieval.members": 2} and two["retrieval"] == "retrieval:two"
+    assert result["arms"]["one"]["retrieval"] == result["arms"]["raw"]["retrieval"] == "retrieval"
+    assert result["arms"]["raw"]["gain_over_retrieval"]["ndcg@10"] == paired_bootstrap(
+        row_metrics(ranks["raw/2"], 10)["ndcg@10"], row_metrics(ranks["retrieval/2"], 10)[
+            "ndcg@10"], groups=ranks["users"])
+    assert result["other_retrieval"]["retrieval:two"]["fields"] == {"retrieval.members": 2}
+    assert result["other_retrieval"]["retrieval:two"]["ndcg@10"] == pytest.approx(
+        row_metrics(ranks["retrieval:two/2"], 10)["ndcg@10"].mean())
+    ndcg = {name: row_metrics(ranks[f"{name}/2"], 10)["ndcg@10"] for name in (
+        "one", "two", "retrieval", "retrieval:two")}
+    assert two["gain_over_retrieval"]["ndcg@10"] == paired_bootstrap(
+        ndcg["two"], ndcg["retrieval:two"], groups=ranks["users"])
+    assert two["gain"]["ndcg@10"] == paired_bootstrap(ndcg["two"], ndcg["one"],
+                                                      groups=ranks["users"])
+    lines = table(result).splitlines()
+    assert lines[1].startswith("Each ranking arm re-ranks the lists of its retrieval model "
+                               "per seed (retrieval alone's row, or the row named after the ")
+    assert lines[-5].startswith("| retrieval alone | - | ")
+    assert lines[-4].startswith("| retrieval alone (retrieval:two) | retrieval.members=2 | ")
+    assert lines[-2].startswith("| two | retrieval.members=2 | ")
+    assert lines[-2].endswith(" | {difference:+.4f} ({ci95[0]:+.4f} to {ci95[1]:+.4f}) |".format(
+        **two["gain_over_retrieval"]["ndcg@10"]))
 
 
 def script(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
