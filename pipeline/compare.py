@@ -83,29 +83,43 @@ def parse_arm(text: str, stage: str = "retrieval") -> Arm:
     replaced, retrieval = {}, {}
     for item in filter(None, fields.split(",")):
         field, equals, value = (part.strip() for part in item.partition("="))
-        own = stage == "ranking" and field.startswith(RETRIEVED)
-        field = field[len(RETRIEVED):] if own else field
+        own = stage == "ranking" and field.startswith(RETRIEVED)   # the arm's retrieval's
+        prefix, field = (RETRIEVED, field[len(RETRIEVED):]) if own else ("", field)
         field_stage = "retrieval" if own else stage
         types = typing.get_type_hints(STAGES[field_stage])
         if not equals or field not in types:
             widths = " (layer widths are joined by '/', e.g. deep_layers=256/128)" if (
                 not equals and any(typing.get_origin(kind) is tuple
                                    for kind in types.values())) else ""
-            other = next((name for name in STAGES if name != field_stage
-                          and field in typing.get_type_hints(STAGES[name])), None)
-            hint = (f" ({field} is a {other} field: pass --stage {other}"
-                    + (f", or {RETRIEVED}{field}=VALUE to train this arm's retrieval with it"
-                       if other == "retrieval" else "") + ")") if other else ""
             raise ValueError(f"--arm {text!r}: {item!r} is not FIELD=VALUE of a {field_stage} "
-                             f"config field{widths}{hint}; known fields: "
-                             f"{', '.join(name for name in types if name not in NOT_ARMS)}")
+                             f"config field{widths}{_field_hint(field, field_stage, stage)}; "
+                             "known fields: " + ", ".join(
+                                 prefix + name for name in types if name not in NOT_ARMS))
         if field in NOT_ARMS:
-            raise ValueError(f"--arm {text!r}: {NOT_ARMS[field]}; leave {field} out")
+            raise ValueError(f"--arm {text!r}: {NOT_ARMS[field]}; leave {prefix}{field} out")
         given = retrieval if own else replaced
         if field in given:
-            raise ValueError(f"--arm {text!r}: {RETRIEVED if own else ''}{field} is given twice")
+            raise ValueError(f"--arm {text!r}: {prefix}{field} is given twice")
         given[field] = _typed(text, field, types[field], value)
     return Arm(name, replaced, stage, retrieval)
+
+
+def _field_hint(field: str, field_stage: str, stage: str) -> str:
+    """Where a field unknown to `field_stage`'s config belongs, for an arm of `stage`."""
+    if stage == "retrieval" and field.startswith(RETRIEVED) and \
+            field[len(RETRIEVED):] in typing.get_type_hints(RetrievalConfig):
+        return (f" (a retrieval arm names {field[len(RETRIEVED):]} alone; {field} is for "
+                "ranking arms, --stage ranking)")
+    other = next((name for name in STAGES if name != field_stage
+                  and field in typing.get_type_hints(STAGES[name])), None)
+    if other is None:
+        return ""
+    if other == stage:                   # retrieval.FIELD of a ranking field, on a ranking arm
+        return f" ({field} is a {other} field: drop the '{RETRIEVED}' prefix)"
+    if other == "retrieval":             # a retrieval field on a ranking arm
+        return (f" ({field} is a retrieval field: pass --stage retrieval, or "
+                f"{RETRIEVED}{field}=VALUE to train this arm's retrieval with it)")
+    return f" ({field} is a {other} field: pass --stage {other})"
 
 
 def _typed(arm: str, field: str, kind, value: str):
@@ -190,8 +204,7 @@ def validation_split(log: Interactions, configs: Configs, arms: list[Arm]) -> Sp
         arm_config = _checked(arm, configs, log)
         if arm_config.retrieval.batch_size > len(parts.train):
             whose = (f"arm {arm.name!r}" if arm.stage == "retrieval" else
-                     f"arm {arm.name!r}'s retrieval config" if arm.retrieval else
-                     "the retrieval config every ranking arm re-ranks")
+                     f"the retrieval config whose lists arm {arm.name!r} re-ranks")
             raise ValueError(f"{whose}: batch_size {arm_config.retrieval.batch_size} is larger "
                              f"than the training split ({len(parts.train)} rows)")
     return parts
@@ -236,14 +249,18 @@ def compare(log: Interactions, parts: Split, configs: Configs, arms: list[Arm],
         those not yet done (none once it returns), "cold_start_window" (as a run chooses it),
         "validation": {"rows", "users"}, "early_stopping": whether an arm stops early,
         "epoch_choice_differs": whether arms stop early after other epochs or patience,
-        "arms": {name: {"fields": the fields it replaces, "runs": [each seed's run, with
+        "arms": {name: {"fields": the fields it replaces (a ranking arm's retrieval ones as
+        "retrieval.FIELD"), "runs": [each seed's run, with
         "gain": {metric: its mean gain over the first arm's run of the same seed}], "recall@10"
         and "ndcg@10": the means over seeds, "gain": None for the first arm, else {metric:
         `paired_bootstrap` of its rows' seed means against the first arm's, users resampled}}},
-        and for ranking arms "retrieval" (retrieval alone: "runs", "recall@10", "ndcg@10") and
-        each arm's "gain_over_retrieval"}; ranks = {"rows": [m] the validation rows (log row
-        positions), "users": [m] their user codes, "NAME/SEED": [m] each row's rank, with
-        "retrieval/SEED" for ranking arms}.
+        and for ranking arms "retrieval" (retrieval alone, the first arm's retrieval config:
+        "fields", "runs", "recall@10", "ndcg@10"), "other_retrieval" ({"retrieval:NAME": the
+        same} for the other retrieval configs of arms, `retrieval_rows`; only when there are
+        some), each arm's "retrieval" (the row whose lists it re-ranks) and its
+        "gain_over_retrieval" (over that row)}; ranks = {"rows": [m] the validation rows (log
+        row positions), "users": [m] their user codes, "NAME/SEED": [m] each row's rank, with
+        "retrieval/SEED" and "retrieval:NAME/SEED" for ranking arms}.
 
     Raises:
         ValueError: an arm that failed to train, naming it, the seed and the error.
@@ -381,9 +398,9 @@ def _retrieval_runs(arms: list[Arm], seed: int, configs: Configs, inputs: ModelI
 
 def _ranking_runs(arms: list[Arm], seed: int, configs: Configs, inputs: ModelInputs,
                   evalset: EvalSet):
-    """Yields retrieval alone's, then every ranking arm's (name, {"epochs", "best_epoch",
-    "seconds", and a ranker's "calibration": each fold's}, [m] ranks) with `seed`, an arm's
-    own retrieval row (`retrieval_rows`) before the first arm that re-ranks it: a retrieval
+    """Yields every ranking arm's (name, {"epochs", "best_epoch", "seconds", and a ranker's
+    "calibration": each fold's}, [m] ranks) with `seed`, each retrieval row's (`retrieval_rows`:
+    retrieval alone's first) just before the first arm that re-ranks its lists: a retrieval
     model serves the lists its arms re-rank, and gives the hard negatives, as in a run; a
     re-ranked row's rank past the served top_n is a miss."""
     from tworec.ranking import features as ranking_features        # TensorFlow from here
@@ -483,8 +500,9 @@ def table(result: dict) -> str:
         lines.append(("Each ranking arm re-ranks the lists of the same retrieval model per seed "
                       "(retrieval alone's row)" if not others else
                       "Each ranking arm re-ranks the lists of its retrieval model per seed "
-                      "(retrieval alone's row, or the row named after the first arm that sets "
-                      "those retrieval fields; its gain over retrieval is over that row)")
+                      "(retrieval alone's row for the first arm's retrieval config, or the "
+                      "row named after the first arm of another; its gain over retrieval is "
+                      "over that row)")
                      + ", as the served two-stage list; a calibrated ranker is calibrated on "
                      "half of the users and scores the other half.")
     lines += [f"Note: {note}" for note in result.get("notes", [])]

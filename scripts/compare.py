@@ -10,11 +10,12 @@ FIELD=VALUE replaces a field of the stage's config (`retrieval.config.RetrievalC
 `ranking.config.RankingConfig` with --stage ranking), e.g. `--arm one:members=1 --arm
 three:members=3`. Ranking arms re-rank the lists of one retrieval model per seed, shown as
 retrieval alone; a ranking arm's `retrieval.FIELD=VALUE` trains the retrieval model whose lists
-it re-ranks with that field (`--arm one:retrieval.members=1`), with its own row. Prints the
-table and writes DIR/compare.md, DIR/compare.json and DIR/ranks.npz (the rank of every
-validation row under each arm and seed, and the row and its user), rewritten after every seed: a
-comparison that stops keeps the seeds it finished. No test row is scored. A log whose ties are
-listed by item id is noted (stderr, the table and compare.json's "notes").
+it re-ranks with that field (`--arm one:retrieval.members=1`), with a row of its own unless the
+first arm's retrieval config is the same. Prints the table and writes DIR/compare.md,
+DIR/compare.json and DIR/ranks.npz (the rank of every validation row under each arm and seed,
+and the row and its user), rewritten after every seed: a comparison that stops keeps the seeds
+it finished. No test row is scored. A log whose ties are listed by item id is noted (stderr, the
+table and compare.json's "notes").
 """
 import os
 import sys

@@ -316,7 +316,7 @@ def test_a_ranking_arm_reads_ranking_fields_and_is_checked_as_a_ranking_config()
                           "^arm 'b': popularity_periods 5: the ranker's task is regression")):
         with pytest.raises(ValueError, match=message):
             check_arms([parse_arm("a", "ranking"), parse_arm(arm, "ranking")], configs, [0])
-    with pytest.raises(ValueError, match="^the retrieval config every ranking arm re-ranks: "
+    with pytest.raises(ValueError, match="^the retrieval config whose lists arm 'a' re-ranks: "
                                          "batch_size 100000 is larger than the training"):
         validation_split(load("synthetic:tiny"), resolve("tiny", retrieval={
             "batch_size": 100000}), [parse_arm("a", "ranking"), parse_arm("b", "ranking")])
@@ -340,14 +340,16 @@ def test_a_ranking_arm_reads_retrieval_fields_for_the_model_whose_lists_it_reran
                                 "retrieval.history_encoder": "mean"}
     for text, stage, message in (
             ("b:retrieval.model=bst", "ranking", "'retrieval.model=bst' is not FIELD=VALUE of "
-             "a retrieval config field (model is a ranking field: pass --stage ranking); "
-             "known fields: embedding_dim"),
-            ("b:retrieval.seed=1", "ranking", "every arm trains with the seeds of --seeds"),
+             "a retrieval config field (model is a ranking field: drop the 'retrieval.' "
+             "prefix); known fields: retrieval.embedding_dim, retrieval.members, "),
+            ("b:retrieval.seed=1", "ranking", "every arm trains with the seeds of --seeds; "
+             "leave retrieval.seed out"),
             ("b:retrieval.members=1,retrieval.members=2", "ranking",
              "retrieval.members is given twice"),
             ("b:retrieval.members=x", "ranking", "members takes int, got 'x'"),
             ("b:retrieval.members=2", "retrieval", "'retrieval.members=2' is not FIELD=VALUE of "
-             "a retrieval config field; known")):
+             "a retrieval config field (a retrieval arm names members alone; retrieval.members "
+             "is for ranking arms, --stage ranking); known fields: embedding_dim, members, ")):
         with pytest.raises(ValueError, match="^--arm") as error:
             parse_arm(text, stage)
         assert message in str(error.value), str(error.value)
@@ -362,8 +364,8 @@ def test_a_ranking_arm_reads_retrieval_fields_for_the_model_whose_lists_it_reran
         configs.retrieval, members=2, seed=7)
     with pytest.raises(ValueError, match="^arm 'b': temperature must be a positive number"):
         check_arms([arms[0], parse_arm("b:retrieval.temperature=-1", "ranking")], configs, [0])
-    with pytest.raises(ValueError, match="^arm 'b''s retrieval config: batch_size 100000 is "
-                                         "larger than the training split"):
+    with pytest.raises(ValueError, match="^the retrieval config whose lists arm 'b' re-ranks: "
+                                         "batch_size 100000 is larger than the training split"):
         validation_split(load("synthetic:tiny"), configs, [
             arms[0], parse_arm("b:retrieval.batch_size=100000", "ranking")])
     default = resolve("default")
@@ -399,23 +401,27 @@ def test_ranking_arms_with_their_own_retrieval_rerank_its_lists_and_gain_over_it
                      cold_start_window=result["cold_start_window"])
     evalset = eval_set(log, parts, "validation", exclude_seen=True)
     run, _ = configs.run.for_catalogue(inputs.num_items)
-    model, _ = retrieval.fit(inputs, dataclasses.replace(configs.retrieval, members=2, seed=2),
-                             verbose=0)
-    assert len(model.members) == 2
-    alone = evaluate_ranks(retrieval.catalogue_scorer(model, inputs, "validation", evalset),
-                           evalset, "retrieval")
-    assert np.array_equal(ranks["retrieval:two/2"], np.where(alone >= 20, MISS, alone))
+    targets = inputs.examples["validation"]["item"]
+    for name, row, members, calibrated in (("two", "retrieval:two", 2, True),
+                                           ("raw", "retrieval", 1, False)):
+        model, _ = retrieval.fit(inputs, dataclasses.replace(configs.retrieval, members=members,
+                                                             seed=2), verbose=0)
+        alone = evaluate_ranks(retrieval.catalogue_scorer(model, inputs, "validation", evalset),
+                               evalset, "retrieval")
+        assert np.array_equal(ranks[f"{row}/2"], np.where(alone >= 20, MISS, alone)), row
+        served = retrieval.top_candidates(model, inputs, "validation", 20, evalset=evalset)
+        hard = {part: retrieval.top_candidates(model, inputs, part, run.hard_negative_pool)
+                for part in ("train", "validation")}
+        config = dataclasses.replace(configs.ranking, seed=2, calibrate=calibrated)
+        signals = ranking_features.signals(inputs, config,
+                                           retrieval.embeddings_for_ranking(model, inputs))
+        ranker, _ = ranking.fit(inputs, config, signals, hard=hard, verbose=0)
+        scores = (comparison.cross_fitted_scores(ranker, inputs, signals, served,
+                                                 evalset.users)[0] if calibrated else
+                  ranking.score_lists(ranker, inputs, signals, "validation", served))
+        positions, _ = ranking.reranked_ranks(scores, served, targets)
+        assert np.array_equal(ranks[f"{name}/2"], np.where(positions < 5, positions, MISS)), name
     assert not np.array_equal(ranks["retrieval:two/2"], ranks["retrieval/2"])
-    served = retrieval.top_candidates(model, inputs, "validation", 20, evalset=evalset)
-    hard = {part: retrieval.top_candidates(model, inputs, part, run.hard_negative_pool)
-            for part in ("train", "validation")}
-    config = dataclasses.replace(configs.ranking, seed=2)
-    signals = ranking_features.signals(inputs, config,
-                                       retrieval.embeddings_for_ranking(model, inputs))
-    ranker, _ = ranking.fit(inputs, config, signals, hard=hard, verbose=0)
-    scores, _ = comparison.cross_fitted_scores(ranker, inputs, signals, served, evalset.users)
-    positions, _ = ranking.reranked_ranks(scores, served, inputs.examples["validation"]["item"])
-    assert np.array_equal(ranks["two/2"], np.where(positions < 5, positions, MISS))
 
     two = result["arms"]["two"]
     assert two["fields"] == {"retrieval.members": 2} and two["retrieval"] == "retrieval:two"
@@ -434,7 +440,8 @@ def test_ranking_arms_with_their_own_retrieval_rerank_its_lists_and_gain_over_it
                                                       groups=ranks["users"])
     lines = table(result).splitlines()
     assert lines[1].startswith("Each ranking arm re-ranks the lists of its retrieval model "
-                               "per seed (retrieval alone's row, or the row named after the ")
+                               "per seed (retrieval alone's row for the first arm's retrieval "
+                               "config, or the row named after the first arm of another; ")
     assert lines[-5].startswith("| retrieval alone | - | ")
     assert lines[-4].startswith("| retrieval alone (retrieval:two) | retrieval.members=2 | ")
     assert lines[-2].startswith("| two | retrieval.members=2 | ")
