@@ -106,10 +106,14 @@ def parse_arm(text: str, stage: str = "retrieval") -> Arm:
 
 def _field_hint(field: str, field_stage: str, stage: str) -> str:
     """Where a field unknown to `field_stage`'s config belongs, for an arm of `stage`."""
-    if stage == "retrieval" and field.startswith(RETRIEVED) and \
-            field[len(RETRIEVED):] in typing.get_type_hints(RetrievalConfig):
-        return (f" (a retrieval arm names {field[len(RETRIEVED):]} alone; {field} is for "
-                "ranking arms, --stage ranking)")
+    bare = field[len(RETRIEVED):] if field.startswith(RETRIEVED) else field
+    if bare in NOT_ARMS:                                    # no arm may set it, in any form
+        return f" ({NOT_ARMS[bare]}; leave it out)"
+    if stage == "retrieval" and bare != field:
+        if bare in typing.get_type_hints(RetrievalConfig):
+            return (f" (a retrieval arm names {bare} alone; {field} is for ranking arms, "
+                    "--stage ranking)")
+        field = bare
     other = next((name for name in STAGES if name != field_stage
                   and field in typing.get_type_hints(STAGES[name])), None)
     if other is None:

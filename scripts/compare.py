@@ -8,10 +8,11 @@ bootstrap 95% interval over users.
 
 FIELD=VALUE replaces a field of the stage's config (`retrieval.config.RetrievalConfig`, or
 `ranking.config.RankingConfig` with --stage ranking), e.g. `--arm one:members=1 --arm
-three:members=3`. Ranking arms re-rank the lists of one retrieval model per seed, shown as
-retrieval alone; a ranking arm's `retrieval.FIELD=VALUE` trains the retrieval model whose lists
-it re-ranks with that field (`--arm one:retrieval.members=1`), with a row of its own unless the
-first arm's retrieval config is the same. Prints the table and writes DIR/compare.md,
+three:members=3`. Ranking arms re-rank the lists of one retrieval model per seed and retrieval
+config, shown as retrieval alone for the first arm's config; a ranking arm's
+`retrieval.FIELD=VALUE` sets a field of its retrieval config (`--arm one:retrieval.members=1`),
+and an arm re-ranks the lists of the first arm with the same config (retrieval alone, or
+`retrieval alone (retrieval:NAME)`). Prints the table and writes DIR/compare.md,
 DIR/compare.json and DIR/ranks.npz (the rank of every validation row under each arm and seed,
 and the row and its user), rewritten after every seed: a comparison that stops keeps the seeds
 it finished. No test row is scored. A log whose ties are listed by item id is noted (stderr, the
@@ -42,8 +43,8 @@ def main(argv=None) -> int:
                              "is the reference")
     parser.add_argument("--stage", choices=("retrieval", "ranking"), default="retrieval",
                         help="the config the arms change: retrieval (default) or ranking, "
-                             "whose arms re-rank one retrieval model's lists per seed (an "
-                             "arm's retrieval.FIELD=VALUE: a model of its own)")
+                             "whose arms re-rank one retrieval model's lists per seed and "
+                             "retrieval config (an arm's retrieval.FIELD=VALUE)")
     cli.add_list_arguments(parser)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
                         help="every arm trains once with each (default: 0 1 2)")

@@ -347,6 +347,13 @@ def test_a_ranking_arm_reads_retrieval_fields_for_the_model_whose_lists_it_reran
             ("b:retrieval.members=1,retrieval.members=2", "ranking",
              "retrieval.members is given twice"),
             ("b:retrieval.members=x", "ranking", "members takes int, got 'x'"),
+            ("b:retrieval.seed=1", "retrieval", "a retrieval config field (every arm trains "
+             "with the seeds of --seeds; leave it out); known"),
+            ("b:strategy=mirrored", "ranking", "a ranking config field (a comparison trains "
+             "every arm in one process on one device, to compare configs, not devices; leave it "
+             "out); known"),
+            ("b:retrieval.model=bst", "retrieval", "'retrieval.model=bst' is not FIELD=VALUE of "
+             "a retrieval config field (model is a ranking field: pass --stage ranking); known"),
             ("b:retrieval.members=2", "retrieval", "'retrieval.members=2' is not FIELD=VALUE of "
              "a retrieval config field (a retrieval arm names members alone; retrieval.members "
              "is for ranking arms, --stage ranking); known fields: embedding_dim, members, ")):
