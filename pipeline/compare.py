@@ -6,8 +6,8 @@ as the run scores validation. A retrieval arm ranks the full catalogue
 (`retrieval.train.catalogue_scorer`: known items excluded, users it does not know served the
 popular list). Ranking arms re-rank the validation lists one retrieval model per seed serves
 (retrieval alone is their reference row), or one per retrieval config when arms set retrieval
-fields (`retrieval.members=1`: each such model has its own row, and a served two-stage list
-is compared with another); a calibrated ranker is calibrated on one half of the
+fields (`retrieval.members=1`: each config's model has its row, and the served two-stage lists
+of two configs are compared); a calibrated ranker is calibrated on one half of the
 validation users and scores the other (`cross_fitted_scores`), so no row is scored by a
 calibration fitted on it (early stopping still chooses epochs on every validation row, as a run
 does). An arm's per-row Recall@10 and NDCG@10 are averaged over its seeds, and every arm
@@ -538,7 +538,7 @@ def table(result: dict) -> str:
         for row, alone in {"retrieval alone": result["retrieval"],
                            **{f"retrieval alone ({row})": alone
                               for row, alone in others.items()}}.items():
-            lines.append(f"| {row} | {shown(alone.get('fields', {}))} | "
+            lines.append(f"| {row} | {shown(alone['fields'])} | "
                          f"{alone['recall@10']:.4f} | {alone['ndcg@10']:.4f} | - | - | - | - |")
     for name, arm in result["arms"].items():
         fields = shown(arm["fields"])

@@ -669,7 +669,7 @@ def test_the_table_gives_the_seeds_gains_and_warns_when_arms_choose_epochs_diffe
     assert table({**result, "notes": ["log.csv: ties"]}).splitlines()[1] == "Note: log.csv: ties"
     over = {"ndcg@10": {"difference": 0.03, "ci95": [0.01, 0.05]}}
     ranking = {**result, "stage": "ranking", "epoch_choice_differs": False,
-               "retrieval": {"recall@10": 0.4, "ndcg@10": 0.2}, "arms": {
+               "retrieval": {"fields": {}, "recall@10": 0.4, "ndcg@10": 0.2}, "arms": {
                    "base": {**result["arms"]["base"], "gain_over_retrieval": over},
                    "long": {**result["arms"]["long"], "gain_over_retrieval": over, "runs": [
                        {**runs[0], "seed": 0, "calibration": [{"rows": 9}, {"rows": 0,
