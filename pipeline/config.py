@@ -18,7 +18,7 @@ __all__ = ["Configs", "RunConfig", "resolve", "read", "write", "PRESETS", "RETRI
            "RETRIEVAL_ONLY", "RANKING_ONLY"]
 
 # Settings added after run folders were first written, with the value every earlier run had.
-EARLIER_RUNS = {"retrieval": {"members": 1}}
+EARLIER_RUNS = {"retrieval": {"members": 1}, "ranking": {"title_neighbors": 0}}
 
 # The steps in the order they run; an entry point runs a subset.
 PIPELINE = ("train retrieval", "baselines", "tune index", "train ranking", "export",
@@ -115,8 +115,8 @@ def resolve(preset: str = "default", *, base: Configs | None = None, epochs: int
     leaves the others' as they are (a later run that trains them reads them).
 
     Raises:
-        ValueError: an unknown preset or field, or popularity periods given to a regression
-            ranker, which reads none.
+        ValueError: an unknown preset or field, or popularity periods or title neighbours
+            given to a regression ranker, which reads none.
     """
     if base is None:
         if preset not in PRESETS:
@@ -135,12 +135,14 @@ def resolve(preset: str = "default", *, base: Configs | None = None, epochs: int
             run=dataclasses.replace(base.run, **(run or {})))
     except TypeError as error:                   # an unknown field name
         raise ValueError(f"config: {error}") from None
-    periods = (ranking or {}).get("popularity_periods")
-    if periods is not None and periods > 0 and configs.ranking.task == "regression":
-        raise ValueError(f"popularity_periods {periods}: the ranker's task is regression (--task, "
-                         "an arm's task, or the run folder's config), which reads no popularity "
-                         "periods; leave them out (--popularity-periods, or an arm's "
-                         "popularity_periods), or use task listwise or binary")
+    for field, flag, what in (("popularity_periods", "--popularity-periods", "popularity periods"),
+                              ("title_neighbors", "--title-neighbors", "title similarity")):
+        given = (ranking or {}).get(field)
+        if given is not None and given > 0 and configs.ranking.task == "regression":
+            raise ValueError(f"{field} {given}: the ranker's task is regression (--task, an "
+                             f"arm's task, or the run folder's config), which reads no {what}; "
+                             f"leave it out ({flag}, or an arm's {field}), or use task listwise "
+                             "or binary")
     return configs
 
 

@@ -145,15 +145,16 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
                        f"place of its fields: model {ranking.model}, task {ranking.task}, "
                        f"epochs {ranking.epochs}, co-occurrence neighbours "
                        f"{ranking.cooccurrence_neighbors}, popularity periods "
-                       f"{ranking.popularity_periods}")
+                       f"{ranking.popularity_periods}, title neighbours "
+                       f"{ranking.title_neighbors}")
     notices += release_gaps(source["data"])
     notices += tie_order_notes(log)
     if log.unread_columns:
         notices.append(unread_columns_note(log.unread_columns, log.rating is not None))
-    unread = sorted(set(log.item_features) - {*MODEL_ITEM_FEATURES, "title"})  # title: people's
+    unread = sorted(set(log.item_features) - {*MODEL_ITEM_FEATURES, "title"})  # title: the ranker's
     if unread:
-        notices.append(f"item features {unread} are not read by the models, which read "
-                       f"{' and '.join(MODEL_ITEM_FEATURES)} only")
+        notices.append(f"item features {unread} are not read: the models read "
+                       f"{' and '.join(MODEL_ITEM_FEATURES)}, and the ranker title")
     if log.user_feature_rows:
         notices.append(f"user features {sorted(log.user_feature_rows)} change within a user: "
                        "training and validation read each user's value of their last training "

@@ -29,6 +29,9 @@ class RankingConfig:
     popularity_periods: int = 20          # periods of the known rows whose item popularity
                                           # calibration weighs (0: no popularity signals;
                                           # a regression ranker reads none)
+    title_neighbors: int = 50             # similar titles kept per item, whose similarity to
+                                          # the history calibration weighs (0: none; a log
+                                          # without titles and a regression ranker read none)
     bst_heads: int = 8
     bst_layers: tuple[int, ...] = (1024, 512, 256)
     num_negatives: int = 9                # per positive, in a list of 1 + num_negatives
@@ -63,6 +66,9 @@ class RankingConfig:
         if self.cooccurrence_folds < 2:
             raise ValueError("cooccurrence_folds must be at least 2, "
                              f"got {self.cooccurrence_folds}")
+        if self.title_neighbors < 0:
+            raise ValueError("title_neighbors must be >= 0 (0 turns the title similarity off), "
+                             f"got {self.title_neighbors}")
         if self.popularity_periods < 0:
             raise ValueError("popularity_periods must be >= 0 (0 turns the popularity signals "
                              f"off), got {self.popularity_periods}")
@@ -97,6 +103,11 @@ class RankingConfig:
         """The popularity periods the ranker reads: none for a regression ranker, whose
         predicted ratings have no logit for calibration to weigh them in."""
         return 0 if self.task == "regression" else self.popularity_periods
+
+    @property
+    def held_out_title_neighbors(self) -> int:
+        """The title neighbours the ranker reads: none for a regression ranker (no logit)."""
+        return 0 if self.task == "regression" else self.title_neighbors
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)

@@ -3,9 +3,10 @@
 Signature `serving_default`: user_id [b] string, item_ids [b, n] string -> scores [b, n]
 float32. The users' state of the fit rows is baked in, with the signals (the transition and
 co-occurrence tables of the training rows, the items' popularity in the fit rows' periods and
-each user's latest period); users it does not know are scored by the share the retrieval
-export serves them (`ModelInputs.popular`, so every model serves them the popular order), and
-unknown items score below every other item of their list, without failing. Stock TF ops only.
+each user's latest period, the title similarities of the item table); users it does not know
+are scored by the share the retrieval export serves them (`ModelInputs.popular`, so every
+model serves them the popular order), and unknown items score below every other item of their
+list, without failing. Stock TF ops only.
 `assets.extra/state.json` records the state, as the retrieval export does.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ import tensorflow as tf
 from tworec.features.inputs import ModelInputs
 from tworec.features.layers import (UserInputs, hold_model, id_lookup, in_row_blocks,
                                     write_state)
-from tworec.ranking.features import RankingSignals, sum_in_order
+from tworec.ranking.features import TITLE_SIGNAL, RankingSignals, sum_in_order
 from tworec.ranking.model import RankingModel
 from tworec.serving.layout import write_version, write_warmup_requests
 
@@ -65,6 +66,7 @@ class RankingModule(tf.Module):
             (pair_table(sp.csr_matrix(popularity.tables["test"])),
              tf.constant(popularity.user_period["test"]), popularity.periods))    # [U]
         self.num_items = data.num_items
+        self.titles = None if signals.titles is None else pair_table(signals.titles.matrix)
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="user_id"),
                                   tf.TensorSpec([None, None], tf.string, name="item_ids")])
@@ -113,6 +115,9 @@ class RankingModule(tf.Module):
             features["cooccurrence"] = sum_in_order(self.cooccurrence.lookup(keys))      # [b, n]
         if self.period_popularity is not None:
             features.update(self.popularity_signals(codes, features["items"]))
+        if self.titles is not None:
+            keys = features["history"][:, :, None] * self.num_items + features["items"][:, None]
+            features[TITLE_SIGNAL] = tf.reduce_max(self.titles.lookup(keys), axis=1)    # [b, n]
         return tf.where(known[:, None], self.model(features),                            # [b, n]
                         tf.gather(self.popularity, features["items"]))
 

@@ -1,14 +1,16 @@
 """The ranker's pair features and the signals they come from.
 
-Besides the model inputs, the ranker reads four signals, handed over as one `RankingSignals`
+Besides the model inputs, the ranker reads five signals, handed over as one `RankingSignals`
 object to `list_examples` (training and evaluation) and to the export (baked into the graph):
 the retrieval stage's embeddings (ranking never imports retrieval: they arrive as arrays), the
 item-to-next-item transition counts and the item-item co-occurrence similarities of the training
-rows, and the items' popularity by period of the rows known before each held-out part.
+rows, the items' popularity by period of the rows known before each held-out part, and the
+similarity of the items' titles (from the item table, not the log).
 """
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import scipy.sparse as sp
@@ -16,6 +18,7 @@ import tensorflow as tf
 
 from tworec.features.history import previous_items, transition_counts
 from tworec.features.inputs import ModelInputs
+from tworec.features.vocab import FIRST
 from tworec.ranking.config import RankingConfig
 
 
@@ -32,6 +35,7 @@ class RankingSignals:
         transitions: [V, V] CSR over item vocabulary indexes (`transition_matrix`), or None.
         cooccurrence: the item-item similarities (`Cooccurrence`), or None.
         popularity: the items' popularity by period (`PeriodPopularity`), or None.
+        titles: the title similarities (`TitleSimilarity`), or None.
     """
 
     retrieval_queries: dict[str, np.ndarray] | None = None
@@ -40,6 +44,7 @@ class RankingSignals:
     transitions: sp.csr_matrix | None = None
     cooccurrence: Cooccurrence | None = None
     popularity: PeriodPopularity | None = None
+    titles: TitleSimilarity | None = None
 
     @property
     def has_retrieval(self) -> bool:
@@ -59,7 +64,9 @@ def signals(data: ModelInputs, config: RankingConfig, retrieval: dict | None = N
         cooccurrence=(cooccurrence(data, config.cooccurrence_neighbors, config.cooccurrence_folds,
                                    config.seed) if config.cooccurrence_neighbors else None),
         popularity=(period_popularity(data, config.held_out_periods)
-                    if config.held_out_periods else None))
+                    if config.held_out_periods else None),
+        titles=(title_similarities(data, config.held_out_title_neighbors)
+                if config.held_out_title_neighbors else None))
 
 
 def transition_matrix(data: ModelInputs) -> sp.csr_matrix:
@@ -157,11 +164,18 @@ def similarities(together: sp.csr_matrix, neighbors: int, min_users: int = 2) ->
     keep = (pairs.row != pairs.col) & (pairs.data >= min_users)
     row, col = pairs.row[keep], pairs.col[keep]
     value = (pairs.data[keep] / np.sqrt(users[row] * users[col])).astype(np.float32)
+    return sp.csr_matrix(most_similar(row, col, value, neighbors), shape=together.shape)
+
+
+def most_similar(row: np.ndarray, col: np.ndarray, value: np.ndarray, neighbors: int
+                 ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    """The entries (value, (row, col)) of the `neighbors` highest values of every row, ties
+    to the lower column."""
     order = np.lexsort((col, -value, row))                   # by row, most similar first
     row, col, value = row[order], col[order], value[order]
     rank = np.arange(len(row)) - np.searchsorted(row, row)
     best = rank < neighbors
-    return sp.csr_matrix((value[best], (row[best], col[best])), shape=together.shape)
+    return value[best], (row[best], col[best])
 
 
 def pair_keys(matrix: sp.csr_matrix) -> tuple[np.ndarray, np.ndarray]:
@@ -195,6 +209,18 @@ def sum_in_order(values: np.ndarray | tf.Tensor) -> np.ndarray | tf.Tensor:
     return total
 
 
+def history_pairs(matrix: sp.csr_matrix, history: np.ndarray, candidates: np.ndarray,
+                  reduce, chunk: int = 4096) -> np.ndarray:
+    """[m, n] float32 `reduce` ([m, L, n] -> [m, n]) of matrix[history[r, l], candidates[r, n]]
+    over the history slots, `chunk` rows at a time (bounded memory)."""
+    keys = pair_keys(matrix)
+    features = np.zeros(candidates.shape, np.float32)
+    for start in range(0, len(history), chunk):
+        at = slice(start, start + chunk)
+        features[at] = reduce(pair_values(keys, matrix.shape[1], history[at], candidates[at]))
+    return features
+
+
 def cooccurrence_features(signal: Cooccurrence, data: ModelInputs, part: str,
                           items: np.ndarray, chunk: int = 4096) -> np.ndarray:
     """[m, n] float32: the sum of each candidate's similarities to the row's history items
@@ -209,11 +235,8 @@ def cooccurrence_features(signal: Cooccurrence, data: ModelInputs, part: str,
         matrices = [(signal.full, np.ones(len(history), bool))]
     features = np.zeros(candidates.shape, np.float32)
     for matrix, rows in matrices:
-        keys, rows = pair_keys(matrix), np.flatnonzero(rows)
-        for start in range(0, len(rows), chunk):
-            at = rows[start:start + chunk]
-            features[at] = sum_in_order(pair_values(keys, data.items.size, history[at],
-                                                    candidates[at]))
+        features[rows] = history_pairs(matrix, history[rows], candidates[rows], sum_in_order,
+                                       chunk)
     return features
 
 
@@ -274,6 +297,104 @@ def popularity_features(signal: PeriodPopularity, data: ModelInputs, part: str,
             "user_time_popularity": table[signal.user_period[part][users][:, None], items]}
 
 
+TITLE_SIGNAL = "title_similarity"
+TITLE_WORD_MAX_SHARE = 0.02      # words in more of the titles ("the", "of") are not read,
+TITLE_WORD_MIN_LIMIT = 20        # unless no more titles than this have them (small catalogues)
+TITLE_PAIRS_PER_BLOCK = 1 << 24  # title pairs multiplied at once, at most (bounded memory)
+
+
+@dataclasses.dataclass(frozen=True)
+class TitleSimilarity:
+    """The items' title similarities (`title_similarities`).
+
+    Attributes:
+        matrix: [V, num_items] float32 CSR over item vocabulary indexes (rows: what a history
+            holds) and catalogue codes (columns: what a candidate is, a new item too).
+        neighbors: the similar titles kept per item.
+    """
+
+    matrix: sp.csr_matrix
+    neighbors: int
+
+
+def has_titles(data: ModelInputs) -> bool:
+    """Whether the item table gives the items titles (a MovieLens release's, or a generic
+    log's `item.title`)."""
+    titles = data.interactions.item_features.get("title")
+    return titles is not None and any(str(title).strip() for title in titles)
+
+
+def title_words(titles: np.ndarray) -> sp.csr_matrix:
+    """[num_items, W] float32 CSR: each title's words (lower case, runs of letters and digits,
+    the trailing release year "(1995)" left out) weighted by log(items / items whose title has
+    the word), rows of unit length (empty for a title without words). Words in more than
+    `TITLE_WORD_MAX_SHARE` of the titles and more than `TITLE_WORD_MIN_LIMIT` titles are left
+    out: they link items of no common series ("the" would link a third of a film catalogue's
+    pairs)."""
+    rows, words, vocabulary = [], [], {}
+    for item, title in enumerate(titles):
+        text = re.sub(r"\(\d{4}\)\s*$", "", str(title).lower())
+        for word in sorted(set(re.findall(r"[^\W_]+", text))):
+            rows.append(item)
+            words.append(vocabulary.setdefault(word, len(vocabulary)))
+    has = sp.csr_matrix((np.ones(len(rows), np.float32), (rows, words)),
+                        shape=(len(titles), len(vocabulary)))
+    items_with = np.asarray(has.sum(0)).ravel()                                 # [W]
+    kept = items_with <= max(TITLE_WORD_MAX_SHARE * len(titles), TITLE_WORD_MIN_LIMIT)
+    weighted = has[:, kept] @ sp.diags(np.log(len(titles) / items_with[kept]).astype(np.float32))
+    length = np.sqrt(np.asarray(weighted.multiply(weighted).sum(1)).ravel())   # [num_items]
+    return (sp.diags((1 / np.where(length > 0, length, 1)).astype(np.float32)) @ weighted).tocsr()
+
+
+def title_similarities(data: ModelInputs, neighbors: int,
+                       pairs_per_block: int = TITLE_PAIRS_PER_BLOCK) -> TitleSimilarity | None:
+    """The cosine of the titles' words (`title_words`) of a vocabulary item (a row) and a
+    catalogue item (a column), kept for each item's `neighbors` most similar other items (ties
+    to the lower code); None when no two titles share a word it reads (no titles, or the
+    synthetic data's "Item N"). Built from the item table alone, not from the log: no row's
+    value reads a later row. An item first seen after training has a column but no row (its
+    history slots are out of the vocabulary). Blocks of items whose pairs with a common word
+    number at most `pairs_per_block` (an item's own beyond it: alone) are multiplied at once."""
+    if not has_titles(data):
+        return None
+    words = title_words(data.interactions.item_features["title"])
+    others = words.T.tocsr()                                                    # [W, I]
+    pairs = np.cumsum((words != 0).astype(np.int64) @ others.getnnz(axis=1))   # [I] bound
+    values, rows, columns, start = [], [], [], 0
+    while start < words.shape[0]:
+        done = pairs[start - 1] if start else 0
+        end = max(int(np.searchsorted(pairs, done + pairs_per_block, side="right")), start + 1)
+        block = (words[start:end] @ others).tocoo()                            # [c, I]
+        row = block.row + start
+        keep = (row != block.col) & (block.data > 0)
+        value, (row, col) = most_similar(row[keep], block.col[keep], block.data[keep], neighbors)
+        values.append(value)
+        rows.append(row)
+        columns.append(col)
+        start = end
+    row, col = np.concatenate(rows), np.concatenate(columns)
+    in_vocabulary = data.item_index[row] >= FIRST
+    if not in_vocabulary.any():
+        return None
+    return TitleSimilarity(
+        sp.csr_matrix((np.concatenate(values)[in_vocabulary],
+                       (data.item_index[row[in_vocabulary]], col[in_vocabulary])),
+                      shape=(data.items.size, data.num_items), dtype=np.float32), neighbors)
+
+
+def highest_in_history(values: np.ndarray) -> np.ndarray:
+    """[m, L, n] -> [m, n]: the highest over the history slots (0 for none)."""
+    return values.max(axis=1)
+
+
+def title_features(titles: TitleSimilarity, data: ModelInputs, part: str,
+                   items: np.ndarray) -> np.ndarray:
+    """[m, n] float32: each candidate's highest title similarity to the row's history items
+    (the latest L): whether it is of a series or of a kind of a title the user has."""
+    return history_pairs(titles.matrix, data.examples[part]["history"], items,
+                         highest_in_history)
+
+
 def retrieval_scores(queries: np.ndarray, items: np.ndarray, codes: np.ndarray,
                      chunk: int = 8192) -> np.ndarray:
     """[m, n] float32 retrieval dot products of queries [m, e] with the items [num_items, e] at
@@ -291,8 +412,8 @@ def list_examples(data: ModelInputs, signals: RankingSignals, part: str,
                   items: np.ndarray) -> dict[str, np.ndarray]:
     """The ranker's inputs for candidate lists `items` [m, n] of the rows of `part`: the model
     inputs of each row, "items" [m, n], "retrieval_scores", "transitions" and "cooccurrence"
-    (each [m, n]) when the signals carry them, the `POPULARITY_SIGNALS` for held-out parts, and
-    "rating" [m] of the item in slot 0 (zeros without ratings)."""
+    (each [m, n]) when the signals carry them, the `POPULARITY_SIGNALS` and `TITLE_SIGNAL` for
+    held-out parts, and "rating" [m] of the item in slot 0 (zeros without ratings)."""
     examples = {k: v for k, v in data.examples[part].items() if k != "item"}
     examples["items"] = items
     if signals.has_retrieval:
@@ -304,6 +425,8 @@ def list_examples(data: ModelInputs, signals: RankingSignals, part: str,
         examples["cooccurrence"] = cooccurrence_features(signals.cooccurrence, data, part, items)
     if signals.popularity is not None and part != "train":
         examples.update(popularity_features(signals.popularity, data, part, items))
+    if signals.titles is not None and part != "train":
+        examples[TITLE_SIGNAL] = title_features(signals.titles, data, part, items)
     rating = data.interactions.rating
     rows = getattr(data.split, part)
     examples["rating"] = (np.zeros(len(rows), np.float32) if rating is None else rating[rows])

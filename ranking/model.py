@@ -9,7 +9,7 @@ import tensorflow_recommenders as tfrs
 from tworec.features.layers import ItemFeatures
 from tworec.features.training import TFRSModel
 from tworec.ranking.config import RankingConfig
-from tworec.ranking.features import POPULARITY_SIGNALS
+from tworec.ranking.features import POPULARITY_SIGNALS, TITLE_SIGNAL
 from tworec.ranking.sequence import SequenceTransformer
 
 def mlp(units: tuple[int, ...]) -> tf.keras.Sequential:
@@ -26,7 +26,9 @@ class RankingModel(TFRSModel):
     `config.cooccurrence_neighbors` "cooccurrence": [b, n] the sum of the candidate's
     co-occurrence similarities to the history items, with `config.held_out_periods` (held-out
     lists only; never for a regression ranker) "recent_popularity" and "user_time_popularity":
-    [b, n], and for training "rating": [b] of the item in slot 0}.
+    [b, n], with `use_titles` (held-out lists only; never for a regression ranker)
+    "title_similarity": [b, n] the candidate's highest title similarity to a history item, and
+    for training "rating": [b] of the item in slot 0}.
     `ranking.features.list_examples` builds them, and the export computes them in the graph
     from the same signals.
     Output of `call`: scores [b, n] float32 (logits; a regression ranker's: predicted ratings).
@@ -35,8 +37,8 @@ class RankingModel(TFRSModel):
     and through a learnt scalar weight in the logit, so the ranker starts from retrieval's order
     and learns what to change. Transitions carry what a dot product cannot: which items follow
     which; co-occurrence, how close the candidate is to each history item, not to their mean.
-    The popularity signals (`held_out_signals`) only enter through their weight, which stays 0
-    in training (training lists lack them) and which calibration alone sets.
+    The popularity and title signals (`held_out_signals`) only enter through their weight,
+    which stays 0 in training (training lists lack them) and which calibration alone sets.
     The model holds weights only; every signal arrives as an input. A regression ranker has
     no logit: its candidates' scores are the rating head's, and the signals are features only.
     """
@@ -44,7 +46,7 @@ class RankingModel(TFRSModel):
     def __init__(self, config: RankingConfig, *, num_users: int, item_index: np.ndarray,
                  item_vocab_size: int, item_genres: np.ndarray, item_year: np.ndarray,
                  history_length: int, user_feature_sizes: dict[str, int], has_ratings: bool,
-                 use_retrieval: bool = False):
+                 use_retrieval: bool = False, use_titles: bool = False):
         super().__init__()
         self.config = config
         self.history_length = history_length
@@ -53,7 +55,8 @@ class RankingModel(TFRSModel):
         self.signal_names = (["retrieval_scores"] if use_retrieval else []) + \
             (["transitions"] if config.use_transitions else []) + \
             (["cooccurrence"] if config.cooccurrence_neighbors else [])
-        self.held_out_signals = list(POPULARITY_SIGNALS) if config.held_out_periods else []
+        self.held_out_signals = (list(POPULARITY_SIGNALS) if config.held_out_periods else []) + \
+            ([TITLE_SIGNAL] if use_titles and config.held_out_title_neighbors else [])
         self.signal_weights = {       # float32 always; held-out ones set by calibration only
             name: self.add_weight(name=f"{name}_weight", shape=(), initializer="zeros",
                                   autocast=False, trainable=name in self.signal_names)

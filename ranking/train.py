@@ -65,7 +65,8 @@ def build_model(config: RankingConfig, data: ModelInputs, signals: RankingSignal
                          item_year=data.item_year, history_length=data.history_length,
                          user_feature_sizes={n: v.size for n, v in data.user_feature_vocabs.items()},
                          has_ratings=data.interactions.rating is not None,
-                         use_retrieval=signals.has_retrieval)
+                         use_retrieval=signals.has_retrieval,
+                         use_titles=signals.titles is not None)
     model.compile(optimizer=tf.keras.optimizers.Adam(config.learning_rate),
                   jit_compile=config.jit_compile)
     return model
@@ -82,9 +83,9 @@ def fit(data: ModelInputs, config: RankingConfig, signals: RankingSignals,
     Args:
         data: model inputs (`features.inputs.prepare`).
         config: checked before anything trains.
-        signals: the retrieval embeddings, transition counts, co-occurrence similarities and
-            period popularity the ranker reads (`ranking.features.signals`), as `config`
-            asks for them.
+        signals: the retrieval embeddings, transition counts, co-occurrence similarities,
+            period popularity and title similarities the ranker reads
+            (`ranking.features.signals`), as `config` asks for them.
         hard: part -> [m, H] retrieval candidates per row, the source of hard negatives.
         served_validation: [m, C] the candidates retrieval serves for the validation rows
             (`EMPTY_SLOT` where fewer remain).
@@ -114,6 +115,12 @@ def fit(data: ModelInputs, config: RankingConfig, signals: RankingSignals,
         raise ValueError(f"the signals' co-occurrence was built with {built.neighbors} "
                          f"neighbours, {len(built.folds)} folds, seed {built.seed}, not as the "
                          "config says: build them with ranking.features.signals(data, config)")
+    titles = signals.titles       # None also where the items' titles share no word it reads
+    if titles is not None and titles.neighbors != config.held_out_title_neighbors:
+        raise ValueError(f"the signals' title similarity keeps {titles.neighbors} neighbours, "
+                         f"title_neighbors read by a {config.task} ranker is "
+                         f"{config.held_out_title_neighbors}: build them with "
+                         "ranking.features.signals(data, config)")
     if signals.popularity is not None and signals.popularity.periods != config.held_out_periods:
         raise ValueError(f"the signals' popularity has {signals.popularity.periods} periods, "
                          f"the config {config.held_out_periods}: build them with "

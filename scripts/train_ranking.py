@@ -2,7 +2,7 @@
 stage over retrieval's top-K, and exports `ranking` and the composed `recommender`.
 
     python scripts/train_ranking.py --retrieval-run RUN [--model dcn|bst]
-        [--task listwise|binary|regression] [--cooccurrence-neighbors K]
+        [--task listwise|binary|regression] [--cooccurrence-neighbors K] [--title-neighbors K]
         [--popularity-periods P] [--epochs N] [--mixed-precision] [--jit-compile]
     python scripts/train_ranking.py --data SOURCE --out RUN [--split temporal|random]
         [--preset tiny|default] [--members M] [--top-k 100] ...
@@ -27,6 +27,10 @@ def main(argv=None) -> int:
     parser.add_argument("--cooccurrence-neighbors", type=int, metavar="K",
                         help="add the co-occurrence feature: each item's K most similar items "
                              "(0, the default: without it)")
+    parser.add_argument("--title-neighbors", type=int, metavar="K",
+                        help="the held-out title similarity: each item's K most similar titles "
+                             "(default 50; 0: without it; refused for a regression ranker, which "
+                             "reads none)")
     parser.add_argument("--popularity-periods", type=int, metavar="P",
                         help="the held-out popularity signals: the items' popularity in P "
                              "periods of the known rows (default 20; 0: without them; refused "
@@ -63,6 +67,7 @@ def main(argv=None) -> int:
         ("model", args.model), ("task", args.task),
         ("cooccurrence_neighbors", args.cooccurrence_neighbors),
         ("popularity_periods", args.popularity_periods),
+        ("title_neighbors", args.title_neighbors),
         ("mixed_precision", args.mixed_precision),
         ("jit_compile", args.jit_compile)) if value is not None}
     if args.retrieval_run:

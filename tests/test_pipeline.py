@@ -296,6 +296,8 @@ def test_train_ranking_reuses_a_retrieval_run_and_matches_the_pipeline(run, retr
      "epochs must be positive"),
     ("train_ranking.py", ["--task", "regression", "--popularity-periods", "5", "--out",
                           "OUT/new"], "popularity_periods 5: the ranker's task is regression"),
+    ("train_ranking.py", ["--task", "regression", "--title-neighbors", "5", "--out",
+                          "OUT/new"], "title_neighbors 5: the ranker's task is regression"),
 ])
 def test_script_mistakes_fail_before_training_with_one_line(tmp_path, name, args, message):
     (tmp_path / "a-file").write_text("not a folder")
@@ -391,14 +393,16 @@ def test_run_configs_resolve_validate_and_round_trip(tmp_path):
 
 def test_a_config_json_of_an_earlier_tworec_reads_as_it_was_trained(tmp_path):
     """A run folder written before retrieval had members holds one two-tower model: its
-    config reads as 1 member, not today's default, so its weights load."""
+    config reads as 1 member, not today's default, so its weights load; one written before
+    the title similarity reads without it, as it was trained."""
     from tworec.pipeline import config
     configs = config.resolve("default")
-    assert configs.retrieval.members > 1
+    assert configs.retrieval.members > 1 and configs.ranking.title_neighbors > 0
     values = {"source": {"data": "synthetic"}, **configs.to_dict()}
-    del values["retrieval"]["members"]
+    del values["retrieval"]["members"], values["ranking"]["title_neighbors"]
     (tmp_path / "config.json").write_text(json.dumps(values))
-    assert config.read(str(tmp_path / "config.json"))[1].retrieval.members == 1
+    earlier = config.read(str(tmp_path / "config.json"))[1]
+    assert (earlier.retrieval.members, earlier.ranking.title_neighbors) == (1, 0)
 
 
 def test_epochs_go_to_the_stages_the_steps_train_only():
@@ -459,22 +463,25 @@ def test_members_reach_the_retrieval_config(tmp_path, script):
     assert "resolved 2" in error, error
 
 
-def test_popularity_periods_given_to_a_regression_ranker_are_refused():
-    """Given with a regression ranker, which reads none, they are refused, also when the task
-    comes from a run folder's configs; 0, or leaving them out, is fine."""
+@pytest.mark.parametrize("field, held_out", [("popularity_periods", "held_out_periods"),
+                                             ("title_neighbors", "held_out_title_neighbors")])
+def test_held_out_signals_given_to_a_regression_ranker_are_refused(field, held_out):
+    """Popularity periods or title neighbours given with a regression ranker, which reads
+    none, are refused, also when the task comes from a run folder's configs; 0, or leaving
+    them out, is fine."""
     from tworec.pipeline import config
     regression = config.resolve("tiny", ranking={"task": "regression"})
-    assert regression.ranking.held_out_periods == 0
-    for given in ({"task": "regression", "popularity_periods": 0}, {"epochs": 1}, {}):
+    assert getattr(regression.ranking, held_out) == 0
+    for given in ({"task": "regression", field: 0}, {"epochs": 1}, {}):
         config.resolve(base=regression, ranking=given)
-    assert config.resolve(base=regression, ranking={"task": "listwise", "popularity_periods": 5}
-                          ).ranking.held_out_periods == 5
-    for base, given in ((None, {"task": "regression", "popularity_periods": 5}),
-                        (regression, {"popularity_periods": 5})):     # the folder's task
-        with pytest.raises(ValueError, match="popularity_periods 5: the ranker's task is regr"):
+    assert getattr(config.resolve(base=regression, ranking={"task": "listwise", field: 5}
+                                  ).ranking, held_out) == 5
+    for base, given in ((None, {"task": "regression", field: 5}),
+                        (regression, {field: 5})):                  # the folder's task
+        with pytest.raises(ValueError, match=f"{field} 5: the ranker's task is regr"):
             config.resolve("tiny", base=base, ranking=given)
     with pytest.raises(ValueError, match="must be >= 0"):
-        config.resolve(base=regression, ranking={"popularity_periods": -1}).validate()
+        config.resolve(base=regression, ranking={field: -1}).validate()
 
 
 def test_a_folder_without_its_cold_start_window_is_not_continued(tmp_path):

@@ -26,6 +26,18 @@ def inputs():
 
 
 @pytest.fixture(scope="module")
+def titled(inputs):
+    """`inputs` whose items have titles: series of four ("saga3 ..."), words of three items
+    in a row ("word7") and of every ninth item ("tone4"), words more than 20 titles have
+    ("the", the part number), a tenth without."""
+    titles = np.array([f"The Saga{i // 4} {i % 4 + 1}: Word{i // 3} Tone{i % 9} ({1990 + i % 20})"
+                       if i % 10 else "" for i in range(inputs.num_items)])
+    log = dataclasses.replace(inputs.interactions,
+                              item_features={**inputs.interactions.item_features, "title": titles})
+    return dataclasses.replace(inputs, interactions=log)
+
+
+@pytest.fixture(scope="module")
 def transitions_only(inputs):
     """The signals of a ranker without retrieval: the transition counts."""
     return signals(inputs, preset("tiny"))
@@ -171,6 +183,84 @@ def test_cooccurrence_features_sum_similarities_out_of_the_users_fold(inputs):
         assert (features > 0).mean() > 0.2
 
 
+def test_title_words_weigh_words_by_rarity_and_leave_out_the_commonest():
+    """By hand: idf log(items / items with the word), unit rows, the release year dropped, an
+    empty title empty; in a catalogue of 1,000, a word of 30 titles (3%) left out, one of 20
+    (2%) kept."""
+    from tworec.ranking.features import title_words
+    words = title_words(np.array(["Toy Story (1995)", "Toy Story 2 (1999)", "Heat (1995)",
+                                  "Story of Heat", "", "Toy (2000)"]))
+    assert words.shape == (6, 5)                        # toy, story, 2, heat, of
+    cosine = (words @ words.T).toarray()
+    ln2, ln3, ln6 = np.log(2), np.log(3), np.log(6)
+    expected = {(0, 1): 2 * ln2 ** 2 / (np.sqrt(2) * ln2 * np.sqrt(2 * ln2 ** 2 + ln6 ** 2)),
+                (0, 5): 1 / np.sqrt(2), (0, 2): 0.0, (2, 3): ln3 / np.sqrt(ln2 ** 2 + ln3 ** 2 + ln6 ** 2),
+                (5, 5): 1.0, (4, 4): 0.0, (1, 2): 0.0}
+    for (a, b), value in expected.items():
+        assert cosine[a, b] == pytest.approx(value, rel=1e-6), (a, b)
+    for size, cut, kept in ((5000, 101, 100), (200, 21, 20)):    # 2% of 5,000; 20 of 200
+        titles = np.array([f"Film{i}" + " The" * (i < cut) + " Common" * (i < kept)
+                           for i in range(size)])
+        words = title_words(titles)
+        assert words.shape[1] == size + 1, size         # every film word, "common", not "the"
+        assert (words[:kept].getnnz(axis=1) == 2).all() and (words[kept:].getnnz(axis=1) == 1).all()
+
+
+def test_title_similarities_keep_each_items_nearest_titles_by_vocabulary_row(titled):
+    """The [V, num_items] matrix against the dense cosines of the titles: each catalogue
+    item's `neighbors` highest positive cosines to other items, ties to the lower code (a
+    stable sort), on the row of its vocabulary index, whatever the blocks; an item out of the
+    vocabulary has its column and no row. None where no two titles share a word it reads."""
+    from tworec.ranking.features import title_similarities, title_words
+    words = title_words(titled.interactions.item_features["title"])
+    dense = (words @ words.T).toarray()
+    np.fill_diagonal(dense, 0.0)
+    unseen = 7                                                # as if first seen after training
+    item_index = titled.item_index.copy()
+    item_index[unseen] = 1
+    data = dataclasses.replace(titled, item_index=item_index)
+    for neighbors, block in ((3, 1), (3, 40), (200, 1 << 24)):
+        similarity = title_similarities(data, neighbors, pairs_per_block=block)
+        got = similarity.matrix.toarray()
+        assert similarity.neighbors == neighbors and got.shape == (data.items.size, data.num_items)
+        expected = np.zeros_like(got)
+        for code in np.flatnonzero(item_index >= 2):
+            order = np.argsort(-dense[code], kind="stable")[:neighbors]
+            order = order[dense[code, order] > 0]
+            expected[item_index[code], order] = dense[code, order]
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=0)
+        assert got[:, unseen].any() and not got[:2].any()
+        assert 0 < (got > 0).sum(1).max() <= neighbors
+    assert (dense > 0).sum(1).max() > 3                        # the 3 kept are fewer than all
+    untitled = {"title": np.array([f"Item {i}" for i in range(titled.num_items)])}
+    for features in ({}, untitled):                              # the synthetic data's titles
+        assert title_similarities(dataclasses.replace(titled, interactions=dataclasses.replace(
+            titled.interactions, item_features=features)), 3) is None
+
+
+def test_title_features_are_the_highest_similarity_to_a_history_item(titled):
+    """Held-out lists read each candidate's highest similarity to the row's history items,
+    the exact float32 of the matrix (0 without history); training lists do not read them."""
+    from tworec.ranking.features import TITLE_SIGNAL, title_features
+    config = preset("tiny", title_neighbors=5)
+    given = signals(titled, config)
+    history = titled.examples["test"]["history"]
+    lists = np.tile(np.arange(titled.num_items), (len(history), 1))
+    features = title_features(given.titles, titled, "test", lists)
+    dense = given.titles.matrix.toarray()
+    expected = np.zeros(features.shape, np.float32)
+    for slot in range(history.shape[1]):
+        expected = np.maximum(expected, dense[history[:, slot][:, None], lists])
+    np.testing.assert_array_equal(features, expected)
+    assert (features > 0).mean() > 0.02
+    examples = list_examples(titled, given, "test", lists[:, :4])
+    np.testing.assert_array_equal(examples[TITLE_SIGNAL], expected[:, :4])
+    assert TITLE_SIGNAL not in list_examples(titled, given, "train",
+                                             candidate_lists(titled, "train", 3, 0.0, seed=0))
+    assert signals(titled, preset("tiny", title_neighbors=0)).titles is None
+    assert signals(titled, preset("tiny", task="regression")).titles is None
+
+
 def test_a_users_training_features_do_not_move_with_their_own_later_items(inputs):
     """Leakage pin: replacing the item of a user's last training row by another leaves the
     co-occurrence features of that user's earlier training rows exactly as they were."""
@@ -314,7 +404,7 @@ def test_history_length_zero_gives_the_ranker_no_history():
         fit(data, preset("tiny", model="bst"), signals(data, preset("tiny")), verbose=0)
 
 
-def test_settings_that_cannot_work(inputs, transitions_only):
+def test_settings_that_cannot_work(inputs, titled, transitions_only):
     with pytest.raises(ValueError, match="model 'gbdt'"):
         fit(inputs, preset("tiny", model="gbdt"), transitions_only, verbose=0)
     with pytest.raises(ValueError, match="needs history_length > 0"):
@@ -342,6 +432,15 @@ def test_settings_that_cannot_work(inputs, transitions_only):
             signals(inputs, preset("tiny", popularity_periods=2)), verbose=0)
     with pytest.raises(ValueError, match="popularity_periods must be >= 0"):
         preset("tiny", popularity_periods=-1).validate()
+    with pytest.raises(ValueError, match="title similarity keeps 5 neighbours, title_neighbors "
+                       "read by a listwise ranker is 50"):
+        fit(titled, preset("tiny"), signals(titled, preset("tiny", title_neighbors=5)), verbose=0)
+    with pytest.raises(ValueError, match="keeps 50 neighbours, title_neighbors read by a "
+                       "regression ranker is 0"):                   # it has no logit for them
+        fit(titled, preset("tiny", task="regression", popularity_periods=0),
+            signals(titled, preset("tiny", popularity_periods=0)), verbose=0)
+    with pytest.raises(ValueError, match="title_neighbors must be >= 0"):
+        preset("tiny", title_neighbors=-1).validate()
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -400,19 +499,25 @@ def test_retrieval_signal_feeds_the_ranker(inputs, signal):
     assert evaluate(model, inputs, signal, "test")["auc"] > 0.7
 
 
-@pytest.mark.parametrize("periods", [0, 4], ids=["pair-signals", "with-popularity"])
-def test_calibration_refits_the_logit_on_served_lists_and_the_model_keeps_it(inputs, signal,
-                                                                              periods):
+@pytest.mark.parametrize("periods, titles", [(0, 0), (4, 0), (0, 50)],
+                         ids=["pair-signals", "with-popularity", "with-titles"])
+def test_calibration_refits_the_logit_on_served_lists_and_the_model_keeps_it(inputs, titled,
+                                                                              signal, periods,
+                                                                              titles):
     """`calibrate` rewrites the model so that its logits are a * logit + sum_k d_k * signal_k,
     with (a, d) the minimum of the softmax cross-entropy over the lists that hold their
     positive (checked against a plain implementation, and by moving each number a little),
-    the held-out popularity signals included."""
-    import dataclasses
+    the held-out popularity and title signals included."""
     from tworec.features.batches import batches
-    from tworec.ranking.features import POPULARITY_SIGNALS, period_popularity
+    from tworec.ranking.features import (POPULARITY_SIGNALS, TITLE_SIGNAL, period_popularity,
+                                         title_similarities)
     signal = dataclasses.replace(
         signal, popularity=period_popularity(inputs, periods) if periods else None)
-    config = preset("tiny", epochs=1, calibrate=False, popularity_periods=periods)
+    if titles:              # the same inputs, their items titled
+        inputs, signal = titled, dataclasses.replace(signal,
+                                                     titles=title_similarities(titled, titles))
+    config = preset("tiny", epochs=1, calibrate=False, popularity_periods=periods,
+                    title_neighbors=titles)
     model, _ = fit(inputs, config, signal, verbose=0)
     rng = np.random.default_rng(0)
     lists = candidate_lists(inputs, "validation", 19, 0.0, seed=5)
@@ -443,7 +548,8 @@ def test_calibration_refits_the_logit_on_served_lists_and_the_model_keeps_it(inp
     a = result["scale"]
     d = np.array([result["weights"][name] - a * old[name] for name in names])
     assert result["rows"] == rows.sum() > 100
-    assert names == ["retrieval_scores", "transitions"] + (list(POPULARITY_SIGNALS) * bool(periods))
+    assert names == ["retrieval_scores", "transitions"] + (
+        list(POPULARITY_SIGNALS) * bool(periods)) + [TITLE_SIGNAL] * bool(titles)
     np.testing.assert_allclose(logits(), a * before + signals_ @ d.astype(np.float32),
                                rtol=1e-4, atol=1e-4)
     assert result["loss_before"] == pytest.approx(loss(1.0, np.zeros(len(names))), rel=1e-6)
@@ -462,30 +568,33 @@ def test_calibration_refits_the_logit_on_served_lists_and_the_model_keeps_it(inp
     missing = np.where(lists == inputs.examples["validation"]["item"][:, None], EMPTY_SLOT, lists)
     assert calibrate(model, inputs, signal, "validation", missing) == {
         "rows": 0, "skipped": "no served validation list holds its positive"}
-    without = preset("tiny", epochs=1, use_transitions=False, popularity_periods=0)
+    without = preset("tiny", epochs=1, use_transitions=False, popularity_periods=0,
+                     title_neighbors=0)
     alone, _ = fit(inputs, without, signals(inputs, without), verbose=0)
     assert alone.logit_signals == [] and calibrate(
         alone, inputs, signals(inputs, without), "validation", lists)["weights"] == {}
 
 
-@pytest.mark.parametrize("model_name, with_signal, neighbors, periods",
-                         [("dcn", False, 0, 0), ("dcn", True, 0, 0), ("bst", True, 0, 0),
-                          ("dcn", True, 20, 0), ("dcn", False, 0, 3)],
+@pytest.mark.parametrize("model_name, with_signal, neighbors, periods, titles",
+                         [("dcn", False, 0, 0, 0), ("dcn", True, 0, 0, 0), ("bst", True, 0, 0, 0),
+                          ("dcn", True, 20, 0, 0), ("dcn", False, 0, 3, 0), ("dcn", True, 0, 0, 50)],
                          ids=["dcn-alone", "dcn-retrieval-signal", "bst-retrieval-signal",
-                              "dcn-retrieval-cooccurrence", "dcn-popularity"])
-def test_export_serves_the_keras_scores(inputs, signal, transitions_only, tmp_path, model_name,
-                                       with_signal, neighbors, periods):
-    import dataclasses
+                              "dcn-retrieval-cooccurrence", "dcn-popularity", "dcn-titles"])
+def test_export_serves_the_keras_scores(inputs, titled, signal, transitions_only, tmp_path,
+                                       model_name, with_signal, neighbors, periods, titles):
     from tworec.ranking.export import export
-    from tworec.ranking.features import cooccurrence, period_popularity
+    from tworec.ranking.features import (TITLE_SIGNAL, cooccurrence, period_popularity,
+                                         title_similarities)
     from tensorflow.python.framework import op_def_registry
     given = signal if with_signal else transitions_only
     config = preset("tiny", epochs=1, model=model_name, cooccurrence_neighbors=neighbors,
-                    popularity_periods=periods)
+                    popularity_periods=periods, title_neighbors=titles)
     if neighbors:
         given = dataclasses.replace(given, cooccurrence=cooccurrence(inputs, neighbors, 5))
     given = dataclasses.replace(
         given, popularity=period_popularity(inputs, periods) if periods else None)
+    if titles:              # the same inputs, their items titled
+        inputs, given = titled, dataclasses.replace(given, titles=title_similarities(titled, titles))
     model, _ = fit(inputs, config, given, verbose=0)
     for weight, name in zip((0.7, -0.4), model.held_out_signals):     # as calibration sets them
         model.signal_weights[name].assign(weight)
@@ -500,7 +609,13 @@ def test_export_serves_the_keras_scores(inputs, signal, transitions_only, tmp_pa
     code_of[inputs.item_index] = np.arange(inputs.num_items)
     # Each user's candidates: the 2 items that most often followed their latest item, 2 others.
     followers = np.argsort(-given.transitions[last].toarray(), axis=1, kind="stable")[:, :2]
-    codes = np.concatenate([code_of[followers], np.arange(6).reshape(3, 2)], axis=1)  # [3, 4]
+    if titles:         # the items most similar to several history items: highest != sum
+        similar = np.stack([given.titles.matrix[inputs.latest[:3, slot]].toarray()
+                            for slot in range(inputs.latest.shape[1])])          # [L, 3, I]
+        others = np.argsort(similar.max(0) - similar.sum(0), axis=1, kind="stable")[:, :2]
+    else:
+        others = np.arange(6).reshape(3, 2)
+    codes = np.concatenate([code_of[followers], others], axis=1)                    # [3, 4]
     transitions = np.log1p(given.transitions[last[:, None], inputs.item_index[codes]].toarray())
     assert (transitions[:, :2] > 0).all()
     served = run("serving_default", user_id=users, item_ids=log.item_ids[codes])["scores"]
@@ -520,6 +635,11 @@ def test_export_serves_the_keras_scores(inputs, signal, transitions_only, tmp_pa
         features["recent_popularity"] = table[-1][codes]
         features["user_time_popularity"] = table[period[:3, None], codes]
         assert len(set(period[:3])) > 1 and (features["user_time_popularity"] > 0).any()
+    if titles:
+        in_history = np.take_along_axis(similar, codes[None], 2)                     # [L, 3, 4]
+        features[TITLE_SIGNAL] = in_history.max(0)
+        assert model.held_out_signals == [TITLE_SIGNAL] and (in_history.sum(0) > in_history.max(
+            0) + 0.1)[:, 2:].all()
     expected = model({k: tf.constant(v) for k, v in features.items()}).numpy()
     np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-5)
     unknown = run("serving_default", user_id=np.array(["nobody"]),

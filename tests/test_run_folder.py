@@ -107,8 +107,8 @@ def test_a_batch_larger_than_the_training_rows_is_lowered_with_a_notice(tmp_path
     assert len(checked.parts.train) == train_rows
     assert checked.configs.retrieval.batch_size == train_rows
     assert checked.notices[-1] == f"batch_size 512 lowered to the training rows, {train_rows}"
-    assert ("item features ['color'] are not read by the models, which read genres and year "
-            "only") in checked.notices
+    assert ("item features ['color'] are not read: the models read genres and year, and the "
+            "ranker title") in checked.notices
     assert ("user features ['age'] change within a user: training and validation read each "
             "user's value of their last training row, the test rows and the exports that of "
             "their last training or validation row, never a later one") in checked.notices
