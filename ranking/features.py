@@ -169,8 +169,8 @@ def similarities(together: sp.csr_matrix, neighbors: int, min_users: int = 2) ->
 
 def most_similar(row: np.ndarray, col: np.ndarray, value: np.ndarray, neighbors: int
                  ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
-    """The entries (value, (row, col)) of the `neighbors` highest values of every row, ties
-    to the lower column."""
+    """The entries (value, (row, col)) among [k] ones of the `neighbors` highest values of
+    every row, ties to the lower column."""
     order = np.lexsort((col, -value, row))                   # by row, most similar first
     row, col, value = row[order], col[order], value[order]
     rank = np.arange(len(row)) - np.searchsorted(row, row)
@@ -300,7 +300,7 @@ def popularity_features(signal: PeriodPopularity, data: ModelInputs, part: str,
 TITLE_SIGNAL = "title_similarity"
 TITLE_WORD_MAX_SHARE = 0.02      # words in more of the titles ("the", "of") are not read,
 TITLE_WORD_MIN_LIMIT = 20        # unless no more titles than this have them (small catalogues)
-TITLE_PAIRS_PER_BLOCK = 1 << 24  # title pairs multiplied at once, at most (bounded memory)
+TITLE_PAIRS_PER_BLOCK = 1 << 22  # title pairs multiplied at once, at most: ~50 B a pair
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,13 +315,6 @@ class TitleSimilarity:
 
     matrix: sp.csr_matrix
     neighbors: int
-
-
-def has_titles(data: ModelInputs) -> bool:
-    """Whether the item table gives the items titles (a MovieLens release's, or a generic
-    log's `item.title`)."""
-    titles = data.interactions.item_features.get("title")
-    return titles is not None and any(str(title).strip() for title in titles)
 
 
 def title_words(titles: np.ndarray) -> sp.csr_matrix:
@@ -355,9 +348,10 @@ def title_similarities(data: ModelInputs, neighbors: int,
     value reads a later row. An item first seen after training has a column but no row (its
     history slots are out of the vocabulary). Blocks of items whose pairs with a common word
     number at most `pairs_per_block` (an item's own beyond it: alone) are multiplied at once."""
-    if not has_titles(data):
+    titles = data.interactions.item_features.get("title")          # [I] str, or None
+    if titles is None:
         return None
-    words = title_words(data.interactions.item_features["title"])
+    words = title_words(titles)
     others = words.T.tocsr()                                                    # [W, I]
     pairs = np.cumsum((words != 0).astype(np.int64) @ others.getnnz(axis=1))   # [I] bound
     values, rows, columns, start = [], [], [], 0
@@ -389,8 +383,9 @@ def highest_in_history(values: np.ndarray) -> np.ndarray:
 
 def title_features(titles: TitleSimilarity, data: ModelInputs, part: str,
                    items: np.ndarray) -> np.ndarray:
-    """[m, n] float32: each candidate's highest title similarity to the row's history items
-    (the latest L): whether it is of a series or of a kind of a title the user has."""
+    """[m, n] float32: each candidate's (`items` [m, n] catalogue codes) highest title
+    similarity to the row's history items (the latest L): whether it is of a series or of a
+    kind of a title the user has."""
     return history_pairs(titles.matrix, data.examples[part]["history"], items,
                          highest_in_history)
 

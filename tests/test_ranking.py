@@ -185,8 +185,9 @@ def test_cooccurrence_features_sum_similarities_out_of_the_users_fold(inputs):
 
 def test_title_words_weigh_words_by_rarity_and_leave_out_the_commonest():
     """By hand: idf log(items / items with the word), unit rows, the release year dropped, an
-    empty title empty; in a catalogue of 1,000, a word of 30 titles (3%) left out, one of 20
-    (2%) kept."""
+    empty title empty; a word of more than 2% of the titles and more than 20 left out: of
+    5,000 titles, one of 101 out and one of 100 kept; of 200, one of 21 out and one of 20
+    kept."""
     from tworec.ranking.features import title_words
     words = title_words(np.array(["Toy Story (1995)", "Toy Story 2 (1999)", "Heat (1995)",
                                   "Story of Heat", "", "Toy (2000)"]))
@@ -194,7 +195,8 @@ def test_title_words_weigh_words_by_rarity_and_leave_out_the_commonest():
     cosine = (words @ words.T).toarray()
     ln2, ln3, ln6 = np.log(2), np.log(3), np.log(6)
     expected = {(0, 1): 2 * ln2 ** 2 / (np.sqrt(2) * ln2 * np.sqrt(2 * ln2 ** 2 + ln6 ** 2)),
-                (0, 5): 1 / np.sqrt(2), (0, 2): 0.0, (2, 3): ln3 / np.sqrt(ln2 ** 2 + ln3 ** 2 + ln6 ** 2),
+                (0, 5): 1 / np.sqrt(2), (0, 2): 0.0,
+                (2, 3): ln3 / np.sqrt(ln2 ** 2 + ln3 ** 2 + ln6 ** 2),
                 (5, 5): 1.0, (4, 4): 0.0, (1, 2): 0.0}
     for (a, b), value in expected.items():
         assert cosine[a, b] == pytest.approx(value, rel=1e-6), (a, b)
@@ -206,12 +208,20 @@ def test_title_words_weigh_words_by_rarity_and_leave_out_the_commonest():
         assert (words[:kept].getnnz(axis=1) == 2).all() and (words[kept:].getnnz(axis=1) == 1).all()
 
 
-def test_title_similarities_keep_each_items_nearest_titles_by_vocabulary_row(titled):
+def test_title_similarities_keep_each_items_nearest_titles_by_vocabulary_row(titled,
+                                                                             monkeypatch):
     """The [V, num_items] matrix against the dense cosines of the titles: each catalogue
     item's `neighbors` highest positive cosines to other items, ties to the lower code (a
     stable sort), on the row of its vocabulary index, whatever the blocks; an item out of the
     vocabulary has its column and no row. None where no two titles share a word it reads."""
+    from tworec.ranking import features
     from tworec.ranking.features import title_similarities, title_words
+    blocks, most_similar = [], features.most_similar
+
+    def counted(*args):                                           # one call a block of items
+        blocks.append(1)
+        return most_similar(*args)
+    monkeypatch.setattr(features, "most_similar", counted)
     words = title_words(titled.interactions.item_features["title"])
     dense = (words @ words.T).toarray()
     np.fill_diagonal(dense, 0.0)
@@ -219,8 +229,10 @@ def test_title_similarities_keep_each_items_nearest_titles_by_vocabulary_row(tit
     item_index = titled.item_index.copy()
     item_index[unseen] = 1
     data = dataclasses.replace(titled, item_index=item_index)
-    for neighbors, block in ((3, 1), (3, 40), (200, 1 << 24)):
+    for neighbors, block, count in ((3, 1, data.num_items), (3, 40, None), (200, 1 << 24, 1)):
+        blocks.clear()
         similarity = title_similarities(data, neighbors, pairs_per_block=block)
+        assert len(blocks) == count if count else 1 < len(blocks) < data.num_items
         got = similarity.matrix.toarray()
         assert similarity.neighbors == neighbors and got.shape == (data.items.size, data.num_items)
         expected = np.zeros_like(got)
@@ -577,7 +589,8 @@ def test_calibration_refits_the_logit_on_served_lists_and_the_model_keeps_it(inp
 
 @pytest.mark.parametrize("model_name, with_signal, neighbors, periods, titles",
                          [("dcn", False, 0, 0, 0), ("dcn", True, 0, 0, 0), ("bst", True, 0, 0, 0),
-                          ("dcn", True, 20, 0, 0), ("dcn", False, 0, 3, 0), ("dcn", True, 0, 0, 50)],
+                          ("dcn", True, 20, 0, 0), ("dcn", False, 0, 3, 0),
+                          ("dcn", True, 0, 0, 50)],
                          ids=["dcn-alone", "dcn-retrieval-signal", "bst-retrieval-signal",
                               "dcn-retrieval-cooccurrence", "dcn-popularity", "dcn-titles"])
 def test_export_serves_the_keras_scores(inputs, titled, signal, transitions_only, tmp_path,
@@ -594,7 +607,8 @@ def test_export_serves_the_keras_scores(inputs, titled, signal, transitions_only
     given = dataclasses.replace(
         given, popularity=period_popularity(inputs, periods) if periods else None)
     if titles:              # the same inputs, their items titled
-        inputs, given = titled, dataclasses.replace(given, titles=title_similarities(titled, titles))
+        inputs = titled
+        given = dataclasses.replace(given, titles=title_similarities(titled, titles))
     model, _ = fit(inputs, config, given, verbose=0)
     for weight, name in zip((0.7, -0.4), model.held_out_signals):     # as calibration sets them
         model.signal_weights[name].assign(weight)
