@@ -245,9 +245,9 @@ def test_title_similarities_keep_each_items_nearest_titles_by_vocabulary_row(tit
         assert 0 < (got > 0).sum(1).max() <= neighbors
     assert (dense > 0).sum(1).max() > 3                        # the 3 kept are fewer than all
     untitled = {"title": np.array([f"Item {i}" for i in range(titled.num_items)])}
-    for features in ({}, untitled):                              # the synthetic data's titles
+    for item_features in ({}, untitled):                         # the synthetic data's titles
         assert title_similarities(dataclasses.replace(titled, interactions=dataclasses.replace(
-            titled.interactions, item_features=features)), 3) is None
+            titled.interactions, item_features=item_features)), 3) is None
 
 
 def test_title_features_are_the_highest_similarity_to_a_history_item(titled):
