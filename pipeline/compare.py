@@ -405,8 +405,8 @@ def _ranking_runs(arms: list[Arm], seed: int, configs: Configs, inputs: ModelInp
     """Yields every ranking arm's (name, {"epochs", "best_epoch", "seconds", and a ranker's
     "calibration": each fold's}, [m] ranks) with `seed`, each retrieval row's (`retrieval_rows`:
     retrieval alone's first) just before the first arm that re-ranks its lists: a retrieval
-    model serves the lists its arms re-rank, and gives the hard negatives, as in a run; a
-    re-ranked row's rank past the served top_n is a miss."""
+    model serves the lists its arms re-rank (with the arm's title candidates added), and gives
+    the hard negatives, as in a run; a re-ranked row's rank past the served top_n is a miss."""
     from tworec.ranking import features as ranking_features        # TensorFlow from here
     from tworec.ranking import train as ranking
     from tworec.retrieval import train as retrieval
@@ -436,12 +436,14 @@ def _ranking_runs(arms: list[Arm], seed: int, configs: Configs, inputs: ModelInp
         with _failing_as(f"arm {arm.name!r}", seed):
             signals = ranking_features.signals(inputs, config, embeddings)
             ranker, summary = ranking.fit(inputs, config, signals, hard=hard, verbose=0)
-            scores, calibration = (cross_fitted_scores(ranker, inputs, signals, served,
+            reordered = ranking_features.with_title_candidates(                  # [m, C + E]
+                signals, inputs, "validation", served, evalset.excluded)
+            scores, calibration = (cross_fitted_scores(ranker, inputs, signals, reordered,
                                                        evalset.users)
                                    if ranking.calibrates(config) else
                                    (ranking.score_lists(ranker, inputs, signals, "validation",
-                                                        served), None))
-            positions, _ = ranking.reranked_ranks(scores, served,
+                                                        reordered), None))
+            positions, _ = ranking.reranked_ranks(scores, reordered,
                                                   inputs.examples["validation"]["item"])
         yield arm.name, {"epochs": summary["epochs"], "best_epoch": summary["best_epoch"],
                          "calibration": calibration,

@@ -18,7 +18,8 @@ __all__ = ["Configs", "RunConfig", "resolve", "read", "write", "PRESETS", "RETRI
            "RETRIEVAL_ONLY", "RANKING_ONLY"]
 
 # Settings added after run folders were first written, with the value every earlier run had.
-EARLIER_RUNS = {"retrieval": {"members": 1}, "ranking": {"title_neighbors": 0}}
+EARLIER_RUNS = {"retrieval": {"members": 1},
+                "ranking": {"title_neighbors": 0, "title_candidates": 0}}
 
 # The steps in the order they run; an entry point runs a subset.
 PIPELINE = ("train retrieval", "baselines", "tune index", "train ranking", "export",
@@ -136,7 +137,8 @@ def resolve(preset: str = "default", *, base: Configs | None = None, epochs: int
     except TypeError as error:                   # an unknown field name
         raise ValueError(f"config: {error}") from None
     for field, flag, what in (("popularity_periods", "--popularity-periods", "popularity periods"),
-                              ("title_neighbors", "--title-neighbors", "title similarity")):
+                              ("title_neighbors", "--title-neighbors", "title similarity"),
+                              ("title_candidates", "--title-candidates", "title candidates")):
         given = (ranking or {}).get(field)
         if given is not None and given > 0 and configs.ranking.task == "regression":
             raise ValueError(f"{field} {given}: the ranker's task is regression (--task, an "

@@ -146,7 +146,8 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
                        f"epochs {ranking.epochs}, co-occurrence neighbours "
                        f"{ranking.cooccurrence_neighbors}, popularity periods "
                        f"{ranking.popularity_periods}, title neighbours "
-                       f"{ranking.title_neighbors}")
+                       f"{ranking.title_neighbors}, title candidates "
+                       f"{ranking.title_candidates}")
     notices += release_gaps(source["data"])
     notices += tie_order_notes(log)
     if log.unread_columns:

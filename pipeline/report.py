@@ -330,8 +330,19 @@ def metrics_section(report: dict, plots: list[str]) -> list[str]:
     gain = (report.get("two_stage") or {}).get("gain_over_retrieval") or {}
     lines += [""] + [f"- {gain_sentence(metric_name(metric), figures)}"
                      for metric, figures in gain.items()]
+    lines += title_candidates_sentence((report.get("two_stage") or {}).get("title_candidates"))
     lines += [f"- **Warning:** {line}." for line in report.get("warnings", [])]
     return lines + image("recall_at_k.png", plots, "test Recall@K of every model")
+
+
+def title_candidates_sentence(added: dict | None) -> list[str]:
+    """One line on the title candidates the two-stage lists re-ranked; none without them."""
+    if not added or not added["per_user"]:
+        return []
+    return [f"- The two-stage lists re-rank retrieval's candidates and up to "
+            f"{added['per_user']} title candidates a known user (the items whose titles are "
+            f"most like those of the user's latest items); {added['served_share']:.1%} of the "
+            "items they serve are title candidates."]
 
 
 def gain_sentence(metric: str, gain: dict) -> str:

@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from tworec.console import one_line
-from tworec.evaluation import (baseline_ranks, cold_start_window, eval_set, evaluate_ranks,
+from tworec.evaluation import (EvalSet, baseline_ranks, cold_start_window, eval_set, evaluate_ranks,
                                rank_metrics)
 from tworec.evaluation.metrics import paired_bootstrap, row_metrics
 from tworec.features import Interactions, Split, split
@@ -110,7 +110,7 @@ class Run:
         self.retrieval_model, self.retrieval_trained = None, False
         self.retrieval_resumed = False   # trained by this run's command before it stopped
         self.signals = self.ranking_model = None
-        self.test_candidates = self.tuning = None
+        self.test_candidates = self.tuning = self.served_title_candidates = None
         self.offline_test: dict[str, served.Offline] = {}
         self.baseline_ranks: dict[str, np.ndarray | None] = {}
         self.served_lists: dict | None = None
@@ -237,17 +237,14 @@ class Run:
         run, model = self.configs.run, self.retrieval_model
         hard = {part: retrieval.top_candidates(model, self.inputs, part, run.hard_negative_pool)
                 for part in ("train", "validation")}
-        if self.evaluating:
-            self.test_candidates = retrieval.top_candidates(model, self.inputs, "test",
-                                                            run.candidates, evalset=self.test_set())
-        served_validation = retrieval.top_candidates(
-            model, self.inputs, "validation", run.candidates,
-            evalset=eval_set(self.log, self.parts, "validation",
-                             exclude_seen=self.inputs.exclude_seen)
-            ) if ranking.calibrates(self.configs.ranking) else None
         self.signals = ranking_features.signals(
             self.inputs, self.configs.ranking,
             retrieval.embeddings_for_ranking(model, self.inputs))
+        if self.evaluating:
+            self.test_candidates = self.served_candidates(self.test_set(), "test")
+        served_validation = self.served_candidates(
+            eval_set(self.log, self.parts, "validation", exclude_seen=self.inputs.exclude_seen),
+            "validation") if ranking.calibrates(self.configs.ranking) else None
         self.ranking_model, summary = ranking.fit(self.inputs, self.configs.ranking, self.signals,
                                                   hard=hard, run_dir=self.out,
                                                   verbose=self.verbose,
@@ -260,9 +257,19 @@ class Run:
                                               "examples_per_second", "calibration")
                       if k in summary}}
         if self.evaluating:
-            self.report["two_stage"] = {"test": rank_metrics(self.offline("recommender").ranks),
-                                        "serves": self.configs.run.top_n,
+            test = rank_metrics(self.offline("recommender").ranks)     # sets the served share
+            self.report["two_stage"] = {"test": test, "serves": self.configs.run.top_n,
+                                        "title_candidates": self.served_title_candidates,
                                         "gain_over_retrieval": self.gain_over_retrieval()}
+
+    def served_candidates(self, evalset: EvalSet, part: str) -> np.ndarray:
+        """[m, k + E] what the ranker re-orders for each row of `part` as served: retrieval's
+        top k (`run.candidates`; `evalset`'s excluded items skipped), then the title candidates
+        the ranking export's `candidates` signature adds."""
+        lists = retrieval.top_candidates(self.retrieval_model, self.inputs, part,
+                                         self.configs.run.candidates, evalset=evalset)
+        return ranking_features.with_title_candidates(self.signals, self.inputs, part, lists,
+                                                      evalset.excluded)
 
     def gain_over_retrieval(self) -> dict[str, dict]:
         """Recall@10 and NDCG@10 of the two-stage lists against retrieval's on the same test
@@ -431,8 +438,20 @@ class Run:
                                      self.test_candidates)                        # [m, C]
         ranks, target_scores = ranking.reranked_ranks(scores, self.test_candidates,
                                                       self.inputs.examples["test"]["item"])
+        self.served_title_candidates = self.title_candidates_served(scores)
         return served.Offline(ranks=served.beyond_list_missed(ranks, self.configs.run.top_n),
                               target_scores=target_scores)
+
+    def title_candidates_served(self, scores: np.ndarray) -> dict:
+        """{"per_user": E, the title candidates each test list may add; "served_share": the share
+        of the items the two-stage test lists serve (their top_n by `scores` [m, C]) that are
+        title candidates}."""
+        added = self.test_candidates.shape[1] - self.configs.run.candidates
+        order = np.argsort(-scores, axis=1, kind="stable")[:, :self.configs.run.top_n]
+        listed = np.take_along_axis(self.test_candidates, order, 1) != EMPTY_SLOT
+        added_listed = listed & (order >= self.configs.run.candidates)
+        return {"per_user": int(added),
+                "served_share": float(added_listed.sum() / max(listed.sum(), 1))}
 
     def ranking_export_gap(self, client: Client, rows: np.ndarray) -> float:
         """Largest absolute difference between the served ranking's and the Keras ranker's

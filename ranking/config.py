@@ -32,6 +32,10 @@ class RankingConfig:
     title_neighbors: int = 50             # similar titles kept per item, whose similarity to
                                           # the history calibration weighs (0: none; a log
                                           # without titles and a regression ranker read none)
+    title_candidates: int = 10            # items added to retrieval's candidates: the most
+                                          # title-similar to the user's latest items (0: none;
+                                          # needs the title similarity)
+    title_candidate_history: int = 3      # the latest history items they are similar to
     bst_heads: int = 8
     bst_layers: tuple[int, ...] = (1024, 512, 256)
     num_negatives: int = 9                # per positive, in a list of 1 + num_negatives
@@ -69,6 +73,10 @@ class RankingConfig:
         if self.title_neighbors < 0:
             raise ValueError("title_neighbors must be >= 0 (0 turns the title similarity off), "
                              f"got {self.title_neighbors}")
+        for name in ("title_candidates", "title_candidate_history"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 adds no title candidates), "
+                                 f"got {getattr(self, name)}")
         if self.popularity_periods < 0:
             raise ValueError("popularity_periods must be >= 0 (0 turns the popularity signals "
                              f"off), got {self.popularity_periods}")
@@ -108,6 +116,13 @@ class RankingConfig:
     def held_out_title_neighbors(self) -> int:
         """The title neighbours the ranker reads: none for a regression ranker (no logit)."""
         return 0 if self.task == "regression" else self.title_neighbors
+
+    @property
+    def added_title_candidates(self) -> int:
+        """The title candidates added to each served list: none without the title similarity
+        or the history items they are similar to."""
+        return (self.title_candidates
+                if self.held_out_title_neighbors and self.title_candidate_history else 0)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)

@@ -1,7 +1,11 @@
 """SavedModel export of the ranking stage in TF Serving's `BASE/VERSION/` layout.
 
-Signature `serving_default`: user_id [b] string, item_ids [b, n] string -> scores [b, n]
-float32. The users' state of the fit rows is baked in, with the signals (the transition and
+Signatures (batch is dimension 0):
+    serving_default: user_id [b] string, item_ids [b, n] string -> scores [b, n] float32
+    candidates: user_id [b] string, item_ids [b, n] string -> item_ids [b, n + E] string: the
+        given list (retrieval's), then the user's E title candidates
+        (`ranking.features.title_candidates`), "" where fewer remain; E is 0 without them
+The users' state of the fit rows is baked in, with the signals (the transition and
 co-occurrence tables of the training rows, the items' popularity in the fit rows' periods and
 each user's latest period, the title similarities of the item table); users it does not know
 are scored by the share the retrieval export serves them (`ModelInputs.popular`, so every
@@ -40,6 +44,38 @@ def pair_table(matrix: sp.csr_matrix) -> tf.lookup.StaticHashTable:
                                             tf.constant(coo.data, tf.float32)), default_value=0.0)
 
 
+def neighbor_arrays(matrix: sp.csr_matrix) -> tuple[np.ndarray, np.ndarray]:
+    """([V, W] int64 column codes, -1 past a row's entries; [V, W] float32 values, 0 there)
+    of a CSR matrix whose rows hold at most W entries: each row's neighbours."""
+    per_row = np.diff(matrix.indptr)
+    width = int(per_row.max(initial=0))
+    row = np.repeat(np.arange(matrix.shape[0]), per_row)
+    slot = np.arange(matrix.nnz) - matrix.indptr[row]
+    codes = np.full((matrix.shape[0], width), -1, np.int64)
+    values = np.zeros((matrix.shape[0], width), np.float32)
+    codes[row, slot], values[row, slot] = matrix.indices, matrix.data
+    return codes, values
+
+
+def held_in_rows(held: tf.Tensor, codes: tf.Tensor) -> tf.Tensor:
+    """[b, M] bool: whether each of `codes` [b, M] is among its row's `held` [b, n] codes."""
+    held = tf.concat([tf.fill([tf.shape(held)[0], 1], tf.constant(-2, tf.int64)),
+                      tf.sort(held, axis=1)], axis=1)              # [b, n + 1], never empty
+    at = tf.minimum(tf.searchsorted(held, codes), tf.shape(held)[1] - 1)           # [b, M]
+    return tf.gather(held, at, batch_dims=1) == codes
+
+
+def seen_in_rows(rows: tf.Tensor, items: tf.Tensor, codes: tf.Tensor, num_items: int
+                 ) -> tf.Tensor:
+    """[b, M] bool: whether each of `codes` [b, M] (>= 0) is among its row's seen items, given
+    as (batch row [s], item code [s]) pairs."""
+    keys = tf.concat([[-1], tf.sort(rows * num_items + items)], axis=0)           # [s + 1]
+    wanted = tf.range(tf.shape(codes, out_type=tf.int64)[0])[:, None] * num_items + codes
+    at = tf.searchsorted(keys[None, :], tf.reshape(wanted, [1, -1]))[0]             # [b * M]
+    found = tf.gather(keys, tf.minimum(at, tf.size(keys) - 1)) == tf.reshape(wanted, [-1])
+    return tf.reshape(found, tf.shape(codes))
+
+
 class RankingModule(tf.Module):
     """The servable: lookups, the signals baked in as tables, and the ranker."""
 
@@ -67,6 +103,15 @@ class RankingModule(tf.Module):
              tf.constant(popularity.user_period["test"]), popularity.periods))    # [U]
         self.num_items = data.num_items
         self.titles = None if signals.titles is None else pair_table(signals.titles.matrix)
+        self.title_candidates = (signals.titles.candidates if signals.titles is not None else 0)
+        if self.title_candidates:
+            self.exclude_seen = data.exclude_seen
+            self.item_ids = tf.constant(np.append(data.interactions.item_ids, ""))      # [I + 1]
+            self.latest_for_candidates = min(signals.titles.candidate_history,
+                                             data.history_length)
+            codes, values = neighbor_arrays(signals.titles.matrix)                      # [V, W]
+            self.title_neighbors, self.title_values = tf.constant(codes), tf.constant(values)
+            self.similar_width = self.latest_for_candidates * codes.shape[1]    # M a user
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="user_id"),
                                   tf.TensorSpec([None, None], tf.string, name="item_ids")])
@@ -80,6 +125,40 @@ class RankingModule(tf.Module):
                          lambda: self._scores_in_blocks(user_id, items))                  # [b, n]
         lowest = tf.reduce_min(scores, axis=1, keepdims=True) - 1.0      # [b, 1] per row
         return {"scores": tf.where(items >= 0, scores, lowest)}
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="user_id"),
+                                  tf.TensorSpec([None, None], tf.string, name="item_ids")])
+    def candidates(self, user_id, item_ids):
+        """item_ids [b, n] -> item_ids [b, n + E]: the given candidates, then the user's E title
+        candidates (`ranking.features.title_candidates`: the items most title-similar to one of
+        their latest items, neither given nor seen; "" where fewer remain, and for a user it
+        does not know)."""
+        if not self.title_candidates:
+            return {"item_ids": item_ids}
+        features, known = self.users(user_id)
+        batch = tf.shape(user_id)[0]
+        latest = features["history"][:, -self.latest_for_candidates:]                   # [b, L]
+        similar = tf.reshape(tf.gather(self.title_neighbors, latest),
+                             [batch, self.similar_width])                               # [b, M]
+        values = tf.reshape(tf.gather(self.title_values, latest), [batch, self.similar_width])
+        # codes ascending, each one's highest similarity first: two stable sorts
+        for by_code in (False, True):
+            order = tf.argsort(similar if by_code else -values, axis=1, stable=True)
+            similar = tf.gather(similar, order, batch_dims=1)
+            values = tf.gather(values, order, batch_dims=1)
+        repeated = tf.concat([tf.zeros([batch, 1], tf.bool),
+                              similar[:, 1:] == similar[:, :-1]], axis=1)               # [b, M]
+        usable = (similar >= 0) & ~repeated & known[:, None] & ~held_in_rows(
+            self.item_codes.lookup(item_ids), similar)
+        if self.exclude_seen:
+            codes, _ = self.users.codes(user_id)
+            usable &= ~seen_in_rows(*self.users.seen(codes), similar, self.num_items)
+        width = min(self.title_candidates, self.similar_width)
+        best, slot = tf.math.top_k(tf.where(usable, values, -1.0), k=width)            # [b, E']
+        found = tf.where(best > 0, tf.gather(similar, slot, batch_dims=1), self.num_items)
+        found = tf.pad(found, [[0, 0], [0, self.title_candidates - width]],
+                       constant_values=self.num_items)                                   # [b, E]
+        return {"item_ids": tf.concat([item_ids, tf.gather(self.item_ids, found)], axis=1)}
 
     def _scores_in_blocks(self, user_id, items):
         """`_scores` of blocks of rows, each row longer than a block cut in segments."""
@@ -142,7 +221,8 @@ def export(model: RankingModel, data: ModelInputs, signals: RankingSignals, base
     module = RankingModule(model, data, signals)
 
     def write(path: str) -> None:
-        tf.saved_model.save(module, path, signatures={"serving_default": module.serve})
+        tf.saved_model.save(module, path, signatures={"serving_default": module.serve,
+                                                      "candidates": module.candidates})
         write_state(path, data)
         if warmup is not None:
             write_warmup_requests(path, os.path.basename(os.path.normpath(base_path)),

@@ -17,7 +17,7 @@ import scipy.sparse as sp
 import tensorflow as tf
 
 from tworec.features.history import previous_items, transition_counts
-from tworec.features.inputs import ModelInputs
+from tworec.features.inputs import EMPTY_SLOT, ModelInputs
 from tworec.features.vocab import FIRST
 from tworec.ranking.config import RankingConfig
 
@@ -65,8 +65,16 @@ def signals(data: ModelInputs, config: RankingConfig, retrieval: dict | None = N
                                    config.seed) if config.cooccurrence_neighbors else None),
         popularity=(period_popularity(data, config.held_out_periods)
                     if config.held_out_periods else None),
-        titles=(title_similarities(data, config.held_out_title_neighbors)
-                if config.held_out_title_neighbors else None))
+        titles=title_signal(data, config))
+
+
+def title_signal(data: ModelInputs, config: RankingConfig) -> TitleSimilarity | None:
+    """The title similarities `config` asks for, with its title candidates; None for none."""
+    titles = (title_similarities(data, config.held_out_title_neighbors)
+              if config.held_out_title_neighbors else None)
+    return None if titles is None else dataclasses.replace(
+        titles, candidates=config.added_title_candidates,
+        candidate_history=config.title_candidate_history)
 
 
 def transition_matrix(data: ModelInputs) -> sp.csr_matrix:
@@ -311,10 +319,14 @@ class TitleSimilarity:
         matrix: [V, num_items] float32 CSR over item vocabulary indexes (rows: what a history
             holds) and catalogue codes (columns: what a candidate is, a new item too).
         neighbors: the similar titles kept per item.
+        candidates: items added to each served list (`with_title_candidates`), 0 for none.
+        candidate_history: the latest history items those are similar to.
     """
 
     matrix: sp.csr_matrix
     neighbors: int
+    candidates: int = 0
+    candidate_history: int = 0
 
 
 def title_words(titles: np.ndarray) -> sp.csr_matrix:
@@ -388,6 +400,48 @@ def title_features(titles: TitleSimilarity, data: ModelInputs, part: str,
     kind of a title the user has."""
     return history_pairs(titles.matrix, data.examples[part]["history"], items,
                          highest_in_history)
+
+
+def title_candidates(titles: TitleSimilarity, history: np.ndarray, lists: np.ndarray,
+                     excluded: sp.csr_matrix, chunk: int = 4096) -> np.ndarray:
+    """[m, E] catalogue codes (`EMPTY_SLOT` where fewer remain): each row's E =
+    `titles.candidates` items most title-similar to one of its latest
+    `titles.candidate_history` history items ([m, L] vocabulary indexes, latest last; the
+    highest of their similarities, ties to the lower code), leaving out its list's items
+    (`lists` [m, n] codes) and its `excluded` ones ([m, num_items] CSR: the items it has seen).
+    Only kept similarities count (`titles.neighbors` a history item), so no item without a
+    word in common is added. `chunk` rows at a time (bounded memory)."""
+    found = np.full((len(history), titles.candidates), EMPTY_SLOT, np.int64)
+    latest = history[:, history.shape[1] - min(titles.candidate_history, history.shape[1]):]
+    for start in range(0, len(history), chunk):
+        at = slice(start, start + chunk)
+        similar = titles.matrix[latest[at, 0]]                                       # [c, I]
+        for slot in range(1, latest.shape[1]):
+            similar = similar.maximum(titles.matrix[latest[at, slot]])
+        listed_row, listed_slot = np.nonzero(lists[at] != EMPTY_SLOT)
+        taken = excluded[at] + sp.csr_matrix(                                        # [c, I]
+            (np.ones(len(listed_row)), (listed_row, lists[at][listed_row, listed_slot])),
+            shape=similar.shape)
+        similar = similar.tocoo()
+        free = np.asarray(taken[similar.row, similar.col]).ravel() == 0
+        _, (row, col) = most_similar(similar.row[free], similar.col[free], similar.data[free],
+                                     titles.candidates)
+        found[start + row, np.arange(len(row)) - np.searchsorted(row, row)] = col
+    return found
+
+
+def with_title_candidates(signals: RankingSignals, data: ModelInputs, part: str,
+                          lists: np.ndarray, excluded: sp.csr_matrix) -> np.ndarray:
+    """[m, n + E] retrieval's candidate lists of `part` [m, n] followed by their title
+    candidates (`title_candidates`; none for a user unknown before the part, who is served the
+    popular list), as the ranking export's `candidates` signature adds them; `lists` as they
+    are without title candidates."""
+    titles = signals.titles
+    if titles is None or not titles.candidates:
+        return lists
+    added = title_candidates(titles, data.examples[part]["history"], lists, excluded)
+    added[~data.known_in(part)] = EMPTY_SLOT
+    return np.concatenate([lists, added], axis=1)
 
 
 def retrieval_scores(queries: np.ndarray, items: np.ndarray, codes: np.ndarray,

@@ -3,7 +3,7 @@ stage over retrieval's top-K, and exports `ranking` and the composed `recommende
 
     python scripts/train_ranking.py --retrieval-run RUN [--model dcn|bst]
         [--task listwise|binary|regression] [--cooccurrence-neighbors K] [--title-neighbors K]
-        [--popularity-periods P] [--epochs N] [--mixed-precision] [--jit-compile]
+        [--title-candidates E] [--popularity-periods P] [--epochs N] [--mixed-precision] [--jit-compile]
     python scripts/train_ranking.py --data SOURCE --out RUN [--split temporal|random]
         [--preset tiny|default] [--members M] [--top-k 100] ...
 
@@ -31,6 +31,10 @@ def main(argv=None) -> int:
                         help="the held-out title similarity: each item's K most similar titles "
                              "(default 50; 0: without it; refused for a regression ranker, which "
                              "reads none)")
+    parser.add_argument("--title-candidates", type=int, metavar="E",
+                        help="add to each known user's candidates the E items whose titles are "
+                             "most like their latest items' (default 10; 0: none; refused for a "
+                             "regression ranker)")
     parser.add_argument("--popularity-periods", type=int, metavar="P",
                         help="the held-out popularity signals: the items' popularity in P "
                              "periods of the known rows (default 20; 0: without them; refused "
@@ -68,6 +72,7 @@ def main(argv=None) -> int:
         ("cooccurrence_neighbors", args.cooccurrence_neighbors),
         ("popularity_periods", args.popularity_periods),
         ("title_neighbors", args.title_neighbors),
+        ("title_candidates", args.title_candidates),
         ("mixed_precision", args.mixed_precision),
         ("jit_compile", args.jit_compile)) if value is not None}
     if args.retrieval_run:

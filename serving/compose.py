@@ -32,6 +32,9 @@ class ComposedRecommender(tf.Module):
     def serve(self, user_id: tf.Tensor) -> dict[str, tf.Tensor]:
         candidates = self.retrieval.signatures["serving_default"](
             user_id=user_id)["item_ids"]                                              # [b, k]
+        if "candidates" in self.ranking.signatures:    # the ranking stage's own: [b, k + E]
+            candidates = self.ranking.signatures["candidates"](
+                user_id=user_id, item_ids=candidates)["item_ids"]
         scores = self.ranking.signatures["serving_default"](
             user_id=user_id, item_ids=candidates)["scores"]                          # [b, k]
         n = tf.minimum(self.top_n, tf.shape(scores)[1])

@@ -3,6 +3,8 @@
 Signatures used (batch is dimension 0):
     retrieval serving_default: user_id [b] string -> item_ids [b, k] string, scores [b, k] float32
     ranking serving_default: user_id [b] string, item_ids [b, k] string -> scores [b, k] float32
+    ranking candidates (when the export has it): user_id [b] string, item_ids [b, k] string ->
+        item_ids [b, k + E] string, retrieval's then the ranking stage's own (title candidates)
     retrieval known_users (`Recommender.known_users`): user_id [b] string -> known [b] bool
 """
 from __future__ import annotations
@@ -75,11 +77,25 @@ class Recommender:
         if not len(users):               # JSON could not carry the [0, k] candidates
             scores = np.zeros(candidates.shape, np.float32)
         else:
+            candidates = self.added_candidates(users, candidates)
             scores = self.client.predict(self.ranking_model,
                                          {"user_id": users, "item_ids": candidates})["scores"]
         if seen is not None:
             scores = np.where(_seen_mask(candidates, seen), -np.inf, scores).astype(np.float32)
         return dict(zip(("item_ids", "scores"), top_n(candidates, scores, n)))
+
+    def added_candidates(self, users: np.ndarray, candidates: np.ndarray) -> np.ndarray:
+        """[b, k + E] retrieval's candidates [b, k] and the ranking model's own (its `candidates`
+        signature: title candidates), or retrieval's alone from a ranking model without that
+        signature (tworec's before it had one, or another ranking model)."""
+        try:
+            return self.client.predict(self.ranking_model,
+                                       {"user_id": users, "item_ids": candidates},
+                                       signature_name="candidates")["item_ids"]
+        except ServingError as error:
+            if error.code != "FAILED_PRECONDITION":        # not a missing signature
+                raise
+            return candidates
 
     def known_users(self, user_ids: Sequence[str] | np.ndarray) -> np.ndarray | None:
         """[b] bool: whether the retrieval model was fit on rows of each user (the others get

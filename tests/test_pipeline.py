@@ -298,6 +298,8 @@ def test_train_ranking_reuses_a_retrieval_run_and_matches_the_pipeline(run, retr
                           "OUT/new"], "popularity_periods 5: the ranker's task is regression"),
     ("train_ranking.py", ["--task", "regression", "--title-neighbors", "5", "--out",
                           "OUT/new"], "title_neighbors 5: the ranker's task is regression"),
+    ("train_ranking.py", ["--task", "regression", "--title-candidates", "5", "--out",
+                          "OUT/new"], "title_candidates 5: the ranker's task is regression"),
 ])
 def test_script_mistakes_fail_before_training_with_one_line(tmp_path, name, args, message):
     (tmp_path / "a-file").write_text("not a folder")
@@ -369,6 +371,41 @@ def op_scopes(export: str) -> set[str]:
             for node in function.node_def for part in node.name.split("/")}
 
 
+def test_title_candidates_are_served_as_the_report_measures_them(tmp_path):
+    """A MovieLens folder whose titles name a series: each item's title shares a word with the
+    title of the item that most often follows it (the synthetic sessions' successors). The
+    two-stage lists add each known user's title candidates, serve some of them, and the served
+    check (REST, gRPC and the composed recommender: the run fails on any difference) finds what
+    the report says; report.md says how many of the served items they are."""
+    from tworec.features import generate
+    from tworec.features.synthetic import PRESETS
+    from tworec.pipeline import PIPELINE, execute, prepare_run, resolve
+    log = generate(PRESETS["tiny"], seed=0)
+    order = log.time_order()
+    user, item = log.user[order], log.item[order]
+    same_user = user[1:] == user[:-1]
+    follows = np.zeros((log.num_items, log.num_items), int)
+    np.add.at(follows, (item[:-1][same_user], item[1:][same_user]), 1)
+    successor = follows.argmax(1)                                 # [I] the most frequent next
+    release = tmp_path / "release"
+    release.mkdir()
+    (release / "ratings.csv").write_text("userId,movieId,rating,timestamp\n" + "".join(
+        f"{log.user_ids[user][1:]},{log.item_ids[item][1:]},{rating},{time}\n"
+        for user, item, rating, time in zip(log.user, log.item, log.rating, log.timestamp)))
+    (release / "movies.csv").write_text("movieId,title,genres\n" + "".join(
+        f"{i},Saga{i} and Saga{successor[i]} ({1990 + i % 20}),Drama\n"
+        for i in range(log.num_items)))
+    run = prepare_run(str(tmp_path / "run"), {"data": str(release)},      # of 150 items
+                      resolve("tiny", run={"candidates": 20}), verbose=0)
+    report = execute(run, PIPELINE)
+    added = report["two_stage"]["title_candidates"]
+    assert added["per_user"] == 10 and 0 < added["served_share"] < 1
+    served, offline = report["serving"]["served"]["recommender"], report["two_stage"]["test"]
+    assert served["float_ties"] == 0 and served["ndcg@10"] == offline["ndcg@10"]
+    assert f"{added['served_share']:.1%} of the items they serve are title candidates" in \
+        (tmp_path / "run" / "report.md").read_text()
+
+
 def test_run_configs_resolve_validate_and_round_trip(tmp_path):
     from tworec.pipeline import config
     configs = config.resolve("tiny", epochs=3, ranking={"model": "bst"})
@@ -394,15 +431,17 @@ def test_run_configs_resolve_validate_and_round_trip(tmp_path):
 def test_a_config_json_of_an_earlier_tworec_reads_as_it_was_trained(tmp_path):
     """A run folder written before retrieval had members holds one two-tower model: its
     config reads as 1 member, not today's default, so its weights load; one written before
-    the title similarity reads without it, as it was trained."""
+    the title similarity or its candidates reads without them, as it was trained."""
     from tworec.pipeline import config
     configs = config.resolve("default")
     assert configs.retrieval.members > 1 and configs.ranking.title_neighbors > 0
     values = {"source": {"data": "synthetic"}, **configs.to_dict()}
     del values["retrieval"]["members"], values["ranking"]["title_neighbors"]
+    del values["ranking"]["title_candidates"]
     (tmp_path / "config.json").write_text(json.dumps(values))
     earlier = config.read(str(tmp_path / "config.json"))[1]
-    assert (earlier.retrieval.members, earlier.ranking.title_neighbors) == (1, 0)
+    assert (earlier.retrieval.members, earlier.ranking.title_neighbors,
+            earlier.ranking.title_candidates) == (1, 0, 0)
 
 
 def test_epochs_go_to_the_stages_the_steps_train_only():
@@ -464,7 +503,8 @@ def test_members_reach_the_retrieval_config(tmp_path, script):
 
 
 @pytest.mark.parametrize("field, held_out", [("popularity_periods", "held_out_periods"),
-                                             ("title_neighbors", "held_out_title_neighbors")])
+                                             ("title_neighbors", "held_out_title_neighbors"),
+                                             ("title_candidates", "added_title_candidates")])
 def test_held_out_signals_given_to_a_regression_ranker_are_refused(field, held_out):
     """Popularity periods or title neighbours given with a regression ranker, which reads
     none, are refused, also when the task comes from a run folder's configs; 0, or leaving

@@ -250,6 +250,56 @@ def test_title_similarities_keep_each_items_nearest_titles_by_vocabulary_row(tit
             titled.interactions, item_features=item_features)), 3) is None
 
 
+def expected_title_candidates(matrix, history, lists, excluded, count, latest):
+    """By loop: each row's `count` codes of the highest kept similarity to one of its `latest`
+    history items, not listed nor excluded, ties to the lower code; -1 past the positive."""
+    dense, seen = matrix.toarray(), excluded.toarray()
+    found = np.full((len(history), count), EMPTY_SLOT)
+    for row, items in enumerate(history[:, -latest:]):
+        best = dense[items].max(0)
+        best[lists[row][lists[row] != EMPTY_SLOT]] = 0
+        best[seen[row] > 0] = 0
+        ranked = [code for code in np.lexsort((np.arange(len(best)), -best)) if best[code] > 0]
+        found[row, :len(ranked[:count])] = ranked[:count]
+    return found
+
+
+@pytest.mark.parametrize("count, latest, chunk", [(3, 2, 4096), (4, 1, 7), (40, 3, 5)],
+                         ids=["three-of-two", "four-of-one-in-chunks", "more-than-there-are"])
+def test_title_candidates_are_the_most_similar_items_not_listed_nor_seen(titled, count, latest,
+                                                                         chunk, monkeypatch):
+    """Against a loop over rows: what each row's list holds and what it has seen are left out,
+    ties go to the lower code, slots past the similar items stay empty; rows in chunks give
+    the same; a user unknown before the part gets none; no titles, no candidates."""
+    import scipy.sparse as sp
+    from tworec.ranking.features import title_candidates, with_title_candidates
+    config = preset("tiny", title_neighbors=6, title_candidates=count,
+                    title_candidate_history=latest)
+    given = signals(titled, config).titles
+    assert (given.candidates, given.candidate_history) == (count, latest)
+    history = titled.examples["test"]["history"]
+    rng = np.random.default_rng(0)
+    lists = rng.integers(0, titled.num_items, (len(history), 8))
+    lists[:, -2:] = EMPTY_SLOT
+    excluded = sp.csr_matrix(rng.random((len(history), titled.num_items)) < 0.1)
+    found = title_candidates(given, history, lists, excluded, chunk=chunk)
+    expected = expected_title_candidates(given.matrix, history, lists, excluded, count, latest)
+    np.testing.assert_array_equal(found, expected)
+    assert (found[:, 0] >= 0).mean() > 0.5
+    if count == 40:
+        assert (found == EMPTY_SLOT).any(1).all()
+    known = np.arange(len(history)) % 3 > 0         # every third user as if new
+    monkeypatch.setattr(type(titled), "known_in", lambda self, part: known)
+    extended = with_title_candidates(signals(titled, config), titled, "test", lists, excluded)
+    np.testing.assert_array_equal(extended[:, :8], lists)
+    np.testing.assert_array_equal(extended[known, 8:], expected[known])
+    assert (extended[~known, 8:] == EMPTY_SLOT).all()
+    for off in (preset("tiny", title_neighbors=6, title_candidates=0),
+                preset("tiny", title_neighbors=0), preset("tiny", task="regression")):
+        assert with_title_candidates(signals(titled, off), titled, "test", lists,
+                                     excluded) is lists
+
+
 def test_title_features_are_the_highest_similarity_to_a_history_item(titled):
     """Held-out lists read each candidate's highest similarity to the row's history items,
     the exact float32 of the matrix (0 without history); training lists do not read them."""
@@ -664,6 +714,49 @@ def test_export_serves_the_keras_scores(inputs, titled, signal, transitions_only
     assert all(op_def_registry.get(op) is not None for op in ops)
     assert not [op for op in ops if op.startswith("Scann")]
     assert_holds_the_weights_alone(path, model)
+
+
+@pytest.mark.parametrize("exclude_seen", [True, False], ids=["seen-excluded", "seen-kept"])
+def test_export_adds_the_title_candidates_the_evaluation_adds(titled, tmp_path, exclude_seen):
+    """The `candidates` signature appends to each test user's given list what
+    `with_title_candidates` appends offline (the user's seen items left out unless the inputs
+    keep them), "" for a user it does not know and past the similar items; an id outside the
+    catalogue is passed through; without title candidates it answers the given list."""
+    import scipy.sparse as sp
+    from tworec.ranking.export import export
+    from tworec.ranking.features import with_title_candidates
+    inputs = dataclasses.replace(titled, exclude_seen=exclude_seen)
+    config = preset("tiny", epochs=1, title_neighbors=6, title_candidates=4,
+                    title_candidate_history=2)
+    given = signals(inputs, config)
+    model, _ = fit(inputs, config, given, verbose=0)
+    log = inputs.interactions
+    users = log.user[inputs.split.test]
+    rng = np.random.default_rng(1)
+    lists = rng.integers(0, inputs.num_items, (len(users), 6))
+    lists[:, -1] = EMPTY_SLOT
+    seen = inputs.seen[users]
+    excluded = seen if exclude_seen else sp.csr_matrix(seen.shape)
+    expected = with_title_candidates(given, inputs, "test", lists, excluded)
+    assert expected.shape == (len(users), 10) and (expected[:, 6:] >= 0).mean() > 0.5
+    added_seen = np.take_along_axis(seen.toarray(), np.maximum(expected[:, 6:], 0), 1) > 0
+    assert (added_seen & (expected[:, 6:] >= 0)).any() != exclude_seen
+    ids = np.append(log.item_ids, "")
+    run, _ = load_like_tf_serving(export(model, inputs, given, str(tmp_path / "ranking")))
+    given_ids = ids[lists]
+    given_ids[0, 0] = "no-such-item"
+    answer = run("candidates", user_id=log.user_ids[users], item_ids=given_ids)["item_ids"]
+    np.testing.assert_array_equal(answer.astype(str), np.concatenate(
+        [given_ids, ids[expected[:, 6:]]], axis=1))
+    unknown = run("candidates", user_id=np.array(["nobody"]), item_ids=given_ids[:1])
+    np.testing.assert_array_equal(unknown["item_ids"].astype(str),
+                                  [list(given_ids[0]) + [""] * 4])
+    plain = preset("tiny", epochs=1, title_neighbors=6, title_candidates=0)
+    model, _ = fit(inputs, plain, signals(inputs, plain), verbose=0)
+    run, _ = load_like_tf_serving(export(model, inputs, signals(inputs, plain),
+                                         str(tmp_path / "plain")))
+    np.testing.assert_array_equal(run("candidates", user_id=log.user_ids[users],
+                                      item_ids=given_ids)["item_ids"].astype(str), given_ids)
 
 
 @pytest.mark.parametrize("pairs", [3, 8], ids=["long-rows-split", "rows-in-blocks"])

@@ -170,7 +170,7 @@ def test_a_continued_run_says_whose_ranking_config_it_trains_with(tmp_path):
         f"the ranking config is {tmp_path / 'run'}'s (config.json), with the flags given in "
         f"place of its fields: model dcn, task listwise, epochs {ranking.epochs}, co-occurrence "
         f"neighbours 0, popularity periods {ranking.popularity_periods}, title neighbours "
-        f"{ranking.title_neighbors}"
+        f"{ranking.title_neighbors}, title candidates {ranking.title_candidates}"
     ) in continue_run(tmp_path / "run").notices
 
 

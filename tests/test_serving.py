@@ -881,6 +881,63 @@ def test_composed_recommender_equals_recommender(client, model_dir, tmp_path):
     composed.close()
 
 
+class ToyRankingWithCandidates(ToyRanking):
+    """A ToyRanking whose `candidates` signature appends, to each user's list, the two items
+    after the last one given ("" past the catalogue), as tworec's title candidates come after
+    retrieval's."""
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="user_id"),
+                                  tf.TensorSpec([None, None], tf.string, name="item_ids")])
+    def candidates(self, user_id, item_ids):
+        last = self.items.lookup(item_ids[:, -1:])                                   # [b, 1]
+        added = tf.gather(tf.constant(list(ITEMS) + ["", ""]), last + [[1, 2]])      # [b, 2]
+        return {"item_ids": tf.concat([item_ids, added], axis=1)}
+
+
+class InProcess:
+    """A `Client` stand-in over in-process sessions (`LoadedModel`s by served name)."""
+
+    def __init__(self, models: dict):
+        self.models = models
+
+    def predict(self, model, inputs, signature_name=""):
+        return self.models[model].run(inputs, signature_name=signature_name)
+
+
+def test_recommender_and_composed_model_rank_the_ranking_models_added_candidates(model_dir,
+                                                                             local, tmp_path):
+    """With a ranking model that has a `candidates` signature, both the Recommender and the
+    composed SavedModel rank retrieval's list plus the items it adds (by loop here); without
+    one (the toy ranking) retrieval's list alone."""
+    module = ToyRankingWithCandidates()
+    ranking_dir = write_version(str(tmp_path / "ranking"), lambda path: tf.saved_model.save(
+        module, path, signatures={"serving_default": module.serve,
+                                  "candidates": module.candidates}))
+    ranking = LoadedModel(ranking_dir)
+    users = np.array(list(USERS) + ["stranger"], dtype=object)
+    retrieved = local["retrieval"].run({"user_id": users})["item_ids"]               # [b, 6]
+    position = {item.encode(): i for i, item in enumerate(ITEMS)}
+    added = [[ITEMS[position[row[-1]] + step].encode() if position[row[-1]] + step < len(ITEMS)
+              else b"" for step in (1, 2)] for row in retrieved]
+    candidates = np.concatenate([retrieved, np.array(added, dtype=object)], axis=1)  # [b, 8]
+    scores = ranking.run({"user_id": users, "item_ids": candidates})["scores"]
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :4]
+    expected = np.take_along_axis(candidates, order, 1)
+    assert (np.isin(expected, candidates[:, 6:]) & (expected != b"")).any()   # added ones rank
+    answer = Recommender(InProcess({"retrieval": local["retrieval"], "ranking": ranking})
+                         ).recommend(users, n=4)
+    assert np.array_equal(answer["item_ids"], expected)
+    composed = LoadedModel(write_version(str(tmp_path / "recommender"), lambda out:
+                                         compose_recommender(os.path.join(model_dir, "retrieval",
+                                                                          "1"), ranking_dir,
+                                                             out, top_n=4)))
+    assert np.array_equal(composed.run({"user_id": users})["item_ids"], expected)
+    plain = Recommender(InProcess(local)).recommend(users, n=4)["item_ids"]
+    assert np.isin(plain, retrieved).all()
+    for model in (ranking, composed):
+        model.close()
+
+
 # ------------------------------------------------------------------ hot swap
 
 
