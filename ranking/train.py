@@ -272,11 +272,12 @@ def evaluate(model: RankingModel, data: ModelInputs, signals: RankingSignals, pa
     share of (positive, negative) pairs that the model's scores (a regression ranker's: its
     predicted ratings, by which it orders candidates) order correctly, a tie counting as wrong,
     each row's negatives being the first `num_negatives` of its retrieval candidates `hard`
-    [m, H] other than the positive, for every row alike (the items the ranker must beat when
-    serving); random negatives when `hard` is None. With `hard`, also "auc_retrieved": the
-    AUC over the rows whose positive is among their candidates, the lists the ranker re-orders
-    when served (a positive retrieval missed is never served, whatever its score),
-    "retrieved_rows", their number, and "retrieved_among", H."""
+    [m, H] (retrieval's, then any title candidates) other than the positive, for every row
+    alike (the items the ranker must beat when serving); random negatives when `hard` is None.
+    With `hard`, also "auc_retrieved": the AUC over the rows whose positive is among their
+    candidates, the lists the ranker re-orders when served (a positive the candidates missed is
+    never served, whatever its score), "retrieved_rows", their number, and "retrieved_among",
+    H."""
     config = model.config
     result = {"rmse": None, "auc": None}
     if len(getattr(data.split, part)) == 0:

@@ -228,6 +228,17 @@ def test_the_calibration_sentence_says_what_was_refitted_or_why_not():
     assert calibration_sentence(None) == []
 
 
+def test_the_title_candidates_sentence_says_their_share_of_the_served_items():
+    """Said when a run added title candidates; not for none, nor for a report before them."""
+    from tworec.pipeline.report import title_candidates_sentence
+    assert title_candidates_sentence({"per_user": 10, "served_share": 0.01234}) == [
+        "- The two-stage lists re-rank retrieval's candidates and up to 10 title candidates a "
+        "known user (the items whose titles are most like those of the user's latest items); "
+        "1.2% of the items they serve are title candidates."]
+    assert title_candidates_sentence({"per_user": 0, "served_share": 0.0}) == []
+    assert title_candidates_sentence(None) == []
+
+
 @pytest.mark.parametrize("task, rated_by, scores", [
     ("listwise", "rating head", "scores"),
     ("regression", "regression ranker", "predicted ratings")])
@@ -244,8 +255,9 @@ def test_the_ranking_section_says_what_orders_the_auc(task, rated_by, scores):
                                                  "loss_before": 2.0, "loss_after": 1.9}
     assert ranking_section(report)[3].endswith(
         f"by the ranker's {scores}{' as balanced below' if task == 'listwise' else ''}: 0.679; "
-        "0.812 over the 1,573 held-out items among retrieval's top 100, the lists it re-orders "
-        "when served (a held-out item retrieval missed is never served, whatever its score).")
+        "0.812 over the 1,573 held-out items among the 100 candidates of their list, the lists "
+        "it re-orders when served (a held-out item the candidates miss is never served, "
+        "whatever its score).")
     report["ranking"]["test"]["rmse"] = None
     assert ranking_section(report)[3].startswith(
         f"RMSE of the {rated_by}: none (no rating head: rating_weight 0, or a log without "
