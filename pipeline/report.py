@@ -317,7 +317,7 @@ def metrics_section(report: dict, plots: list[str]) -> list[str]:
                 "nothing excluded (repeats allowed)")
     lines = ["", "## Test Recall@10 and NDCG@10", "",
              f"Full catalogue, {excluded}. Over the full catalogue a tie counts against the "
-             "held-out item; where the order is the one served (retrieval's candidates "
+             "held-out item; where the order is the one served (the candidates "
              "re-ranked, the popular order for users the exports do not know) ties keep the "
              "served order. The models' lists are the ones their exports serve"
              + served_lengths(report) + ": a held-out item past them is a miss. The baselines "
@@ -330,19 +330,25 @@ def metrics_section(report: dict, plots: list[str]) -> list[str]:
     gain = (report.get("two_stage") or {}).get("gain_over_retrieval") or {}
     lines += [""] + [f"- {gain_sentence(metric_name(metric), figures)}"
                      for metric, figures in gain.items()]
-    lines += title_candidates_sentence((report.get("two_stage") or {}).get("title_candidates"))
+    lines += title_candidates_sentence(report)
     lines += [f"- **Warning:** {line}." for line in report.get("warnings", [])]
     return lines + image("recall_at_k.png", plots, "test Recall@K of every model")
 
 
-def title_candidates_sentence(added: dict | None) -> list[str]:
-    """One line on the title candidates the two-stage lists re-ranked; none without them."""
-    if not added or not added["per_user"]:
+def title_candidates_sentence(report: dict) -> list[str]:
+    """One line on the title candidates the two-stage lists re-ranked (report.json's
+    `two_stage.title_candidates`) and their share of the items the served check was served;
+    none without them."""
+    added = (report.get("two_stage") or {}).get("title_candidates")
+    if not added:
         return []
-    return [f"- The two-stage lists re-rank retrieval's candidates and up to "
-            f"{added['per_user']} title candidates a known user (the items whose titles are "
-            f"most like those of the user's latest items); {added['served_share']:.1%} of the "
-            "items they serve are title candidates."]
+    share = ((report.get("serving") or {}).get("served", {}).get("recommender") or {}).get(
+        "title_candidate_share")
+    served = ("" if share is None else f"; {share:.1%} of the items served to the known users "
+              "checked are title candidates")
+    return [f"- The two-stage lists re-rank retrieval's candidates and up to {added} title "
+            "candidates a known user: the items of the known rows whose titles are most like "
+            f"those of the user's latest items{served}."]
 
 
 def gain_sentence(metric: str, gain: dict) -> str:

@@ -1,7 +1,7 @@
 """The run: one flow from a log to evaluated, exported and served models, shared by every entry
 point (`scripts/pipeline.py`, `train_retrieval.py`, `train_ranking.py`, the benchmark, tests).
 
-    data -> retrieval -> baselines -> index -> ranking (on retrieval's candidates)
+    data -> retrieval -> baselines -> index -> ranking (on retrieval's and title candidates)
          -> exports -> served check -> report
 
 `execute` runs a chosen subset of the steps into one run folder. A run folder describes one
@@ -110,7 +110,7 @@ class Run:
         self.retrieval_model, self.retrieval_trained = None, False
         self.retrieval_resumed = False   # trained by this run's command before it stopped
         self.signals = self.ranking_model = None
-        self.test_candidates = self.tuning = self.served_title_candidates = None
+        self.test_candidates = self.tuning = None
         self.offline_test: dict[str, served.Offline] = {}
         self.baseline_ranks: dict[str, np.ndarray | None] = {}
         self.served_lists: dict | None = None
@@ -257,9 +257,9 @@ class Run:
                                               "examples_per_second", "calibration")
                       if k in summary}}
         if self.evaluating:
-            test = rank_metrics(self.offline("recommender").ranks)     # sets the served share
-            self.report["two_stage"] = {"test": test, "serves": self.configs.run.top_n,
-                                        "title_candidates": self.served_title_candidates,
+            self.report["two_stage"] = {"test": rank_metrics(self.offline("recommender").ranks),
+                                        "serves": self.configs.run.top_n,
+                                        "title_candidates": self.title_candidates_per_user(),
                                         "gain_over_retrieval": self.gain_over_retrieval()}
 
     def served_candidates(self, evalset: EvalSet, part: str) -> np.ndarray:
@@ -341,7 +341,8 @@ class Run:
         (`pipeline.served`; the approximate `retrieval_scann`'s are measured, with the share of
         the exact lists' items it serves); fails when they differ beyond float ties, when REST
         and gRPC disagree, when a served list holds a seen item, or when the ranking export
-        scores retrieval's candidates otherwise than the Keras ranker. Without a test part (split
+        adds or scores the candidates otherwise than the offline lists and the Keras ranker.
+        Without a test part (split
         `none`) it asks for the users the exports know, with the same checks but metrics."""
         users = self.checked_users() if self.evaluating else \
             np.flatnonzero(self.inputs.known)[:self.configs.run.checked_users]
@@ -401,11 +402,21 @@ class Run:
         if ranking_gap > 1e-4:
             raise served.ServedMismatch(f"ranking: the export's scores differ from the Keras "
                                         f"ranker's by up to {ranking_gap:.2e}")
+        if self.title_candidates_per_user():
+            known = self.inputs.known[users]          # served items retrieval did not list
+            result["served"]["recommender"]["title_candidate_share"] = 1 - served.shared_share(
+                answers["retrieval"]["rest"]["item_ids"][known],
+                answers["recommender"]["rest"]["item_ids"][known])
         self.report["serving"] = result
+
+    def title_candidates_per_user(self) -> int:
+        """The title candidates the ranking stage adds to a known user's list (0: none)."""
+        titles = self.signals.titles if self.signals is not None else None
+        return titles.candidates if titles is not None else 0
 
     def offline(self, model: str) -> served.Offline:
         """The offline ranks and target scores of every test row under `model`: "retrieval"
-        or "recommender" (retrieval's candidates re-ranked), computed once and kept for the
+        or "recommender" (the served candidates re-ranked), computed once and kept for the
         report's metrics, the gain's bootstrap and the served check."""
         if model not in self.offline_test:
             compute = {"retrieval": self.offline_retrieval,
@@ -431,31 +442,24 @@ class Run:
                               target_scores=target_scores)
 
     def offline_two_stage(self) -> served.Offline:
-        """Every test row's position in its retrieval candidates re-ranked by the ranker (ties
-        keep retrieval's order, as served), and the ranker's score there; a target missing
+        """Every test row's position in its candidates (`served_candidates`) re-ranked by the
+        ranker (ties keep the candidates' order, as served), and the ranker's score there; a target missing
         from the candidates or past the `top_n` items served is a miss at every K."""
         scores = ranking.score_lists(self.ranking_model, self.inputs, self.signals, "test",
                                      self.test_candidates)                        # [m, C]
         ranks, target_scores = ranking.reranked_ranks(scores, self.test_candidates,
                                                       self.inputs.examples["test"]["item"])
-        self.served_title_candidates = self.title_candidates_served(scores)
         return served.Offline(ranks=served.beyond_list_missed(ranks, self.configs.run.top_n),
                               target_scores=target_scores)
 
-    def title_candidates_served(self, scores: np.ndarray) -> dict:
-        """{"per_user": E, the title candidates each test list may add; "served_share": the share
-        of the items the two-stage test lists serve (their top_n by `scores` [m, C]) that are
-        title candidates}."""
-        added = self.test_candidates.shape[1] - self.configs.run.candidates
-        order = np.argsort(-scores, axis=1, kind="stable")[:, :self.configs.run.top_n]
-        listed = np.take_along_axis(self.test_candidates, order, 1) != EMPTY_SLOT
-        added_listed = listed & (order >= self.configs.run.candidates)
-        return {"per_user": int(added),
-                "served_share": float(added_listed.sum() / max(listed.sum(), 1))}
-
     def ranking_export_gap(self, client: Client, rows: np.ndarray) -> float:
         """Largest absolute difference between the served ranking's and the Keras ranker's
-        scores of retrieval's test candidates, for the test `rows` (positions)."""
+        scores of the test candidates, for the test `rows` (positions).
+
+        Raises:
+            ServedMismatch: the export's `candidates` signature, given retrieval's candidates of
+                those rows, adds other title candidates than the offline lists hold.
+        """
         if not len(rows):
             return 0.0
         keras = ranking.score_lists(self.ranking_model, self.inputs, self.signals, "test",
@@ -463,6 +467,13 @@ class Run:
         users = self.log.user_ids[self.log.user[self.parts.test][rows]]
         candidates = self.test_candidates[rows]
         items = np.where(candidates == EMPTY_SLOT, "", self.log.item_ids[candidates])
+        added = served.strings(client.predict(
+            "ranking", {"user_id": users, "item_ids": items[:, :self.configs.run.candidates]},
+            signature_name="candidates")["item_ids"])
+        if not np.array_equal(added, items):
+            raise served.ServedMismatch(
+                "ranking: the export's candidates signature adds other title candidates than "
+                "the offline evaluation's lists hold")
         answer = client.predict("ranking", {"user_id": users, "item_ids": items})["scores"]
         return float(np.abs(answer - keras).max())
 

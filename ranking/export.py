@@ -107,11 +107,10 @@ class RankingModule(tf.Module):
         if self.title_candidates:
             self.exclude_seen = data.exclude_seen
             self.item_ids = tf.constant(np.append(data.interactions.item_ids, ""))      # [I + 1]
-            self.latest_for_candidates = min(signals.titles.candidate_history,
-                                             data.history_length)
-            codes, values = neighbor_arrays(signals.titles.matrix)                      # [V, W]
-            self.title_neighbors, self.title_values = tf.constant(codes), tf.constant(values)
-            self.similar_width = self.latest_for_candidates * codes.shape[1]    # M a user
+            self.latest_for_candidates = signals.titles.candidate_history               # L'
+            codes, values = neighbor_arrays(signals.titles.candidate_matrix)            # [V, W]
+            self.neighbor_codes, self.neighbor_values = tf.constant(codes), tf.constant(values)
+            self.similar_width = self.latest_for_candidates * codes.shape[1]   # M = L' * W
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="user_id"),
                                   tf.TensorSpec([None, None], tf.string, name="item_ids")])
@@ -130,22 +129,25 @@ class RankingModule(tf.Module):
                                   tf.TensorSpec([None, None], tf.string, name="item_ids")])
     def candidates(self, user_id, item_ids):
         """item_ids [b, n] -> item_ids [b, n + E]: the given candidates, then the user's E title
-        candidates (`ranking.features.title_candidates`: the items most title-similar to one of
-        their latest items, neither given nor seen; "" where fewer remain, and for a user it
-        does not know)."""
+        candidates (`ranking.features.title_candidates`: the items of the fit rows most
+        title-similar to one of their latest items, neither given nor seen; "" where fewer
+        remain, and for a user it does not know)."""
         if not self.title_candidates:
             return {"item_ids": item_ids}
         features, known = self.users(user_id)
         batch = tf.shape(user_id)[0]
         latest = features["history"][:, -self.latest_for_candidates:]                   # [b, L]
-        similar = tf.reshape(tf.gather(self.title_neighbors, latest),
+        similar = tf.reshape(tf.gather(self.neighbor_codes, latest),
                              [batch, self.similar_width])                               # [b, M]
-        values = tf.reshape(tf.gather(self.title_values, latest), [batch, self.similar_width])
-        # codes ascending, each one's highest similarity first: two stable sorts
-        for by_code in (False, True):
-            order = tf.argsort(similar if by_code else -values, axis=1, stable=True)
-            similar = tf.gather(similar, order, batch_dims=1)
-            values = tf.gather(values, order, batch_dims=1)
+        values = tf.reshape(tf.gather(self.neighbor_values, latest), [batch, self.similar_width])
+        # Codes ascending, each code's highest similarity first: by similarity, then (stable)
+        # by code; top_k below then breaks ties of similarity to the lower code.
+        by_similarity = tf.argsort(-values, axis=1, stable=True)
+        similar = tf.gather(similar, by_similarity, batch_dims=1)
+        values = tf.gather(values, by_similarity, batch_dims=1)
+        by_code = tf.argsort(similar, axis=1, stable=True)
+        similar = tf.gather(similar, by_code, batch_dims=1)
+        values = tf.gather(values, by_code, batch_dims=1)
         repeated = tf.concat([tf.zeros([batch, 1], tf.bool),
                               similar[:, 1:] == similar[:, :-1]], axis=1)               # [b, M]
         usable = (similar >= 0) & ~repeated & known[:, None] & ~held_in_rows(

@@ -72,9 +72,20 @@ def title_signal(data: ModelInputs, config: RankingConfig) -> TitleSimilarity | 
     """The title similarities `config` asks for, with its title candidates; None for none."""
     titles = (title_similarities(data, config.held_out_title_neighbors)
               if config.held_out_title_neighbors else None)
-    return None if titles is None else dataclasses.replace(
-        titles, candidates=config.added_title_candidates,
-        candidate_history=config.title_candidate_history)
+    if titles is None:
+        return None
+    history = min(config.title_candidate_history, data.history_length)
+    count = config.added_title_candidates if history else 0
+    return dataclasses.replace(titles, candidates=count, candidate_history=history,
+                               candidate_matrix=fit_item_columns(titles.matrix, data)
+                               if count else None)
+
+
+def fit_item_columns(matrix: sp.csr_matrix, data: ModelInputs) -> sp.csr_matrix:
+    """[V, num_items] `matrix` with only the entries of columns the fit rows hold."""
+    kept = matrix.tocoo()
+    fit = data.item_index[kept.col] >= FIRST
+    return sp.csr_matrix((kept.data[fit], (kept.row[fit], kept.col[fit])), shape=matrix.shape)
 
 
 def transition_matrix(data: ModelInputs) -> sp.csr_matrix:
@@ -321,12 +332,15 @@ class TitleSimilarity:
         neighbors: the similar titles kept per item.
         candidates: items added to each served list (`with_title_candidates`), 0 for none.
         candidate_history: the latest history items those are similar to.
+        candidate_matrix: `matrix` with the columns of items the fit rows hold, which alone
+            are added (the catalogue may list an item only because of later rows), or None.
     """
 
     matrix: sp.csr_matrix
     neighbors: int
     candidates: int = 0
     candidate_history: int = 0
+    candidate_matrix: sp.csr_matrix | None = None
 
 
 def title_words(titles: np.ndarray) -> sp.csr_matrix:
@@ -407,17 +421,19 @@ def title_candidates(titles: TitleSimilarity, history: np.ndarray, lists: np.nda
     """[m, E] catalogue codes (`EMPTY_SLOT` where fewer remain): each row's E =
     `titles.candidates` items most title-similar to one of its latest
     `titles.candidate_history` history items ([m, L] vocabulary indexes, latest last; the
-    highest of their similarities, ties to the lower code), leaving out its list's items
-    (`lists` [m, n] codes) and its `excluded` ones ([m, num_items] CSR: the items it has seen).
-    Only kept similarities count (`titles.neighbors` a history item), so no item without a
-    word in common is added. `chunk` rows at a time (bounded memory)."""
+    highest of their similarities, ties to the lower code), among the items the fit rows hold
+    (`titles.candidate_matrix`), leaving out its list's items (`lists` [m, n] codes) and its
+    `excluded` ones ([m, num_items] CSR: the items it has seen). Only kept similarities count
+    (`titles.neighbors` a history item), so no item without a word in common is added.
+    `chunk` rows at a time (bounded memory)."""
     found = np.full((len(history), titles.candidates), EMPTY_SLOT, np.int64)
-    latest = history[:, history.shape[1] - min(titles.candidate_history, history.shape[1]):]
+    latest = history[:, history.shape[1] - titles.candidate_history:]                # [m, L']
+    matrix = titles.candidate_matrix
     for start in range(0, len(history), chunk):
         at = slice(start, start + chunk)
-        similar = titles.matrix[latest[at, 0]]                                       # [c, I]
+        similar = matrix[latest[at, 0]]                                              # [c, I]
         for slot in range(1, latest.shape[1]):
-            similar = similar.maximum(titles.matrix[latest[at, slot]])
+            similar = similar.maximum(matrix[latest[at, slot]])
         listed_row, listed_slot = np.nonzero(lists[at] != EMPTY_SLOT)
         taken = excluded[at] + sp.csr_matrix(                                        # [c, I]
             (np.ones(len(listed_row)), (listed_row, lists[at][listed_row, listed_slot])),

@@ -87,8 +87,8 @@ def fit(data: ModelInputs, config: RankingConfig, signals: RankingSignals,
             period popularity and title similarities the ranker reads
             (`ranking.features.signals`), as `config` asks for them.
         hard: part -> [m, H] retrieval candidates per row, the source of hard negatives.
-        served_validation: [m, C] the candidates retrieval serves for the validation rows
-            (`EMPTY_SLOT` where fewer remain).
+        served_validation: [m, C] the candidates served for the validation rows, retrieval's
+            and the title candidates (`EMPTY_SLOT` where fewer remain).
 
     Returns:
         (model, summary) with per-epoch logs, seconds, examples per second and, when it ran,

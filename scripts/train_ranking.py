@@ -2,8 +2,9 @@
 stage over retrieval's top-K, and exports `ranking` and the composed `recommender`.
 
     python scripts/train_ranking.py --retrieval-run RUN [--model dcn|bst]
-        [--task listwise|binary|regression] [--cooccurrence-neighbors K] [--title-neighbors K]
-        [--title-candidates E] [--popularity-periods P] [--epochs N] [--mixed-precision] [--jit-compile]
+        [--task listwise|binary|regression] [--cooccurrence-neighbors K]
+        [--title-neighbors K] [--title-candidates E] [--popularity-periods P] [--epochs N]
+        [--mixed-precision] [--jit-compile]
     python scripts/train_ranking.py --data SOURCE --out RUN [--split temporal|random]
         [--preset tiny|default] [--members M] [--top-k 100] ...
 

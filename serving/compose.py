@@ -17,7 +17,8 @@ USER_IDS = tf.TensorSpec([None], tf.string, name="user_id")
 
 
 class ComposedRecommender(tf.Module):
-    """Calls the retrieval signature, ranks its candidates, keeps the top n."""
+    """Calls the retrieval signature, adds the ranking model's own candidates (its `candidates`
+    signature, when it has one), ranks them all, keeps the top n."""
 
     def __init__(self, retrieval_dir: str, ranking_dir: str, top_n: int):
         super().__init__()

@@ -65,7 +65,8 @@ class Recommender:
             {"item_ids": [b, n] bytes, "scores": [b, n] float32} from the ranking model, best
             first. A slot without a candidate holds `PAD_ID`: scored -inf where `seen`
             removed the candidate, and below the row's every real score where retrieval found
-            fewer than k items (the ranking export scores its padding so).
+            fewer than k items or the ranking model fewer title candidates than it adds (the
+            ranking export scores its padding so).
         """
         if np.ndim(user_ids) != 1:
             raise ValueError(f"user_ids must be a flat list of ids, got shape "

@@ -398,12 +398,12 @@ def test_title_candidates_are_served_as_the_report_measures_them(tmp_path):
     run = prepare_run(str(tmp_path / "run"), {"data": str(release)},      # of 150 items
                       resolve("tiny", run={"candidates": 20}), verbose=0)
     report = execute(run, PIPELINE)
-    added = report["two_stage"]["title_candidates"]
-    assert added["per_user"] == 10 and 0 < added["served_share"] < 1
     served, offline = report["serving"]["served"]["recommender"], report["two_stage"]["test"]
+    share = served["title_candidate_share"]
+    assert report["two_stage"]["title_candidates"] == 10 and 0 < share < 1
     assert served["float_ties"] == 0 and served["ndcg@10"] == offline["ndcg@10"]
-    assert f"{added['served_share']:.1%} of the items they serve are title candidates" in \
-        (tmp_path / "run" / "report.md").read_text()
+    assert f"; {share:.1%} of the items served to the known users checked are title " \
+        "candidates." in (tmp_path / "run" / "report.md").read_text()
 
 
 def test_run_configs_resolve_validate_and_round_trip(tmp_path):
@@ -506,8 +506,8 @@ def test_members_reach_the_retrieval_config(tmp_path, script):
                                              ("title_neighbors", "held_out_title_neighbors"),
                                              ("title_candidates", "added_title_candidates")])
 def test_held_out_signals_given_to_a_regression_ranker_are_refused(field, held_out):
-    """Popularity periods or title neighbours given with a regression ranker, which reads
-    none, are refused, also when the task comes from a run folder's configs; 0, or leaving
+    """Popularity periods, title neighbours or title candidates given with a regression
+    ranker, which reads none, are refused, also when the task comes from a run folder's configs; 0, or leaving
     them out, is fine."""
     from tworec.pipeline import config
     regression = config.resolve("tiny", ranking={"task": "regression"})

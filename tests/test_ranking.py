@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from tworec.features import generate, split
 from tworec.features.inputs import EMPTY_SLOT, prepare
+from tworec.features.vocab import FIRST, OOV
 from tworec.features.synthetic import PRESETS
 from tworec.ranking.config import preset
 from tworec.ranking.features import (list_examples, retrieval_scores, signals,
@@ -250,15 +251,17 @@ def test_title_similarities_keep_each_items_nearest_titles_by_vocabulary_row(tit
             titled.interactions, item_features=item_features)), 3) is None
 
 
-def expected_title_candidates(matrix, history, lists, excluded, count, latest):
+def expected_title_candidates(data, matrix, history, lists, excluded, count, latest):
     """By loop: each row's `count` codes of the highest kept similarity to one of its `latest`
-    history items, not listed nor excluded, ties to the lower code; -1 past the positive."""
+    history items, not listed nor excluded nor without fit rows, ties to the lower code; -1
+    past the positive ones."""
     dense, seen = matrix.toarray(), excluded.toarray()
     found = np.full((len(history), count), EMPTY_SLOT)
     for row, items in enumerate(history[:, -latest:]):
         best = dense[items].max(0)
         best[lists[row][lists[row] != EMPTY_SLOT]] = 0
         best[seen[row] > 0] = 0
+        best[data.item_index < FIRST] = 0
         ranked = [code for code in np.lexsort((np.arange(len(best)), -best)) if best[code] > 0]
         found[row, :len(ranked[:count])] = ranked[:count]
     return found
@@ -266,37 +269,48 @@ def expected_title_candidates(matrix, history, lists, excluded, count, latest):
 
 @pytest.mark.parametrize("count, latest, chunk", [(3, 2, 4096), (4, 1, 7), (40, 3, 5)],
                          ids=["three-of-two", "four-of-one-in-chunks", "more-than-there-are"])
-def test_title_candidates_are_the_most_similar_items_not_listed_nor_seen(titled, count, latest,
-                                                                         chunk, monkeypatch):
-    """Against a loop over rows: what each row's list holds and what it has seen are left out,
-    ties go to the lower code, slots past the similar items stay empty; rows in chunks give
-    the same; a user unknown before the part gets none; no titles, no candidates."""
+def test_title_candidates_are_the_most_similar_items_not_listed_nor_seen(inputs, titled, count,
+                                                                         latest, chunk,
+                                                                         monkeypatch):
+    """Against a loop over rows: what each row's list holds, what it has seen and items
+    without fit rows (every seventh, as if first rated after them) are left out, ties go to
+    the lower code, slots past the similar items stay empty; rows in chunks give the same; a
+    user unknown before the part gets none; no titles, no candidates; the latest items are
+    at most the history's."""
     import scipy.sparse as sp
     from tworec.ranking.features import title_candidates, with_title_candidates
     config = preset("tiny", title_neighbors=6, title_candidates=count,
                     title_candidate_history=latest)
-    given = signals(titled, config).titles
+    data = dataclasses.replace(titled, item_index=np.where(
+        np.arange(titled.num_items) % 7 == 0, OOV, titled.item_index))
+    given = signals(data, config).titles
     assert (given.candidates, given.candidate_history) == (count, latest)
-    history = titled.examples["test"]["history"]
+    history = data.examples["test"]["history"]
     rng = np.random.default_rng(0)
-    lists = rng.integers(0, titled.num_items, (len(history), 8))
+    lists = rng.integers(0, data.num_items, (len(history), 8))
     lists[:, -2:] = EMPTY_SLOT
-    excluded = sp.csr_matrix(rng.random((len(history), titled.num_items)) < 0.1)
+    excluded = sp.csr_matrix(rng.random((len(history), data.num_items)) < 0.1)
     found = title_candidates(given, history, lists, excluded, chunk=chunk)
-    expected = expected_title_candidates(given.matrix, history, lists, excluded, count, latest)
+    expected = expected_title_candidates(data, given.matrix, history, lists, excluded, count,
+                                         latest)
     np.testing.assert_array_equal(found, expected)
     assert (found[:, 0] >= 0).mean() > 0.5
+    assert given.matrix[:, ::7].nnz and not np.isin(found, np.arange(0, data.num_items, 7)).any()
     if count == 40:
         assert (found == EMPTY_SLOT).any(1).all()
+    assert (signals(dataclasses.replace(data, history_length=2), config).titles.candidate_history
+            == min(latest, 2))
+    assert signals(dataclasses.replace(data, history_length=0), config).titles.candidates == 0
     known = np.arange(len(history)) % 3 > 0         # every third user as if new
-    monkeypatch.setattr(type(titled), "known_in", lambda self, part: known)
-    extended = with_title_candidates(signals(titled, config), titled, "test", lists, excluded)
+    monkeypatch.setattr(type(data), "known_in", lambda self, part: known)
+    extended = with_title_candidates(signals(data, config), data, "test", lists, excluded)
     np.testing.assert_array_equal(extended[:, :8], lists)
     np.testing.assert_array_equal(extended[known, 8:], expected[known])
     assert (extended[~known, 8:] == EMPTY_SLOT).all()
-    for off in (preset("tiny", title_neighbors=6, title_candidates=0),
-                preset("tiny", title_neighbors=0), preset("tiny", task="regression")):
-        assert with_title_candidates(signals(titled, off), titled, "test", lists,
+    for off, source in ((preset("tiny", title_neighbors=6, title_candidates=0), data),
+                        (preset("tiny", title_neighbors=0), data),
+                        (preset("tiny", task="regression"), data), (config, inputs)):
+        assert with_title_candidates(signals(source, off), source, "test", lists,
                                      excluded) is lists
 
 
@@ -720,12 +734,14 @@ def test_export_serves_the_keras_scores(inputs, titled, signal, transitions_only
 def test_export_adds_the_title_candidates_the_evaluation_adds(titled, tmp_path, exclude_seen):
     """The `candidates` signature appends to each test user's given list what
     `with_title_candidates` appends offline (the user's seen items left out unless the inputs
-    keep them), "" for a user it does not know and past the similar items; an id outside the
-    catalogue is passed through; without title candidates it answers the given list."""
+    keep them, and items without fit rows), "" for a user it does not know and past the similar
+    items; an id outside the catalogue is passed through; without title candidates it answers
+    the given list."""
     import scipy.sparse as sp
     from tworec.ranking.export import export
     from tworec.ranking.features import with_title_candidates
-    inputs = dataclasses.replace(titled, exclude_seen=exclude_seen)
+    inputs = dataclasses.replace(titled, exclude_seen=exclude_seen, item_index=np.where(
+        np.arange(titled.num_items) % 7 == 0, OOV, titled.item_index))   # as if rated later
     config = preset("tiny", epochs=1, title_neighbors=6, title_candidates=4,
                     title_candidate_history=2)
     given = signals(inputs, config)
@@ -734,7 +750,7 @@ def test_export_adds_the_title_candidates_the_evaluation_adds(titled, tmp_path, 
     users = log.user[inputs.split.test]
     rng = np.random.default_rng(1)
     lists = rng.integers(0, inputs.num_items, (len(users), 6))
-    lists[:, -1] = EMPTY_SLOT
+    lists[:, -1] = lists[0, 0] = EMPTY_SLOT              # row 0's first: an unknown id below
     seen = inputs.seen[users]
     excluded = seen if exclude_seen else sp.csr_matrix(seen.shape)
     expected = with_title_candidates(given, inputs, "test", lists, excluded)
@@ -744,7 +760,7 @@ def test_export_adds_the_title_candidates_the_evaluation_adds(titled, tmp_path, 
     ids = np.append(log.item_ids, "")
     run, _ = load_like_tf_serving(export(model, inputs, given, str(tmp_path / "ranking")))
     given_ids = ids[lists]
-    given_ids[0, 0] = "no-such-item"
+    given_ids[0, 0] = "no-such-item"                     # excludes nothing, passed through
     answer = run("candidates", user_id=log.user_ids[users], item_ids=given_ids)["item_ids"]
     np.testing.assert_array_equal(answer.astype(str), np.concatenate(
         [given_ids, ids[expected[:, 6:]]], axis=1))

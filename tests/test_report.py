@@ -229,14 +229,20 @@ def test_the_calibration_sentence_says_what_was_refitted_or_why_not():
 
 
 def test_the_title_candidates_sentence_says_their_share_of_the_served_items():
-    """Said when a run added title candidates; not for none, nor for a report before them."""
+    """Said when a run added title candidates, with their share of what was served when the
+    run served; not for none, nor for a report before them."""
     from tworec.pipeline.report import title_candidates_sentence
-    assert title_candidates_sentence({"per_user": 10, "served_share": 0.01234}) == [
+    report = {"two_stage": {"title_candidates": 10},
+              "serving": {"served": {"recommender": {"title_candidate_share": 0.01234}}}}
+    assert title_candidates_sentence(report) == [
         "- The two-stage lists re-rank retrieval's candidates and up to 10 title candidates a "
-        "known user (the items whose titles are most like those of the user's latest items); "
-        "1.2% of the items they serve are title candidates."]
-    assert title_candidates_sentence({"per_user": 0, "served_share": 0.0}) == []
-    assert title_candidates_sentence(None) == []
+        "known user: the items of the known rows whose titles are most like those of the "
+        "user's latest items; 1.2% of the items served to the known users checked are title "
+        "candidates."]
+    assert title_candidates_sentence({"two_stage": {"title_candidates": 10}})[0].endswith(
+        "user's latest items.")
+    assert title_candidates_sentence({"two_stage": {"title_candidates": 0}}) == []
+    assert title_candidates_sentence({"two_stage": {}}) == title_candidates_sentence({}) == []
 
 
 @pytest.mark.parametrize("task, rated_by, scores", [
