@@ -347,7 +347,7 @@ def title_candidates_sentence(report: dict) -> list[str]:
     served = ("" if share is None else f"; {share:.1%} of the items served to the known users "
               "checked are title candidates")
     return [f"- The two-stage lists re-rank retrieval's candidates and up to {added} title "
-            "candidates a known user: the items of the known rows whose titles are most like "
+            "candidates a known user: the items of the training rows whose titles are most like "
             f"those of the user's latest items{served}."]
 
 
@@ -395,8 +395,8 @@ def ranking_section(report: dict) -> list[str]:
              else "")
     retrieved = ("" if ranking.get("auc_retrieved") is None else
                  f"; {ranking['auc_retrieved']:.3f} over the {ranking['retrieved_rows']:,} "
-                 f"held-out items among the {ranking['retrieved_among']} candidates of their "
-                 "list, the lists it re-orders when served (a held-out item the candidates miss "
+                 f"held-out items among the up to {ranking['retrieved_among']} candidates of "
+                 "their list, the lists it re-orders when served (a held-out item the candidates miss "
                  "is never served, whatever its score)")
     return ["", "## Ranking on its own", "",
             (f"The ranker: {model.upper()}, trained on the {report['ranking']['task']} task. "

@@ -342,8 +342,8 @@ class Run:
         the exact lists' items it serves); fails when they differ beyond float ties, when REST
         and gRPC disagree, when a served list holds a seen item, or when the ranking export
         adds or scores the candidates otherwise than the offline lists and the Keras ranker.
-        Without a test part (split
-        `none`) it asks for the users the exports know, with the same checks but metrics."""
+        Without a test part (split `none`) it asks for the users the exports know, with the
+        same checks but metrics."""
         users = self.checked_users() if self.evaluating else \
             np.flatnonzero(self.inputs.known)[:self.configs.run.checked_users]
         ids = self.log.user_ids[users]
@@ -402,8 +402,8 @@ class Run:
         if ranking_gap > 1e-4:
             raise served.ServedMismatch(f"ranking: the export's scores differ from the Keras "
                                         f"ranker's by up to {ranking_gap:.2e}")
-        if self.title_candidates_per_user():
-            known = self.inputs.known[users]          # served items retrieval did not list
+        known = self.inputs.known[users]
+        if self.title_candidates_per_user() and known.any():   # items retrieval did not list
             result["served"]["recommender"]["title_candidate_share"] = 1 - served.shared_share(
                 answers["retrieval"]["rest"]["item_ids"][known],
                 answers["recommender"]["rest"]["item_ids"][known])
@@ -443,7 +443,8 @@ class Run:
 
     def offline_two_stage(self) -> served.Offline:
         """Every test row's position in its candidates (`served_candidates`) re-ranked by the
-        ranker (ties keep the candidates' order, as served), and the ranker's score there; a target missing
+        ranker (ties keep the candidates' order, as served), and the ranker's score there; a
+        target missing
         from the candidates or past the `top_n` items served is a miss at every K."""
         scores = ranking.score_lists(self.ranking_model, self.inputs, self.signals, "test",
                                      self.test_candidates)                        # [m, C]

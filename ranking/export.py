@@ -129,14 +129,14 @@ class RankingModule(tf.Module):
                                   tf.TensorSpec([None, None], tf.string, name="item_ids")])
     def candidates(self, user_id, item_ids):
         """item_ids [b, n] -> item_ids [b, n + E]: the given candidates, then the user's E title
-        candidates (`ranking.features.title_candidates`: the items of the fit rows most
+        candidates (`ranking.features.title_candidates`: the training rows' items most
         title-similar to one of their latest items, neither given nor seen; "" where fewer
         remain, and for a user it does not know)."""
         if not self.title_candidates:
             return {"item_ids": item_ids}
         features, known = self.users(user_id)
         batch = tf.shape(user_id)[0]
-        latest = features["history"][:, -self.latest_for_candidates:]                   # [b, L]
+        latest = features["history"][:, -self.latest_for_candidates:]                  # [b, L']
         similar = tf.reshape(tf.gather(self.neighbor_codes, latest),
                              [batch, self.similar_width])                               # [b, M]
         values = tf.reshape(tf.gather(self.neighbor_values, latest), [batch, self.similar_width])

@@ -82,7 +82,8 @@ def title_signal(data: ModelInputs, config: RankingConfig) -> TitleSimilarity | 
 
 
 def fit_item_columns(matrix: sp.csr_matrix, data: ModelInputs) -> sp.csr_matrix:
-    """[V, num_items] `matrix` with only the entries of columns the fit rows hold."""
+    """[V, num_items] `matrix` with only the entries of the training rows' items (the item
+    vocabulary: those with an embedding of their own)."""
     kept = matrix.tocoo()
     fit = data.item_index[kept.col] >= FIRST
     return sp.csr_matrix((kept.data[fit], (kept.row[fit], kept.col[fit])), shape=matrix.shape)
@@ -332,7 +333,7 @@ class TitleSimilarity:
         neighbors: the similar titles kept per item.
         candidates: items added to each served list (`with_title_candidates`), 0 for none.
         candidate_history: the latest history items those are similar to.
-        candidate_matrix: `matrix` with the columns of items the fit rows hold, which alone
+        candidate_matrix: `matrix` with the columns of the training rows' items, which alone
             are added (the catalogue may list an item only because of later rows), or None.
     """
 
@@ -421,7 +422,7 @@ def title_candidates(titles: TitleSimilarity, history: np.ndarray, lists: np.nda
     """[m, E] catalogue codes (`EMPTY_SLOT` where fewer remain): each row's E =
     `titles.candidates` items most title-similar to one of its latest
     `titles.candidate_history` history items ([m, L] vocabulary indexes, latest last; the
-    highest of their similarities, ties to the lower code), among the items the fit rows hold
+    highest of their similarities, ties to the lower code), among the training rows' items
     (`titles.candidate_matrix`), leaving out its list's items (`lists` [m, n] codes) and its
     `excluded` ones ([m, num_items] CSR: the items it has seen). Only kept similarities count
     (`titles.neighbors` a history item), so no item without a word in common is added.
@@ -434,6 +435,8 @@ def title_candidates(titles: TitleSimilarity, history: np.ndarray, lists: np.nda
         similar = matrix[latest[at, 0]]                                              # [c, I]
         for slot in range(1, latest.shape[1]):
             similar = similar.maximum(matrix[latest[at, slot]])
+        if not similar.nnz:                   # no row of the chunk has a similar title
+            continue
         listed_row, listed_slot = np.nonzero(lists[at] != EMPTY_SLOT)
         taken = excluded[at] + sp.csr_matrix(                                        # [c, I]
             (np.ones(len(listed_row)), (listed_row, lists[at][listed_row, listed_slot])),

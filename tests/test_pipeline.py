@@ -379,7 +379,9 @@ def test_title_candidates_are_served_as_the_report_measures_them(tmp_path):
     the report says; report.md says how many of the served items they are."""
     from tworec.features import generate
     from tworec.features.synthetic import PRESETS
+    from tworec.features.inputs import EMPTY_SLOT
     from tworec.pipeline import PIPELINE, execute, prepare_run, resolve
+    from tworec.pipeline.served import ServedMismatch
     log = generate(PRESETS["tiny"], seed=0)
     order = log.time_order()
     user, item = log.user[order], log.item[order]
@@ -399,11 +401,24 @@ def test_title_candidates_are_served_as_the_report_measures_them(tmp_path):
                       resolve("tiny", run={"candidates": 20}), verbose=0)
     report = execute(run, PIPELINE)
     served, offline = report["serving"]["served"]["recommender"], report["two_stage"]["test"]
-    share = served["title_candidate_share"]
-    assert report["two_stage"]["title_candidates"] == 10 and 0 < share < 1
+    assert report["two_stage"]["title_candidates"] == 10
     assert served["float_ties"] == 0 and served["ndcg@10"] == offline["ndcg@10"]
+    users = run.served_lists["users"]                    # the share, from the offline lists
+    rows = [np.flatnonzero(run.log.user[run.parts.test] == user)[0] for user in users]
+    added = run.test_candidates[rows, 20:]                                      # [u, 10]
+    lists = run.served_lists["lists"]["recommender"]["item_ids"]                # [u, 10]
+    known = run.inputs.known[users][:, None] & (lists != "")
+    titled = np.array([np.isin(row, run.log.item_ids[codes[codes >= 0]])
+                       for row, codes in zip(lists, added)])
+    share = served["title_candidate_share"]
+    assert share == pytest.approx(titled[known].mean()) and share > 0
     assert f"; {share:.1%} of the items served to the known users checked are title " \
         "candidates." in (tmp_path / "run" / "report.md").read_text()
+    checked = run.test_candidates[:64, 20:]              # rows whose candidates are asked for
+    row = np.flatnonzero((checked >= 0).any(1))[0]       # one the export adds an item to
+    run.test_candidates[row, 20 + np.flatnonzero(checked[row] >= 0)[0]] = EMPTY_SLOT
+    with pytest.raises(ServedMismatch, match="candidates signature adds other title cand"):
+        run.serve_and_check()
 
 
 def test_run_configs_resolve_validate_and_round_trip(tmp_path):
@@ -507,8 +522,8 @@ def test_members_reach_the_retrieval_config(tmp_path, script):
                                              ("title_candidates", "added_title_candidates")])
 def test_held_out_signals_given_to_a_regression_ranker_are_refused(field, held_out):
     """Popularity periods, title neighbours or title candidates given with a regression
-    ranker, which reads none, are refused, also when the task comes from a run folder's configs; 0, or leaving
-    them out, is fine."""
+    ranker, which reads none, are refused, also when the task comes from a run folder's
+    configs; 0, or leaving them out, is fine."""
     from tworec.pipeline import config
     regression = config.resolve("tiny", ranking={"task": "regression"})
     assert getattr(regression.ranking, held_out) == 0

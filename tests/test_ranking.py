@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from tworec.features import generate, split
 from tworec.features.inputs import EMPTY_SLOT, prepare
-from tworec.features.vocab import FIRST, OOV
+from tworec.features.vocab import FIRST, OOV, PAD
 from tworec.features.synthetic import PRESETS
 from tworec.ranking.config import preset
 from tworec.ranking.features import (list_examples, retrieval_scores, signals,
@@ -253,7 +253,7 @@ def test_title_similarities_keep_each_items_nearest_titles_by_vocabulary_row(tit
 
 def expected_title_candidates(data, matrix, history, lists, excluded, count, latest):
     """By loop: each row's `count` codes of the highest kept similarity to one of its `latest`
-    history items, not listed nor excluded nor without fit rows, ties to the lower code; -1
+    history items, not listed nor excluded nor without training rows, ties to the lower code; -1
     past the positive ones."""
     dense, seen = matrix.toarray(), excluded.toarray()
     found = np.full((len(history), count), EMPTY_SLOT)
@@ -267,16 +267,16 @@ def expected_title_candidates(data, matrix, history, lists, excluded, count, lat
     return found
 
 
-@pytest.mark.parametrize("count, latest, chunk", [(3, 2, 4096), (4, 1, 7), (40, 3, 5)],
-                         ids=["three-of-two", "four-of-one-in-chunks", "more-than-there-are"])
+@pytest.mark.parametrize("count, latest, chunk", [(3, 2, 4096), (4, 1, 1), (40, 3, 5)],
+                         ids=["three-of-two", "four-of-one-a-row", "more-than-there-are"])
 def test_title_candidates_are_the_most_similar_items_not_listed_nor_seen(inputs, titled, count,
                                                                          latest, chunk,
                                                                          monkeypatch):
     """Against a loop over rows: what each row's list holds, what it has seen and items
-    without fit rows (every seventh, as if first rated after them) are left out, ties go to
+    without training rows (every seventh, as if first rated later) are left out, ties go to
     the lower code, slots past the similar items stay empty; rows in chunks give the same; a
-    user unknown before the part gets none; no titles, no candidates; the latest items are
-    at most the history's."""
+    user unknown before the part gets none, and a row without history none (alone in its
+    chunk too); no titles, no candidates; the latest items are at most the history's."""
     import scipy.sparse as sp
     from tworec.ranking.features import title_candidates, with_title_candidates
     config = preset("tiny", title_neighbors=6, title_candidates=count,
@@ -285,7 +285,8 @@ def test_title_candidates_are_the_most_similar_items_not_listed_nor_seen(inputs,
         np.arange(titled.num_items) % 7 == 0, OOV, titled.item_index))
     given = signals(data, config).titles
     assert (given.candidates, given.candidate_history) == (count, latest)
-    history = data.examples["test"]["history"]
+    history = data.examples["test"]["history"].copy()
+    history[0] = PAD                                     # as a user without history
     rng = np.random.default_rng(0)
     lists = rng.integers(0, data.num_items, (len(history), 8))
     lists[:, -2:] = EMPTY_SLOT
@@ -294,7 +295,7 @@ def test_title_candidates_are_the_most_similar_items_not_listed_nor_seen(inputs,
     expected = expected_title_candidates(data, given.matrix, history, lists, excluded, count,
                                          latest)
     np.testing.assert_array_equal(found, expected)
-    assert (found[:, 0] >= 0).mean() > 0.5
+    assert (found[:, 0] >= 0).mean() > 0.5 and (found[0] == EMPTY_SLOT).all()
     assert given.matrix[:, ::7].nnz and not np.isin(found, np.arange(0, data.num_items, 7)).any()
     if count == 40:
         assert (found == EMPTY_SLOT).any(1).all()
@@ -734,7 +735,7 @@ def test_export_serves_the_keras_scores(inputs, titled, signal, transitions_only
 def test_export_adds_the_title_candidates_the_evaluation_adds(titled, tmp_path, exclude_seen):
     """The `candidates` signature appends to each test user's given list what
     `with_title_candidates` appends offline (the user's seen items left out unless the inputs
-    keep them, and items without fit rows), "" for a user it does not know and past the similar
+    keep them, and items without training rows), "" for a user it does not know and past the similar
     items; an id outside the catalogue is passed through; without title candidates it answers
     the given list."""
     import scipy.sparse as sp

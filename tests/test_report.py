@@ -236,7 +236,7 @@ def test_the_title_candidates_sentence_says_their_share_of_the_served_items():
               "serving": {"served": {"recommender": {"title_candidate_share": 0.01234}}}}
     assert title_candidates_sentence(report) == [
         "- The two-stage lists re-rank retrieval's candidates and up to 10 title candidates a "
-        "known user: the items of the known rows whose titles are most like those of the "
+        "known user: the items of the training rows whose titles are most like those of the "
         "user's latest items; 1.2% of the items served to the known users checked are title "
         "candidates."]
     assert title_candidates_sentence({"two_stage": {"title_candidates": 10}})[0].endswith(
@@ -261,8 +261,8 @@ def test_the_ranking_section_says_what_orders_the_auc(task, rated_by, scores):
                                                  "loss_before": 2.0, "loss_after": 1.9}
     assert ranking_section(report)[3].endswith(
         f"by the ranker's {scores}{' as balanced below' if task == 'listwise' else ''}: 0.679; "
-        "0.812 over the 1,573 held-out items among the 100 candidates of their list, the lists "
-        "it re-orders when served (a held-out item the candidates miss is never served, "
+        "0.812 over the 1,573 held-out items among the up to 100 candidates of their list, the "
+        "lists it re-orders when served (a held-out item the candidates miss is never served, "
         "whatever its score).")
     report["ranking"]["test"]["rmse"] = None
     assert ranking_section(report)[3].startswith(
