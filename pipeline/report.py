@@ -396,8 +396,8 @@ def ranking_section(report: dict) -> list[str]:
     retrieved = ("" if ranking.get("auc_retrieved") is None else
                  f"; {ranking['auc_retrieved']:.3f} over the {ranking['retrieved_rows']:,} "
                  f"held-out items among the up to {ranking['retrieved_among']} candidates of "
-                 "their list, the lists it re-orders when served (a held-out item the candidates miss "
-                 "is never served, whatever its score)")
+                 "their list, the lists it re-orders when served (a held-out item the "
+                 "candidates miss is never served, whatever its score)")
     return ["", "## Ranking on its own", "",
             (f"The ranker: {model.upper()}, trained on the {report['ranking']['task']} task. "
              if model else "")

@@ -37,7 +37,7 @@ class ComposedRecommender(tf.Module):
             candidates = self.ranking.signatures["candidates"](
                 user_id=user_id, item_ids=candidates)["item_ids"]
         scores = self.ranking.signatures["serving_default"](
-            user_id=user_id, item_ids=candidates)["scores"]                          # [b, k]
+            user_id=user_id, item_ids=candidates)["scores"]                      # [b, k + E]
         n = tf.minimum(self.top_n, tf.shape(scores)[1])
         best, order = tf.math.top_k(scores, k=n)                                     # [b, n]
         return {"item_ids": tf.gather(candidates, order, batch_dims=1), "scores": best}
