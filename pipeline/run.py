@@ -363,6 +363,7 @@ class Run:
                            if name != "retrieval_scann" or
                            list_versions(self.export_dir("retrieval_scann"))}
                 ranking_gap = self.ranking_export_gap(rest, rows[:64])
+                self.check_added_candidates(grpc, rows)
                 sample = ids[:8]
                 client_side = Recommender(grpc).recommend(sample, n=self.configs.run.top_n)
         finally:
@@ -453,30 +454,42 @@ class Run:
         return served.Offline(ranks=served.beyond_list_missed(ranks, self.configs.run.top_n),
                               target_scores=target_scores)
 
+    def test_lists(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(user ids [r], candidate ids [r, C], "" for an empty slot) of the test `rows`
+        (positions): what the served two-stage lists re-order."""
+        candidates = self.test_candidates[rows]
+        return (self.log.user_ids[self.log.user[self.parts.test][rows]],
+                np.where(candidates == EMPTY_SLOT, "", self.log.item_ids[candidates]))
+
     def ranking_export_gap(self, client: Client, rows: np.ndarray) -> float:
         """Largest absolute difference between the served ranking's and the Keras ranker's
-        scores of the test candidates, for the test `rows` (positions).
-
-        Raises:
-            ServedMismatch: the export's `candidates` signature, given retrieval's candidates of
-                those rows, adds other title candidates than the offline lists hold.
-        """
+        scores of the test candidates, for the test `rows` (positions)."""
         if not len(rows):
             return 0.0
         keras = ranking.score_lists(self.ranking_model, self.inputs, self.signals, "test",
                                     self.test_candidates)[rows]
-        users = self.log.user_ids[self.log.user[self.parts.test][rows]]
-        candidates = self.test_candidates[rows]
-        items = np.where(candidates == EMPTY_SLOT, "", self.log.item_ids[candidates])
-        added = served.strings(client.predict(
-            "ranking", {"user_id": users, "item_ids": items[:, :self.configs.run.candidates]},
-            signature_name="candidates")["item_ids"])
-        if not np.array_equal(added, items):
-            raise served.ServedMismatch(
-                "ranking: the export's candidates signature adds other title candidates than "
-                "the offline evaluation's lists hold")
+        users, items = self.test_lists(rows)
         answer = client.predict("ranking", {"user_id": users, "item_ids": items})["scores"]
         return float(np.abs(answer - keras).max())
+
+    def check_added_candidates(self, client: Client, rows: np.ndarray) -> None:
+        """Asks the ranking export's `candidates` signature, `served.REQUEST_USERS` rows at a
+        time, to add its title candidates to retrieval's candidates of the test `rows`.
+
+        Raises:
+            ServedMismatch: it answers other lists than the offline evaluation re-orders.
+        """
+        if not self.title_candidates_per_user():
+            return
+        for start in range(0, len(rows), served.REQUEST_USERS):
+            users, items = self.test_lists(rows[start:start + served.REQUEST_USERS])
+            added = served.strings(client.predict(
+                "ranking", {"user_id": users, "item_ids": items[:, :self.configs.run.candidates]},
+                signature_name="candidates")["item_ids"])
+            if not np.array_equal(added, items):
+                raise served.ServedMismatch(
+                    "ranking: the export's candidates signature adds other title candidates "
+                    "than the offline evaluation's lists hold")
 
     def examples(self) -> dict:
         """`EXAMPLE_USERS` test users drawn with seed 0, each with their last items as the
