@@ -57,18 +57,10 @@ def neighbor_arrays(matrix: sp.csr_matrix) -> tuple[np.ndarray, np.ndarray]:
     return codes, values
 
 
-def held_in_rows(held: tf.Tensor, codes: tf.Tensor) -> tf.Tensor:
-    """[b, M] bool: whether each of `codes` [b, M] is among its row's `held` [b, n] codes."""
-    held = tf.concat([tf.fill([tf.shape(held)[0], 1], tf.constant(-2, tf.int64)),
-                      tf.sort(held, axis=1)], axis=1)              # [b, n + 1], never empty
-    at = tf.minimum(tf.searchsorted(held, codes), tf.shape(held)[1] - 1)           # [b, M]
-    return tf.gather(held, at, batch_dims=1) == codes
-
-
-def seen_in_rows(rows: tf.Tensor, items: tf.Tensor, codes: tf.Tensor, num_items: int
-                 ) -> tf.Tensor:
-    """[b, M] bool: whether each of `codes` [b, M] (>= 0) is among its row's seen items, given
-    as (batch row [s], item code [s]) pairs."""
+def in_rows(rows: tf.Tensor, items: tf.Tensor, codes: tf.Tensor, num_items: int) -> tf.Tensor:
+    """[b, M] bool: whether each of `codes` [b, M] (>= 0) is among its row's items, given as
+    (batch row [s], item code [s] >= 0) pairs; memory grows with s, not with b times a row's
+    most."""
     keys = tf.concat([[-1], tf.sort(rows * num_items + items)], axis=0)           # [s + 1]
     wanted = tf.range(tf.shape(codes, out_type=tf.int64)[0])[:, None] * num_items + codes
     at = tf.searchsorted(keys[None, :], tf.reshape(wanted, [1, -1]))[0]             # [b * M]
@@ -150,11 +142,14 @@ class RankingModule(tf.Module):
         values = tf.gather(values, by_code, batch_dims=1)
         repeated = tf.concat([tf.zeros([batch, 1], tf.bool),
                               similar[:, 1:] == similar[:, :-1]], axis=1)               # [b, M]
-        usable = (similar >= 0) & ~repeated & known[:, None] & ~held_in_rows(
-            self.item_codes.lookup(item_ids), similar)
-        if self.exclude_seen:
-            codes, _ = self.users.codes(user_id)
-            usable &= ~seen_in_rows(*self.users.seen(codes), similar, self.num_items)
+        given = self.item_codes.lookup(item_ids)                                    # [b, n]
+        listed = tf.where(given >= 0)                          # [s, 2] (row, slot) of known ids
+        rows, items = listed[:, 0], tf.gather_nd(given, listed)
+        if self.exclude_seen:                                  # and the users' seen items
+            seen_rows, seen_items = self.users.seen(self.users.codes(user_id)[0])
+            rows, items = tf.concat([rows, seen_rows], 0), tf.concat([items, seen_items], 0)
+        usable = (similar >= 0) & ~repeated & known[:, None] & ~in_rows(
+            rows, items, similar, self.num_items)
         width = min(self.title_candidates, self.similar_width)
         best, slot = tf.math.top_k(tf.where(usable, values, -1.0), k=width)            # [b, E']
         found = tf.where(best > 0, tf.gather(similar, slot, batch_dims=1), self.num_items)
