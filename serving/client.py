@@ -59,11 +59,17 @@ class Client:
         split into parts sends every part after the first to the version that answered the
         first, so a hot swap meanwhile never joins two versions' answers (a request for the
         latest version whose first answer's version is retired meanwhile starts over once)."""
+        return self.predict_version(model, inputs, signature_name, version)[0]
+
+    def predict_version(self, model: str, inputs: dict[str, np.ndarray],
+                        signature_name: str = DEFAULT_SIGNATURE, version: int | None = None
+                        ) -> tuple[dict[str, np.ndarray], int | None]:
+        """`predict`, and the version that answered (None when the server does not say), to
+        send a dependent request to the same version."""
         inputs = {name: np.asarray(value) for name, value in inputs.items()}
         rows = {len(value) if value.ndim else None for value in inputs.values()}
         if len(rows) != 1 or None in rows or rows.pop() <= self.max_rows_per_request:
-            return self._retry(self.transport.predict, model, inputs, signature_name,
-                               version)[0]
+            return self._retry(self.transport.predict, model, inputs, signature_name, version)
         for attempt in range(1 if version is not None else 2):
             try:
                 return self._in_parts(model, inputs, signature_name, version)
@@ -72,8 +78,8 @@ class Client:
                     raise
 
     def _in_parts(self, model: str, inputs: dict[str, np.ndarray], signature_name: str,
-                  version: int | None) -> dict[str, np.ndarray]:
-        """`predict` in requests of `max_rows_per_request` rows, all to one version."""
+                  version: int | None) -> tuple[dict[str, np.ndarray], int | None]:
+        """`predict_version` in requests of `max_rows_per_request` rows, all to one version."""
         size, parts = self.max_rows_per_request, []
         for start in range(0, len(next(iter(inputs.values()))), size):
             part, version = self._retry(self.transport.predict, model,
@@ -81,7 +87,8 @@ class Client:
                                          for name, value in inputs.items()},
                                         signature_name, version)
             parts.append(part)
-        return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
+        return ({name: np.concatenate([part[name] for part in parts]) for name in parts[0]},
+                version)
 
     def status(self, model: str, version: int | None = None
                ) -> get_model_status_pb2.GetModelStatusResponse:

@@ -74,29 +74,45 @@ class Recommender:
         users = _as_bytes(user_ids)
         if seen is not None and len(seen) != len(users):
             raise ValueError(f"seen has {len(seen)} rows for {len(users)} users")
-        candidates = self.client.predict(self.retrieval_model, {"user_id": users})["item_ids"]
+        retrieved = self.client.predict(self.retrieval_model, {"user_id": users})["item_ids"]
         if not len(users):               # JSON could not carry the [0, k] candidates
-            scores = np.zeros(candidates.shape, np.float32)
+            candidates, scores = retrieved, np.zeros(retrieved.shape, np.float32)
         else:
-            candidates = self.added_candidates(users, candidates)
-            scores = self.client.predict(self.ranking_model,
-                                         {"user_id": users, "item_ids": candidates})["scores"]
+            candidates, scores = self.ranked(users, retrieved)
         if seen is not None:
             scores = np.where(_seen_mask(candidates, seen), -np.inf, scores).astype(np.float32)
         return dict(zip(("item_ids", "scores"), top_n(candidates, scores, n)))
 
-    def added_candidates(self, users: np.ndarray, candidates: np.ndarray) -> np.ndarray:
-        """[b, k + E] retrieval's candidates [b, k] and the ranking model's own (its `candidates`
-        signature: title candidates), or retrieval's alone from a ranking model without that
-        signature (tworec's before it had one, or another ranking model)."""
+    def ranked(self, users: np.ndarray, retrieved: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(candidates [b, k + E], scores [b, k + E]): retrieval's candidates [b, k] with the
+        ranking model's own (`added_candidates`), scored by the version that added them (a
+        hot swap between the two requests never joins two versions' answers; one retired
+        meanwhile starts the pair over once)."""
+        for attempt in range(2):
+            candidates, version = self.added_candidates(users, retrieved)
+            try:
+                return candidates, self.client.predict(
+                    self.ranking_model, {"user_id": users, "item_ids": candidates},
+                    version=version)["scores"]
+            except ServingError as error:
+                if version is None or error.code != "NOT_FOUND" or attempt == 1:
+                    raise
+
+    def added_candidates(self, users: np.ndarray, candidates: np.ndarray
+                         ) -> tuple[np.ndarray, int | None]:
+        """([b, k + E] retrieval's candidates [b, k] and the ranking model's own (its
+        `candidates` signature: title candidates), the version that answered), or retrieval's
+        alone and None from a ranking model without that signature (tworec's before it had
+        one, or another ranking model)."""
         try:
-            return self.client.predict(self.ranking_model,
-                                       {"user_id": users, "item_ids": candidates},
-                                       signature_name="candidates")["item_ids"]
+            answer, version = self.client.predict_version(
+                self.ranking_model, {"user_id": users, "item_ids": candidates},
+                signature_name="candidates")
+            return answer["item_ids"], version
         except ServingError as error:
             if error.code != "FAILED_PRECONDITION":        # not a missing signature
                 raise
-            return candidates
+            return candidates, None
 
     def known_users(self, user_ids: Sequence[str] | np.ndarray) -> np.ndarray | None:
         """[b] bool: whether the retrieval model was fit on rows of each user (the others get

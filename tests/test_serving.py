@@ -900,8 +900,54 @@ class InProcess:
     def __init__(self, models: dict):
         self.models = models
 
-    def predict(self, model, inputs, signature_name=""):
+    def predict(self, model, inputs, signature_name="", version=None):
         return self.models[model].run(inputs, signature_name=signature_name)
+
+    def predict_version(self, model, inputs, signature_name="", version=None):
+        return self.predict(model, inputs, signature_name), None
+
+
+class SwappedAfterCandidates:
+    """A `Client` stand-in whose ranking model's version 2 arrives right after version 1 has
+    answered a `candidates` request (retiring version 1 when `retire`). Version v adds the
+    item f"v{v}" and scores a list's slots v, 2v, 3v, ... from the last."""
+
+    def __init__(self, retire: bool):
+        self.retire, self.latest, self.asked = retire, 1, []
+
+    def predict(self, model, inputs, signature_name="serving_default", version=None):
+        return self.predict_version(model, inputs, signature_name, version)[0]
+
+    def predict_version(self, model, inputs, signature_name="serving_default", version=None):
+        self.asked.append((model, signature_name, version))
+        users = np.asarray(inputs["user_id"])
+        if model == "retrieval":
+            return {"item_ids": np.array([[b"a", b"b"]] * len(users), dtype=object)}, 7
+        number = self.latest if version is None else version
+        if number == 1 and self.latest == 2 and self.retire:
+            raise ServingError("NOT_FOUND", "Servable not found for request: Specific(ranking, 1)")
+        items = np.asarray(inputs["item_ids"])
+        if signature_name == "candidates":
+            self.latest = 2
+            added = np.full((len(users), 1), f"v{number}".encode(), dtype=object)
+            return {"item_ids": np.concatenate([items, added], axis=1)}, number
+        width = items.shape[1]
+        return {"scores": np.tile(number * np.arange(width, 0, -1, dtype=np.float32),
+                                  (len(users), 1))}, number
+
+
+@pytest.mark.parametrize("retire", [False, True])
+def test_recommender_scores_with_the_version_that_added_the_candidates(retire):
+    """A hot swap between the `candidates` and the scoring request never joins two versions'
+    answers: the scores come from the version that added the candidates, and when that version
+    is retired meanwhile the pair starts over on the new one."""
+    client = SwappedAfterCandidates(retire)
+    answer = Recommender(client).recommend(["u1", "u2"], n=3)
+    version = 2 if retire else 1
+    assert answer["item_ids"].tolist() == [[b"a", b"b", f"v{version}".encode()]] * 2
+    assert answer["scores"].tolist() == [[3.0 * version, 2.0 * version, version]] * 2
+    assert client.asked[-2:] == [("ranking", "candidates", None),
+                                 ("ranking", "serving_default", version)]
 
 
 def test_recommender_and_composed_model_rank_the_ranking_models_added_candidates(model_dir,
