@@ -213,7 +213,7 @@ def export(model: RankingModel, data: ModelInputs, signals: RankingSignals, base
     """Writes a new version of the ranking SavedModel under `base_path`; returns its folder.
 
     With `warmup` ({"user_id": [w], "item_ids": [w, n]} strings) the version carries TF
-    Serving warmup requests.
+    Serving warmup requests of both signatures.
     """
     module = RankingModule(model, data, signals)
 
@@ -223,5 +223,6 @@ def export(model: RankingModel, data: ModelInputs, signals: RankingSignals, base
         write_state(path, data)
         if warmup is not None:
             write_warmup_requests(path, os.path.basename(os.path.normpath(base_path)),
-                                  {k: np.asarray(v, dtype=object) for k, v in warmup.items()})
+                                  {k: np.asarray(v, dtype=object) for k, v in warmup.items()},
+                                  ("serving_default", "candidates"))
     return write_version(base_path, write, version=version)

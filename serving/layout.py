@@ -90,15 +90,16 @@ WARMUP_FILE = os.path.join("assets.extra", "tf_serving_warmup_requests")
 
 
 def write_warmup_requests(saved_model_dir: str, model_name: str, inputs: dict,
-                          signature_name: str = "serving_default") -> str:
-    """Writes `assets.extra/tf_serving_warmup_requests`: one `PredictionLog` per row of `inputs`.
+                          signature_names: tuple[str, ...] = ("serving_default",)) -> str:
+    """Writes `assets.extra/tf_serving_warmup_requests`: one `PredictionLog` per row of `inputs`
+    and signature.
 
     Args:
         saved_model_dir: a SavedModel folder (a version folder, or its staging folder).
         model_name: the name the model is served under.
         inputs: signature input name -> array [batch, ...]; each row becomes one request of
-            batch 1, at most 1000 rows (TF Serving's limit).
-        signature_name: the signature the requests call.
+            batch 1 to each signature, at most 1000 requests in all (TF Serving's limit).
+        signature_names: the signatures the requests call, each with the same inputs.
 
     Returns:
         The path of the warmup file.
@@ -108,15 +109,16 @@ def write_warmup_requests(saved_model_dir: str, model_name: str, inputs: dict,
 
     path = os.path.join(saved_model_dir, WARMUP_FILE)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    rows = min(len(next(iter(inputs.values()))), MAX_WARMUP_RECORDS)
+    rows = min(len(next(iter(inputs.values()))), MAX_WARMUP_RECORDS // len(signature_names))
     with tf.io.TFRecordWriter(path) as writer:
         for row in range(rows):
-            request = predict_pb2.PredictRequest()
-            request.model_spec.name = model_name
-            request.model_spec.signature_name = signature_name
-            for name, values in inputs.items():
-                request.inputs[name].CopyFrom(tf.make_tensor_proto(values[row:row + 1]))
-            log = prediction_log_pb2.PredictionLog(
-                predict_log=prediction_log_pb2.PredictLog(request=request))
-            writer.write(log.SerializeToString())
+            for signature_name in signature_names:
+                request = predict_pb2.PredictRequest()
+                request.model_spec.name = model_name
+                request.model_spec.signature_name = signature_name
+                for name, values in inputs.items():
+                    request.inputs[name].CopyFrom(tf.make_tensor_proto(values[row:row + 1]))
+                log = prediction_log_pb2.PredictionLog(
+                    predict_log=prediction_log_pb2.PredictLog(request=request))
+                writer.write(log.SerializeToString())
     return path

@@ -128,6 +128,7 @@ def test_models_beat_popularity_on_the_planted_structure(run):
 def test_every_export_loads_and_answers(run):
     out, report = run
     import tensorflow as tf
+    from tensorflow_serving.apis import prediction_log_pb2
     import tworec.serving  # noqa: F401  (registers ScaNN's ops for retrieval_scann)
     from tworec.serving.model import register_custom_ops
     register_custom_ops()
@@ -147,7 +148,12 @@ def test_every_export_loads_and_answers(run):
             assert embedding.shape == (1, 32), name
         if name == "ranking":                  # the held-out popularity signals are served
             assert "period_popularity" in op_scopes(path)
-        assert os.path.exists(os.path.join(path, "assets.extra", "tf_serving_warmup_requests"))
+        warmup = os.path.join(path, "assets.extra", "tf_serving_warmup_requests")
+        signatures = {prediction_log_pb2.PredictionLog.FromString(record).predict_log.request
+                      .model_spec.signature_name
+                      for record in tf.compat.v1.io.tf_record_iterator(warmup)}
+        assert signatures == ({"serving_default", "candidates"} if name == "ranking"
+                              else {"serving_default"}), name
         assert os.stat(path).st_mode & 0o005 == 0o005, "a non-root server cannot read " + path
     # A user the exports do not know gets the popular order from every model, the composed
     # recommender included (it must not re-rank the popular list).

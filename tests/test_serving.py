@@ -30,7 +30,7 @@ import tensorflow as tf
 from google.protobuf import text_format
 from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2,
                                      get_model_status_pb2, model_management_pb2,
-                                     model_service_pb2_grpc, predict_pb2,
+                                     model_service_pb2_grpc, predict_pb2, prediction_log_pb2,
                                      prediction_service_pb2_grpc, regression_pb2)
 from tensorflow_serving.config import model_server_config_pb2
 
@@ -330,6 +330,35 @@ def test_warmup_runs_at_load_and_a_failing_one_fails_the_load(tmp_path):
     write_warmup_requests(bad, "bad", {"z": np.arange(3, dtype=np.float32)})
     with pytest.raises(ServingError, match="Sent extra: {z}"):
         LoadedModel(bad)
+
+
+class Bounded(Scale):
+    """`Scale`, and a "bounded" signature that fails on an x of 2 or more."""
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32, name="x")])
+    def bounded(self, x):
+        with tf.control_dependencies([tf.debugging.assert_less(x, 2.0)]):
+            return {"y": tf.identity(x)}
+
+
+def test_warmup_requests_call_every_signature_given_within_the_record_limit(tmp_path):
+    """Each row warms every given signature (the second one's failure fails the load), and
+    rows are cut so that the records stay within TF Serving's 1000."""
+    module = Bounded(2.0)
+    path = write_version(str(tmp_path / "bounded"), lambda out: tf.saved_model.save(
+        module, out, signatures={"serving_default": module.serve, "bounded": module.bounded}))
+    rows = {"x": np.arange(3, dtype=np.float32)}
+    write_warmup_requests(path, "bounded", rows)
+    LoadedModel(path).close()
+    write_warmup_requests(path, "bounded", rows, ("serving_default", "bounded"))
+    with pytest.raises(ServingError, match="Condition x < y did not hold"):
+        LoadedModel(path)
+    many = write_warmup_requests(path, "bounded", {"x": np.zeros(600, np.float32)},
+                                 ("serving_default", "bounded"))
+    names = [prediction_log_pb2.PredictionLog.FromString(record).predict_log.request
+             .model_spec.signature_name for record in tf.compat.v1.io.tf_record_iterator(many)]
+    assert names == ["serving_default", "bounded"] * 500
+    LoadedModel(path).close()
 
 
 # ------------------------------------------------------------------ REST conformance
