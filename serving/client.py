@@ -64,17 +64,25 @@ class Client:
     def predict_version(self, model: str, inputs: dict[str, np.ndarray],
                         signature_name: str = DEFAULT_SIGNATURE, version: int | None = None
                         ) -> tuple[dict[str, np.ndarray], int | None]:
-        """`predict`, and the version that answered (None when the server does not say), to
-        send a dependent request to the same version."""
+        """`predict`, and the version that answered, to send a dependent request to the same
+        version.
+
+        Args:
+            model, inputs, signature_name, version: as `predict`'s.
+
+        Returns:
+            (outputs name -> [batch, ...], the version that answered: an int, or None when the
+            server does not say).
+        """
         inputs = {name: np.asarray(value) for name, value in inputs.items()}
         rows = {len(value) if value.ndim else None for value in inputs.values()}
         if len(rows) != 1 or None in rows or rows.pop() <= self.max_rows_per_request:
             return self._retry(self.transport.predict, model, inputs, signature_name, version)
-        for attempt in range(1 if version is not None else 2):
+        for attempt in range(2):
             try:
                 return self._in_parts(model, inputs, signature_name, version)
             except ServingError as error:
-                if error.code != "NOT_FOUND" or attempt == 1:
+                if version is not None or error.code != "NOT_FOUND" or attempt == 1:
                     raise
 
     def _in_parts(self, model: str, inputs: dict[str, np.ndarray], signature_name: str,

@@ -41,7 +41,8 @@ class Recommender:
     """Retrieval, then ranking of the retrieved candidates, then top-N, over one client.
 
     Args:
-        client: any transport; real TF Serving works too.
+        client: a `Client` (over real TF Serving too), or a stand-in with its `predict` and
+            `predict_version`.
         retrieval_model: the served name of the retrieval model.
         ranking_model: the served name of the ranking model.
     """
@@ -87,7 +88,8 @@ class Recommender:
         """(candidates [b, k + E], scores [b, k + E]): retrieval's candidates [b, k] with the
         ranking model's own (`added_candidates`), scored by the version that added them (a
         hot swap between the two requests never joins two versions' answers; one retired
-        meanwhile starts the pair over once)."""
+        meanwhile starts the pair over once), or by the latest version when the ranking model
+        has no `candidates` signature."""
         for attempt in range(2):
             candidates, version = self.added_candidates(users, retrieved)
             try:

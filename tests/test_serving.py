@@ -350,6 +350,9 @@ def test_warmup_requests_call_every_signature_given_within_the_record_limit(tmp_
     rows = {"x": np.arange(3, dtype=np.float32)}
     write_warmup_requests(path, "bounded", rows)
     LoadedModel(path).close()
+    for wrong in ("bounded", ()):                # a bare name; none
+        with pytest.raises(ValueError, match="signature_names must be a tuple"):
+            write_warmup_requests(path, "bounded", rows, wrong)
     write_warmup_requests(path, "bounded", rows, ("serving_default", "bounded"))
     with pytest.raises(ServingError, match="Condition x < y did not hold"):
         LoadedModel(path)
@@ -817,6 +820,9 @@ def test_client_predict_status_metadata(client, local):
     assert outputs["scores"].dtype == np.float32
     np.testing.assert_allclose(outputs["scores"], expected["scores"], rtol=1e-6)
     assert client.predict("scale", {"x": np.array([2.0], np.float32)}, version=1)["y"] == [6.0]
+    for version in (1, None):                   # the version that answered, as the server says
+        assert client.predict_version("scale", {"x": np.array([2.0], np.float32)},
+                                      version=version)[1] == 1
     assert client.status("scale").model_version_status[0].version == 1
     assert "serving_default" in client.metadata("scale", version=1).signature_def
     with pytest.raises(ServingError) as error:
@@ -1626,6 +1632,16 @@ class SwappingTransport:
 def test_a_split_request_is_answered_by_one_version(retire, asked, factor):
     client = Client(url="http://127.0.0.1:1", max_rows_per_request=2)
     client.transport = SwappingTransport(retire)
-    answer = client.predict("m", {"x": np.arange(5.0)})["y"]
-    assert answer.tolist() == (np.arange(5.0) * factor).tolist()
+    answer, version = client.predict_version("m", {"x": np.arange(5.0)})
+    assert answer["y"].tolist() == (np.arange(5.0) * factor).tolist() and version == factor
     assert client.transport.asked == asked
+
+
+def test_a_split_request_to_a_version_retired_meanwhile_fails():
+    """A request for one version is not sent to another: its retirement between the parts is
+    NOT_FOUND (so a dependent request, as the Recommender's scoring, can start over)."""
+    client = Client(url="http://127.0.0.1:1", max_rows_per_request=2)
+    client.transport = SwappingTransport(retire=True)
+    with pytest.raises(ServingError) as error:
+        client.predict("m", {"x": np.arange(5.0)}, version=1)
+    assert error.value.code == "NOT_FOUND" and client.transport.asked == [1, 1]
