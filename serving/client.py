@@ -58,7 +58,8 @@ class Client:
         """Runs a signature; inputs and outputs are name -> array [batch, ...]. A request
         split into parts sends every part after the first to the version that answered the
         first, so a hot swap meanwhile never joins two versions' answers (a request for the
-        latest version whose first answer's version is retired meanwhile starts over once)."""
+        latest version whose first answer's version is retired meanwhile starts over once; a
+        request for a given version retired meanwhile is NOT_FOUND)."""
         return self.predict_version(model, inputs, signature_name, version)[0]
 
     def predict_version(self, model: str, inputs: dict[str, np.ndarray],

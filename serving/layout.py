@@ -104,7 +104,8 @@ def write_warmup_requests(saved_model_dir: str, model_name: str, inputs: dict,
     Returns:
         The path of the warmup file.
     """
-    if isinstance(signature_names, str) or not 0 < len(signature_names) <= MAX_WARMUP_RECORDS:
+    if isinstance(signature_names, (str, bytes)) or \
+            not 0 < len(signature_names) <= MAX_WARMUP_RECORDS:
         raise ValueError(f"signature_names must be a tuple of 1 to {MAX_WARMUP_RECORDS} "
                          f"signature names, got {signature_names!r}")
     import tensorflow as tf

@@ -350,7 +350,7 @@ def test_warmup_requests_call_every_signature_given_within_the_record_limit(tmp_
     rows = {"x": np.arange(3, dtype=np.float32)}
     write_warmup_requests(path, "bounded", rows)
     LoadedModel(path).close()
-    for wrong in ("bounded", ()):                # a bare name; none
+    for wrong in ("bounded", b"bounded", (), ("serving_default",) * 1001):
         with pytest.raises(ValueError, match="signature_names must be a tuple"):
             write_warmup_requests(path, "bounded", rows, wrong)
     write_warmup_requests(path, "bounded", rows, ("serving_default", "bounded"))
@@ -820,9 +820,9 @@ def test_client_predict_status_metadata(client, local):
     assert outputs["scores"].dtype == np.float32
     np.testing.assert_allclose(outputs["scores"], expected["scores"], rtol=1e-6)
     assert client.predict("scale", {"x": np.array([2.0], np.float32)}, version=1)["y"] == [6.0]
-    for version in (1, None):                   # the version that answered, as the server says
-        assert client.predict_version("scale", {"x": np.array([2.0], np.float32)},
-                                      version=version)[1] == 1
+    for version in (1, None):         # the one asked for, or the latest (REST looks it up,
+        assert client.predict_version("scale", {"x": np.array([2.0], np.float32)},  # gRPC's
+                                      version=version)[1] == 1                  # answer says)
     assert client.status("scale").model_version_status[0].version == 1
     assert "serving_default" in client.metadata("scale", version=1).signature_def
     with pytest.raises(ServingError) as error:
