@@ -18,6 +18,7 @@ import os
 import shutil
 import threading
 import time
+import types
 from fractions import Fraction
 
 import grpc
@@ -983,6 +984,16 @@ def test_recommender_scores_with_the_version_that_added_the_candidates(retire):
     assert answer["scores"].tolist() == [[3.0 * version, 2.0 * version, version]] * 2
     assert client.asked[-2:] == [("ranking", "candidates", None),
                                  ("ranking", "serving_default", version)]
+    # Over a real Client whose requests go a row at a time: the swap now comes between the
+    # parts of the candidates request (its second part asks version 1 again).
+    transport = SwappedAfterCandidates(retire)
+    client = Client(url="http://127.0.0.1:1", max_rows_per_request=1)
+    client.transport = types.SimpleNamespace(predict=transport.predict_version)
+    assert {name: value.tolist() for name, value in Recommender(client).recommend(
+        ["u1", "u2"], n=3).items()} == {name: value.tolist() for name, value in answer.items()}
+    candidates = [asked for asked in transport.asked if asked[1] == "candidates"]
+    assert candidates == [("ranking", "candidates", None), ("ranking", "candidates", 1)] + \
+        ([("ranking", "candidates", None), ("ranking", "candidates", 2)] if retire else [])
 
 
 def test_recommender_and_composed_model_rank_the_ranking_models_added_candidates(model_dir,
