@@ -19,8 +19,8 @@ import time
 import numpy as np
 
 from tworec.console import one_line
-from tworec.evaluation import (EvalSet, baseline_ranks, cold_start_window, eval_set, evaluate_ranks,
-                               rank_metrics)
+from tworec.evaluation import (EvalSet, baseline_ranks, cold_start_window, eval_set,
+                               evaluate_ranks, rank_metrics)
 from tworec.evaluation.metrics import paired_bootstrap, row_metrics
 from tworec.features import Interactions, Split, split
 from tworec.features.history import latest_history
@@ -445,8 +445,8 @@ class Run:
     def offline_two_stage(self) -> served.Offline:
         """Every test row's position in its candidates (`served_candidates`) re-ranked by the
         ranker (ties keep the candidates' order, as served), and the ranker's score there; a
-        target missing
-        from the candidates or past the `top_n` items served is a miss at every K."""
+        target missing from the candidates or past the `top_n` items served is a miss at every
+        K."""
         scores = ranking.score_lists(self.ranking_model, self.inputs, self.signals, "test",
                                      self.test_candidates)                        # [m, C]
         ranks, target_scores = ranking.reranked_ranks(scores, self.test_candidates,
