@@ -1155,7 +1155,9 @@ def test_a_broken_version_no_longer_wanted_stops_retrying_and_the_next_one_loads
         _wait_for(lambda: _states(manager, "scale") == {2: "LOADING", 1: "AVAILABLE"})
         time.sleep(0.5)                                                # retrying, 60 s apart
         shutil.rmtree(os.path.join(base, "2"))
-        shutil.copytree(os.path.join(base, "1"), os.path.join(base, "3"))
+        staging = str(tmp_path / "staging")           # written whole, then renamed into place
+        shutil.copytree(os.path.join(base, "1"), staging)  # (as exports are): a poll never
+        os.rename(staging, os.path.join(base, "3"))        # sees a half-copied version 3
         start = time.monotonic()
         _wait_for(lambda: _states(manager, "scale").get(3) == "AVAILABLE", seconds=20)
         assert time.monotonic() - start < 10
