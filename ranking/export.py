@@ -146,7 +146,7 @@ class RankingModule(tf.Module):
         listed = tf.where(given >= 0)                          # [s, 2] (row, slot) of known ids
         rows, items = listed[:, 0], tf.gather_nd(given, listed)
         if self.exclude_seen:                                  # and the users' seen items
-            seen_rows, seen_items = self.users.seen(self.users.codes(user_id)[0])
+            seen_rows, seen_items = self.users.seen(*self.users.codes(user_id))
             rows, items = tf.concat([rows, seen_rows], 0), tf.concat([items, seen_items], 0)
         usable = (similar >= 0) & ~repeated & known[:, None] & ~in_rows(
             rows, items, similar, self.num_items)

@@ -153,8 +153,7 @@ class RetrievalModule(tf.Module):
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="user_id")])
     def serve(self, user_id):
         features, known = self.users(user_id)
-        codes, _ = self.users.codes(user_id)
-        excluded = self.users.seen(codes) if self.exclude_seen else None
+        excluded = self.users.seen(*self.users.codes(user_id)) if self.exclude_seen else None
         return self._top_k(features, known, excluded)
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="user_id"),

@@ -669,6 +669,21 @@ def test_users_the_export_does_not_know_get_the_popular_items(trained, tmp_path)
     np.testing.assert_allclose(answer["scores"][0], recent[popular] / round(0.1 * len(fit)))
 
 
+def test_the_seen_items_of_an_unknown_user_are_not_gathered(trained):
+    """An unknown id reads user code 0 (`UserInputs.codes`), whose seen items must not come
+    with it: a request of many unknown users would hold that user's seen items once each."""
+    from tworec.features.layers import UserInputs
+    _, _, _, data, _ = trained
+    users = UserInputs(data)
+    assert data.known[0] and data.seen[0].nnz > 0
+    first = data.interactions.user_ids[0]
+    rows, items = users.seen(*users.codes(tf.constant(["nobody", first, "also-nobody", first])))
+    seen = np.sort(data.seen[0].indices)
+    assert rows.numpy().tolist() == [1] * len(seen) + [3] * len(seen)
+    np.testing.assert_array_equal(np.sort(items.numpy()[:len(seen)]), seen)
+    np.testing.assert_array_equal(np.sort(items.numpy()[len(seen):]), seen)
+
+
 def test_an_export_knows_the_fit_rows_and_never_the_test_rows(trained, tmp_path):
     """The baked state: each test user's latest items are their training and validation rows
     (the test item is not among them unless seen before), seen items likewise."""
