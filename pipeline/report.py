@@ -534,9 +534,12 @@ def served_section(report: dict) -> list[str]:
                + (" (the others get the same popular list from both)"
                   if scann["share_users"] < serving["users"] else "")
                if "share_users" in scann else "") + "."]
-    return lines + approximate + [
-        "", f"The ranking export's scores differ from the Keras ranker's by at most "
-            f"{serving['ranking_export_max_abs_diff']:.1e}."]
+    gap = serving["ranking_export_max_abs_diff"]
+    ranking = (f"The ranking export's scores differ from the Keras ranker's by at most {gap:.1e}."
+               if gap is not None else
+               "The ranking export's scores and added candidates were not compared with the "
+               "Keras ranker's and the offline lists: nothing is held out to give them lists.")
+    return lines + approximate + ["", ranking]
 
 
 def examples_section(report: dict) -> list[str]:

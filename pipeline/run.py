@@ -343,7 +343,7 @@ class Run:
         and gRPC disagree, when a served list holds a seen item, or when the ranking export
         adds or scores the candidates otherwise than the offline lists and the Keras ranker.
         Without a test part (split `none`) it asks for the users the exports know, with the
-        same checks but metrics."""
+        same checks except metrics and those of the ranking export, which need test lists."""
         users = self.checked_users() if self.evaluating else \
             np.flatnonzero(self.inputs.known)[:self.configs.run.checked_users]
         ids = self.log.user_ids[users]
@@ -400,7 +400,7 @@ class Run:
                 result["served"][name].update(
                     served.scored(per_row, targets) if name == "retrieval_scann" else
                     served.compare(name, per_row, offline[name], targets))
-        if ranking_gap > 1e-4:
+        if ranking_gap is not None and ranking_gap > 1e-4:
             raise served.ServedMismatch(f"ranking: the export's scores differ from the Keras "
                                         f"ranker's by up to {ranking_gap:.2e}")
         known = self.inputs.known[users]
@@ -461,11 +461,12 @@ class Run:
         return (self.log.user_ids[self.log.user[self.parts.test][rows]],
                 np.where(candidates == EMPTY_SLOT, "", self.log.item_ids[candidates]))
 
-    def ranking_export_gap(self, client: Client, rows: np.ndarray) -> float:
+    def ranking_export_gap(self, client: Client, rows: np.ndarray) -> float | None:
         """Largest absolute difference between the served ranking's and the Keras ranker's
-        scores of the test candidates, for the test `rows` (positions)."""
+        scores of the test candidates, for the test `rows` (positions); None without rows
+        (nothing was compared)."""
         if not len(rows):
-            return 0.0
+            return None
         keras = ranking.score_lists(self.ranking_model, self.inputs, self.signals, "test",
                                     self.test_candidates)[rows]
         users, items = self.test_lists(rows)

@@ -202,6 +202,26 @@ def test_make_serve_serves_the_run_folder(run):
         server.stdout.close()
 
 
+def test_a_deployment_run_serves_every_known_user_and_claims_no_check_it_did_not_make(tmp_path):
+    """`--split none`: every row trains and the exports know every user. The served check asks
+    for them (no metric, no seen item served); with no test lists the ranking export is not
+    compared, and the report says so instead of a gap of 0 it never measured."""
+    out = tmp_path / "run"
+    done = script("pipeline.py", "--data", "synthetic:tiny", "--preset", "tiny", "--members", "1",
+                  "--split", "none", "--out", str(out), timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    report = json.load(open(out / "report.json"))
+    assert report["data"]["state"]["rows"] == report["data"]["interactions"]
+    serving = report["serving"]
+    assert serving["rows"] == 0 and serving["users"] == report["data"]["users"]
+    assert serving["ranking_export_max_abs_diff"] is None
+    for figures in serving["served"].values():
+        assert figures["seen_items_served"] == 0 and "recall@10" not in figures
+    text = (out / "report.md").read_text()
+    assert "were not compared with the Keras ranker's and the offline lists" in text
+    assert "by at most" not in text and "## Test Recall@10" not in text
+
+
 def test_plots_and_human_report_exist(run):
     out, _ = run
     for plot in ("training.png", "recall_at_k.png", "index.png"):
