@@ -120,8 +120,8 @@ class UserInputs(tf.Module):
         return tf.gather(self.known_codes, tf.maximum(positions, 0)) * tf.cast(known, tf.int64), known
 
     def seen(self, codes: tf.Tensor, known: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        """The seen items of users [b] (`codes` and `known` as `codes` gives them): (batch row
-        [n] int64, item code [n] int64) pairs, none for an unknown user."""
+        """The seen items of users [b] (`codes` and `known` as `UserInputs.codes` returns them):
+        (batch row [n] int64, item code [n] int64) pairs, none for an unknown user."""
         starts = tf.gather(self.seen_starts, codes)                                     # [b]
         ends = tf.where(known, tf.gather(self.seen_starts, codes + 1), starts)          # [b]
         positions = tf.ragged.range(starts, ends)                                       # [b, None]

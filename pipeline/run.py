@@ -342,8 +342,9 @@ class Run:
         the exact lists' items it serves); fails when they differ beyond float ties, when REST
         and gRPC disagree, when a served list holds a seen item, or when the ranking export
         adds or scores the candidates otherwise than the offline lists and the Keras ranker.
-        Without a test part (split `none`) it asks for the users the exports know, with the
-        same checks except metrics and those of the ranking export, which need test lists."""
+        Without a test part (split `none`) it asks for the first `checked_users` users the
+        exports know (in code order), with the same checks except the metrics and the ranking
+        export's, which need test lists."""
         users = self.checked_users() if self.evaluating else \
             np.flatnonzero(self.inputs.known)[:self.configs.run.checked_users]
         ids = self.log.user_ids[users]

@@ -414,8 +414,8 @@ def test_a_deployment_run_reports_what_it_served_without_metrics():
     assert ("asked for 40 users the exports know (nothing is held out to score) over REST and "
             "gRPC (identical answers).") in text
     assert "| served model | seen items served |\n| --- | --- |\n| retrieval | 0 |" in text
-    assert ("The ranking export's scores and added candidates were not compared with the Keras "
-            "ranker's and the offline lists: nothing is held out to give them lists.") in text
+    assert ("The ranking export was not compared with the Keras ranker: with nothing held out "
+            "there are no test candidate lists to score.") in text
     assert "differ from the Keras ranker's by at most" not in text
     serving["served"]["retrieval_scann"] = {"seen_items_served": 0, "share_of_exact_items": 0.9712,
                                             "share_users": 30}
@@ -426,7 +426,10 @@ def test_a_deployment_run_reports_what_it_served_without_metrics():
     serving["served"]["retrieval_scann"]["share_users"] = 40            # every user asked
     assert ("`retrieval`'s (exact) lists for the 40 users the exports know.") in markdown(
         report_of("none", serving=serving), "RUN", [])
-    serving["ranking_export_max_abs_diff"] = 2e-7                       # a run that compared
+    serving["served"]["recommender"]["title_candidate_share"] = 0.004     # it adds some
+    assert ("there are no test candidate lists to score or to add title candidates to.") in \
+        markdown(report_of("none", serving=serving), "RUN", [])
+    serving["ranking_export_max_abs_diff"] = 2e-7      # as a run with test rows reports it
     assert "The ranking export's scores differ from the Keras ranker's by at most 2.0e-07." in \
         markdown(report_of("none", serving=serving), "RUN", [])
 
