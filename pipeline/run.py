@@ -17,6 +17,7 @@ import shutil
 import time
 
 import numpy as np
+import scipy.sparse as sp
 
 from tworec.console import one_line
 from tworec.evaluation import (EvalSet, baseline_ranks, cold_start_window, eval_set,
@@ -53,6 +54,27 @@ STEP_OF_SECTION = {"ranking": "train ranking", "two_stage": "train ranking",
 EXAMPLE_USERS, EXAMPLE_HISTORY = 5, 5
 # The cut-off of the two-stage gain's bootstrap (Recall@K and NDCG@K at this K).
 GAIN_AT = 10
+RANKING_GAP_ROWS = 64        # rows whose ranking-export scores the served check compares
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckedLists:
+    """What the served check compares the ranking export on: the rows of a "test" part of
+    `inputs` (`signals` to score them), every row's user id [m] and candidate lists [m, C]
+    (catalogue codes, `EMPTY_SLOT` pads: retrieval's, then the title candidates), and the
+    `rows` [r] (positions) to ask for."""
+
+    inputs: ModelInputs
+    signals: ranking_features.RankingSignals
+    user_ids: np.ndarray
+    lists: np.ndarray
+    rows: np.ndarray
+
+    def ids(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(user ids [r], candidate ids [r, C], "" for an empty slot) of `rows`."""
+        lists = self.lists[rows]
+        return (self.user_ids[rows],
+                np.where(lists == EMPTY_SLOT, "", self.inputs.interactions.item_ids[lists]))
 
 
 def seeded_sample(users: np.ndarray, most: int) -> np.ndarray:
@@ -343,8 +365,9 @@ class Run:
         and gRPC disagree, when a served list holds a seen item, or when the ranking export
         adds or scores the candidates otherwise than the offline lists and the Keras ranker.
         Without a test part (split `none`) it asks for the first `checked_users` users the
-        exports know (in code order), with the same checks except the metrics and the ranking
-        export's, which need test lists."""
+        exports know (in code order), with the same checks but the metrics: the ranking export
+        is compared on each user's latest state and the list the retrieval export served them
+        (`latest_lists`)."""
         users = self.checked_users() if self.evaluating else \
             np.flatnonzero(self.inputs.known)[:self.configs.run.checked_users]
         ids = self.log.user_ids[users]
@@ -363,8 +386,10 @@ class Run:
                            for name in ("retrieval", "retrieval_scann", "recommender")
                            if name != "retrieval_scann" or
                            list_versions(self.export_dir("retrieval_scann"))}
-                ranking_gap = self.ranking_export_gap(rest, rows[:64])
-                self.check_added_candidates(grpc, rows)
+                checked = self.test_lists(rows) if self.evaluating else self.latest_lists(
+                    users, answers["retrieval"]["rest"]["item_ids"])
+                ranking_gap = self.ranking_export_gap(rest, checked, RANKING_GAP_ROWS)
+                self.check_added_candidates(grpc, checked)
                 sample = ids[:8]
                 client_side = Recommender(grpc).recommend(sample, n=self.configs.run.top_n)
         finally:
@@ -401,7 +426,7 @@ class Run:
                 result["served"][name].update(
                     served.scored(per_row, targets) if name == "retrieval_scann" else
                     served.compare(name, per_row, offline[name], targets))
-        if ranking_gap is not None and ranking_gap > 1e-4:
+        if ranking_gap > 1e-4:
             raise served.ServedMismatch(f"ranking: the export's scores differ from the Keras "
                                         f"ranker's by up to {ranking_gap:.2e}")
         known = self.inputs.known[users]
@@ -455,43 +480,70 @@ class Run:
         return served.Offline(ranks=served.beyond_list_missed(ranks, self.configs.run.top_n),
                               target_scores=target_scores)
 
-    def test_lists(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(user ids [r], candidate ids [r, C], "" for an empty slot) of the test `rows`
-        (positions): what the served two-stage lists re-order."""
-        candidates = self.test_candidates[rows]
-        return (self.log.user_ids[self.log.user[self.parts.test][rows]],
-                np.where(candidates == EMPTY_SLOT, "", self.log.item_ids[candidates]))
+    def test_lists(self, rows: np.ndarray) -> CheckedLists:
+        """The test `rows` (positions) the served check asks for, with what the served
+        two-stage lists re-order."""
+        return CheckedLists(
+            self.inputs, self.signals, self.log.user_ids[self.log.user[self.parts.test]],
+            self.test_candidates, rows)
 
-    def ranking_export_gap(self, client: Client, rows: np.ndarray) -> float | None:
+    def latest_lists(self, users: np.ndarray, retrieval_ids: np.ndarray) -> CheckedLists:
+        """Known `users` [u] (codes) in their latest state, what the exports serve them, as a
+        test part of one row each, with the lists `retrieval_ids` ([u, k] the retrieval
+        export served them) and the title candidates the ranking stage adds to them: what a
+        run without test rows checks the ranking export on."""
+        fit = self.parts.fit
+        last_row = np.full(self.log.num_users, -1)
+        np.maximum.at(last_row, self.log.user[fit], fit)                 # a row of each user
+        rows = last_row[users]
+        examples = {"user": self.inputs.users.remap(self.log.user_ids)[users],
+                    "item": self.log.item[rows].astype(np.int64),
+                    "history": self.inputs.latest[users]}
+        examples.update({f"user_{name}": index[users]
+                         for name, index in self.inputs.user_feature_index.items()})
+        inputs = dataclasses.replace(
+            self.inputs, split=dataclasses.replace(self.parts, test=rows),
+            examples={**self.inputs.examples, "test": examples})
+        signals = self.signals
+        if signals.has_retrieval:
+            signals = dataclasses.replace(signals, retrieval_queries={
+                **signals.retrieval_queries, "test": signals.retrieval_latest[users]})
+        codes = served.catalogue_codes(retrieval_ids, self.log.item_ids)
+        lists = np.where(codes < 0, EMPTY_SLOT, codes)
+        excluded = self.inputs.seen[users] if self.inputs.exclude_seen else \
+            sp.csr_matrix(self.inputs.seen[users].shape)
+        lists = ranking_features.with_title_candidates(signals, inputs, "test", lists, excluded)
+        return CheckedLists(inputs, signals, self.log.user_ids[users], lists,
+                                   np.arange(len(users)))
+
+    def ranking_export_gap(self, client: Client, checked: CheckedLists, most_rows: int) -> float:
         """Largest absolute difference between the served ranking's and the Keras ranker's
-        scores of the test candidates, for the test `rows` (positions); None without rows
-        (nothing was compared)."""
-        if not len(rows):
-            return None
-        keras = ranking.score_lists(self.ranking_model, self.inputs, self.signals, "test",
-                                    self.test_candidates)[rows]
-        users, items = self.test_lists(rows)
+        scores of the checked lists, for the first `most_rows` checked rows."""
+        rows = checked.rows[:most_rows]
+        keras = ranking.score_lists(self.ranking_model, checked.inputs, checked.signals, "test",
+                                    checked.lists)[rows]
+        users, items = checked.ids(rows)
         answer = client.predict("ranking", {"user_id": users, "item_ids": items})["scores"]
         return float(np.abs(answer - keras).max())
 
-    def check_added_candidates(self, client: Client, rows: np.ndarray) -> None:
+    def check_added_candidates(self, client: Client, checked: CheckedLists) -> None:
         """Asks the ranking export's `candidates` signature, `served.REQUEST_USERS` rows at a
-        time, to add its title candidates to retrieval's candidates of the test `rows`.
+        time, to add its title candidates to retrieval's candidates of the checked rows.
 
         Raises:
-            ServedMismatch: it answers other lists than the offline evaluation re-orders.
+            ServedMismatch: it answers other lists than the offline ones re-order.
         """
         if not self.title_candidates_per_user():
             return
-        for start in range(0, len(rows), served.REQUEST_USERS):
-            users, items = self.test_lists(rows[start:start + served.REQUEST_USERS])
+        for start in range(0, len(checked.rows), served.REQUEST_USERS):
+            users, items = checked.ids(checked.rows[start:start + served.REQUEST_USERS])
             added = served.strings(client.predict(
                 "ranking", {"user_id": users, "item_ids": items[:, :self.configs.run.candidates]},
                 signature_name="candidates")["item_ids"])
             if not np.array_equal(added, items):
                 raise served.ServedMismatch(
                     "ranking: the export's candidates signature adds other title candidates "
-                    "than the offline evaluation's lists hold")
+                    "than the offline lists hold")
 
     def examples(self) -> dict:
         """`EXAMPLE_USERS` test users drawn with seed 0, each with their last items as the

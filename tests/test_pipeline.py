@@ -202,26 +202,6 @@ def test_make_serve_serves_the_run_folder(run):
         server.stdout.close()
 
 
-def test_a_deployment_run_serves_every_known_user_and_claims_no_check_it_did_not_make(tmp_path):
-    """`--split none`: every row trains and the exports know every user. The served check asks
-    for them (no metric, no seen item served); with no test lists the ranking export is not
-    compared, and the report says so instead of a gap of 0 it never measured."""
-    out = tmp_path / "run"
-    done = script("pipeline.py", "--data", "synthetic:tiny", "--preset", "tiny", "--members", "1",
-                  "--split", "none", "--out", str(out), timeout=900)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    report = json.load(open(out / "report.json"))
-    assert report["data"]["state"]["rows"] == report["data"]["interactions"]
-    serving = report["serving"]
-    assert serving["rows"] == 0 and serving["users"] == report["data"]["users"]
-    assert serving["ranking_export_max_abs_diff"] is None
-    for figures in serving["served"].values():
-        assert figures["seen_items_served"] == 0 and "recall@10" not in figures
-    text = (out / "report.md").read_text()
-    assert "The ranking export was not compared with the Keras ranker" in text
-    assert "by at most" not in text and "## Test Recall@10" not in text
-
-
 def test_plots_and_human_report_exist(run):
     out, _ = run
     for plot in ("training.png", "recall_at_k.png", "index.png"):
@@ -397,17 +377,12 @@ def op_scopes(export: str) -> set[str]:
             for node in function.node_def for part in node.name.split("/")}
 
 
-def test_title_candidates_are_served_as_the_report_measures_them(tmp_path):
-    """A MovieLens folder whose titles name a series: each item's title shares a word with the
-    title of the item that most often follows it (the synthetic sessions' successors). The
-    two-stage lists add each known user's title candidates, serve some of them, and the served
-    check (REST, gRPC and the composed recommender: the run fails on any difference) finds what
-    the report says; report.md says how many of the served items they are."""
+def release_with_series(folder) -> str:
+    """A MovieLens folder of the tiny synthetic log whose titles name a series: each item's
+    title shares a word with the title of the item that most often follows it (the synthetic
+    sessions' successors)."""
     from tworec.features import generate
     from tworec.features.synthetic import PRESETS
-    from tworec.features.inputs import EMPTY_SLOT
-    from tworec.pipeline import PIPELINE, execute, prepare_run, resolve
-    from tworec.pipeline.served import ServedMismatch
     log = generate(PRESETS["tiny"], seed=0)
     order = log.time_order()
     user, item = log.user[order], log.item[order]
@@ -415,7 +390,7 @@ def test_title_candidates_are_served_as_the_report_measures_them(tmp_path):
     follows = np.zeros((log.num_items, log.num_items), int)
     np.add.at(follows, (item[:-1][same_user], item[1:][same_user]), 1)
     successor = follows.argmax(1)                                 # [I] the most frequent next
-    release = tmp_path / "release"
+    release = folder / "release"
     release.mkdir()
     (release / "ratings.csv").write_text("userId,movieId,rating,timestamp\n" + "".join(
         f"{log.user_ids[user][1:]},{log.item_ids[item][1:]},{rating},{time}\n"
@@ -423,8 +398,19 @@ def test_title_candidates_are_served_as_the_report_measures_them(tmp_path):
     (release / "movies.csv").write_text("movieId,title,genres\n" + "".join(
         f"{i},Saga{i} and Saga{successor[i]} ({1990 + i % 20}),Drama\n"
         for i in range(log.num_items)))
-    run = prepare_run(str(tmp_path / "run"), {"data": str(release)},      # of 150 items
-                      resolve("tiny", run={"candidates": 20}), verbose=0)
+    return str(release)
+
+
+def test_title_candidates_are_served_as_the_report_measures_them(tmp_path):
+    """The two-stage lists add each known user's title candidates (`release_with_series`),
+    serve some of them, and the served check (REST, gRPC and the composed recommender: the run
+    fails on any difference) finds what the report says; report.md says how many of the served
+    items they are."""
+    from tworec.features.inputs import EMPTY_SLOT
+    from tworec.pipeline import PIPELINE, execute, prepare_run, resolve
+    from tworec.pipeline.served import ServedMismatch
+    run = prepare_run(str(tmp_path / "run"), {"data": release_with_series(tmp_path)},
+                      resolve("tiny", run={"candidates": 20}), verbose=0)   # of 150 items
     report = execute(run, PIPELINE)
     served, offline = report["serving"]["served"]["recommender"], report["two_stage"]["test"]
     assert report["two_stage"]["title_candidates"] == 10
@@ -614,3 +600,48 @@ def test_an_approximate_index_is_scored_as_served_and_against_the_exact_lists():
     figures = served.scored({"item_ids": approximate}, np.array(["a", "z"]))
     assert figures["recall@10"] == 0.5 and figures["rows"] == 2
     assert figures["ndcg@10"] == pytest.approx(0.5 / np.log2(2 + 2))        # a at rank 2
+
+
+def test_a_deployment_run_checks_the_ranking_export_on_each_users_latest_state(tmp_path,
+                                                                            monkeypatch):
+    """`--split none`: nothing is held out, every row trains. The served check asks for the
+    users the exports know (no metric, no seen item served) and compares the ranking export on
+    each one's latest state and the list the retrieval export served them: its scores against
+    the Keras ranker's, the title candidates it adds against NumPy's. A Keras side that reads
+    another state, or other title candidates, fails the run."""
+    import dataclasses
+    from tworec.features.inputs import EMPTY_SLOT
+    from tworec.pipeline import PIPELINE, execute, prepare_run, resolve
+    from tworec.pipeline import run as run_module
+    from tworec.pipeline.served import ServedMismatch
+    run = prepare_run(str(tmp_path / "run"), {"data": release_with_series(tmp_path)},
+                      resolve("tiny", data={"split": "none"}, run={"candidates": 20}), verbose=0)
+    report = execute(run, PIPELINE)
+    serving = report["serving"]
+    assert report["data"]["state"]["rows"] == report["data"]["interactions"]
+    assert serving["rows"] == 0 and serving["users"] == report["data"]["users"]
+    assert serving["ranking_export_max_abs_diff"] < 1e-4
+    assert serving["served"]["recommender"]["title_candidate_share"] > 0
+    for figures in serving["served"].values():
+        assert figures["seen_items_served"] == 0 and "recall@10" not in figures
+    text = (tmp_path / "run" / "report.md").read_text()
+    assert "The ranking export's scores differ from the Keras ranker's by at most" in text
+    assert "## Test Recall@10" not in text
+
+    adds = run_module.ranking_features.with_title_candidates
+
+    def one_fewer(*args):                         # the last title candidate added, dropped
+        lists = adds(*args)
+        row, slot = np.argwhere(lists[:, 20:] >= 0)[-1]
+        lists[row, 20 + slot] = EMPTY_SLOT
+        return lists
+    monkeypatch.setattr(run_module.ranking_features, "with_title_candidates", one_fewer)
+    with pytest.raises(ServedMismatch, match="candidates signature adds other title cand"):
+        run.serve_and_check()
+    monkeypatch.undo()
+    latest = run.signals.retrieval_latest            # the Keras side reads a stale query
+    run.signals = dataclasses.replace(run.signals, retrieval_latest=latest[::-1].copy())
+    with pytest.raises(ServedMismatch, match="scores differ from the Keras ranker's"):
+        run.serve_and_check()
+    run.signals = dataclasses.replace(run.signals, retrieval_latest=latest)
+    run.serve_and_check()                                             # as it was: it passes
