@@ -494,8 +494,8 @@ class Run:
         run without test rows checks the ranking export on."""
         fit = self.parts.fit
         last_row = np.full(self.log.num_users, -1)
-        np.maximum.at(last_row, self.log.user[fit], fit)                 # a row of each user
-        rows = last_row[users]
+        np.maximum.at(last_row, self.log.user[fit], fit)
+        rows = last_row[users]           # a fit row of each user: only its user is read
         examples = {"user": self.inputs.users.remap(self.log.user_ids)[users],
                     "item": self.log.item[rows].astype(np.int64),
                     "history": self.inputs.latest[users]}
@@ -511,10 +511,10 @@ class Run:
         codes = served.catalogue_codes(retrieval_ids, self.log.item_ids)
         lists = np.where(codes < 0, EMPTY_SLOT, codes)
         excluded = self.inputs.seen[users] if self.inputs.exclude_seen else \
-            sp.csr_matrix(self.inputs.seen[users].shape)
+            sp.csr_matrix((len(users), self.inputs.num_items))
         lists = ranking_features.with_title_candidates(signals, inputs, "test", lists, excluded)
         return CheckedLists(inputs, signals, self.log.user_ids[users], lists,
-                                   np.arange(len(users)))
+                            np.arange(len(users)))
 
     def ranking_export_gap(self, client: Client, checked: CheckedLists, most_rows: int) -> float:
         """Largest absolute difference between the served ranking's and the Keras ranker's

@@ -607,8 +607,10 @@ def test_a_deployment_run_checks_the_ranking_export_on_each_users_latest_state(t
     """`--split none`: nothing is held out, every row trains. The served check asks for the
     users the exports know (no metric, no seen item served) and compares the ranking export on
     each one's latest state and the list the retrieval export served them: its scores against
-    the Keras ranker's, the title candidates it adds against NumPy's. A Keras side that reads
-    another state, or other title candidates, fails the run."""
+    the Keras ranker's, the title candidates it adds against NumPy's. Other title candidates,
+    or a Keras side that reads other retrieval queries, fail the run. (Without validation rows
+    the ranker is not calibrated: the held-out signals keep weight 0, so the scores cannot
+    show them.)"""
     import dataclasses
     from tworec.features.inputs import EMPTY_SLOT
     from tworec.pipeline import PIPELINE, execute, prepare_run, resolve
