@@ -17,7 +17,7 @@ from tworec.features.interactions import DataError, Interactions, interaction_ma
 from tworec.features.splits import Split, global_quantile
 from tworec.features.vocab import PAD, Vocabulary
 
-PROTOCOLS = ("temporal", "random", "global[:Q]", "none")   # the splits a run can use
+PROTOCOLS = ("temporal", "random", "global[:Q]", "none", "latest")   # the splits a run uses
 EMPTY_SLOT = -1          # the code of a candidate slot left empty (fewer unseen items than k)
 MODEL_ITEM_FEATURES = ("genres", "year")   # the item features `prepare` gives the models
 

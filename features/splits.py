@@ -8,7 +8,11 @@
   the rows before it, those after the Q-quantile of their own timestamps are validation, the
   rest train. Nothing after a cut can reach what is fit before it: the protocol closest to
   deployment.
-- `none`: every row is train; nothing is held out (the deployment run).
+- `none`: every row is train; nothing is held out (a deployment run without validation).
+- `latest`: per user, the last interaction is validation, the rest train; nothing is tested.
+  The deployment run of the recipe `temporal` evaluates, one row later: the models train and
+  stop early, and the ranker is calibrated, as there, and the exports know every row. Users
+  with a single interaction stay wholly in train and are counted.
 - `cutoff`: everything before a global timestamp is train, the rest test.
 """
 from __future__ import annotations
@@ -19,7 +23,7 @@ import numpy as np
 
 from tworec.features.interactions import DataError, Interactions
 
-SPLITS = ("temporal", "random", "global", "none", "cutoff")
+SPLITS = ("temporal", "random", "global", "none", "latest", "cutoff")
 GLOBAL_QUANTILE = 0.9
 
 
@@ -55,6 +59,8 @@ def split(interactions: Interactions, kind: str = "temporal", *, seed: int = 42,
     if kind == "none":
         empty = np.zeros(0, dtype=np.int64)
         return Split("none", np.arange(len(interactions), dtype=np.int64), empty, empty)
+    if kind == "latest":
+        return latest_split(interactions)
     if kind == "cutoff":
         if cutoff is None:
             raise DataError("split 'cutoff' needs a cutoff timestamp")
@@ -104,6 +110,7 @@ def positions_from_end(interactions: Interactions) -> tuple[np.ndarray, np.ndarr
 
 
 HELD_OUT_FROM = 3        # rows a user needs before the temporal protocol holds any out
+VALIDATED_FROM = 2       # rows a user needs before the latest protocol validates on one
 
 
 def temporal_split(interactions: Interactions) -> Split:
@@ -115,6 +122,17 @@ def temporal_split(interactions: Interactions) -> Split:
     counts = np.bincount(interactions.user, minlength=interactions.num_users)
     short = int(((counts > 0) & (counts < HELD_OUT_FROM)).sum())
     return Split("temporal", train, validation, test, short_users=short)
+
+
+def latest_split(interactions: Interactions) -> Split:
+    """Each user's last row validation (users with `VALIDATED_FROM` rows or more), the rest
+    train; no test rows."""
+    from_end, count = positions_from_end(interactions)
+    eligible = count >= VALIDATED_FROM
+    counts = np.bincount(interactions.user, minlength=interactions.num_users)
+    return Split("latest", np.flatnonzero(~eligible | (from_end >= 1)),
+                 np.flatnonzero(eligible & (from_end == 0)), np.zeros(0, dtype=np.int64),
+                 short_users=int(((counts > 0) & (counts < VALIDATED_FROM)).sum()))
 
 
 def random_split(interactions: Interactions, seed: int = 42, train_fraction: float = 0.8) -> Split:

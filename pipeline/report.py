@@ -198,6 +198,9 @@ PROTOCOLS = {
               "state frozen at the cut, users first seen after it get the popular items, and "
               "nothing after the cut reaches any fitted statistic",
     "none": "every row trains; nothing is held out, so nothing is evaluated (the deployment run)",
+    "latest": "each user's last row is validation (early stopping, calibration), the rest "
+              "train; nothing is tested, so nothing is evaluated (the deployment run of what "
+              "`temporal` evaluates)",
 }
 def metric_name(key: str) -> str:
     """"recall@10" -> "Recall@10", "ndcg@10" -> "NDCG@10"."""
@@ -249,8 +252,8 @@ def data_section(report: dict) -> list[str]:
     state, split = data.get("state", {}), data["split"]
     dropped = ", ".join(f"{count:,} ({reason.replace('_', ' ')})"
                         for reason, count in data["dropped"].items()) or "none"
-    if split == "none":
-        held_out = "nothing held out"
+    if split in ("none", "latest"):
+        held_out = "nothing held out" if split == "none" else "nothing tested"
         known = (f"The exports know all {state.get('rows', 0):,} rows of "
                  f"{state.get('users', 0):,} users.")
     else:

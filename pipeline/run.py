@@ -136,7 +136,7 @@ class Run:
         self.offline_test: dict[str, served.Offline] = {}
         self.baseline_ranks: dict[str, np.ndarray | None] = {}
         self.served_lists: dict | None = None
-        self.evaluating = len(self.parts.test) > 0      # split `none` holds nothing out
+        self.evaluating = len(self.parts.test) > 0      # splits `none` and `latest` test nothing
 
     # ------------------------------------------------------------------ helpers
 

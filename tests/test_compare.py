@@ -70,6 +70,7 @@ def test_an_arm_that_cannot_be_read_is_named_with_what_would_work(text, message)
     (["a", "b:members=0"], [0], {}, "arm 'b': members must be positive"),
     (["a", "b:history_encoder=lstm"], [0], {}, "arm 'b': history_encoder 'lstm'"),
     (["a", "b"], [0], {"split": "none"}, "split 'none' holds no validation rows"),
+    (["a", "b"], [0], {"split": "latest"}, "split 'latest' is a deployment run"),
     (["a", "b"], [0], {"split": "weekly"},
      "split 'weekly': not a protocol; use temporal or global[:Q]"),
 ])

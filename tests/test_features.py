@@ -372,6 +372,19 @@ def test_temporal_split_ties_and_short_users():
     assert parts.train.tolist() == [0, 3, 4] and parts.short_users == 1
 
 
+def test_latest_split_validates_on_each_users_last_row_and_tests_nothing():
+    """`latest`: the last row (ties in file order) validates, the rest train; a user with a
+    single row stays in train and is counted; nothing is tested."""
+    from tworec.features.interactions import Interactions
+    log = Interactions(user_ids=np.array(["a", "b", "c"]), item_ids=np.array(["x", "y", "z"]),
+                       user=np.array([0, 0, 0, 1, 1, 2]), item=np.array([0, 1, 2, 0, 1, 2]),
+                       timestamp=np.array([5, 5, 5, 2, 1, 3]))
+    parts = split(log, "latest")
+    assert parts.validation.tolist() == [2, 3] and parts.train.tolist() == [0, 1, 4, 5]
+    assert not len(parts.test) and parts.short_users == 1 and parts.kind == "latest"
+    assert parts.fit.tolist() == list(range(6))                 # the exports know every row
+
+
 def test_random_split(log):
     parts = split(log, "random", seed=42)
     assert len(parts.train) == round(0.8 * len(log)) and len(parts.validation) == 0

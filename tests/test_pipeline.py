@@ -602,22 +602,25 @@ def test_an_approximate_index_is_scored_as_served_and_against_the_exact_lists():
     assert figures["ndcg@10"] == pytest.approx(0.5 / np.log2(2 + 2))        # a at rank 2
 
 
-def test_a_deployment_run_checks_the_ranking_export_on_each_users_latest_state(tmp_path,
-                                                                            monkeypatch):
-    """`--split none`: nothing is held out, every row trains. The served check asks for the
-    users the exports know (no metric, no seen item served) and compares the ranking export on
-    each one's latest state and the list the retrieval export served them: its scores against
-    the Keras ranker's, the title candidates it adds against NumPy's. Other title candidates,
-    or a Keras side that reads other retrieval queries, fail the run. (Without validation rows
-    the ranker is not calibrated: the held-out signals keep weight 0, so the scores cannot
-    show them.)"""
+@pytest.mark.parametrize("protocol", ["latest", "none"])
+def test_a_run_without_test_rows_checks_the_ranking_export_on_each_users_latest_state(
+        tmp_path, monkeypatch, protocol):
+    """`--split latest` (each user's last row validates) and `none` (every row trains): nothing
+    is tested and the exports know every row. The served check asks for the users they know
+    (no metric, no seen item served) and compares the ranking export on each one's latest
+    state and the list the retrieval export served them: its scores against the Keras
+    ranker's, the title candidates it adds against NumPy's. Other title candidates, or a Keras
+    side that reads other retrieval queries, fail the run; so does another popularity period
+    after `latest` calibrated the ranker (without validation rows, `none` leaves the held-out
+    signals at weight 0, and the scores cannot show them)."""
     import dataclasses
     from tworec.features.inputs import EMPTY_SLOT
     from tworec.pipeline import PIPELINE, execute, prepare_run, resolve
     from tworec.pipeline import run as run_module
     from tworec.pipeline.served import ServedMismatch
     run = prepare_run(str(tmp_path / "run"), {"data": release_with_series(tmp_path)},
-                      resolve("tiny", data={"split": "none"}, run={"candidates": 20}), verbose=0)
+                      resolve("tiny", data={"split": protocol}, run={"candidates": 20}),
+                      verbose=0)
     report = execute(run, PIPELINE)
     serving = report["serving"]
     assert report["data"]["state"]["rows"] == report["data"]["interactions"]
@@ -629,6 +632,9 @@ def test_a_deployment_run_checks_the_ranking_export_on_each_users_latest_state(t
     text = (tmp_path / "run" / "report.md").read_text()
     assert "The ranking export's scores differ from the Keras ranker's by at most" in text
     assert "## Test Recall@10" not in text
+    assert f"split `{protocol}`, nothing {'tested' if protocol == 'latest' else 'held out'};" in text
+    calibration = report["ranking"]["train"].get("calibration")
+    assert (calibration is not None) == (protocol == "latest")
 
     adds = run_module.ranking_features.with_title_candidates
 
@@ -646,4 +652,13 @@ def test_a_deployment_run_checks_the_ranking_export_on_each_users_latest_state(t
     with pytest.raises(ServedMismatch, match="scores differ from the Keras ranker's"):
         run.serve_and_check()
     run.signals = dataclasses.replace(run.signals, retrieval_latest=latest)
+    if protocol == "latest":
+        assert min(abs(calibration["weights"][name]) for name in
+                   ("recent_popularity", "user_time_popularity", "title_similarity")) > 0
+        periods = run.signals.popularity.user_period
+        right = periods["test"]
+        periods["test"] = np.where(right > 0, 0, run.configs.ranking.held_out_periods - 1)
+        with pytest.raises(ServedMismatch, match="scores differ from the Keras ranker's"):
+            run.serve_and_check()
+        periods["test"] = right
     run.serve_and_check()                                             # as it was: it passes
