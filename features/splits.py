@@ -35,7 +35,8 @@ class Split:
     train: np.ndarray
     validation: np.ndarray
     test: np.ndarray
-    short_users: int = 0   # temporal: users kept wholly in train for having < 3 interactions
+    short_users: int = 0   # users kept wholly in train for having too few interactions to
+                           # hold any out (temporal: < 3, latest: < 2)
 
     @property
     def fit(self) -> np.ndarray:

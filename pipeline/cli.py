@@ -34,7 +34,8 @@ def add_run_arguments(parser: argparse.ArgumentParser, out_required: bool = True
     parser.add_argument("--split",
                         help=split_help or f"evaluation protocol: {', '.join(PROTOCOLS)} "
                              "(default: temporal; global holds out every row after the 0.9 "
-                             "quantile of time, none trains on every row and evaluates nothing)")
+                             "quantile of time; latest validates on each user's last row and "
+                             "tests nothing; none trains on every row and evaluates nothing)")
     parser.add_argument("--preset", choices=PRESETS, help="default (the default) or tiny")
     parser.add_argument("--epochs", type=int, help="epochs of every stage the command trains")
     parser.add_argument("--cold-start-window", type=float, metavar="W",

@@ -383,8 +383,10 @@ def training_section(report: dict, plots: list[str]) -> list[str]:
 
 def ranking_section(report: dict) -> list[str]:
     ranking = (report.get("ranking") or {}).get("test")
-    if not ranking:
-        return []
+    if not ranking:                   # nothing tested: what calibration chose, if it ran
+        calibration = ((report.get("ranking") or {}).get("train") or {}).get("calibration")
+        refitted = calibration_sentence(calibration)
+        return ["", "## Ranking on its own"] + refitted if refitted else []
     rmse = ("none (no rating head: rating_weight 0, or a log without ratings)"
             if ranking["rmse"] is None else f"{ranking['rmse']:.3f}")
     auc = "not computed" if ranking["auc"] is None else f"{ranking['auc']:.3f}"
@@ -514,7 +516,7 @@ def served_section(report: dict) -> list[str]:
     serving = report["serving"]
     scored = all("recall@10" in figures for figures in serving["served"].values())
     asked = (f"{serving['users']:,} test users" if scored else
-             f"{serving['users']:,} users the exports know (nothing is held out to score)")
+             f"{serving['users']:,} users the exports know (nothing is tested to score)")
     lines = ["", "## Served", "",
              f"The exports were served by the embedded server and asked for {asked} over REST "
              "and gRPC (identical answers)."

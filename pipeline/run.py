@@ -364,10 +364,10 @@ class Run:
         the exact lists' items it serves); fails when they differ beyond float ties, when REST
         and gRPC disagree, when a served list holds a seen item, or when the ranking export
         adds or scores the candidates otherwise than the offline lists and the Keras ranker.
-        Without a test part (split `none`) it asks for the first `checked_users` users the
-        exports know (in code order), with the same checks but the metrics: the ranking export
-        is compared on each user's latest state and the list the retrieval export served them
-        (`latest_lists`)."""
+        Without a test part (split `none` or `latest`) it asks for the first `checked_users`
+        users the exports know (in code order), with the same checks but the metrics: the
+        ranking export is compared on each user's latest state and the list the retrieval
+        export served them (`latest_lists`)."""
         users = self.checked_users() if self.evaluating else \
             np.flatnonzero(self.inputs.known)[:self.configs.run.checked_users]
         ids = self.log.user_ids[users]

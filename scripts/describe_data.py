@@ -1,7 +1,7 @@
 """Prints one JSON object describing a log: counts, split sizes, dropped rows by reason and
 notes (a log whose ties are listed by item id).
 
-    python scripts/describe_data.py --data SOURCE [--split temporal|random|global[:Q]|none]
+    python scripts/describe_data.py --data SOURCE [--split temporal|random|global[:Q]|latest|none]
         [--columns user=..,item=..,time=..]
         [--delimiter ';'] [--summary-only] [--memory-limit 1GB]
 
@@ -26,7 +26,7 @@ def main(argv=None) -> int:
                              "files or a glob such as 'logs/part-*.parquet')")
     parser.add_argument("--split", default=None,
                         help="the split whose sizes to count, as the pipeline's --split: "
-                             "temporal (the default), random, global[:Q] or none")
+                             "temporal (the default), random, global[:Q], latest or none")
     parser.add_argument("--columns", default="", help="column mapping for generic logs, "
                         "e.g. user=uid,item=sku,time=ts,rating=stars")
     parser.add_argument("--delimiter", default=None, help=DELIMITER_HELP)

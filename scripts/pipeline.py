@@ -1,7 +1,8 @@
 """One command from a log to served recommendations and a report.
 
-    python scripts/pipeline.py --data SOURCE --out RUN [--split temporal|random]
-        [--preset tiny|default] [--epochs N] [--members M] [--top-k K] [--top-n N]
+    python scripts/pipeline.py --data SOURCE --out RUN
+        [--split temporal|random|global[:Q]|latest|none] [--preset tiny|default] [--epochs N]
+        [--members M] [--top-k K] [--top-n N]
 
 Steps: load and split, train retrieval, evaluate it beside the baselines, tune the ScaNN index,
 train ranking on retrieval's candidates, export every model with `models.config`, serve them

@@ -79,8 +79,8 @@ def test_the_bootstrap_refuses_unpaired_inputs():
 def report_of(split: str, **sections) -> dict:
     """The smallest report `markdown` reads, for a `split`, with `sections` added."""
     data = {"source": "log.csv", "users": 1200, "items": 300, "interactions": 45678,
-            "split": split, "test_users": 0 if split == "none" else 600,
-            "test_rows": {"none": 0, "temporal": 600}.get(split, 9000),
+            "split": split, "test_users": 0 if split in ("none", "latest") else 600,
+            "test_rows": {"none": 0, "latest": 0, "temporal": 600}.get(split, 9000),
             "dropped": {"duplicate_row": 3, "item_not_in_catalogue": 1200}, "exclude_seen": True,
             "state": {"rows": 36000, "users": 1100}}
     return {"data": data, "timings": {"report": 0.123}, **sections}
@@ -93,15 +93,19 @@ def report_of(split: str, **sections) -> dict:
     ("global:0.8", "every row after the 0.8 quantile of time is held out (test)"),
     ("global", "every row after the 0.9 quantile of time is held out (test)"),
     ("none", "every row trains; nothing is held out"),
+    ("latest", "each user's last row is validation (early stopping, calibration), the rest "
+               "train; nothing is tested, so nothing is evaluated (the deployment run of what "
+               "`temporal` evaluates)"),
 ])
 def test_report_md_states_the_protocol_of_its_split(split, says):
     from tworec.pipeline.report import markdown
     text = markdown(report_of(split), "RUN", [])
     assert f"Protocol `{split}`: {says}" in text
-    if split != "temporal":
+    if split not in ("temporal", "latest"):
         assert "temporal" not in text
     assert "dropped rows: 3 (duplicate row), 1,200 (item not in catalogue)." in text
-    held_out = {"none": "nothing held out", "temporal": "600 test users"}.get(
+    held_out = {"none": "nothing held out", "latest": "nothing tested",
+                "temporal": "600 test users"}.get(
         split, "9,000 held-out rows of 600 users")
     assert f"45,678 interactions; split `{split}`, {held_out};" in text
     assert "{" not in text and "0.123" not in text and "| report | 0.1 |" in text
@@ -411,8 +415,14 @@ def test_a_deployment_run_reports_what_it_served_without_metrics():
                           "recommender": {"seen_items_served": 0}}}
     text = markdown(report_of("none", serving=serving), "RUN", [])
     assert "## Test Recall@10" not in text and "nan" not in text
-    assert ("asked for 40 users the exports know (nothing is held out to score) over REST and "
+    assert ("asked for 40 users the exports know (nothing is tested to score) over REST and "
             "gRPC (identical answers).") in text
+    assert "## Ranking on its own" not in text                 # none: nothing to say
+    calibration = {"rows": 9, "scale": 0.5, "weights": {}, "loss_before": 2.0, "loss_after": 1.0}
+    train = {"epochs": 2, "seconds": 1.0, "examples_per_second": 100, "calibration": calibration}
+    latest = markdown(report_of("latest", serving=serving, ranking={"test": None, "train": train}),
+                      "RUN", [])
+    assert "## Ranking on its own\n\nThe logit's balance was refitted on 9 validation " in latest
     assert "| served model | seen items served |\n| --- | --- |\n| retrieval | 0 |" in text
     serving["served"]["retrieval_scann"] = {"seen_items_served": 0, "share_of_exact_items": 0.9712,
                                             "share_users": 30}
