@@ -17,7 +17,7 @@ from tworec.features.interactions import DataError, Interactions, interaction_ma
 from tworec.features.splits import Split, global_quantile
 from tworec.features.vocab import PAD, Vocabulary
 
-PROTOCOLS = ("temporal", "random", "global[:Q]", "none", "latest")   # the splits a run uses
+PROTOCOLS = ("temporal", "random", "global[:Q]", "latest", "none")   # the splits a run can use
 EMPTY_SLOT = -1          # the code of a candidate slot left empty (fewer unseen items than k)
 MODEL_ITEM_FEATURES = ("genres", "year")   # the item features `prepare` gives the models
 
@@ -133,6 +133,15 @@ class ModelInputs:
     @property
     def num_items(self) -> int:
         return self.interactions.num_items
+
+    def latest_examples(self, users: np.ndarray) -> dict[str, np.ndarray]:
+        """The model inputs of `users` [u] (codes) in their latest state, what an export reads
+        for them: "user" [u], "history" [u, S] and "user_NAME" [u] (a test row's, but "item")."""
+        examples = {"user": self.users.remap(self.interactions.user_ids)[users],
+                    "history": self.latest[users]}
+        examples.update({f"user_{name}": index[users]
+                         for name, index in self.user_feature_index.items()})
+        return examples
 
     def known_in(self, part: str) -> np.ndarray:
         """[m] bool per row of `part`: whether its user has rows known before the part (all

@@ -120,9 +120,8 @@ def temporal_split(interactions: Interactions) -> Split:
     test = np.flatnonzero(eligible & (from_end == 0))
     validation = np.flatnonzero(eligible & (from_end == 1))
     train = np.flatnonzero(~eligible | (from_end >= 2))
-    counts = np.bincount(interactions.user, minlength=interactions.num_users)
-    short = int(((counts > 0) & (counts < HELD_OUT_FROM)).sum())
-    return Split("temporal", train, validation, test, short_users=short)
+    return Split("temporal", train, validation, test,
+                 short_users=short_users(interactions, HELD_OUT_FROM))
 
 
 def latest_split(interactions: Interactions) -> Split:
@@ -130,10 +129,15 @@ def latest_split(interactions: Interactions) -> Split:
     train; no test rows."""
     from_end, count = positions_from_end(interactions)
     eligible = count >= VALIDATED_FROM
-    counts = np.bincount(interactions.user, minlength=interactions.num_users)
     return Split("latest", np.flatnonzero(~eligible | (from_end >= 1)),
                  np.flatnonzero(eligible & (from_end == 0)), np.zeros(0, dtype=np.int64),
-                 short_users=int(((counts > 0) & (counts < VALIDATED_FROM)).sum()))
+                 short_users=short_users(interactions, VALIDATED_FROM))
+
+
+def short_users(interactions: Interactions, minimum: int) -> int:
+    """How many users have rows, but fewer than `minimum` (kept wholly in train)."""
+    counts = np.bincount(interactions.user, minlength=interactions.num_users)
+    return int(((counts > 0) & (counts < minimum)).sum())
 
 
 def random_split(interactions: Interactions, seed: int = 42, train_fraction: float = 0.8) -> Split:

@@ -156,8 +156,7 @@ def check_arms(arms: list[Arm], configs: Configs, seeds: list[int]) -> None:
     """Raises ValueError (or DataError) naming the first setting that cannot be compared:
     the data config, the shared configs, the arms and the seeds; before the log loads."""
     if configs.data.split.partition(":")[0] not in ("temporal", "global"):
-        why = {"none": " holds no validation rows to compare on",
-               "random": " holds no validation rows to compare on",
+        why = {**dict.fromkeys(("none", "random"), " holds no validation rows to compare on"),
                "latest": " is a deployment run: its validation rows tune what it serves"}
         raise ValueError(f"split {configs.data.split!r}" + why.get(
             configs.data.split, ": not a protocol") + "; use temporal or global[:Q]")

@@ -365,7 +365,7 @@ class Run:
         and gRPC disagree, when a served list holds a seen item, or when the ranking export
         adds or scores the candidates otherwise than the offline lists and the Keras ranker.
         Without a test part (split `none` or `latest`) it asks for the first `checked_users`
-        users the exports know (in code order), with the same checks but the metrics: the
+        users the exports know (in code order), with the same checks except the metrics: the
         ranking export is compared on each user's latest state and the list the retrieval
         export served them (`latest_lists`)."""
         users = self.checked_users() if self.evaluating else \
@@ -495,12 +495,9 @@ class Run:
         fit = self.parts.fit
         last_row = np.full(self.log.num_users, -1)
         np.maximum.at(last_row, self.log.user[fit], fit)
-        rows = last_row[users]           # a fit row of each user: only its user is read
-        examples = {"user": self.inputs.users.remap(self.log.user_ids)[users],
-                    "item": self.log.item[rows].astype(np.int64),
-                    "history": self.inputs.latest[users]}
-        examples.update({f"user_{name}": index[users]
-                         for name, index in self.inputs.user_feature_index.items()})
+        rows = last_row[users]   # a fit row of each user: its user decides the features,
+        examples = {**self.inputs.latest_examples(users),         # its item and rating unused
+                    "item": self.log.item[rows].astype(np.int64)}
         inputs = dataclasses.replace(
             self.inputs, split=dataclasses.replace(self.parts, test=rows),
             examples={**self.inputs.examples, "test": examples})

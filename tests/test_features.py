@@ -672,6 +672,11 @@ def test_a_user_feature_that_changes_is_read_as_known_before_the_rows_scored(tmp
     assert named == {"train": ["basic", "basic", "free"], "validation": ["basic", "free"],
                      "test": ["free", "free"]}
     assert name_of[inputs.user_feature_index["plan"]].tolist() == ["free", "free"]   # served
+    latest = inputs.latest_examples(log.user[parts.test])   # a test row's inputs but "item"
+    assert set(latest) == set(inputs.examples["test"]) - {"item"} == {"user", "history",
+                                                                      "user_plan", "user_team"}
+    for key, values in latest.items():
+        np.testing.assert_array_equal(values, inputs.examples["test"][key])
 
 
 @pytest.mark.parametrize("as_zip", [False, True], ids=["dir", "zip"])

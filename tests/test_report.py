@@ -94,8 +94,8 @@ def report_of(split: str, **sections) -> dict:
     ("global", "every row after the 0.9 quantile of time is held out (test)"),
     ("none", "every row trains; nothing is held out"),
     ("latest", "each user's last row is validation (early stopping, calibration), the rest "
-               "train; nothing is tested, so nothing is evaluated (the deployment run of what "
-               "`temporal` evaluates)"),
+               "train; nothing is tested, so no test metric is reported (the deployment run of "
+               "what `temporal` evaluates)"),
 ])
 def test_report_md_states_the_protocol_of_its_split(split, says):
     from tworec.pipeline.report import markdown
@@ -413,13 +413,15 @@ def test_a_deployment_run_reports_what_it_served_without_metrics():
     serving = {"users": 40, "rows": 0, "exclude_seen": True, "ranking_export_max_abs_diff": 2e-7,
                "served": {"retrieval": {"seen_items_served": 0},
                           "recommender": {"seen_items_served": 0}}}
-    text = markdown(report_of("none", serving=serving), "RUN", [])
+    train = {"epochs": 2, "seconds": 1.0, "examples_per_second": 100}       # not calibrated
+    text = markdown(report_of("none", serving=serving, ranking={"test": None, "train": train}),
+                    "RUN", [])
     assert "## Test Recall@10" not in text and "nan" not in text
     assert ("asked for 40 users the exports know (nothing is tested to score) over REST and "
             "gRPC (identical answers).") in text
     assert "## Ranking on its own" not in text                 # none: nothing to say
     calibration = {"rows": 9, "scale": 0.5, "weights": {}, "loss_before": 2.0, "loss_after": 1.0}
-    train = {"epochs": 2, "seconds": 1.0, "examples_per_second": 100, "calibration": calibration}
+    train = {**train, "calibration": calibration}
     latest = markdown(report_of("latest", serving=serving, ranking={"test": None, "train": train}),
                       "RUN", [])
     assert "## Ranking on its own\n\nThe logit's balance was refitted on 9 validation " in latest
