@@ -8,11 +8,11 @@
   the rows before it, those after the Q-quantile of their own timestamps are validation, the
   rest train. Nothing after a cut can reach what is fit before it: the protocol closest to
   deployment.
-- `none`: every row is train; nothing is held out (a deployment run without validation).
 - `latest`: per user, the last interaction is validation, the rest train; nothing is tested.
   The deployment run of the recipe `temporal` evaluates, one row later: the models train and
   stop early, and the ranker is calibrated, as there, and the exports know every row. Users
   with a single interaction stay wholly in train and are counted.
+- `none`: every row is train; nothing is held out (a deployment run without validation).
 - `cutoff`: everything before a global timestamp is train, the rest test.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 
 from tworec.features.interactions import DataError, Interactions
 
-SPLITS = ("temporal", "random", "global", "none", "latest", "cutoff")
+SPLITS = ("temporal", "random", "global", "latest", "none", "cutoff")
 GLOBAL_QUANTILE = 0.9
 
 

@@ -197,11 +197,11 @@ PROTOCOLS = {
               "scored from their "
               "state frozen at the cut, users first seen after it get the popular items, and "
               "nothing after the cut reaches any fitted statistic",
-    "none": "every row trains; nothing is held out, so nothing is evaluated (a deployment run "
-            "without validation)",
     "latest": "each user's last row is validation (early stopping, calibration), the rest "
               "train; nothing is tested, so no test metric is reported (the deployment run of "
               "what `temporal` evaluates)",
+    "none": "every row trains; nothing is held out, so nothing is evaluated (a deployment run "
+            "without validation)",
 }
 def metric_name(key: str) -> str:
     """"recall@10" -> "Recall@10", "ndcg@10" -> "NDCG@10"."""

@@ -495,8 +495,9 @@ class Run:
         fit = self.parts.fit
         last_row = np.full(self.log.num_users, -1)
         np.maximum.at(last_row, self.log.user[fit], fit)
-        rows = last_row[users]   # a fit row of each user: its user decides the features,
-        examples = {**self.inputs.latest_examples(users),         # its item and rating unused
+        # a fit row of each user: its user decides the features; its item and rating are unused
+        rows = last_row[users]
+        examples = {**self.inputs.latest_examples(users),
                     "item": self.log.item[rows].astype(np.int64)}
         inputs = dataclasses.replace(
             self.inputs, split=dataclasses.replace(self.parts, test=rows),

@@ -92,10 +92,10 @@ def report_of(split: str, **sections) -> dict:
     ("random", "an 80/20 shuffle of the rows (seed 42)"),
     ("global:0.8", "every row after the 0.8 quantile of time is held out (test)"),
     ("global", "every row after the 0.9 quantile of time is held out (test)"),
-    ("none", "every row trains; nothing is held out"),
     ("latest", "each user's last row is validation (early stopping, calibration), the rest "
                "train; nothing is tested, so no test metric is reported (the deployment run of "
                "what `temporal` evaluates)"),
+    ("none", "every row trains; nothing is held out"),
 ])
 def test_report_md_states_the_protocol_of_its_split(split, says):
     from tworec.pipeline.report import markdown
