@@ -736,8 +736,8 @@ def test_export_adds_the_title_candidates_the_evaluation_adds(titled, tmp_path, 
     """The `candidates` signature appends to each test user's given list what
     `with_title_candidates` appends offline (the user's seen items left out unless the inputs
     keep them, and items without training rows), "" for a user it does not know and past the
-    similar items; an id outside the catalogue is passed through; without title candidates it answers
-    the given list."""
+    similar items; an id outside the catalogue is passed through; without title candidates it
+    answers the given list."""
     import scipy.sparse as sp
     from tworec.ranking.export import export
     from tworec.ranking.features import with_title_candidates
