@@ -24,7 +24,7 @@ import tensorflow as tf
 from tworec.features.inputs import ModelInputs
 from tworec.features.layers import (UserInputs, hold_model, id_lookup, in_row_blocks,
                                     write_state)
-from tworec.ranking.features import TITLE_SIGNAL, RankingSignals, sum_in_order
+from tworec.ranking.features import TITLE_SIGNAL, RankingSignals, pair_keys, sum_in_order
 from tworec.ranking.model import RankingModel
 from tworec.serving.layout import write_version, write_warmup_requests
 
@@ -36,12 +36,13 @@ PAIRS_PER_BLOCK = 1 << 13
 
 def pair_table(matrix: sp.csr_matrix) -> tf.lookup.StaticHashTable:
     """(row * V + column vocabulary index) int64 -> float32 value of a [V, V] matrix (transition
-    counts, similarities), 0 when absent."""
-    coo = matrix.tocoo()
-    keys = coo.row.astype(np.int64) * matrix.shape[1] + coo.col
+    counts, similarities), 0 when absent. The keys and values of `pair_keys`: their last key,
+    which no lookup reaches, keeps the table of a matrix without entries (no user with two
+    training rows: no transitions) importable."""
+    keys, values = pair_keys(matrix)
     return tf.lookup.StaticHashTable(
-        tf.lookup.KeyValueTensorInitializer(tf.constant(keys, tf.int64),
-                                            tf.constant(coo.data, tf.float32)), default_value=0.0)
+        tf.lookup.KeyValueTensorInitializer(tf.constant(keys), tf.constant(values)),
+        default_value=0.0)
 
 
 def neighbor_arrays(matrix: sp.csr_matrix) -> tuple[np.ndarray, np.ndarray]:

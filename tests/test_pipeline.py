@@ -602,6 +602,24 @@ def test_an_approximate_index_is_scored_as_served_and_against_the_exact_lists():
     assert figures["ndcg@10"] == pytest.approx(0.5 / np.log2(2 + 2))        # a at rank 2
 
 
+@pytest.mark.parametrize("protocol, rows_per_user", [("latest", 2), ("temporal", 3)])
+def test_a_run_whose_users_each_train_on_one_row_serves_the_keras_ranker(tmp_path, protocol,
+                                                                         rows_per_user):
+    """Every user's training holds one row, so no item follows another there: the ranking
+    export's transition table has no entry, and still loads and serves the Keras scores."""
+    from tworec.pipeline import PIPELINE, execute, prepare_run, resolve
+    rng = np.random.default_rng(0)
+    rows = [f"u{user},i{rng.integers(30)},{100 * user + at}"
+            for user in range(40) for at in range(rows_per_user)]
+    (tmp_path / "log.csv").write_text("\n".join(["user_id,item_id,timestamp", *rows]) + "\n")
+    run = prepare_run(str(tmp_path / "run"), {"data": str(tmp_path / "log.csv")},
+                      resolve("tiny", data={"split": protocol}), verbose=0)
+    assert len(run.parts.train) == 40 and not run.signals
+    report = execute(run, PIPELINE)
+    assert run.signals.transitions.nnz == 0
+    assert report["serving"]["ranking_export_max_abs_diff"] < 1e-4
+
+
 @pytest.mark.parametrize("protocol", ["latest", "none"])
 def test_a_run_without_test_rows_checks_the_ranking_export_on_each_users_latest_state(
         tmp_path, monkeypatch, protocol):

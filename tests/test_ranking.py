@@ -731,6 +731,22 @@ def test_export_serves_the_keras_scores(inputs, titled, signal, transitions_only
     assert_holds_the_weights_alone(path, model)
 
 
+def test_a_pair_table_of_a_matrix_without_entries_loads_and_answers_zero():
+    """No user with two training rows gives no transitions: the export's table still loads
+    (TF refuses to import no keys) and answers 0, as `pair_values` does."""
+    import scipy.sparse as sp
+    from tworec.ranking.export import pair_table
+    from tworec.ranking.features import pair_keys, pair_values
+    previous, candidates = np.array([[0, 2]]), np.array([[1, 2, 0]])
+    keys = previous[:, :, None] * 3 + candidates[:, None, :]
+    for matrix in (sp.csr_matrix((3, 3), dtype=np.float32),
+                   sp.csr_matrix(np.array([[0, 2, 0], [0, 0, 0], [5, 0, 1]], np.float32))):
+        served = pair_table(matrix).lookup(tf.constant(keys)).numpy()
+        np.testing.assert_array_equal(served, pair_values(pair_keys(matrix), 3, previous,
+                                                          candidates))
+    assert served.tolist() == [[[2, 0, 0], [0, 1, 5]]]
+
+
 @pytest.mark.parametrize("exclude_seen", [True, False], ids=["seen-excluded", "seen-kept"])
 def test_export_adds_the_title_candidates_the_evaluation_adds(titled, tmp_path, exclude_seen):
     """The `candidates` signature appends to each test user's given list what
