@@ -2,7 +2,7 @@
 
 - `temporal`: per user, sorted by time with ties kept in log order: the last interaction is
   test, the second-last validation, the rest train. Users with fewer than 3 interactions stay
-  wholly in train and are counted.
+  wholly in train and are counted (`require_held_out`: a run refuses a log with no user of 3).
 - `random`: the TFRS tutorials' protocol, an 80/20 shuffle with a seed (42); no validation.
 - `global[:Q]` (Q = 0.9 by default): every row after the Q-quantile of timestamps is test; of
   the rows before it, those after the Q-quantile of their own timestamps are validation, the
@@ -11,7 +11,8 @@
 - `latest`: per user, the last interaction is validation, the rest train; nothing is tested.
   The deployment run of the recipe `temporal` evaluates, one row later: the models train and
   stop early, and the ranker is calibrated, as there, and the exports know every row. Users
-  with a single interaction stay wholly in train and are counted.
+  with a single interaction stay wholly in train and are counted (a run refuses a log of such
+  users alone).
 - `none`: every row is train; nothing is held out (a deployment run without validation).
 - `cutoff`: everything before a global timestamp is train, the rest test.
 """
@@ -132,6 +133,19 @@ def latest_split(interactions: Interactions) -> Split:
     return Split("latest", np.flatnonzero(~eligible | (from_end >= 1)),
                  np.flatnonzero(eligible & (from_end == 0)), np.zeros(0, dtype=np.int64),
                  short_users=short_users(interactions, VALIDATED_FROM))
+
+
+def require_held_out(parts: Split) -> None:
+    """Raises DataError when `temporal` holds no row out to test, or `latest` none to validate
+    on: no user of the log has enough rows, and a run would measure, or calibrate, nothing."""
+    if parts.kind == "temporal" and not len(parts.test):
+        raise DataError(f"split 'temporal': no user has {HELD_OUT_FROM} or more rows, which "
+                        "leaves nothing to test; use split 'latest' (validates on each user's "
+                        "last row) or 'none'")
+    if parts.kind == "latest" and not len(parts.validation):
+        raise DataError(f"split 'latest': no user has {VALIDATED_FROM} or more rows, which "
+                        "leaves nothing to validate, stop early or calibrate on; use split "
+                        "'none'")
 
 
 def short_users(interactions: Interactions, minimum: int) -> int:

@@ -17,6 +17,7 @@ import numpy as np
 from tworec.features import Interactions, Split, load, split
 from tworec.features.interactions import SourceNotFound
 from tworec.features.inputs import MODEL_ITEM_FEATURES
+from tworec.features.splits import require_held_out
 from tworec.features.sources import (has_fixed_columns, is_release, release_gaps,
                                      tie_order_notes, unread_columns_note)
 from tworec.pipeline import config as run_config, report as run_report
@@ -164,6 +165,7 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
     configs, source = dataclasses.replace(configs, run=run), {**source,
                                                               "fingerprint": log_fingerprint}
     parts = split(log, configs.data.split)
+    require_held_out(parts)
     if not continue_run:                                   # a continued run keeps its model
         retrieval, lowered = configs.retrieval.for_training_rows(len(parts.train))
         configs, notices = dataclasses.replace(configs, retrieval=retrieval), notices + lowered

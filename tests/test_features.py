@@ -385,6 +385,33 @@ def test_latest_split_validates_on_each_users_last_row_and_tests_nothing():
     assert parts.fit.tolist() == list(range(6))                 # the exports know every row
 
 
+@pytest.mark.parametrize("kind, rows_per_user, message", [
+    ("temporal", 2, "split 'temporal': no user has 3 or more rows, which leaves nothing to "
+                    "test; use split 'latest' (validates on each user's last row) or 'none'"),
+    ("latest", 1, "split 'latest': no user has 2 or more rows, which leaves nothing to "
+                  "validate, stop early or calibrate on; use split 'none'")])
+def test_a_split_that_holds_nothing_out_is_refused_for_a_run_in_one_line(kind, rows_per_user,
+                                                                          message):
+    """No user with enough rows: `temporal` tests nothing and `latest` validates nothing, so a
+    run refuses them, naming the split that works; one user with a row more holds that row
+    out, and the run goes on."""
+    from tworec.features.interactions import Interactions
+    from tworec.features.splits import require_held_out
+    user = np.repeat(np.arange(3), rows_per_user)
+    log = Interactions(user_ids=np.array(["a", "b", "c"]), item_ids=np.array(["x", "y"]),
+                       user=user, item=np.arange(len(user)) % 2, timestamp=np.arange(len(user)))
+    parts = split(log, kind)
+    assert not len(parts.test) and len(parts.train) == len(user)
+    with pytest.raises(DataError) as refused:
+        require_held_out(parts)
+    assert str(refused.value) == message
+    longer = dataclasses.replace(log, user=np.append(user, 2), item=np.append(log.item, 0),
+                                 timestamp=np.append(log.timestamp, 100))
+    held = split(longer, kind)
+    require_held_out(held)
+    assert (held.test if kind == "temporal" else held.validation).tolist() == [len(user)]
+
+
 def test_random_split(log):
     parts = split(log, "random", seed=42)
     assert len(parts.train) == round(0.8 * len(log)) and len(parts.validation) == 0

@@ -292,6 +292,10 @@ def test_train_ranking_reuses_a_retrieval_run_and_matches_the_pipeline(run, retr
                             "OUT/new"], "mixed_precision with strategy 'parameter_server'"),
     ("pipeline.py", ["--data", "OUT/semicolons.csv", "--delimiter", ",", "--out", "OUT/new"],
      "does not split the header"),
+    ("pipeline.py", ["--data", "OUT/pairs.csv", "--out", "OUT/new"],
+     "split 'temporal': no user has 3 or more rows"),
+    ("pipeline.py", ["--data", "OUT/singles.csv", "--split", "latest", "--out", "OUT/new"],
+     "split 'latest': no user has 2 or more rows"),
     ("pipeline.py", ["--top-k", "0", "--out", "OUT/new"],
      "--top-k (candidates) must be positive, got 0"),
     ("pipeline.py", ["--top-n", "0", "--out", "OUT/new"],
@@ -315,6 +319,8 @@ def test_script_mistakes_fail_before_training_with_one_line(tmp_path, name, args
     (tmp_path / "a-folder").mkdir()
     (tmp_path / "a-folder" / "notes.txt").write_text("mine")
     (tmp_path / "semicolons.csv").write_text("user_id;item_id;timestamp\nu1;i1;1\nu1;i2;2\n")
+    (tmp_path / "pairs.csv").write_text("user_id,item_id,timestamp\nu1,i1,1\nu1,i2,2\n")
+    (tmp_path / "singles.csv").write_text("user_id,item_id,timestamp\nu1,i1,1\nu2,i2,2\n")
     done = script(name, *(arg.replace("OUT", str(tmp_path)) for arg in args), timeout=60)
     assert done.returncode == 2, done.stderr[-2000:]
     assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr

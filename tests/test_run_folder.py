@@ -48,12 +48,13 @@ def write_log(path, changed: str | None = None) -> str:
 
 
 def trained_run(out, log: str, report: bool = True, columns: dict = COLUMNS,
-                recorded: dict | None = None) -> None:
-    """Writes what a finished retrieval run on `log` with `columns` leaves for a continued run
-    to check: config.json (with the log's fingerprint, a chosen cold-start window and the
-    source's fields replaced by `recorded`) and, with `report`, a report.json with retrieval's
-    results."""
-    checked = folder.check_run(str(out), {"data": log, "columns": columns}, config.resolve("tiny"))
+                recorded: dict | None = None, split: str = "temporal") -> None:
+    """Writes what a finished retrieval run on `log` with `columns` and `split` leaves for a
+    continued run to check: config.json (with the log's fingerprint, a chosen cold-start window
+    and the source's fields replaced by `recorded`) and, with `report`, a report.json with
+    retrieval's results."""
+    checked = folder.check_run(str(out), {"data": log, "columns": columns},
+                               config.resolve("tiny", data={"split": split}))
     configs = checked.configs
     configs = dataclasses.replace(configs, data=dataclasses.replace(configs.data,
                                                                     cold_start_window=1.0))
@@ -539,7 +540,7 @@ def test_a_continued_run_from_another_folder_says_its_tfds_data_dir_is_relative(
     monkeypatch.chdir(made_here)
     with tfds.testing.mock_data(num_examples=300):
         trained_run(tmp_path / "run", "tfds:movielens/100k-ratings", columns={},
-                    recorded={"data_dir": "tfds"})
+                    recorded={"data_dir": "tfds"}, split="none")   # mock users have < 3 rows
     monkeypatch.chdir(tmp_path)
     with pytest.raises(DataError) as error:
         continue_run(tmp_path / "run")
