@@ -137,5 +137,7 @@ def seen_served(item_ids: np.ndarray, catalogue: np.ndarray, seen: sp.csr_matrix
     items ([u, num_items] CSR over the catalogue ids [num_items])."""
     codes = catalogue_codes(item_ids, catalogue)
     real = codes >= 0
+    if not real.any():                # empty lists: users who have seen every item
+        return 0
     rows = np.repeat(np.arange(len(item_ids)), item_ids.shape[1]).reshape(item_ids.shape)
     return int((np.asarray(seen[rows[real], codes[real]]).ravel() > 0).sum())

@@ -596,6 +596,8 @@ def test_seen_items_served_are_counted():
     seen = sp.csr_matrix(np.array([[1, 0, 0, 0], [0, 0, 1, 1]], np.float32))
     assert served.seen_served(np.array([["y", "z"], ["x", ""]]), catalogue, seen) == 0
     assert served.seen_served(np.array([["x", "z"], ["w", "z"]]), catalogue, seen) == 3
+    # Users who have seen every item are served empty lists: nothing of theirs is counted.
+    assert served.seen_served(np.array([["", ""], ["", ""]]), catalogue, seen) == 0
 
 
 def test_an_approximate_index_is_scored_as_served_and_against_the_exact_lists():
