@@ -43,6 +43,14 @@ class EvalSet:
         return len(self.rows)
 
     @property
+    def seen_targets(self) -> np.ndarray:
+        """[m] bool: whether the held-out item is one its user already had (a repeat). With
+        seen items excluded, such a row is a miss at every K for every model."""
+        if not len(self.targets):         # scipy gives no array for no pairs
+            return np.zeros(0, bool)
+        return np.asarray(self.history[np.arange(len(self.targets)), self.targets]).ravel() > 0
+
+    @property
     def excluded(self) -> sp.csr_matrix:
         """[m, num_items] CSR of the items not to rank: `history`, or none."""
         return self.history if self.exclude_seen else sp.csr_matrix(self.history.shape,

@@ -185,6 +185,22 @@ class Run:
     def test_set(self):
         return eval_set(self.log, self.parts, "test", exclude_seen=self.inputs.exclude_seen)
 
+    def repeat_notices(self) -> list[str]:
+        """What share of each held-out part's rows hold an item their user already had: with
+        seen items excluded no model can serve it, so each is a miss (none when kept)."""
+        notices = []
+        for part in ("validation", "test") if self.inputs.exclude_seen else ():
+            if not len(getattr(self.parts, part)):
+                continue
+            repeats = eval_set(self.log, self.parts, part).seen_targets
+            if repeats.any():
+                notices.append(
+                    f"{int(repeats.sum()):,} of {len(repeats):,} {part} rows "
+                    f"({repeats.mean():.1%}) hold an item their user already had: seen items "
+                    "are excluded, as served, so every model misses them; --keep-seen serves "
+                    "and ranks the items users have")
+        return notices
+
     def export_dir(self, name: str = "") -> str:
         return os.path.join(self.out, "export", name)
 
@@ -628,6 +644,9 @@ def start_run(checked: folder.CheckedRun, verbose: int = 1) -> Run:
     result.report["notices"] = kept + [notice for notice in checked.notices if notice not in kept]
     for notice in checked.notices:
         result.say(f"note: {notice}")
+    for notice in result.repeat_notices():
+        if notice not in kept:
+            result.notice(notice)
     if checked.overwrite and not checked.continue_run:
         folder.clear(out)
     if checked.resume == folder.AFTER_RETRIEVAL:

@@ -75,6 +75,18 @@ def test_eval_set_history(log):
     assert eval_set(log, parts, "test", exclude_seen=False).excluded.nnz == 0
 
 
+def test_seen_targets_are_the_rows_whose_user_already_had_the_item(log):
+    """a: x y z w x (x again at the end), b: x y z: the test rows, b's (row 6) then a's (row
+    9): a's repeats x, b's does not; no validation row repeats."""
+    again = Interactions(user_ids=log.user_ids, item_ids=log.item_ids,
+                         user=np.append(log.user, 0), item=np.append(log.item, 0),
+                         timestamp=np.arange(10))
+    parts = split(again, "temporal")
+    assert eval_set(again, parts, "test").seen_targets.tolist() == [False, True]
+    assert eval_set(again, parts, "validation").seen_targets.tolist() == [False, False]
+    assert eval_set(log, split(log, "none"), "test").seen_targets.tolist() == []
+
+
 def test_transitions_and_popularity_by_hand(log):
     parts = split(log, "temporal")
     counts = transition_counts(log, parts.train).toarray()

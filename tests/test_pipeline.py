@@ -589,6 +589,24 @@ def test_the_served_check_fails_on_any_difference_but_a_float_tie():
         served.compare("m", lists, missed, targets)
 
 
+@pytest.mark.parametrize("keep_seen", [False, True], ids=["seen-excluded", "seen-kept"])
+def test_a_run_says_how_many_held_out_rows_repeat_an_item_their_user_had(tmp_path, keep_seen):
+    """A log of repeats (each user x x x x, one user y y y x): with seen items excluded every
+    model misses a held-out row that repeats, and the run says how many there are, before it
+    trains; with seen items kept it says nothing."""
+    from tworec.pipeline import prepare_run, resolve
+    rows = [f"u{user},{'x' if user or at == 3 else 'y'},{10 * user + at}"
+            for user in range(4) for at in range(4)]
+    (tmp_path / "log.csv").write_text("\n".join(["user_id,item_id,timestamp", *rows]) + "\n")
+    run = prepare_run(str(tmp_path / "run"), {"data": str(tmp_path / "log.csv")},
+                      resolve("tiny", data={"exclude_seen": not keep_seen}), verbose=0)
+    repeats = [notice for notice in run.report["notices"] if "already had" in notice]
+    assert repeats == ([] if keep_seen else [
+        f"{count} of 4 {part} rows ({count / 4:.1%}) hold an item their user already had: seen "
+        "items are excluded, as served, so every model misses them; --keep-seen serves and "
+        "ranks the items users have" for count, part in ((4, "validation"), (3, "test"))])
+
+
 def test_seen_items_served_are_counted():
     import scipy.sparse as sp
     from tworec.pipeline import served
