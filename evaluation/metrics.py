@@ -25,6 +25,14 @@ KS = (10, 20, 50, 100)
 MISS = np.iinfo(np.int64).max
 
 
+def entries(matrix: sp.csr_matrix, rows: np.ndarray, columns: np.ndarray) -> np.ndarray:
+    """[n] the values of a sparse matrix at (`rows`, `columns`) [n] (0 where absent), as an
+    array for n = 0 too (scipy gives a sparse matrix for no pairs)."""
+    if not len(rows):
+        return np.zeros(0, matrix.dtype)
+    return np.asarray(matrix[rows, columns]).ravel()
+
+
 def target_ranks(scores: np.ndarray, targets: np.ndarray, excluded: sp.csr_matrix,
                  name: str = "model") -> np.ndarray:
     """Rank of each target among the items not excluded (0 is best), ties counting against it.
@@ -49,7 +57,7 @@ def target_ranks(scores: np.ndarray, targets: np.ndarray, excluded: sp.csr_matri
                          "NaN or infinite scores")
     rows = np.arange(len(targets))
     target_scores = scores[rows, targets]
-    target_excluded = np.asarray(excluded[rows, targets]).ravel() > 0
+    target_excluded = entries(excluded, rows, targets) > 0
     excluded_rows, excluded_cols = excluded.nonzero()
     scores[excluded_rows, excluded_cols] = -np.inf
     ranks = (scores >= target_scores[:, None]).sum(1) - 1                 # the target itself

@@ -43,14 +43,6 @@ class EvalSet:
         return len(self.rows)
 
     @property
-    def seen_targets(self) -> np.ndarray:
-        """[m] bool: whether the held-out item is one its user already had (a repeat). With
-        seen items excluded, such a row is a miss at every K for every model."""
-        if not len(self.targets):         # scipy gives no array for no pairs
-            return np.zeros(0, bool)
-        return np.asarray(self.history[np.arange(len(self.targets)), self.targets]).ravel() > 0
-
-    @property
     def excluded(self) -> sp.csr_matrix:
         """[m, num_items] CSR of the items not to rank: `history`, or none."""
         return self.history if self.exclude_seen else sp.csr_matrix(self.history.shape,
@@ -65,6 +57,17 @@ def known_rows(parts: Split, part: str) -> np.ndarray:
     if part == "validation":
         return parts.train
     raise DataError(f"unknown evaluation part {part!r}; use 'test' or 'validation'")
+
+
+def repeated_targets(interactions: Interactions, parts: Split, part: str) -> np.ndarray:
+    """[m] bool for the rows of `part`: whether the row's item is already among its user's
+    rows known before the part (`known_rows`), as `eval_set`'s history holds them. With seen
+    items excluded, such a row is a miss at every K for every model. Pairs compared as keys,
+    without the [m, num_items] history."""
+    def keys(rows: np.ndarray) -> np.ndarray:
+        return interactions.user[rows].astype(np.int64) * interactions.num_items + \
+            interactions.item[rows]
+    return np.isin(keys(getattr(parts, part)), keys(known_rows(parts, part)))
 
 
 def eval_set(interactions: Interactions, parts: Split, part: str = "test",

@@ -2,7 +2,8 @@
 
 - `temporal`: per user, sorted by time with ties kept in log order: the last interaction is
   test, the second-last validation, the rest train. Users with fewer than 3 interactions stay
-  wholly in train and are counted (`require_held_out`: a run refuses a log with no user of 3).
+  wholly in train and are counted (`require_held_out`: a run refuses a log where no user has
+  3 or more).
 - `random`: the TFRS tutorials' protocol, an 80/20 shuffle with a seed (42); no validation.
 - `global[:Q]` (Q = 0.9 by default): every row after the Q-quantile of timestamps is test; of
   the rows before it, those after the Q-quantile of their own timestamps are validation, the

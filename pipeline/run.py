@@ -23,6 +23,7 @@ from tworec.console import one_line
 from tworec.evaluation import (EvalSet, baseline_ranks, cold_start_window, eval_set,
                                evaluate_ranks, rank_metrics)
 from tworec.evaluation.metrics import paired_bootstrap, row_metrics
+from tworec.evaluation.sets import repeated_targets
 from tworec.features import Interactions, Split, split
 from tworec.features.history import latest_history
 from tworec.features.inputs import EMPTY_SLOT, ModelInputs, prepare
@@ -186,19 +187,18 @@ class Run:
         return eval_set(self.log, self.parts, "test", exclude_seen=self.inputs.exclude_seen)
 
     def repeat_notices(self) -> list[str]:
-        """What share of each held-out part's rows hold an item their user already had: with
-        seen items excluded no model can serve it, so each is a miss (none when kept)."""
+        """How many of each held-out part's rows hold an item already among their user's known
+        rows (`repeated_targets`): with seen items excluded no model can serve it, so each is
+        a miss. None when there are none, or seen items are kept."""
         notices = []
         for part in ("validation", "test") if self.inputs.exclude_seen else ():
-            if not len(getattr(self.parts, part)):
-                continue
-            repeats = eval_set(self.log, self.parts, part).seen_targets
+            repeats = repeated_targets(self.log, self.parts, part)
             if repeats.any():
                 notices.append(
                     f"{int(repeats.sum()):,} of {len(repeats):,} {part} rows "
-                    f"({repeats.mean():.1%}) hold an item their user already had: seen items "
-                    "are excluded, as served, so every model misses them; --keep-seen serves "
-                    "and ranks the items users have")
+                    f"({repeats.mean():.1%}) hold an item already among their user's known "
+                    "rows: seen items are excluded, as served, so every model misses them; "
+                    "--keep-seen serves and ranks the items users have")
         return notices
 
     def export_dir(self, name: str = "") -> str:
@@ -644,8 +644,10 @@ def start_run(checked: folder.CheckedRun, verbose: int = 1) -> Run:
     result.report["notices"] = kept + [notice for notice in checked.notices if notice not in kept]
     for notice in checked.notices:
         result.say(f"note: {notice}")
-    for notice in result.repeat_notices():
-        if notice not in kept:
+    for notice in result.repeat_notices():      # a continued run's are in the folder's report
+        if notice in kept:
+            result.say(f"note: {notice}")
+        else:
             result.notice(notice)
     if checked.overwrite and not checked.continue_run:
         folder.clear(out)

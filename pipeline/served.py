@@ -14,6 +14,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from tworec.evaluation import KS, MISS, rank_metrics
+from tworec.evaluation.metrics import entries
 from tworec.serving.client import Client
 
 REQUEST_USERS = 200          # users per request: well inside the server's row limit
@@ -136,8 +137,6 @@ def seen_served(item_ids: np.ndarray, catalogue: np.ndarray, seen: sp.csr_matrix
     """How many served items [u, n] (ids; "" for an empty slot) are among the users' seen
     items ([u, num_items] CSR over the catalogue ids [num_items])."""
     codes = catalogue_codes(item_ids, catalogue)
-    real = codes >= 0
-    if not real.any():                # empty lists: users who have seen every item
-        return 0
+    real = codes >= 0                     # none in the empty lists of users who saw every item
     rows = np.repeat(np.arange(len(item_ids)), item_ids.shape[1]).reshape(item_ids.shape)
-    return int((np.asarray(seen[rows[real], codes[real]]).ravel() > 0).sum())
+    return int((entries(seen, rows[real], codes[real]) > 0).sum())

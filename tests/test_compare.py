@@ -211,7 +211,7 @@ def test_each_run_is_the_model_a_run_trains_with_its_early_stopping_and_seen_ite
     assert prepared == [{"exclude_seen": False, "cold_start_window": 0.5}]
     assert result["cold_start_window"] == 0.5
     stopped = result["arms"]["a"]["runs"][0]          # its best epoch is not its last
-    assert stopped["best_epoch"] < stopped["epochs"] < 10
+    assert stopped["best_epoch"] < stopped["epochs"]
     assert result["early_stopping"] and result["epoch_choice_differs"]
     inputs = prepare(log, split(log, "temporal"), configs.data.history_length,
                      exclude_seen=False, cold_start_window=0.5)

@@ -24,6 +24,7 @@ def test_target_ranks_exclude_seen_items_and_a_seen_target_is_a_miss():
     # a seen target misses even at a K beyond the catalogue (4 items): it is never served
     assert rank_metrics(ranks, ks=(10,)) == {"recall@10": pytest.approx(2 / 3),
                                              "ndcg@10": pytest.approx((1 / np.log2(3) + 1) / 3)}
+    assert target_ranks(scores[:0], np.zeros(0, np.int64), seen[:0]).tolist() == []  # no rows
 
 
 def test_ties_count_against_the_target():
@@ -75,16 +76,19 @@ def test_eval_set_history(log):
     assert eval_set(log, parts, "test", exclude_seen=False).excluded.nnz == 0
 
 
-def test_seen_targets_are_the_rows_whose_user_already_had_the_item(log):
-    """a: x y z w x (x again at the end), b: x y z: the test rows, b's (row 6) then a's (row
-    9): a's repeats x, b's does not; no validation row repeats."""
+def test_repeated_targets_are_rows_whose_item_their_user_already_had(log):
+    """a: x y z w, then x again; b: x y z, then w twice. The test rows (a's x, b's second w)
+    repeat an item known before them: a's from training, b's from validation, which the test
+    part knows too. The validation rows (a's w, b's first w) repeat nothing of training."""
+    from tworec.evaluation.sets import repeated_targets
     again = Interactions(user_ids=log.user_ids, item_ids=log.item_ids,
-                         user=np.append(log.user, 0), item=np.append(log.item, 0),
-                         timestamp=np.arange(10))
+                         user=np.append(log.user, [0, 1, 1]), item=np.append(log.item, [0, 3, 3]),
+                         timestamp=np.arange(12))
     parts = split(again, "temporal")
-    assert eval_set(again, parts, "test").seen_targets.tolist() == [False, True]
-    assert eval_set(again, parts, "validation").seen_targets.tolist() == [False, False]
-    assert eval_set(log, split(log, "none"), "test").seen_targets.tolist() == []
+    assert parts.test.tolist() == [9, 11] and parts.validation.tolist() == [3, 10]
+    assert repeated_targets(again, parts, "test").tolist() == [True, True]
+    assert repeated_targets(again, parts, "validation").tolist() == [False, False]
+    assert repeated_targets(log, split(log, "none"), "test").tolist() == []
 
 
 def test_transitions_and_popularity_by_hand(log):

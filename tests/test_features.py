@@ -401,7 +401,8 @@ def test_a_split_that_holds_nothing_out_is_refused_for_a_run_in_one_line(kind, r
     log = Interactions(user_ids=np.array(["a", "b", "c"]), item_ids=np.array(["x", "y"]),
                        user=user, item=np.arange(len(user)) % 2, timestamp=np.arange(len(user)))
     parts = split(log, kind)
-    assert not len(parts.test) and len(parts.train) == len(user)
+    held_out = parts.test if kind == "temporal" else parts.validation
+    assert not len(held_out) and len(parts.train) == len(user)
     with pytest.raises(DataError) as refused:
         require_held_out(parts)
     assert str(refused.value) == message

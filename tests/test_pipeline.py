@@ -600,11 +600,12 @@ def test_a_run_says_how_many_held_out_rows_repeat_an_item_their_user_had(tmp_pat
     (tmp_path / "log.csv").write_text("\n".join(["user_id,item_id,timestamp", *rows]) + "\n")
     run = prepare_run(str(tmp_path / "run"), {"data": str(tmp_path / "log.csv")},
                       resolve("tiny", data={"exclude_seen": not keep_seen}), verbose=0)
-    repeats = [notice for notice in run.report["notices"] if "already had" in notice]
+    repeats = [notice for notice in run.report["notices"] if "known rows" in notice]
     assert repeats == ([] if keep_seen else [
-        f"{count} of 4 {part} rows ({count / 4:.1%}) hold an item their user already had: seen "
-        "items are excluded, as served, so every model misses them; --keep-seen serves and "
-        "ranks the items users have" for count, part in ((4, "validation"), (3, "test"))])
+        f"{count} of 4 {part} rows ({count / 4:.1%}) hold an item already among their user's "
+        "known rows: seen items are excluded, as served, so every model misses them; "
+        "--keep-seen serves and ranks the items users have"
+        for count, part in ((4, "validation"), (3, "test"))])
 
 
 def test_seen_items_served_are_counted():

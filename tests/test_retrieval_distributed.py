@@ -79,6 +79,12 @@ print("RESULT", json.dumps({"metrics": evaluate_model(model, data, "test", ks=(1
 """
 
 
+# Two replicas sum gradients in another order than one device: after four epochs of Adam
+# the per-epoch losses were seen 4e-5 apart (relative) on AMD EPYC cores. A replica's softmax
+# over its own half of the batch is 9.5% off; half the logged loss, 50%.
+LOSS_ROUNDING = 2e-4
+
+
 def result_of(stdout: str) -> dict:
     line = next(l for l in stdout.splitlines() if l.startswith("RESULT"))
     return json.loads(line[len("RESULT "):])
@@ -105,12 +111,11 @@ def test_one_sgd_step_under_mirrored_strategy_equals_one_device(one_device_and_m
 @pytest.mark.parametrize("members", [1, 2])
 def test_mirrored_strategy_trains_as_one_device(one_device_and_mirrored, members):
     """Four epochs of Adam from the same initial weights on the same batches: the same
-    per-epoch losses (to float rounding: the replicas sum the gradients in another order, and
-    after four epochs the losses were seen 4e-5 apart on AMD EPYC cores) and metrics."""
+    per-epoch losses (to float rounding, `LOSS_ROUNDING`) and metrics."""
     results = one_device_and_mirrored
     assert results[f"mirrored_{members}_replicas"] == 2
     assert results[f"mirrored_{members}_loss"] == pytest.approx(
-        results[f"default_{members}_loss"], rel=2e-4), results
+        results[f"default_{members}_loss"], rel=LOSS_ROUNDING), results
     assert results[f"mirrored_{members}"]["recall@10"] > \
         1.5 * results["popularity"]["recall@10"], results
     for metric in ("recall@10", "recall@50"):
@@ -149,7 +154,8 @@ def test_two_worker_processes_train_one_model_that_matches_one_device(one_device
     assert chief["replicas"] == 2 and chief["epochs"] == 4
     assert chief["metrics"] == other["metrics"]            # one model, kept in sync
     default = one_device_and_mirrored["default_1"]              # the same global batches
-    assert chief["loss"] == pytest.approx(one_device_and_mirrored["default_1_loss"], rel=1e-5)
+    assert chief["loss"] == pytest.approx(one_device_and_mirrored["default_1_loss"],
+                                          rel=LOSS_ROUNDING)
     for metric in ("recall@10", "recall@50"):
         assert abs(default[metric] - chief["metrics"][metric]) <= 0.01, (default, chief)
     assert (tmp_path / "run" / "retrieval_config.json").exists()
