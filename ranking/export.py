@@ -37,8 +37,8 @@ PAIRS_PER_BLOCK = 1 << 13
 def pair_table(matrix: sp.csr_matrix) -> tf.lookup.StaticHashTable:
     """(row * V + column vocabulary index) int64 -> float32 value of a [V, V] matrix (transition
     counts, similarities), 0 when absent. The keys and values of `pair_keys`: their last key,
-    which no lookup reaches, lets TF build the table of a matrix without entries (no user
-    with two training rows: no transitions), as it imports no table of no keys."""
+    which no lookup reaches, gives a matrix without entries (no user with two training rows:
+    no transitions) a table TF can build, as it imports no table of no keys."""
     keys, values = pair_keys(matrix)
     return tf.lookup.StaticHashTable(
         tf.lookup.KeyValueTensorInitializer(tf.constant(keys), tf.constant(values)),

@@ -196,7 +196,7 @@ def test_each_run_is_the_model_a_run_trains_with_its_early_stopping_and_seen_ite
     log = load("synthetic:tiny")
     configs = resolve("tiny", epochs=10, steps=("train retrieval",), data={"exclude_seen": False},
                       retrieval={"early_stopping_patience": 2, "learning_rate": 0.1,
-                                 "batch_size": 32})     # a setting that stops early
+                                 "batch_size": 32})     # its best epoch is not its last
     prepared = []
 
     def spy(*args, **kwargs):

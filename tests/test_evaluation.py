@@ -88,6 +88,9 @@ def test_repeated_targets_are_rows_whose_item_their_user_already_had(log):
     assert parts.test.tolist() == [9, 11] and parts.validation.tolist() == [3, 10]
     assert repeated_targets(again, parts, "test").tolist() == [True, True]
     assert repeated_targets(again, parts, "validation").tolist() == [False, False]
+    parts = split(log, "temporal")      # a's w, b's z: z is known, to a and c, not to b
+    assert repeated_targets(log, parts, "test").tolist() == [False, False]
+    assert repeated_targets(log, parts, "validation").tolist() == [False, False]
     assert repeated_targets(log, split(log, "none"), "test").tolist() == []
 
 

@@ -575,6 +575,24 @@ def test_a_continued_run_keeps_the_folders_notices_and_says_its_own_once(tmp_pat
     assert any(notice.startswith(folder.RANKING_CONFIG_NOTICE) for notice in continued.notices)
 
 
+def test_a_continued_run_says_the_folders_repeat_notice_again_and_records_it_once(
+        tmp_path, monkeypatch, capsys):
+    """A repeat notice (`Run.repeat_notices`) describes the log, not a command: a continued
+    run finds it in the folder's report, keeps it once and prints it again; a new one is added
+    and printed once."""
+    from tworec.pipeline import run as run_module
+    trained_run(tmp_path / "run", write_log(tmp_path / "log.csv"))
+    repeats = ["3 of 60 test rows (5.0%) hold an item already among their user's known rows",
+               "2 of 60 validation rows (3.3%) hold an item already among their user's known rows"]
+    monkeypatch.setattr(run_module.Run, "repeat_notices", lambda run: repeats)
+    (tmp_path / "run" / "report.json").write_text(json.dumps(
+        {"retrieval": {"test": None}, "notices": repeats[:1]}))
+    started = run_module.start_run(continue_run(tmp_path / "run"))
+    printed = capsys.readouterr().out
+    assert [started.report["notices"].count(notice) for notice in repeats] == [1, 1]
+    assert [printed.count(f"note: {notice}") for notice in repeats] == [1, 1]
+
+
 def test_a_strategy_is_checked_against_tf_config_before_the_log_loads(tmp_path, monkeypatch):
     """The parameter-server strategy failed after the log loaded and left a folder its
     command could never resume; multi_worker without a cluster trained on one machine
