@@ -208,10 +208,12 @@ def validation_split(log: Interactions, configs: Configs, arms: list[Arm]) -> Sp
     for arm in arms:
         arm_config = _checked(arm, configs, log)
         if arm_config.retrieval.batch_size > len(parts.train):
-            whose = (f"arm {arm.name!r}" if arm.stage == "retrieval" else
-                     f"the retrieval config whose lists arm {arm.name!r} re-ranks")
+            whose, field = ((f"arm {arm.name!r}", "batch_size") if arm.stage == "retrieval" else
+                            (f"the retrieval config whose lists arm {arm.name!r} re-ranks",
+                             "retrieval.batch_size"))
             raise ValueError(f"{whose}: batch_size {arm_config.retrieval.batch_size} is larger "
-                             f"than the training split ({len(parts.train)} rows)")
+                             f"than the training split ({len(parts.train)} rows); give the "
+                             f"arm {field}={len(parts.train)} or less")
     return parts
 
 
