@@ -189,7 +189,7 @@ class Run:
     def repeat_notices(self) -> list[str]:
         """How many of each held-out part's rows hold an item already among their user's known
         rows (`repeated_targets`): with seen items excluded no model can serve it, so each is
-        a miss. None when there are none, or seen items are kept."""
+        a miss. Empty when there are none, or seen items are kept."""
         notices = []
         for part in ("validation", "test") if self.inputs.exclude_seen else ():
             repeats = repeated_targets(self.log, self.parts, part)
@@ -197,8 +197,8 @@ class Run:
                 notices.append(
                     f"{int(repeats.sum()):,} of {len(repeats):,} {part} rows "
                     f"({repeats.mean():.1%}) hold an item already among their user's known "
-                    "rows: seen items are excluded, as served, so every model misses them; "
-                    "--keep-seen serves and ranks the items users have")
+                    "rows: seen items are excluded, as served, so every model misses them; a "
+                    "run with --keep-seen serves and ranks the items users have")
         return notices
 
     def export_dir(self, name: str = "") -> str:
@@ -631,8 +631,9 @@ def prepare_run(out: str, source: dict, configs: Configs, verbose: int = 1,
 
 
 def start_run(checked: folder.CheckedRun, verbose: int = 1) -> Run:
-    """The run of a checked folder: the log split and prepared, the folder cleared when it is
-    replaced, and its config.json written."""
+    """The run of a checked folder: the log split and prepared, its notices recorded and
+    printed (with how many held-out rows repeat a known item, `Run.repeat_notices`), the folder
+    cleared when it is replaced, and its config.json written."""
     out = checked.out
     result = Run(out, checked.log, checked.configs, checked.source, verbose=verbose,
                  report=checked.report, parts=checked.parts)

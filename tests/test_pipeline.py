@@ -591,7 +591,7 @@ def test_the_served_check_fails_on_any_difference_but_a_float_tie():
 
 @pytest.mark.parametrize("keep_seen", [False, True], ids=["seen-excluded", "seen-kept"])
 def test_a_run_says_how_many_held_out_rows_repeat_an_item_their_user_had(tmp_path, keep_seen):
-    """A log of repeats (each user x x x x, one user y y y x): with seen items excluded every
+    """A log of repeats (three users x x x x, one y y y x): with seen items excluded every
     model misses a held-out row that repeats, and the run says how many there are, before it
     trains; with seen items kept it says nothing."""
     from tworec.pipeline import prepare_run, resolve
@@ -603,8 +603,8 @@ def test_a_run_says_how_many_held_out_rows_repeat_an_item_their_user_had(tmp_pat
     repeats = [notice for notice in run.report["notices"] if "known rows" in notice]
     assert repeats == ([] if keep_seen else [
         f"{count} of 4 {part} rows ({count / 4:.1%}) hold an item already among their user's "
-        "known rows: seen items are excluded, as served, so every model misses them; "
-        "--keep-seen serves and ranks the items users have"
+        "known rows: seen items are excluded, as served, so every model misses them; a run "
+        "with --keep-seen serves and ranks the items users have"
         for count, part in ((4, "validation"), (3, "test"))])
 
 
