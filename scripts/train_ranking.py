@@ -5,7 +5,8 @@ stage over retrieval's top-K, and exports `ranking` and the composed `recommende
         [--task listwise|binary|regression] [--cooccurrence-neighbors K]
         [--title-neighbors K] [--title-candidates E] [--popularity-periods P] [--epochs N]
         [--mixed-precision] [--jit-compile]
-    python scripts/train_ranking.py --data SOURCE --out RUN [--split temporal|random]
+    python scripts/train_ranking.py --data SOURCE --out RUN
+        [--split temporal|random|global[:Q]|latest|none]
         [--preset tiny|default] [--members M] [--top-k 100] ...
 
 With --retrieval-run, the retrieval model trained in RUN (by train_retrieval.py or the

@@ -1,8 +1,9 @@
 """Trains the two-tower retrieval model, evaluates it beside the baselines, tunes a ScaNN index
 and exports `retrieval` (brute force) and `retrieval_scann` SavedModels.
 
-    python scripts/train_retrieval.py --data SOURCE --out RUN [--split temporal|random]
-        [--preset tiny|default] [--epochs N] [--members M]
+    python scripts/train_retrieval.py --data SOURCE --out RUN
+        [--split temporal|random|global[:Q]|latest|none] [--preset tiny|default]
+        [--epochs N] [--members M]
         [--strategy default|mirrored|multi_worker|parameter_server] [--partitioner min_size]
         [--optimizer adam|lazy_adam|adagrad|sgd]
 

@@ -731,9 +731,9 @@ def test_export_serves_the_keras_scores(inputs, titled, signal, transitions_only
     assert_holds_the_weights_alone(path, model)
 
 
-def test_a_pair_table_of_a_matrix_without_entries_loads_and_answers_zero():
-    """No user with two training rows gives no transitions: the export's table still loads
-    (TF refuses to import no keys) and answers 0, as `pair_values` does."""
+def test_a_pair_table_of_a_matrix_without_entries_is_built_and_answers_zero():
+    """No user with two training rows gives no transitions: the export's table is still built
+    (TF refuses to import no keys into it) and answers 0, as `pair_values` does."""
     import scipy.sparse as sp
     from tworec.ranking.export import pair_table
     from tworec.ranking.features import pair_keys, pair_values
