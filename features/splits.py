@@ -137,16 +137,18 @@ def latest_split(interactions: Interactions) -> Split:
 
 
 def require_held_out(parts: Split) -> None:
-    """Raises DataError when `temporal` holds no row out to test, or `latest` none to validate
-    on: no user of the log has enough rows, and a run would measure, or calibrate, nothing."""
-    if parts.kind == "temporal" and not len(parts.test):
-        raise DataError(f"split 'temporal': no user has {HELD_OUT_FROM} or more rows, which "
-                        "leaves nothing to test; use split 'latest' (validates on each user's "
-                        "last row) or 'none'")
+    """Raises DataError when a split holds out nothing it is for: no test row for an
+    evaluating protocol, no validation row for `latest` (no user of the log has enough rows):
+    a run would measure, or calibrate, nothing. `none` holds out nothing by design."""
     if parts.kind == "latest" and not len(parts.validation):
         raise DataError(f"split 'latest': no user has {VALIDATED_FROM} or more rows, which "
                         "leaves nothing to validate, stop early or calibrate on; use split "
                         "'none'")
+    if parts.kind not in ("latest", "none") and not len(parts.test):
+        why = (f"no user has {HELD_OUT_FROM} or more rows" if parts.kind == "temporal" else
+               f"it holds out none of the log's {len(parts.train) + len(parts.validation)} rows")
+        raise DataError(f"split {parts.kind!r}: {why}, which leaves nothing to test; use split "
+                        "'latest' (validates on each user's last row) or 'none'")
 
 
 def short_users(interactions: Interactions, minimum: int) -> int:

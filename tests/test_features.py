@@ -393,8 +393,8 @@ def test_latest_split_validates_on_each_users_last_row_and_tests_nothing():
 def test_a_split_that_holds_nothing_out_is_refused_for_a_run_in_one_line(kind, rows_per_user,
                                                                           message):
     """No user with enough rows: `temporal` tests nothing and `latest` validates nothing, so a
-    run refuses them, naming the split that works; one user with a row more holds that row
-    out, and the run goes on."""
+    run refuses them, naming the split that works (as any split that tests nothing but
+    `none`); one user with a row more holds that row out, and the run goes on."""
     from tworec.features.interactions import Interactions
     from tworec.features.splits import require_held_out
     user = np.repeat(np.arange(3), rows_per_user)
@@ -406,6 +406,10 @@ def test_a_split_that_holds_nothing_out_is_refused_for_a_run_in_one_line(kind, r
     with pytest.raises(DataError) as refused:
         require_held_out(parts)
     assert str(refused.value) == message
+    if kind == "temporal":            # a random split of 2 rows keeps both in train
+        with pytest.raises(DataError, match="^split 'random': it holds out none of the log's 2 "
+                                            "rows, which leaves nothing to test; use split"):
+            require_held_out(split(log.take(np.arange(2)), "random"))
     longer = dataclasses.replace(log, user=np.append(user, 2), item=np.append(log.item, 0),
                                  timestamp=np.append(log.timestamp, 100))
     held = split(longer, kind)
