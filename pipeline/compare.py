@@ -207,13 +207,14 @@ def validation_split(log: Interactions, configs: Configs, arms: list[Arm]) -> Sp
                          "to compare on")
     for arm in arms:
         arm_config = _checked(arm, configs, log)
-        if arm_config.retrieval.batch_size > len(parts.train):
+        try:
+            arm_config.retrieval.require_whole_batch(len(parts.train))
+        except ValueError as error:
             whose, field = ((f"arm {arm.name!r}", "batch_size") if arm.stage == "retrieval" else
                             (f"the retrieval config whose lists arm {arm.name!r} re-ranks",
                              "retrieval.batch_size"))
-            raise ValueError(f"{whose}: batch_size {arm_config.retrieval.batch_size} is larger "
-                             f"than the training split ({len(parts.train)} rows); give the "
-                             f"arm {field}={len(parts.train)} or less")
+            raise ValueError(f"{whose}: {error}; give the arm {field}={len(parts.train)} or "
+                             "less") from None
     return parts
 
 

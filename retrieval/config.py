@@ -79,6 +79,13 @@ class RetrievalConfig:
             raise ValueError("early_stopping_patience must be 0 (off) or positive, got "
                              f"{self.early_stopping_patience}")
 
+    def require_whole_batch(self, rows: int) -> None:
+        """Raises ValueError when `rows` training rows hold no whole batch (an epoch trains on
+        whole batches, and would hold none)."""
+        if rows < self.batch_size:
+            raise ValueError(f"batch_size {self.batch_size} is larger than the training split "
+                             f"({rows} rows)")
+
     def for_training_rows(self, rows: int) -> tuple["RetrievalConfig", list[str]]:
         """The config with its batch lowered to `rows` when larger (an epoch trains on whole
         batches, and would hold none), and a notice when it was lowered."""

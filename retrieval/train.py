@@ -206,11 +206,9 @@ def fit(data: ModelInputs, config: RetrievalConfig, run_dir: str | None = None,
     config.validate(history_length=data.history_length,
                     has_user_features=bool(data.user_feature_vocabs))
     train_rows = data.examples["train"]
+    config.require_whole_batch(len(train_rows["user"]))
     steps = steps_per_epoch or one_pass(len(train_rows["user"]), config.batch_size,
                                         drop_remainder=True)
-    if steps == 0:
-        raise ValueError(f"batch_size {config.batch_size} is larger than the training split "
-                         f"({len(train_rows['user'])} rows)")
     return _fit(data, config, steps, run_dir, verbose,
                 lambda seed: batches(train_rows, config.batch_size, shuffle=True, seed=seed,
                                      epochs=None, drop_remainder=True),
@@ -224,10 +222,8 @@ def fit_prepared(prepared: PreparedLog, config: RetrievalConfig, steps_per_epoch
     (default: one pass over the training rows). No validation runs between epochs
     (`evaluate_prepared` scores a part afterwards). The model computes in float32, as `fit`'s."""
     config.validate(history_length=prepared.history_length)
+    config.require_whole_batch(prepared.train_rows)
     steps = steps_per_epoch or prepared.train_rows // config.batch_size
-    if steps <= 0:
-        raise ValueError(f"batch_size {config.batch_size} is larger than the training split "
-                         f"({prepared.train_rows} rows)")
     return _fit(prepared, config, steps, run_dir, verbose,
                 lambda seed: prepared.training_batches(config.batch_size, seed))
 

@@ -263,6 +263,20 @@ def test_a_model_trains_from_the_stream(folders, members):
     assert 0 < metrics["recall@10"] <= 1
 
 
+def test_a_batch_larger_than_the_training_rows_is_refused_before_training(folders):
+    """An epoch trains on whole batches: with none, both trainers refuse in one message, also
+    when the steps of an epoch are given."""
+    inputs, prepared = folders
+    for data, rows, train in [(inputs, len(inputs.examples["train"]["user"]), fit),
+                              (prepared, prepared.train_rows, fit_prepared)]:
+        config = preset("tiny", batch_size=rows + 1)
+        for steps in (None, 5):
+            with pytest.raises(ValueError, match=rf"^batch_size {rows + 1} is larger than the "
+                                                 rf"training split \({rows} rows\)$"):
+                train(data, config, steps_per_epoch=steps, verbose=0)
+        preset("tiny", batch_size=rows).require_whole_batch(rows)
+
+
 def test_a_held_out_item_outside_the_catalogue_is_a_miss(tmp_path):
     """A user's last row names an item no training row has: it is out of the prepared
     catalogue, so at K = the whole catalogue exactly the other rows whose item is not among
