@@ -509,10 +509,11 @@ class Run:
         export served them) and the title candidates the ranking stage adds to them: what a
         run without test rows checks the ranking export on."""
         fit = self.parts.fit
-        last_row = np.full(self.log.num_users, -1)
-        np.maximum.at(last_row, self.log.user[fit], fit)
-        # a fit row of each user: its user decides the features; its item and rating are unused
-        rows = last_row[users]
+        # a fit row of each user (the one latest in file order): its user decides the features;
+        # its item and rating are unused
+        fit_row = np.full(self.log.num_users, -1)
+        np.maximum.at(fit_row, self.log.user[fit], fit)
+        rows = fit_row[users]
         examples = {**self.inputs.latest_examples(users),
                     "item": self.log.item[rows].astype(np.int64)}
         inputs = dataclasses.replace(
