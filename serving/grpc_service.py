@@ -20,7 +20,7 @@ from tensorflow_serving.apis import (get_model_metadata_pb2, model_management_pb
 
 from tworec.serving.errors import ServingError, truncate
 from tworec.serving.limits import check_elements, default_max_elements, default_max_rows
-from tworec.serving.manager import ModelManager, configs_of_proto
+from tworec.serving.manager import ModelManager, reload_configs
 from tworec.serving.protocol import DEFAULT_SIGNATURE
 from tworec.serving.tensor_proto import to_array
 
@@ -138,7 +138,7 @@ class ModelService(model_service_pb2_grpc.ModelServiceServicer):
     @_aborts_on_error
     def HandleReloadConfigRequest(self, request: model_management_pb2.ReloadConfigRequest,
                                   context) -> model_management_pb2.ReloadConfigResponse:
-        configs = configs_of_proto(request.config)
+        configs = reload_configs(request.config)
         self.manager.check_allowed(configs)
         self.manager.reload(configs)
         return model_management_pb2.ReloadConfigResponse()

@@ -69,15 +69,21 @@ class ModelConfig:
 
 def parse_config(text: str) -> list[ModelConfig]:
     """The models of a text `ModelServerConfig` (only `model_config_list` is supported)."""
+    return configs_of_proto(config_proto(text))
+
+
+def config_proto(text: str) -> model_server_config_pb2.ModelServerConfig:
+    """A text `ModelServerConfig`; INVALID_ARGUMENT when it does not parse."""
     try:
-        proto = text_format.Parse(text, model_server_config_pb2.ModelServerConfig())
+        return text_format.Parse(text, model_server_config_pb2.ModelServerConfig())
     except text_format.ParseError as error:
         raise ServingError("INVALID_ARGUMENT", f"Invalid model config: {error}") from error
-    return configs_of_proto(proto)
 
 
 def configs_of_proto(proto: model_server_config_pb2.ModelServerConfig) -> list[ModelConfig]:
-    """The models of a `ModelServerConfig`; INVALID_ARGUMENT when a name is listed twice."""
+    """The models of a `ModelServerConfig` (none when it sets no config); INVALID_ARGUMENT
+    when a name is listed twice or a model names no platform or one other than tensorflow,
+    as TF Serving refuses them."""
     if proto.WhichOneof("config") == "custom_model_config":
         raise ServingError("UNIMPLEMENTED", "custom_model_config is not supported")
     configs = [_config_of_proto(config) for config in proto.model_config_list.config]
@@ -85,7 +91,27 @@ def configs_of_proto(proto: model_server_config_pb2.ModelServerConfig) -> list[M
     return configs
 
 
-def _config_of_proto(config) -> ModelConfig:
+def reload_configs(proto: model_server_config_pb2.ModelServerConfig) -> list[ModelConfig]:
+    """The models a reload to `proto` serves. FAILED_PRECONDITION, as TF Serving's
+    `ServerCore::ReloadConfig` answers, for a config that sets no model list (an empty
+    request, or a config file emptied or caught half-written): a server serving a list moves
+    only to another list, so nothing is unloaded."""
+    if proto.WhichOneof("config") is None:
+        raise ServingError("FAILED_PRECONDITION", "Cannot transition to requested config. It is "
+                           "only legal to transition from one ModelConfigList to another.")
+    return configs_of_proto(proto)
+
+
+def _config_of_proto(config: model_server_config_pb2.ModelConfig) -> ModelConfig:
+    platform = config.model_platform or (
+        "tensorflow" if config.model_type == model_server_config_pb2.TENSORFLOW else "")
+    if not platform:
+        raise ServingError("INVALID_ARGUMENT", "Illegal setting neither ModelServerConfig::"
+                           "model_type (deprecated) nor ModelServerConfig::model_platform, model "
+                           f'name is {config.name}; set model_platform: "tensorflow"')
+    if platform != "tensorflow":
+        raise ServingError("INVALID_ARGUMENT", f"Model {config.name} requests unsupported "
+                           f'platform {platform}; this server serves model_platform "tensorflow"')
     policy = config.model_version_policy
     choice = policy.WhichOneof("policy_choice") or "latest"
     return ModelConfig(
@@ -357,7 +383,8 @@ class ModelManager:
     def watch_config_file(self, path: str, poll_seconds: float) -> None:
         """Reloads the model list whenever the text config at `path` changes (checked every
         `poll_seconds`, TF Serving's `--model_config_file_poll_wait_seconds`). A config that
-        does not parse is logged and the current one kept."""
+        does not parse or is refused (`reload_configs`: an emptied file) is logged and the
+        current one kept."""
         def loop(mtime: float) -> None:
             while not self._stop.wait(poll_seconds):
                 try:
@@ -365,7 +392,7 @@ class ModelManager:
                         continue
                     mtime = os.path.getmtime(path)
                     with open(path) as f:
-                        self.reload(parse_config(f.read()))
+                        self.reload(reload_configs(config_proto(f.read())))
                 except (OSError, ServingError) as error:
                     log.error("reloading the model config %s failed: %s", path, error)
         threading.Thread(target=loop, args=(os.path.getmtime(path),), name="config-poll",

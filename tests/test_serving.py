@@ -49,6 +49,7 @@ USERS = np.array([f"u{i}" for i in range(6)], dtype=object)
 ITEMS = np.array([f"i{i}" for i in range(12)], dtype=object)
 MAX_REQUEST_BYTES = 1 << 20
 MODELS = ("retrieval", "ranking", "scale")
+PLATFORM = 'model_platform: "tensorflow"'             # what TF Serving needs of each config
 
 
 # ------------------------------------------------------------------ toy SavedModels
@@ -255,11 +256,14 @@ def test_models_config_is_a_model_server_config(tmp_path):
 
 def test_version_policies():
     text = """model_config_list {
-      config { name: "a" base_path: "/a" model_version_policy { latest { num_versions: 2 } } }
-      config { name: "b" base_path: "/b" model_version_policy { all {} } }
-      config { name: "c" base_path: "/c" model_version_policy { specific { versions: 1
-               versions: 3 } } version_labels { key: "stable" value: 1 } }
-      config { name: "d" base_path: "/d" } }"""
+      config { name: "a" base_path: "/a" model_platform: "tensorflow"
+               model_version_policy { latest { num_versions: 2 } } }
+      config { name: "b" base_path: "/b" model_platform: "tensorflow"
+               model_version_policy { all {} } }
+      config { name: "c" base_path: "/c" model_platform: "tensorflow"
+               model_version_policy { specific { versions: 1 versions: 3 } }
+               version_labels { key: "stable" value: 1 } }
+      config { name: "d" base_path: "/d" model_type: TENSORFLOW } }"""
     a, b, c, d = parse_config(text)
     on_disk = [1, 2, 3, 4]
     assert (a.wanted(on_disk), b.wanted(on_disk), c.wanted(on_disk), d.wanted(on_disk)) == (
@@ -1428,23 +1432,47 @@ def test_reload_config_replaces_the_models_and_labels_resolve(swap_server):
     assert unknown.status_code == 400 and "beta" in unknown.json()["error"]
     status = requests.get(f"{rest}/v1/models/other/labels/beta", timeout=10)  # reads no label,
     assert status.json() == requests.get(f"{rest}/v1/models/other", timeout=10).json()  # as TF
-    _reload_config(server, f'config {{ name: "scale" base_path: "{base}" }}')
+    _reload_config(server, f'config {{ name: "scale" base_path: "{base}" {PLATFORM} }}')
     assert _states(server.manager, "scale") == {1: "AVAILABLE"}   # added again: its new state
 
 
 def _reload_config(server: ModelServer, text: str) -> None:
-    config = text_format.Parse(f"model_config_list {{ {text} }}",
+    """Reloads the server's config to the model list `text` over gRPC (`text` empty: a config
+    that sets no model list)."""
+    config = text_format.Parse(f"model_config_list {{ {text} }}" if text else "",
                                model_server_config_pb2.ModelServerConfig())
     with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
         model_service_pb2_grpc.ModelServiceStub(channel).HandleReloadConfigRequest(
             model_management_pb2.ReloadConfigRequest(config=config), timeout=30)
 
 
+@pytest.mark.parametrize("text, code, message", [
+    ("", grpc.StatusCode.FAILED_PRECONDITION, "Cannot transition to requested config. It is "
+     "only legal to transition from one ModelConfigList to another."),
+    ('config { name: "other" base_path: "/other" }', grpc.StatusCode.INVALID_ARGUMENT,
+     "Illegal setting neither ModelServerConfig::model_type (deprecated) nor ModelServerConfig::"
+     'model_platform, model name is other; set model_platform: "tensorflow"'),
+    ('config { name: "other" base_path: "/other" model_platform: "pytorch" }',
+     grpc.StatusCode.INVALID_ARGUMENT, "Model other requests unsupported platform pytorch; this "
+     'server serves model_platform "tensorflow"')])
+def test_a_reload_to_no_model_list_or_platform_is_refused_as_tf_serving_does(
+        swap_server, text, code, message):
+    """An empty reload request would otherwise unload every model; a config naming no platform,
+    or another one, the real binary refuses."""
+    base, server = swap_server
+    with pytest.raises(grpc.RpcError) as error:
+        _reload_config(server, text)
+    assert (error.value.code(), error.value.details()) == (code, message)
+    assert _states(server.manager, "scale") == {1: "AVAILABLE"}
+    with Client(url=f"http://127.0.0.1:{server.rest_port}") as client:
+        assert client.predict("scale", {"x": np.ones(1, np.float32)})["y"].tolist() == [1.0]
+
+
 def test_a_model_listed_twice_is_refused(swap_server, tmp_path):
     base, server = swap_server
     message = "Illegal to list model scale multiple times in config list"
-    twice = f'config {{ name: "scale" base_path: "{base}" }} ' \
-            f'config {{ name: "scale" base_path: "{tmp_path}" }}'
+    twice = f'config {{ name: "scale" base_path: "{base}" {PLATFORM} }} ' \
+            f'config {{ name: "scale" base_path: "{tmp_path}" {PLATFORM} }}'
     with pytest.raises(ServingError) as error:
         parse_config(f"model_config_list {{ {twice} }}")
     assert (error.value.code, error.value.message) == ("INVALID_ARGUMENT", message)
@@ -1488,7 +1516,7 @@ def test_labels_may_only_point_at_available_versions(swap_server):
     rest = f"http://127.0.0.1:{server.rest_port}"
 
     def labelled(labels: dict[str, int]) -> str:
-        return f'config {{ name: "scale" base_path: "{base}" ' + "".join(
+        return f'config {{ name: "scale" base_path: "{base}" {PLATFORM} ' + "".join(
             f'version_labels {{ key: "{k}" value: {v} }} ' for k, v in labels.items()) + "}"
     _reload_config(server, labelled({"stable": 1}))
     with pytest.raises(grpc.RpcError) as error:
@@ -1593,11 +1621,12 @@ def test_config_file_changes_are_picked_up(swap_server, tmp_path):
     os.utime(path, (time.time() + 5, time.time() + 5))
     with Client(url=f"http://127.0.0.1:{server.rest_port}") as client:
         _wait_for(lambda: _available(client, "again"))
-        with open(path, "w") as f:
-            f.write("not a config")
-        os.utime(path, (time.time() + 10, time.time() + 10))
-        time.sleep(0.3)                   # a broken config is logged; the models stay
-        assert _available(client, "again")
+        for later, broken in [(10, "not a config"), (15, "")]:   # a broken or emptied config is
+            with open(path, "w") as f:                          # logged; the models stay
+                f.write(broken)
+            os.utime(path, (time.time() + later, time.time() + later))
+            time.sleep(0.3)
+            assert _available(client, "again") and _available(client, "scale"), repr(broken)
 
 
 def test_json_inputs_are_read_as_tf_serving_reads_them():
