@@ -35,7 +35,9 @@ def default_max_elements(memory_bytes: int | None = None) -> int:
 
 def check_elements(shapes: dict[str, list[int]], max_elements: int) -> None:
     """Refuses (INVALID_ARGUMENT) inputs whose shapes hold more than `max_elements` elements
-    together; checked on the declared shapes, before any input is converted."""
+    together, or an empty input whose other dimensions alone would hold more (no array of
+    such a shape can be made, empty or not); checked on the declared shapes, before any input
+    is converted."""
     from tworec.serving.errors import ServingError
 
     total = sum(math.prod(shape) for shape in shapes.values() if min(shape, default=0) >= 0)
@@ -43,6 +45,12 @@ def check_elements(shapes: dict[str, list[int]], max_elements: int) -> None:
         raise ServingError("INVALID_ARGUMENT", f"The request's inputs have {total} elements; a "
                            f"request may have at most {max_elements} "
                            "(--max_elements_per_request)")
+    for name, shape in shapes.items():
+        spread = math.prod(size for size in shape if size > 0)
+        if min(shape, default=1) == 0 and spread > max_elements:
+            raise ServingError("INVALID_ARGUMENT", f'Input "{name}" has shape {shape}: empty, '
+                               f"but its other dimensions hold {spread} elements; a request may "
+                               f"have at most {max_elements} (--max_elements_per_request)")
 
 
 def check_shape(name: str, shape: list[int], max_rows: int) -> None:

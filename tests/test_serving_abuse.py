@@ -192,6 +192,8 @@ def _proto(dtype, dims: list[int], **values) -> tensor_pb2.TensorProto:
     ("scale", _proto(types_pb2.DT_FLOAT, [2], tensor_content=b"\0" * 12)),
     ("scale", _proto(types_pb2.DT_FLOAT, [-1], float_val=[1.0])),
     ("scale", _proto(types_pb2.DT_FLOAT, [1, 1 << 40], float_val=[1.0])),
+    ("scale", _proto(types_pb2.DT_FLOAT, [0, 1 << 62])),              # no array has this shape
+    ("ranking_user", _proto(types_pb2.DT_STRING, [0, (1 << 63) - 1])),
     ("scale", _proto(types_pb2.DT_VARIANT, [1])),
     ("ranking_user", _proto(types_pb2.DT_STRING, [50], string_val=[b"u1"])),
 ])
