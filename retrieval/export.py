@@ -162,6 +162,8 @@ class RetrievalModule(tf.Module):
         codes = self.item_codes.lookup(history)                                          # [b, L]
         index = tf.where(codes >= 0, tf.gather(self.item_index, tf.maximum(codes, 0)),
                          tf.where(history == "", tf.constant(0, tf.int64), 1))
+        # a history of no items ([b, 0]) is one slot of padding: what the encoders read as none
+        index = tf.pad(index, [[0, 0], [0, tf.maximum(1 - tf.shape(index)[1], 0)]])
         features, _ = self.users(user_id, index)
         given = tf.where(codes >= 0)                          # [n, 2] (row, slot) of known items
         excluded = (given[:, 0], tf.gather_nd(codes, given)) if self.exclude_seen else None

@@ -585,11 +585,13 @@ def test_item_features_read_a_code_outside_the_catalogue_as_an_item_without_rows
     assert not np.allclose(out[0], out[1])
 
 
-def keras_top_k(model, data, users: np.ndarray, k: int, excluded) -> np.ndarray:
-    """[u, k] codes of the Keras towers' top k for user codes `users`, `excluded` ([u, I] 0/1)
-    skipped: the exports' answers, by NumPy."""
+def keras_top_k(model, data, users: np.ndarray, k: int, excluded,
+                history: np.ndarray | None = None) -> np.ndarray:
+    """[u, k] codes of the Keras towers' top k for user codes `users` with their latest
+    histories (or `history`, [u, L] item indices), `excluded` ([u, I] 0/1) skipped: the
+    exports' answers, by NumPy."""
     features = {"user": data.users.remap(data.interactions.user_ids)[users],
-                "history": data.latest[users]}
+                "history": data.latest[users] if history is None else history}
     for name, index in data.user_feature_index.items():
         features[f"user_{name}"] = index[users]
     queries = model.query({key: tf.constant(v) for key, v in features.items()}).numpy()
@@ -632,6 +634,12 @@ def test_brute_force_export_serves_the_keras_top_k_of_unseen_items(trained, tmp_
         passed[row, np.isin(log.item_ids, ids[ids != ""])] = 1
     assert given["item_ids"].astype(str).tolist() == \
         log.item_ids[keras_top_k(model, data, users, 10, passed)].tolist()
+    no_history = keras_top_k(model, data, users, 10, np.zeros_like(seen),
+                             history=np.zeros_like(data.latest[users]))
+    for width in (0, 1):                     # no items, or padding alone: a history of none
+        none = run("with_history", user_id=log.user_ids[users],
+                   history=np.full((len(users), width), "", object))
+        assert none["item_ids"].astype(str).tolist() == log.item_ids[no_history].tolist(), width
     embedded = run("embed_items", item_ids=log.item_ids[:3])["embedding"]
     np.testing.assert_allclose(embedded, candidate_embeddings(model, data.num_items)[:3], atol=1e-5)
     outside = run("embed_items", item_ids=np.array(["no-such-item", ""]))["embedding"]
