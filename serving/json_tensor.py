@@ -112,6 +112,22 @@ def parse_predict(body, signature: meta_graph_pb2.SignatureDef, max_rows: int,
             for name, (value, spec) in values.items()}, row_form
 
 
+_ASCII_SPACE = str.maketrans("", "", " \t\n\v\f\r")         # absl::ascii_isspace
+
+
+def b64_unescape(text: str) -> bytes:
+    """The bytes of base64 `text` as TF Serving reads them (`absl::Base64Unescape`): ASCII
+    whitespace skipped (MIME encoders break lines), padding optional but correct when given,
+    '.' padding as '='. Raises binascii.Error for anything else."""
+    compact = text.translate(_ASCII_SPACE)
+    data = compact.rstrip("=.")
+    padding, wanted = len(compact) - len(data), -len(data) % 4
+    if padding and padding != wanted:
+        raise binascii.Error(f"{padding} padding characters after {len(data)} characters "
+                             f"(they pad to a multiple of 4: {wanted})")
+    return base64.b64decode(data + "=" * wanted, validate=True)
+
+
 def signature_name(body) -> str:
     """The body's `signature_name` ("" when absent, meaning `serving_default`)."""
     name = body.get("signature_name", "") if isinstance(body, dict) else ""
@@ -380,7 +396,7 @@ def _string_leaf(leaf, name: str) -> bytes:
                                f"{error.start} is not valid Unicode text") from error
     if _is_b64(leaf) and isinstance(leaf["b64"], str):
         try:
-            return base64.b64decode(leaf["b64"], validate=True)
+            return b64_unescape(leaf["b64"])
         except binascii.Error as error:
             raise ServingError("INVALID_ARGUMENT", f'Input "{name}": Unable to base64 decode '
                                f"{leaf['b64']!r}: {error}") from error

@@ -12,6 +12,7 @@ The tests then load their models into that server with `HandleReloadConfigReques
 from __future__ import annotations
 
 import base64
+import binascii
 import contextlib
 import json
 import os
@@ -434,6 +435,8 @@ def test_rest_predict_row_and_columnar_forms(server, local):
     assert [row["item_ids"] for row in rows] == ids
     np.testing.assert_allclose([row["scores"] for row in rows], expected["scores"], rtol=1e-6)
     b64 = [{"b64": base64.b64encode(u.encode()).decode()} for u in users]
+    b64[0]["b64"] = b64[0]["b64"].rstrip("=")                 # read as absl reads base64:
+    b64[1]["b64"] = b64[1]["b64"][:2] + "\r\n" + b64[1]["b64"][2:]   # padding optional, spaces
     columns = _predict(rest, "retrieval", {"signature_name": "serving_default",
                                            "inputs": {"user_id": b64}}).json()["outputs"]
     assert columns["item_ids"] == ids
@@ -1651,6 +1654,26 @@ def test_json_inputs_are_read_as_tf_serving_reads_them():
         assert error.value.code == code, (body, dtype)
     assert read(b'{"inputs": [3.4028234e38, 3.5e38]}', tf.float32).tolist() == [
         np.float32(3.4028234e38), np.inf]
+
+
+BASE64_READINGS = [
+    ("dTQwOQ==", b"u409"), ("dTQwOQ", b"u409"), ("dTQwOQ..", b"u409"), ("dTQwOQ=.", b"u409"),
+    ("dTQw\r\nOQ==\n", b"u409"), (" d T Q w O Q = = ", b"u409"), ("", b""), ("dTQw", b"u40"),
+    ("dTQwOQ=", None), ("dTQwOQ===", None), ("dTQw=", None), ("dTQwO", None), ("dTQ=wOQ", None),
+    ("dTQwOQ-_", None), ("%%%", None)]
+
+
+@pytest.mark.parametrize("text, value", BASE64_READINGS,
+                         ids=[repr(text) for text, _ in BASE64_READINGS])
+def test_base64_strings_are_read_as_abseil_reads_them(text, value):
+    """TF Serving's `absl::Base64Unescape`: whitespace skipped, padding optional, but correct
+    when given; nothing outside the standard alphabet."""
+    from tworec.serving.json_tensor import b64_unescape
+    if value is None:
+        with pytest.raises(binascii.Error):
+            b64_unescape(text)
+    else:
+        assert b64_unescape(text) == value
 
 
 class SwappingTransport:
