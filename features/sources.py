@@ -88,9 +88,9 @@ def load(source: str, columns: dict[str, str] | None = None, data_dir: str | Non
     if found is not None:
         return shards.read(found, columns or {})
     if not os.path.exists(source):
-        raise SourceNotFound(f"{source}: no such file or folder (expected a GroupLens release "
-                             "folder or .zip, a .csv/.tsv/.parquet log, a folder or glob of "
-                             ".parquet shards, 'synthetic' or 'tfds:NAME')")
+        raise SourceNotFound(f"{source or repr(source)}: no such file or folder (expected a "
+                             "GroupLens release folder or .zip, a .csv/.tsv/.parquet log, a "
+                             "folder or glob of .parquet shards, 'synthetic' or 'tfds:NAME')")
     if os.path.isdir(source) or source.endswith(".zip"):
         return load_grouplens(source)
     return load_table(source, columns or {}, delimiter)

@@ -100,7 +100,8 @@ def candidates_run(top_k: int) -> dict:
 def source_of(args) -> dict:
     """The data source of parsed arguments, as RUN/config.json records it ("data_dir" only
     when given)."""
-    source = {"data": args.data or "synthetic", "columns": parse_columns(args.columns),
+    source = {"data": "synthetic" if args.data is None else args.data,
+              "columns": parse_columns(args.columns),
               "delimiter": args.delimiter}
     if args.data_dir is not None:
         source["data_dir"] = args.data_dir
@@ -167,7 +168,8 @@ def show_logs(args) -> None:
 
 def data_given(args) -> dict:
     """The data config fields of --split, --keep-seen and --cold-start-window."""
-    return {"split": args.split or "temporal", "exclude_seen": not args.keep_seen,
+    return {"split": "temporal" if args.split is None else args.split,
+            "exclude_seen": not args.keep_seen,
             "cold_start_window": args.cold_start_window}
 
 

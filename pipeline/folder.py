@@ -301,8 +301,13 @@ def only_run_into(out: str):
     while not os.path.exists(path):
         made.append(path)
         path = os.path.dirname(path)
-    os.makedirs(out, exist_ok=True)
-    descriptor = os.open(out, os.O_RDONLY)
+    try:
+        os.makedirs(out, exist_ok=True)
+        descriptor = os.open(out, os.O_RDONLY)
+    except OSError as error:                     # under a file, a read-only place, or ''
+        _remove_empty(made)
+        raise RunFolderError(f"{out or repr(out)}: cannot make this folder "
+                             f"({error.strerror or error}); name one that can be made") from None
     try:
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -314,11 +319,16 @@ def only_run_into(out: str):
         yield
     finally:
         os.close(descriptor)
-        for folder in made:
-            try:
-                os.rmdir(folder)                          # refused once the run wrote in it
-            except OSError:
-                break
+        _remove_empty(made)
+
+
+def _remove_empty(folders: list[str]) -> None:
+    """Removes `folders` (deepest first) while they are empty."""
+    for folder in folders:
+        try:
+            os.rmdir(folder)                              # refused once the run wrote in it
+        except OSError:
+            break
 
 
 def interrupted_retrieval(out: str) -> bool:

@@ -81,7 +81,7 @@ def main(argv=None) -> int:
         return cli.run(args, RANKING_ONLY, continue_run=True, ranking=ranking)
     return cli.run(args, ("train retrieval",) + RANKING_ONLY, ranking=ranking,
                    retrieval=cli.members_given(args),
-                   run=cli.candidates_run(args.top_k or RunConfig.candidates))
+                   run=cli.candidates_run(RunConfig.candidates if args.top_k is None else args.top_k))
 
 
 if __name__ == "__main__":

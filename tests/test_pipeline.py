@@ -272,6 +272,11 @@ def test_train_ranking_reuses_a_retrieval_run_and_matches_the_pipeline(run, retr
     ("pipeline.py", ["--data", "OUT/none.csv", "--out", "OUT/new"], "no such file"),
     ("pipeline.py", ["--data", "synthetic:tiny"], "the following arguments are required: --out"),
     ("pipeline.py", ["--out", "OUT/a-file"], "is a file"),
+    ("pipeline.py", ["--out", "OUT/a-file/run"],
+     "a-file/run: cannot make this folder (Not a directory); name one that can be made"),
+    ("train_retrieval.py", ["--out", ""], "'': cannot make this folder"),
+    ("pipeline.py", ["--data", "", "--out", "OUT/new"], "'': no such file or folder"),
+    ("pipeline.py", ["--split", "", "--out", "OUT/new"], "split '': choose one of"),
     ("pipeline.py", ["--out", "OUT/a-run"], "already holds a run; pass --overwrite"),
     ("pipeline.py", ["--out", "OUT/a-folder"], "other files in it"),
     ("pipeline.py", ["--split", "weekly", "--out", "OUT/new"], "split 'weekly'"),
@@ -304,6 +309,8 @@ def test_train_ranking_reuses_a_retrieval_run_and_matches_the_pipeline(run, retr
      "--top-n (top_n) 10 is more than the 5 candidates"),
     ("train_ranking.py", ["--data", "synthetic:tiny", "--epochs", "0", "--out", "OUT/new"],
      "epochs must be positive"),
+    ("train_ranking.py", ["--top-k", "0", "--out", "OUT/new"],
+     "--top-k (candidates) must be positive, got 0"),
     ("train_ranking.py", ["--task", "regression", "--popularity-periods", "5", "--out",
                           "OUT/new"], "popularity_periods 5: the ranker's task is regression"),
     ("train_ranking.py", ["--task", "regression", "--title-neighbors", "5", "--out",
@@ -330,6 +337,7 @@ def test_script_mistakes_fail_before_training_with_one_line(tmp_path, name, args
     ("pipeline.py", ["--data", "OUT/semicolons.csv", "--delimiter", ",", "--out", "OUT/new"]),
     ("train_ranking.py", ["--retrieval-run", "OUT"]),
     ("pipeline.py", ["--out", "OUT/a-run"]),
+    ("pipeline.py", ["--out", "OUT/a-run/config.json/run"]),
     ("pipeline.py", ["--top-k", "5", "--top-n", "10", "--out", "OUT/new"]),
     ("train_retrieval.py", ["--epochs", "0", "--out", "OUT/new"])])
 def test_script_mistakes_are_found_before_tensorflow_loads(tmp_path, name, args):
