@@ -10,6 +10,7 @@ parsed.
 from __future__ import annotations
 
 import codecs
+import collections
 import dataclasses
 import datetime
 import decimal
@@ -869,7 +870,11 @@ def parse_columns(text: str) -> dict[str, str]:
         role, sep, name = part.partition("=")
         if not sep or not role.strip() or not name.strip():
             raise DataError(f"--columns: {part!r} is not ROLE=COLUMN")
-        mapping[role.strip()] = name.strip()
+        role, name = role.strip(), name.strip()
+        if role in mapping:
+            raise DataError(f"--columns: role {role!r} is given twice ({mapping[role]!r} and "
+                            f"{name!r}); give each role once")
+        mapping[role] = name
     return mapping
 
 
@@ -1168,6 +1173,20 @@ def _resolve_columns(path: str, names: list[str], columns: dict[str, str]) -> Co
         if name not in names:
             raise DataError(f"{path}: missing required column {name!r} (for {role}); "
                             f"columns: {names}")
+    counts = collections.Counter(names)
+    for role, name in mapping.items():
+        if counts[name] > 1:
+            raise DataError(f"{path}: the column {name!r} (for {role}) is in the header "
+                            f"{counts[name]} times; give the columns distinct names")
+    roles_of = collections.defaultdict(list)                  # column -> the core roles it has
+    for role in DEFAULT_COLUMNS:
+        if role in mapping:
+            roles_of[mapping[role]].append(role)
+    for name, roles in roles_of.items():
+        if len(roles) > 1:
+            raise DataError(f"{path}: the column {name!r} would be read as both {roles[0]} and "
+                            f"{roles[1]}; give each of user, item, time and rating a column of "
+                            "its own (--columns ROLE=COLUMN)")
     mapping.unread = mapping.unread_of(names)
     return mapping
 

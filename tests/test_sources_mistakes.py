@@ -537,3 +537,31 @@ def test_binary_ids_are_read_as_utf8_text(tmp_path):
     assert str(error.value) == (f"{path}: column 'user_id' has 2 ids that are not UTF-8 text "
                                 "(first at row 1); write the ids as text (bytes such as UUIDs "
                                 "as hex)")
+
+
+@pytest.mark.parametrize("header, columns, expected", [
+    ("user_id,item_id,timestamp,rating,user_id", {},
+     "the column 'user_id' (for user) is in the header 2 times; give the columns distinct names"),
+    ("user_id,item_id,timestamp,rating,timestamp", {"time": "timestamp"},
+     "the column 'timestamp' (for time) is in the header 2 times"),
+    ("user_id,item_id,timestamp,rating", {"user": "item_id"},
+     "the column 'item_id' would be read as both user and item; give each of user, item, time "
+     "and rating a column of its own (--columns ROLE=COLUMN)"),
+    ("u,i,t,r", {"user": "u", "item": "i", "time": "t", "rating": "t"},
+     "the column 't' would be read as both time and rating")])
+def test_a_column_read_twice_or_for_two_roles_is_refused(tmp_path, header, columns, expected):
+    """Either way one column would silently stand for another: which copy, which role."""
+    fields = len(header.split(","))
+    path = tmp_path / "log.csv"
+    path.write_text(header + "\n" + "".join(",".join([f"u{n}", f"i{n}"] + [str(n + 1)] *
+                                                     (fields - 2)) + "\n" for n in range(3)))
+    with pytest.raises(DataError) as error:
+        load(str(path), columns=columns)
+    assert str(error.value).startswith(f"{path}: {expected}"), str(error.value)
+
+
+def test_a_role_given_twice_in_columns_is_refused():
+    with pytest.raises(DataError, match=r"^--columns: role 'user' is given twice \('a' and 'b'\); "
+                                        "give each role once$"):
+        sources.parse_columns("user=a,item=c,user=b")
+    assert sources.parse_columns(" user = a ,item=c") == {"user": "a", "item": "c"}
