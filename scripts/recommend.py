@@ -69,6 +69,9 @@ def mistake(args: argparse.Namespace) -> str | None:
         return f"{', '.join(ignored)} {verb} with {other}, not {mode}"
     if args.n < 1:
         return f"--n must be at least 1, got {args.n}"
+    if args.url and args.grpc:
+        return ("--url and --grpc exclude each other: give the server's REST address or its "
+                "gRPC one")
     if args.url and not args.url.startswith(("http://", "https://")):
         return f"--url {args.url}: give the scheme too, e.g. http://{args.url}"
     if not args.all:
@@ -86,6 +89,11 @@ def mistake(args: argparse.Namespace) -> str | None:
     folder = os.path.dirname(args.out)
     if folder and not os.path.isdir(folder):
         return f"--out {args.out}: the folder {folder} does not exist"
+    try:                                  # what recommend_all writes first, then renames
+        open(f"{args.out}.partial", "wb").close()
+        os.unlink(f"{args.out}.partial")
+    except OSError as error:
+        return f"--out {args.out}: cannot write it here ({error.strerror or error})"
     if args.batch_size is not None and args.batch_size < 1:
         return f"--batch-size must be at least 1, got {args.batch_size}"
     from tworec.serving.batch import ExportError, saved_model_dir

@@ -403,6 +403,10 @@ def test_progress_is_a_line_a_tenth_off_a_terminal_one_line_on_it_and_none_for_o
     (["--user", "u1", "--n", "0"], "--n must be at least 1, got 0"),
     (["--user", "u1", "--url", "127.0.0.1:8501"],
      "--url 127.0.0.1:8501: give the scheme too, e.g. http://127.0.0.1:8501"),
+    (["--user", "u1", "--url", "http://127.0.0.1:8501", "--grpc", "127.0.0.1:8500"],
+     "--url and --grpc exclude each other"),
+    (["--all", "--export", "EXPORT", "--out", "/proc/recs.parquet"],   # a folder, not writable
+     "--out /proc/recs.parquet: cannot write it here"),
     (["--all", "--export", "EXPORT", "--out", "OUT/recs.csv"],
      "--out OUT/recs.csv: the file is written as Parquet; name it .parquet, e.g. "
      "OUT/recs.parquet"),
@@ -425,3 +429,4 @@ def test_recommend_mistakes_stop_with_one_line_before_tensorflow_loads(tmp_path,
     assert done.returncode == 2 and done.stdout == "", done.stdout + done.stderr
     assert done.stderr.startswith("error: ") and filled(message) in done.stderr, done.stderr
     assert len(done.stderr.splitlines()) == 1 and not tensorflow_loaded
+    assert sorted(os.listdir(tmp_path)) == ["bad.csv", "export"]           # nothing written
