@@ -73,9 +73,9 @@ def split(interactions: Interactions, kind: str = "temporal", *, seed: int = 42,
 
 def global_quantile(kind: str) -> float:
     """Q of `global[:Q]`; raises DataError unless 0 < Q < 1."""
-    name, _, text = kind.partition(":")
+    name, colon, text = kind.partition(":")
     try:
-        quantile = float(text) if text else GLOBAL_QUANTILE
+        quantile = float(text) if colon else GLOBAL_QUANTILE          # 'global:' has no Q
     except ValueError:
         quantile = -1.0
     if name != "global":

@@ -417,6 +417,19 @@ def test_a_split_that_holds_nothing_out_is_refused_for_a_run_in_one_line(kind, r
     assert (held.test if kind == "temporal" else held.validation).tolist() == [len(user)]
 
 
+@pytest.mark.parametrize("kind, quantile", [
+    ("global", 0.9), ("global:0.8", 0.8), ("global:", None), ("global:x", None),
+    ("global:1", None), ("global:nan", None), ("globally", None)])
+def test_global_quantiles_are_read_or_refused(kind, quantile):
+    from tworec.features.splits import global_quantile
+    if quantile is None:
+        with pytest.raises(DataError, match=f"^split '{kind}': write global or global:Q with "
+                                            "0 < Q < 1"):
+            global_quantile(kind)
+    else:
+        assert global_quantile(kind) == quantile
+
+
 def test_random_split(log):
     parts = split(log, "random", seed=42)
     assert len(parts.train) == round(0.8 * len(log)) and len(parts.validation) == 0
