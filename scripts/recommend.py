@@ -74,6 +74,10 @@ def mistake(args: argparse.Namespace) -> str | None:
                 "gRPC one")
     if args.url and not args.url.startswith(("http://", "https://")):
         return f"--url {args.url}: give the scheme too, e.g. http://{args.url}"
+    if args.grpc and (args.grpc.startswith(("http://", "https://")) or ":" not in args.grpc):
+        address = args.grpc.split("://")[-1]
+        return (f"--grpc {args.grpc}: give HOST:PORT, with no scheme and the port, e.g. "
+                f"{address if ':' in address else address + ':8500'}")
     if not args.all:
         return None
     if not args.export:

@@ -405,6 +405,9 @@ def test_progress_is_a_line_a_tenth_off_a_terminal_one_line_on_it_and_none_for_o
      "--url 127.0.0.1:8501: give the scheme too, e.g. http://127.0.0.1:8501"),
     (["--user", "u1", "--url", "http://127.0.0.1:8501", "--grpc", "127.0.0.1:8500"],
      "--url and --grpc exclude each other"),
+    (["--user", "u1", "--grpc", "localhost"],
+     "--grpc localhost: give HOST:PORT, with no scheme and the port, e.g. localhost:8500"),
+    (["--user", "u1", "--grpc", "http://localhost:8500"], "e.g. localhost:8500"),
     (["--all", "--export", "EXPORT", "--out", "/proc/recs.parquet"],   # a folder, not writable
      "--out /proc/recs.parquet: cannot write it here"),
     (["--all", "--export", "EXPORT", "--out", "OUT/recs.csv"],
