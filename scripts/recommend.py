@@ -145,7 +145,10 @@ def recommend_one(args: argparse.Namespace, titles: dict[str, str]) -> int:
             except (OSError, ServingError):          # for a note only: the list stands
                 known = None
     except (OSError, ValueError, ServingError) as error:
-        return fail(str(error), code=1)
+        hint = ("; is a server running there? start one with python scripts/serve.py "
+                "--model_config_file RUN/export/models_scann.config"
+                if getattr(error, "code", None) == "UNAVAILABLE" else "")
+        return fail(f"{error}{hint}", code=1)
     print(f"recommendations for user {args.user}:")
     items = [item.decode("utf-8") for item in result["item_ids"][0] if item != PAD_ID]
     for rank, (item, score) in enumerate(zip(items, result["scores"][0]), 1):

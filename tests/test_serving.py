@@ -869,6 +869,16 @@ def test_client_retries_unavailable_then_fails(unused_port):
         assert error.value.code == "UNAVAILABLE"
 
 
+def test_recommend_says_how_to_start_a_server_when_none_answers(unused_port, capsys):
+    recommend = _script("recommend")
+    assert recommend.main(["--user", "u1", "--grpc", f"127.0.0.1:{unused_port}"]) == 1
+    error = capsys.readouterr().err
+    assert error.startswith("error: UNAVAILABLE: ") and len(error.splitlines()) == 1
+    assert error.rstrip().endswith("; is a server running there? start one with python "
+                                   "scripts/serve.py --model_config_file "
+                                   "RUN/export/models_scann.config"), error
+
+
 @pytest.fixture
 def unused_port() -> int:
     import socket
