@@ -400,6 +400,8 @@ def run(names: list[str], smoke: bool = False) -> dict:
     unknown = [name for name in names if name not in PARTS]
     if unknown:
         raise ValueError(f"unknown part(s) {unknown}; known: {list(PARTS)}")
+    if not names or len(set(names)) < len(names):
+        raise ValueError(f"name each part once, e.g. {','.join(PARTS)}; got {names}")
     results = {}
     for name in names:
         _log(f"{name} ...")

@@ -209,6 +209,17 @@ def test_benchmark_script_runs_every_part_small():
     assert in_memory["with_rate_measurements_peak_rss_gib"] >= in_memory["peak_rss_gib"]
 
 
+@pytest.mark.parametrize("names, message", [
+    (["nope"], "unknown part(s) ['nope']; known: "), ([], "name each part once, e.g. input,"),
+    (["input", "input"], "name each part once, e.g. input,")])
+def test_benchmark_parts_are_each_named_once_before_any_runs(names, message):
+    """`--only ''` ran nothing and `--only input,input` ran a part twice."""
+    from tworec.pipeline.benchmark import run
+    with pytest.raises(ValueError) as refused:
+        run(names)
+    assert str(refused.value).startswith(message), str(refused.value)
+
+
 def test_a_benchmark_process_reads_its_own_peak_memory_not_its_parents():
     """A scale job runs in a process this one starts: its peak resident memory is its own,
     not this process's (Linux starts a child's `ru_maxrss` at its parent's peak)."""
