@@ -691,13 +691,13 @@ def _stored(kind: pa.DataType) -> pa.DataType:
 
 def _read_as(role: str, kind: pa.DataType) -> bool:
     """Whether the SQL below reads a Parquet column of Arrow type `kind` (not a dictionary)
-    as the `role` (time or rating) column: numbers (booleans and decimals too) and text; for
-    times, timestamps, durations and dates as well."""
+    as the `role` (time or rating) column: numbers (decimals too) and text; for times,
+    timestamps, durations and dates as well, for ratings booleans (as `load` reads them)."""
     moment = (pa.types.is_timestamp(kind) or pa.types.is_duration(kind)
               or pa.types.is_date(kind))
-    return (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
-            or pa.types.is_decimal(kind) or pa.types.is_null(kind) or _is_text(kind)
-            or (role == "time" and moment))
+    return (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_decimal(kind)
+            or pa.types.is_null(kind) or _is_text(kind) or (role == "time" and moment)
+            or (role == "rating" and pa.types.is_boolean(kind)))
 
 
 def _read_as_id(kind: pa.DataType) -> bool:

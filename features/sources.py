@@ -400,6 +400,9 @@ def _times(source: str, name: str, values) -> tuple[np.ndarray, np.ndarray]:
         return seconds, (ticks if below.any() else seconds)
     _refuse_mixed_times(source, name, values)
     _numpy_times(source, name, values, every=True)     # not text: NumPy times among numbers?
+    if values.dtype.kind == "b":                   # NumPy would read them as 0 and 1
+        raise DataError(f"{source}: column {name!r} is of type bool, which is not read as a "
+                        "time: write it as numbers, dates or times")
     values = _numeric(source, name, values, "neither all numbers nor all ISO dates and times")
     if values.dtype.kind in "fu":
         _refuse(source, name, ~(np.abs(values.astype(np.float64, copy=False)) < 2.0 ** 63)
