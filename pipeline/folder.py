@@ -386,14 +386,27 @@ def check_resumable(out: str, source: dict, configs: Configs) -> None:
     if configs.data.cold_start_window is None:
         saved = dataclasses.replace(saved, data=dataclasses.replace(saved.data,
                                                                     cold_start_window=None))
-    changed = [f"{name} config" for name in ("data", "retrieval", "ranking", "run")
-               if _as_json(getattr(configs, name)) != _as_json(getattr(saved, name))]
-    changed += [f"source {key}" for key in sorted(set(source) | set(saved_source))
+    changed = [difference for name in ("data", "retrieval", "ranking", "run")
+               for difference in _config_differences(name, getattr(saved, name),
+                                                     getattr(configs, name))]
+    changed += [f"source {key} {saved_source.get(key)!r} in the folder, {source.get(key)!r} now"
+                for key in sorted(set(source) | set(saved_source))
                 if source.get(key) != saved_source.get(key)]
     if changed:
         raise RunFolderError(f"--out {out} holds an interrupted training started otherwise "
-                             f"(these differ: {changed}); rerun the command that started it to "
-                             "resume it, or pass --overwrite to start over")
+                             f"(these differ: {'; '.join(changed)}); rerun the command that "
+                             "started it to resume it, or pass --overwrite to start over")
+
+
+def _config_differences(name: str, saved, now) -> list[str]:
+    """'NAME.FIELD SAVED in the folder, NOW now' for each field of a config whose value
+    differs as config.json holds them (1 and 1.0 differ there)."""
+    if _as_json(saved) == _as_json(now):
+        return []
+    before, after = dataclasses.asdict(saved), dataclasses.asdict(now)
+    return [f"{name}.{field} {json.dumps(before.get(field))} in the folder, "
+            f"{json.dumps(after.get(field))} now" for field in sorted(set(before) | set(after))
+            if json.dumps(before.get(field)) != json.dumps(after.get(field))]
 
 
 def _as_json(config) -> str:

@@ -348,7 +348,8 @@ def test_an_interrupted_retrieval_run_resumes_when_its_command_is_rerun(tmp_path
         assert code == 2 and "checkpointed by an older tworec" in error, error
     written.write_text(trained_with)
     code, error = script("train_retrieval.py", *command, "--epochs", "5")
-    assert code == 2 and "holds an interrupted training started otherwise" in error, error
+    assert code == 2 and "holds an interrupted training started otherwise (these differ: " \
+        "retrieval.epochs 4 in the folder, 5 now); rerun the command" in error, error
     assert len(error.strip().splitlines()) == 1, error
     with folder.only_run_into(str(tmp_path)):          # the command still running elsewhere
         for overwrite in ([], ["--overwrite"]):
