@@ -41,7 +41,7 @@ from tworec.features.sources import (FLOAT32_OVERFLOW, MISSING, OUT_OF_RANGE, RA
                                      _log_from_roles, _one_line, _resolve_columns,
                                      NUL, decimal_comma_advice, empty_ids_error,
                                      id_codes, id_type_error, not_utf8_ids_error,
-                                     nul_ids_error,
+                                     nul_ids_error, unreadable_parquet,
                                      genres_multi_hot, no_known_items_error,
                                      whole_years)
 
@@ -256,7 +256,7 @@ def _footer(path: str) -> pq.FileMetaData:
     try:
         return pq.read_metadata(path)
     except (pa.ArrowInvalid, OSError) as error:
-        raise DataError(f"{path}: not a readable Parquet file: {_one_line(error)}") from None
+        raise unreadable_parquet(path, error) from None
 
 
 def load(source: str, columns: dict[str, str] | None = None) -> Interactions:

@@ -488,9 +488,11 @@ def _refuse_mixed_times(source: str, name: str, values: np.ndarray) -> None:
         zero_copy_only=False)
     odd = np.flatnonzero(~date & ~number)
     if not len(odd) and date.all():
+        first = _first_unreadable_time(text)
         raise DataError(f"{source}: column {name!r} holds ISO dates and times that no one "
-                        "timestamp type reads all of (an impossible date such as 2020-02-30, "
-                        "or times with an offset beside times without one)")
+                        f"timestamp type reads all of (first {str(values[first])!r}, at row "
+                        f"{first}: an impossible date such as 2020-02-30, or a time with an "
+                        "offset beside times without one)")
     if not len(odd):                                   # numbers and dates: the fewer kind
         odd = np.flatnonzero(date if date.sum() <= number.sum() else ~date)
     first = odd[0]
@@ -874,6 +876,8 @@ def parse_columns(text: str) -> dict[str, str]:
         if not sep or not role.strip() or not name.strip():
             raise DataError(f"--columns: {part!r} is not ROLE=COLUMN")
         role, name = role.strip(), name.strip()
+        if role in ("user.", "item."):
+            raise DataError(f"--columns: {part!r} names no feature; write {role}NAME={name}")
         if role in mapping:
             raise DataError(f"--columns: role {role!r} is given twice ({mapping[role]!r} and "
                             f"{name!r}); give each role once")
@@ -994,7 +998,22 @@ def _parquet_column_names(path: str) -> list[str]:
     try:
         return pq.ParquetFile(path).schema_arrow.names
     except (pa.ArrowInvalid, OSError) as error:
-        raise DataError(f"{path}: not a readable Parquet file: {_one_line(error)}") from None
+        raise unreadable_parquet(path, error) from None
+
+
+def unreadable_parquet(path: str, error: Exception) -> DataError:
+    """The DataError of a `.parquet` file Arrow cannot read, saying so when it is text (a CSV
+    named .parquet)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+        codecs.getincrementaldecoder("utf-8")().decode(head)   # a last character cut is text
+        text = bool(head) and not head.startswith(b"PAR1") and b"\0" not in head
+    except (OSError, UnicodeDecodeError):
+        text = False
+    advice = "; it is text, not Parquet (a CSV named .parquet?)" if text else ""
+    return DataError(f"{path}: not a readable Parquet file: {_one_line(error).rstrip('.')}"
+                     f"{advice}")
 
 
 def _text_suffix(path: str) -> str | None:
@@ -1023,6 +1042,26 @@ def _text_columns(path: str, columns: dict[str, str],
                   if fits else "pass the character that separates its columns")
         raise DataError(f"{path}: --delimiter {delimiter!r} does not split the header "
                         f"{header!r} into the needed columns; {advice}") from None
+
+
+def _first_unreadable_time(text) -> int:
+    """The first row of ISO dates and times `text` ([n] Arrow text that no one timestamp type
+    reads all of) whose rows up to it no one type reads: found by bisecting prefixes."""
+    kinds = [kind for kind in TIME_TYPES if pa.types.is_timestamp(kind)]
+
+    def readable(end: int) -> bool:
+        for kind in kinds:
+            try:
+                pc.cast(text[:end], kind)
+                return True
+            except pa.ArrowInvalid:
+                continue
+        return False
+    read, unread = 0, len(text)
+    while unread - read > 1:
+        middle = (read + unread) // 2
+        read, unread = (middle, unread) if readable(middle) else (read, middle)
+    return unread - 1
 
 
 NOT_TEXT = {b"\x1f\x8b": "it is gzip-compressed: rename it {path}.gz and pass that",

@@ -309,8 +309,17 @@ def test_times_below_a_second_order_a_text_log_and_are_not_duplicates(tmp_path):
     (np.array(["2020-01-01", "5", "oops", "2020-01-02"]), "column 'timestamp' is neither all "
      "numbers nor all ISO dates and times (first odd value: 'oops', at row 2)"),
     (np.array(["2020-01-01", "2020-02-30", "2020-01-03"]), "column 'timestamp' holds ISO "
-     "dates and times that no one timestamp type reads all of (an impossible date such as "
-     "2020-02-30, or times with an offset beside times without one)"),
+     "dates and times that no one timestamp type reads all of (first '2020-02-30', at row 1: "
+     "an impossible date such as 2020-02-30, or a time with an offset beside times without "
+     "one)"),
+    (np.array(["2020-01-01T10:00", "2020-01-02T10:00", "2020-01-03T10:00+01:00"]),
+     "column 'timestamp' holds ISO dates and times that no one timestamp type reads all of "
+     "(first '2020-01-03T10:00+01:00', at row 2: an impossible date such as 2020-02-30, or a "
+     "time with an offset beside times without one)"),
+    (np.array(["2020-01-01T10:00+01:00", "2020-01-02T10:00", "2020-01-03T10:00"]),
+     "column 'timestamp' holds ISO dates and times that no one timestamp type reads all of "
+     "(first '2020-01-02T10:00', at row 1: an impossible date such as 2020-02-30, or a time "
+     "with an offset beside times without one)"),
     (np.array(["2300-01-01", "2300-01-02", "1600-01-01"], "datetime64[D]"),
      [10413792000, 10413878400, -11676096000]),
     (np.array([1, 2, 3], "timedelta64"), "column 'timestamp' is a timedelta64 without a unit; "
@@ -355,7 +364,8 @@ def test_times_below_a_second_order_a_text_log_and_are_not_duplicates(tmp_path):
      "column 'timestamp' has 2 missing values (first at row 0)"),
 ], ids=["minutes", "hours", "negative-ms", "10ms-dates", "NaT", "a-date-among-numbers",
         "a-typo-among-dates", "a-non-number-among-dates", "a-number-among-dates", "a-typo-among-both",
-        "an-impossible-date", "days-past-2262", "no-unit", "days-beyond-2^63-seconds",
+        "an-impossible-date", "an-offset-after-times-without", "times-without-after-an-offset",
+        "days-past-2262", "no-unit", "days-beyond-2^63-seconds",
         "minutes-that-wrap-to-0", "picoseconds", "3-picosecond-ticks-that-wrap", "float16",
         "datetime64-objects", "datetime64-objects-of-two-units", "a-datetime64-among-numbers",
         "a-datetime64-after-a-number", "hexadecimal", "hexadecimal-that-wraps",
@@ -565,3 +575,25 @@ def test_a_role_given_twice_in_columns_is_refused():
                                         "give each role once$"):
         sources.parse_columns("user=a,item=c,user=b")
     assert sources.parse_columns(" user = a ,item=c") == {"user": "a", "item": "c"}
+    with pytest.raises(DataError, match=r"^--columns: 'item\.=genre' names no feature; write "
+                                        r"item\.NAME=genre$"):
+        sources.parse_columns("item.=genre")
+
+
+def test_a_file_named_parquet_that_is_not_says_when_it_is_text(tmp_path):
+    """A CSV named .parquet, alone or as a shard of a folder, is said to be text; other bytes
+    are not."""
+    text = write_log(tmp_path / "log.parquet")
+    (tmp_path / "shards").mkdir()
+    write_log(tmp_path / "shards" / "part-0.parquet")
+    binary = tmp_path / "noise.parquet"
+    binary.write_bytes(np.random.default_rng(0).bytes(4096))
+    for path in (text, str(tmp_path / "shards")):
+        with pytest.raises(DataError) as error:
+            load(path)
+        assert str(error.value).startswith(f"{text if path == text else path + '/part-0.parquet'}"
+                                           ": not a readable Parquet file: ")
+        assert str(error.value).endswith("; it is text, not Parquet (a CSV named .parquet?)")
+    with pytest.raises(DataError) as error:
+        load(str(binary))
+    assert "not a readable Parquet file" in str(error.value) and "text" not in str(error.value)
