@@ -6,7 +6,7 @@
         [--file_system_poll_wait_seconds=1] [--model_config_file_poll_wait_seconds=0]
         [--rest_api_timeout_in_ms=30000]
         [--max_request_bytes=67108864] [--max_rows_per_request=N]
-        [--max_elements_per_request=N]
+        [--max_elements_per_request=N] [--max_request_bytes_in_flight=N]
         [--allowed_model_roots=DIR,...] [--shutdown_grace_seconds=10]
         [--enable_batching [--max_batch_size=32] [--batch_timeout_micros=1000]
          [--num_batch_threads=N] [--max_enqueued_batches=10]
@@ -56,6 +56,10 @@ def parse_args(argv):
                         default=default_max_elements(),
                         help="a request whose inputs have more elements together is refused; "
                         "the default is a quarter of physical memory at 256 bytes per element")
+    parser.add_argument("--max_request_bytes_in_flight", type=int, default=None,
+                        help="request bytes held at once over both APIs; a request beyond is "
+                        "refused (503 / UNAVAILABLE: retry later) unless it is alone; the "
+                        "default is 1/64 of physical memory, at least --max_request_bytes")
     parser.add_argument("--allowed_model_roots", default="",
                         help="comma-separated folders under which HandleReloadConfigRequest may "
                         "load models, besides the base paths the server starts with")
@@ -94,6 +98,8 @@ def parse_args(argv):
     batching = args.enable_batching
     for flag, least, checked in (("max_concurrent_requests", 1, True),
                                  ("max_request_bytes", 1, True),
+                                 ("max_request_bytes_in_flight", 1,
+                                  args.max_request_bytes_in_flight is not None),
                                  ("max_num_load_retries", 0, True),
                                  ("load_retry_interval_micros", 0, True),
                                  ("max_batch_size", 1, batching),
@@ -173,7 +179,8 @@ def main(argv=None) -> int:
                          header_timeout_seconds=args.http_header_timeout_seconds,
                          body_timeout_seconds=args.http_body_timeout_seconds,
                          grace_seconds=args.shutdown_grace_seconds,
-                         max_elements=args.max_elements_per_request)
+                         max_elements=args.max_elements_per_request,
+                         max_request_bytes_in_flight=args.max_request_bytes_in_flight)
     try:
         settle_native_logs()
         server.start()                       # stops what it started when it fails

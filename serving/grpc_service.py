@@ -19,7 +19,8 @@ from tensorflow_serving.apis import (get_model_metadata_pb2, model_management_pb
                                      prediction_service_pb2_grpc)
 
 from tworec.serving.errors import ServingError, truncate
-from tworec.serving.limits import check_elements, default_max_elements, default_max_rows
+from tworec.serving.limits import (BytesInFlight, check_elements, default_max_elements,
+                                   default_max_request_bytes_in_flight, default_max_rows)
 from tworec.serving.manager import ModelManager, reload_configs
 from tworec.serving.protocol import DEFAULT_SIGNATURE
 from tworec.serving.tensor_proto import to_array
@@ -70,21 +71,25 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
         scheduler: runs checked requests (`batching.Direct` or `batching.Batcher`).
         max_rows: the most rows an input of one request may have.
         max_elements: the most elements the inputs of one request may have together.
+        in_flight: the request bytes the server holds at once (shared with REST; None: one of
+            its own, of `limits.default_max_request_bytes_in_flight` for 64 MiB requests).
     """
 
     def __init__(self, manager: ModelManager, scheduler, max_rows: int | None = None,
-                 max_elements: int | None = None):
+                 max_elements: int | None = None, in_flight: BytesInFlight | None = None):
         self.manager = manager
         self.scheduler = scheduler
         self.max_rows = max_rows or default_max_rows()
         self.max_elements = max_elements or default_max_elements()
+        self.in_flight = in_flight or BytesInFlight(default_max_request_bytes_in_flight(64 << 20))
 
     @_aborts_on_error
     def Predict(self, request: predict_pb2.PredictRequest, context) -> predict_pb2.PredictResponse:
         signature = request.model_spec.signature_name
         left = context.time_remaining()
         deadline = None if left is None else time.monotonic() + left
-        with self.manager.lease(*version_of(request.model_spec)) as (number, model):
+        with self.in_flight.reserve(request.ByteSize()), \
+                self.manager.lease(*version_of(request.model_spec)) as (number, model):
             check_elements({name: [dim.size for dim in proto.tensor_shape.dim]
                             for name, proto in request.inputs.items()}, self.max_elements)
             inputs = {name: to_array(name, proto, self.max_rows)
@@ -145,7 +150,8 @@ class ModelService(model_service_pb2_grpc.ModelServiceServicer):
 
 
 def add_services(server: grpc.Server, manager: ModelManager, scheduler,
-                 max_rows: int | None = None, max_elements: int | None = None) -> None:
+                 max_rows: int | None = None, max_elements: int | None = None,
+                 in_flight: BytesInFlight | None = None) -> None:
     prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(
-        PredictionService(manager, scheduler, max_rows, max_elements), server)
+        PredictionService(manager, scheduler, max_rows, max_elements, in_flight), server)
     model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelService(manager), server)

@@ -25,7 +25,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tworec.serving.errors import ServingError
 from tworec.serving.json_tensor import format_predict, parse_json, parse_predict, signature_name
-from tworec.serving.limits import default_max_elements, default_max_rows
+from tworec.serving.limits import (BytesInFlight, Reservation, default_max_elements,
+                                   default_max_request_bytes_in_flight, default_max_rows)
 from tworec.serving.manager import ModelManager
 from tworec.serving.protocol import DEFAULT_SIGNATURE
 
@@ -66,12 +67,17 @@ class RestApp:
         max_rows: the most rows an input of one request may have.
         body_timeout_seconds: a body not fully received by then is refused (HTTP 408).
         max_elements: the most elements the inputs of one request may have together.
+        in_flight: the request bytes the server holds at once (shared with gRPC; None: one
+            of its own, of `limits.default_max_request_bytes_in_flight`).
     """
 
     def __init__(self, manager: ModelManager, scheduler, timeout_seconds: float = 30.0,
                  max_request_bytes: int = 64 << 20, max_rows: int | None = None,
-                 body_timeout_seconds: float = 30.0, max_elements: int | None = None):
+                 body_timeout_seconds: float = 30.0, max_elements: int | None = None,
+                 in_flight: BytesInFlight | None = None):
         self.manager = manager
+        self.in_flight = in_flight or BytesInFlight(
+            default_max_request_bytes_in_flight(max_request_bytes))
         self.scheduler = scheduler
         self.timeout_seconds = timeout_seconds
         self.max_request_bytes = max_request_bytes
@@ -96,7 +102,7 @@ class RestApp:
             log.exception("REST request %s %s failed", scope["method"], scope["path"])
             status, data = 500, _json_bytes({"error": "the request failed on the server; the "
                                                       "server log has the details"})
-        await _send_json(send, status, data, close=over_limit or status in (408, 413))
+        await _send_json(send, status, data, close=over_limit or status in (408, 413, 503))
 
     async def _answer(self, scope, receive) -> tuple[int, bytes]:
         """(HTTP status, JSON body) of a request, serialized here so that an answer that
@@ -109,9 +115,11 @@ class RestApp:
         if method == "POST" and predict:
             deadline = (None if self.timeout_seconds is None else
                         time.monotonic() + self.timeout_seconds)
-            body = await self._read_body(scope, receive)
-            return 200, await self._predict(predict["verb"], *_model_spec(predict), body,
-                                            scope, deadline)
+            length = self._declared_length(scope)
+            with self.in_flight.reserve(length) as held:        # until the answer is made
+                body = await self._read_body(receive, held)
+                return 200, await self._predict(predict["verb"], *_model_spec(predict), body,
+                                                scope, deadline)
         if method == "GET" and status:
             handler = self._metadata if status["metadata"] else self._status
             return 200, _json_bytes(handler(*_model_spec(status)))
@@ -119,21 +127,25 @@ class RestApp:
             raise ServingError("INVALID_ARGUMENT", "Missing model name in request.")
         raise ServingError("INVALID_ARGUMENT", f"Malformed request: {method} {path}")
 
-    async def _read_body(self, scope, receive) -> bytes:
-        """The whole request body, refused unread when its Content-Length is over the limit,
-        and refused when it is not complete within the body timeout."""
-        headers = dict(scope["headers"])
-        length = headers.get(b"content-length", b"").decode("latin-1")
+    def _declared_length(self, scope) -> int:
+        """The body's Content-Length (0 when not given: a chunked body is counted as it
+        arrives); a body declared over the limit is refused unread."""
+        length = dict(scope["headers"]).get(b"content-length", b"").decode("latin-1")
         if length.isdigit() and int(length) > self.max_request_bytes:
             raise self._too_large(int(length))
+        return int(length) if length.isdigit() else 0
+
+    async def _read_body(self, receive, held: Reservation) -> bytes:
+        """The whole request body, its bytes `held` as they arrive, refused when it is not
+        complete within the body timeout."""
         try:
             async with asyncio.timeout(self.body_timeout_seconds):
-                return await self._receive_body(receive)
+                return await self._receive_body(receive, held)
         except TimeoutError as error:
             raise ServingError("DEADLINE_EXCEEDED", "The request body did not arrive within "
                                f"{self.body_timeout_seconds:g} s", http_status=408) from error
 
-    async def _receive_body(self, receive) -> bytes:
+    async def _receive_body(self, receive, held: Reservation) -> bytes:
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -143,6 +155,7 @@ class RestApp:
             size += len(chunk)
             if size > self.max_request_bytes:
                 raise self._too_large(size)
+            held.cover(size)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)

@@ -24,6 +24,7 @@ import uvicorn
 
 from tworec.serving.batching import Batcher, Direct
 from tworec.serving.grpc_service import add_services
+from tworec.serving.limits import BytesInFlight, default_max_request_bytes_in_flight
 from tworec.serving.manager import ModelManager
 from tworec.serving.protocol import INT32_MAX
 from tworec.serving.rest import HeaderTimeoutProtocol, RestApp
@@ -52,6 +53,9 @@ class ModelServer:
         grace_seconds: how long `stop` lets requests in flight finish.
         max_elements: the most elements the inputs of one request may have together (None:
             from memory, see `limits.default_max_elements`).
+        max_request_bytes_in_flight: the request bytes held at once over both APIs, beyond
+            which a request is refused UNAVAILABLE unless it is alone (None: from memory, see
+            `limits.BytesInFlight`).
     """
 
     def __init__(self, manager: ModelManager, host: str = "127.0.0.1",
@@ -60,15 +64,18 @@ class ModelServer:
                  batcher: Batcher | None = None, max_rows: int | None = None,
                  predict_threads: int = 8, max_concurrent_requests: int = 256,
                  header_timeout_seconds: float = 10.0, body_timeout_seconds: float = 30.0,
-                 grace_seconds: float = 10.0, max_elements: int | None = None):
+                 grace_seconds: float = 10.0, max_elements: int | None = None,
+                 max_request_bytes_in_flight: int | None = None):
         self.manager = manager
         self.host = host
         self.grpc_port, self.rest_port = grpc_port, rest_port
         self._grpc = self._rest = self._rest_thread = None
         self._scheduler = batcher or Direct(predict_threads)
+        self._in_flight = BytesInFlight(max_request_bytes_in_flight or
+                                        default_max_request_bytes_in_flight(max_request_bytes))
         self._rest_app = RestApp(manager, self._scheduler, rest_timeout_seconds,
                                  max_request_bytes, max_rows, body_timeout_seconds,
-                                 max_elements)
+                                 max_elements, self._in_flight)
         self._max_request_bytes = max_request_bytes
         self._max_rows = max_rows
         self._max_elements = max_elements
@@ -168,7 +175,7 @@ class ModelServer:
         self._grpc = grpc.server(futures.ThreadPoolExecutor(self._max_concurrent),
                                  options=options, maximum_concurrent_rpcs=self._max_concurrent)
         add_services(self._grpc, self.manager, self._scheduler, self._max_rows,
-                     self._max_elements)
+                     self._max_elements, self._in_flight)
         self.grpc_port = self._grpc.add_insecure_port(f"{self.host}:{self.grpc_port}")
         if not self.grpc_port:
             raise OSError(f"cannot bind the gRPC port on {self.host}")

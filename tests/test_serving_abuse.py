@@ -177,6 +177,29 @@ def test_default_row_limit_follows_memory():
     from tworec.serving.limits import default_max_elements
     assert default_max_elements(24 << 30) == 25165824
     assert default_max_elements(1 << 30) == 1 << 20 and default_max_elements(1 << 50) == 1 << 26
+    from tworec.serving.limits import default_max_request_bytes_in_flight
+    assert default_max_request_bytes_in_flight(64 << 20, 24 << 30) == 384 << 20
+    assert default_max_request_bytes_in_flight(64 << 20, 1 << 30) == 64 << 20
+
+
+def test_a_reservation_of_request_bytes_grows_and_ends_with_its_block():
+    from tworec.serving.errors import ServingError
+    from tworec.serving.limits import BytesInFlight
+    budget = BytesInFlight(100)
+    with budget.reserve(30) as held:
+        held.cover(60)
+        held.cover(10)                                               # never shrinks
+        assert budget.held == 60
+        with pytest.raises(ServingError) as refused, budget.reserve(41):
+            pass
+        assert refused.value.code == "UNAVAILABLE" and budget.held == 60   # refused: none
+        with pytest.raises(ZeroDivisionError), budget.reserve(40):
+            1 / 0
+        assert budget.held == 60
+    assert budget.held == 0
+    with budget.reserve(500):                                 # alone, it may pass the cap
+        assert budget.held == 500
+    assert budget.held == 0
 
 
 # ------------------------------------------------------------------ 3. shape amplification
@@ -578,6 +601,43 @@ def test_slow_clients_are_cut_off_and_requests_in_flight_capped(models):
                              timeout=5).json() == {"outputs": [3.0]}
         for pool in pools:
             pool.close()
+
+
+def test_request_bytes_in_flight_are_capped_over_both_apis(models):
+    """A body declared 90 bytes, still arriving, holds 90 of the server's 100: another REST
+    body (17) or gRPC message is refused UNAVAILABLE (503, unread: the connection closes),
+    status still answers, and once the first client leaves the bytes are free again; a
+    chunked body holds what has arrived. A lone request larger than the cap runs."""
+    with _serve(models, names=("scale",), max_request_bytes_in_flight=100) as server:
+        port = server.rest_port
+        url = f"http://127.0.0.1:{port}/v1/models/scale:predict"
+        large = {"inputs": [1.0] * 40}                                  # 206 bytes, alone
+        assert requests.post(url, json=large, timeout=5).json() == {"outputs": [3.0] * 40}
+        holding = _connect(port)
+        holding.sendall((_HEAD + "Content-Length: 90\r\n\r\n{").encode())
+        _wait_for(lambda: _server_has_read(port, holding), seconds=30)
+        refused = requests.post(url, data=_BODY, timeout=5)
+        assert refused.status_code == 503 and refused.headers["connection"] == "close"
+        assert refused.json() == {"error": "The server holds 90 bytes of other requests; with "
+                                  "this one's 17 they would pass 100 "
+                                  "(--max_request_bytes_in_flight); retry later"}
+        error = _grpc_error(_stub(server).Predict,
+                            _request("scale", {"x": np.ones(1, np.float32)}))
+        assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
+        assert "--max_request_bytes_in_flight" in error.details()
+        assert requests.get(f"http://127.0.0.1:{port}/v1/models/scale", timeout=5).ok
+        holding.close()                                          # leaves mid-body
+        _wait_for(lambda: server._in_flight.held == 0, seconds=30)
+        assert requests.post(url, data=_BODY, timeout=5).json() == {"outputs": [3.0]}
+        chunked = _connect(port)                            # no length: counted as it comes
+        chunked.sendall((_HEAD + "Transfer-Encoding: chunked\r\n\r\n5f\r\n" + " " * 95
+                         + "\r\n").encode())
+        _wait_for(lambda: server._in_flight.held == 95, seconds=30)
+        assert requests.post(url, data=_BODY, timeout=5).status_code == 503
+        chunked.close()
+        _wait_for(lambda: server._in_flight.held == 0, seconds=30)
+        assert _stub(server).Predict(_request("scale", {"x": np.ones(1, np.float32)}),
+                                     timeout=10).outputs["y"].float_val == [3.0]
 
 
 # ------------------------------------------------------------------ 8. batches fill
