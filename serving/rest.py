@@ -115,8 +115,8 @@ class RestApp:
         if method == "POST" and predict:
             deadline = (None if self.timeout_seconds is None else
                         time.monotonic() + self.timeout_seconds)
-            length = self._declared_length(scope)
-            with self.in_flight.reserve(length) as held:        # until the answer is made
+            self._refuse_declared_too_large(scope)
+            with self.in_flight.reserve() as held:      # what has arrived, until the answer
                 body = await self._read_body(receive, held)
                 return 200, await self._predict(predict["verb"], *_model_spec(predict), body,
                                                 scope, deadline)
@@ -127,13 +127,11 @@ class RestApp:
             raise ServingError("INVALID_ARGUMENT", "Missing model name in request.")
         raise ServingError("INVALID_ARGUMENT", f"Malformed request: {method} {path}")
 
-    def _declared_length(self, scope) -> int:
-        """The body's Content-Length (0 when not given: a chunked body is counted as it
-        arrives); a body declared over the limit is refused unread."""
+    def _refuse_declared_too_large(self, scope) -> None:
+        """Refuses unread a body whose Content-Length is over the limit."""
         length = dict(scope["headers"]).get(b"content-length", b"").decode("latin-1")
         if length.isdigit() and int(length) > self.max_request_bytes:
             raise self._too_large(int(length))
-        return int(length) if length.isdigit() else 0
 
     async def _read_body(self, receive, held: Reservation) -> bytes:
         """The whole request body, its bytes `held` as they arrive, refused when it is not

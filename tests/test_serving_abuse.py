@@ -604,18 +604,22 @@ def test_slow_clients_are_cut_off_and_requests_in_flight_capped(models):
 
 
 def test_request_bytes_in_flight_are_capped_over_both_apis(models):
-    """A body declared 90 bytes, still arriving, holds 90 of the server's 100: another REST
-    body (17) or gRPC message is refused UNAVAILABLE (503, unread: the connection closes),
-    status still answers, and once the first client leaves the bytes are free again; a
-    chunked body holds what has arrived. A lone request larger than the cap runs."""
+    """A body of which 90 bytes have arrived holds 90 of the server's 100: another REST body
+    (17) or gRPC message is refused UNAVAILABLE (503, and the connection closes), status
+    still answers, and once the first client leaves the bytes are free again. What is
+    declared but not sent holds nothing, and a chunked body holds what has arrived. A lone
+    request larger than the cap runs."""
     with _serve(models, names=("scale",), max_request_bytes_in_flight=100) as server:
         port = server.rest_port
         url = f"http://127.0.0.1:{port}/v1/models/scale:predict"
         large = {"inputs": [1.0] * 40}                                  # 206 bytes, alone
         assert requests.post(url, json=large, timeout=5).json() == {"outputs": [3.0] * 40}
+        declared = _connect(port)                      # 1,000 bytes declared, 1 sent
+        declared.sendall((_HEAD + "Content-Length: 1000\r\n\r\n{").encode())
+        _wait_for(lambda: server._in_flight.held == 1, seconds=30)
         holding = _connect(port)
-        holding.sendall((_HEAD + "Content-Length: 90\r\n\r\n{").encode())
-        _wait_for(lambda: _server_has_read(port, holding), seconds=30)
+        holding.sendall((_HEAD + "Content-Length: 100\r\n\r\n" + " " * 89).encode())
+        _wait_for(lambda: server._in_flight.held == 90, seconds=30)
         refused = requests.post(url, data=_BODY, timeout=5)
         assert refused.status_code == 503 and refused.headers["connection"] == "close"
         assert refused.json() == {"error": "The server holds 90 bytes of other requests; with "
@@ -627,6 +631,7 @@ def test_request_bytes_in_flight_are_capped_over_both_apis(models):
         assert "--max_request_bytes_in_flight" in error.details()
         assert requests.get(f"http://127.0.0.1:{port}/v1/models/scale", timeout=5).ok
         holding.close()                                          # leaves mid-body
+        declared.close()
         _wait_for(lambda: server._in_flight.held == 0, seconds=30)
         assert requests.post(url, data=_BODY, timeout=5).json() == {"outputs": [3.0]}
         chunked = _connect(port)                            # no length: counted as it comes
