@@ -36,7 +36,8 @@ import pyarrow.parquet as pq
 
 from tworec.console import OneLineParser
 from tworec.features.interactions import DataError, Interactions, SourceNotFound
-from tworec.features.sources import (FLOAT32_OVERFLOW, MISSING, OUT_OF_RANGE, RATINGS_OUT_OF_RANGE,
+from tworec.features.sources import (DEFAULT_COLUMNS, FLOAT32_OVERFLOW, MISSING, OUT_OF_RANGE,
+                                     RATINGS_OUT_OF_RANGE,
                                      TICKS_PER_SECOND, _column_numpy,
                                      _log_from_roles, _one_line, _resolve_columns,
                                      NUL, decimal_comma_advice, empty_ids_error,
@@ -104,12 +105,21 @@ def find(source: str) -> ShardSet | None:
         return _with_item_table(source, matches)
     if not os.path.isdir(source):
         return None
-    files, anything = [], False
-    for folder, subfolders, names in os.walk(source):
+    files, anything, walked = [], False, set()
+    for folder, subfolders, names in os.walk(source, followlinks=True):
+        if os.path.realpath(folder) in walked:     # linked folders are read once: no loop
+            subfolders[:] = []
+            continue
+        walked.add(os.path.realpath(folder))
         subfolders[:] = sorted(d for d in subfolders if not d.startswith((".", "_")))
         anything |= bool(names)
-        files += [os.path.join(folder, n) for n in names
-                  if n.endswith(".parquet") and not n.startswith((".", "_"))]
+        shards = [n for n in names if not n.startswith((".", "_"))
+                  and n.lower().endswith((".parquet", ".parq"))]
+        misnamed = next((n for n in shards if not n.endswith(".parquet")), None)
+        if misnamed is not None:
+            raise DataError(f"{os.path.join(folder, misnamed)}: a shard is read when its name "
+                            "ends .parquet; rename it so, or move it out of the folder")
+        files += [os.path.join(folder, n) for n in shards]
     if not anything:
         raise DataError(f"{source}: the folder is empty; pass a folder of .parquet shards, a "
                         f"glob such as {os.path.join(source, 'part-*.parquet')}, or a GroupLens "
@@ -197,8 +207,15 @@ def needed_columns(shards: ShardSet, columns: dict[str, str], by_duckdb: bool = 
             continue
         if by_duckdb:
             _refuse_case_twins(path, other.names, needed.names)
+            _refuse_row_column_names(path, other.names)
         if path == first:
             continue
+        rated = "rating" not in mapping and next(
+            (name for name in DEFAULT_COLUMNS["rating"] if name in other.names), None)
+        if rated:                     # read from the first shard alone, its rows would be lost
+            raise DataError(f"{path}: column {rated!r} would be read as ratings, which {first} "
+                            "lacks; every shard needs the same columns (found there: "
+                            f"{', '.join(schema.names)})")
         for field in needed:
             if field.name not in other.names:
                 raise DataError(f"{path}: no column {field.name!r}, which {first} has; every "
@@ -233,6 +250,20 @@ def _widened(one: pa.DataType, other: pa.DataType) -> pa.DataType | None:
             and one.unit in units and other.unit in units):
         return pa.timestamp(max(one.unit, other.unit, key=units.index), one.tz)
     return None
+
+
+def _refuse_row_column_names(path: str, names: list[str]) -> None:
+    """A DataError when a column, read or not, has the name of one DuckDB adds to each row of
+    a scan (`_scan`: its file and its row in it): DuckDB would read the shard's own column, and
+    rows would take other positions, or refuse the scan."""
+    clash = next((name for name in names if name.lower() in ROW_COLUMNS), None)
+    if clash is not None:
+        raise DataError(f"{path}: column {clash!r} has the name of a column describe and "
+                        "prepare (DuckDB) add to each row for its position: rename it, or load "
+                        "the log in memory")
+
+
+ROW_COLUMNS = ("file_index", "file_row_number")      # DuckDB's, as `_scan` and `_row_sql` ask
 
 
 def _refuse_case_twins(path: str, names: list[str], needed: list[str]) -> None:
@@ -599,9 +630,13 @@ def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int
         missing = f"{name} IS NULL"
         if role in ("time", "rating") and text:           # Arrow's markers, as `load` reads
             missing += f" OR list_contains({_sql_list(MISSING.to_pylist())}, {name})"
-        if role in ("time", "rating") and (text or pa.types.is_floating(kind)):
-            missing += f" OR isnan({number})"
+        if (role in ("time", "rating") and text) or pa.types.is_floating(kind):
+            missing += f" OR isnan({number})"                  # a NaN id too, as `load` reads
         checks.append((missing, mapping[role], "missing"))
+        if role in ("user", "item") and pa.types.is_decimal(kind) and kind.precision > 38:
+            raise DataError(f"{source}: column {mapping[role]!r} is of type {kind}, which out "
+                            "of core (DuckDB) reads as floating point, merging ids; write the "
+                            "ids as text, or load the log in memory")
         if role in ("user", "item") and not _read_as_id(kind):
             raise id_type_error(source, mapping[role], kind)
         if role in ("user", "item") and (text or _is_binary(kind)):

@@ -235,6 +235,7 @@ LOG = {"user_id": ["a", "a", "b", "b"], "item_id": ["x", "y", "x", "z"], "timest
      "the role to a column of text or integer ids"),       # load and prepare wrote other text
     ("item_id", [True, False, True, True], "column 'item_id' holds bool"),
     ("timestamp", [True, False, True, True], "column 'timestamp' is of type bool, which "),
+    ("item_id", [1.0, float("nan"), 2.0, float("nan")], "column 'item_id' has 2 missing"),
     ("user_id", pa.array([1, 1, 2, 2], pa.time64("us")), "values, which are not read as ids"),
 ], ids=["null-user", "null-time", "nan-time", "nan-rating", "empty-item", "empty-user",
         "text-rating", "NA-text-rating", "decimal-comma-rating", "nan-text-time", "NAN-text-rating",
@@ -242,7 +243,7 @@ LOG = {"user_id": ["a", "a", "b", "b"], "item_id": ["x", "y", "x", "z"], "timest
         "uint64-time", "decimal-1e20-time", "1e300-rating", "text-1e39-rating", "inf-rating",
         "null-typed-rating", "dictionary-binary-empty-user", "binary-not-utf8-item",
         "nul-user", "binary-nul-item", "timestamp-user", "date-item", "bool-item",
-        "bool-time", "time-of-day-user"])
+        "bool-time", "nan-float-item", "time-of-day-user"])
 def test_prepare_refuses_the_values_load_refuses(tmp_path, column, values, expected):
     source = _write(tmp_path / "log", pa.table({**LOG, column: values}))
     for message in _three_ways(source, str(tmp_path / "out")):

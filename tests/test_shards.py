@@ -154,6 +154,70 @@ def test_shard_mistakes_are_one_line_naming_the_path_and_what_works(tmp_path):
                        f"{paths[2]})")                     # the shard and its row, as in memory
 
 
+def test_linked_folders_are_read_once_and_misnamed_shards_refused(tmp_path):
+    """A symlinked partition is read as a folder is (twice linked, once; a loop ends); a shard
+    named .parq or .PARQUET is refused, not skipped."""
+    table = a_log()
+    write_split(table.slice(0, 60), tmp_path / "log" / "a", cuts=(0,))
+    write_split(table.slice(60), tmp_path / "elsewhere" / "b", cuts=(0,))
+    for link in ("b", "c"):
+        os.symlink(tmp_path / "elsewhere" / "b", tmp_path / "log" / link)
+    os.symlink(tmp_path / "log", tmp_path / "log" / "a" / "loop")
+    pq.write_table(table, tmp_path / "whole.parquet")
+    assert_same_log(load(str(tmp_path / "log"), columns=MAPPING),
+                    load(str(tmp_path / "whole.parquet"), columns=MAPPING))
+    for name in ("part-9.parq", "part-9.PARQUET"):
+        pq.write_table(table, tmp_path / "log" / "a" / name)
+        assert one_line(lambda: load(str(tmp_path / "log"), columns=MAPPING)) == (
+            f"{tmp_path / 'log' / 'a' / name}: a shard is read when its name ends .parquet; "
+            "rename it so, or move it out of the folder")
+        os.remove(tmp_path / "log" / "a" / name)
+
+
+def test_a_rating_column_the_first_shard_lacks_is_refused_not_dropped(tmp_path):
+    """Roles are found on the first shard: a later one's ratings would be lost."""
+    table = a_log().rename_columns(["rating" if name == "stars" else name
+                                    for name in a_log().column_names])
+    renamed = [table.drop_columns(["rating"]).slice(0, 60), table.slice(60)]
+    paths = [str(tmp_path / "log" / f"part-{index}.parquet") for index in range(2)]
+    os.makedirs(tmp_path / "log")
+    for path, part in zip(paths, renamed):
+        pq.write_table(part, path)
+    columns = {role: name for role, name in MAPPING.items() if role != "rating"}
+    for read in (lambda: load(str(tmp_path / "log"), columns=columns),
+                 lambda: shards.describe(str(tmp_path / "log"), columns)):
+        assert one_line(read) == (
+            f"{paths[1]}: column 'rating' would be read as ratings, which {paths[0]} lacks; "
+            "every shard needs the same columns (found there: "
+            f"{', '.join(renamed[0].column_names)})")
+
+
+def test_decimal_ids_wider_than_duckdb_reads_are_refused_out_of_core(tmp_path):
+    """DuckDB reads a decimal of precision over 38 as a double: 10^30 and 10^30 + 1 as one."""
+    ids = pa.array([10**30, 10**30 + 1, 10**30 + 2, 6], pa.decimal256(40, 0))
+    folder = tmp_path / "log"
+    os.makedirs(folder)
+    pq.write_table(pa.table({"user_id": ["a", "a", "b", "b"], "item_id": ids,
+                             "timestamp": [1, 2, 3, 4]}), folder / "part-0.parquet")
+    assert load(str(folder)).num_items == 4
+    assert one_line(lambda: shards.describe(str(folder))) == (
+        f"{folder}: column 'item_id' is of type decimal256(40, 0), which out of core (DuckDB) "
+        "reads as floating point, merging ids; write the ids as text, or load the log in "
+        "memory")
+
+
+@pytest.mark.parametrize("name", ["file_index", "FILE_ROW_NUMBER"])
+def test_a_column_named_as_duckdbs_row_columns_is_refused_out_of_core(tmp_path, name):
+    """DuckDB would read the shard's column as its own: rows in other places, or a crash."""
+    table = a_log()
+    paths = write_split(table.append_column(name, pa.array(np.zeros(table.num_rows, np.int64))),
+                        tmp_path / "log", cuts=(0, 60))
+    assert len(load(str(tmp_path / "log"), columns=MAPPING)) > 0         # in memory: unread
+    assert one_line(lambda: shards.describe(str(tmp_path / "log"), MAPPING)) == (
+        f"{paths[0]}: column {name!r} has the name of a column describe and prepare (DuckDB) "
+        "add to each row for its position: rename it, or load the log in memory")
+
+
 def test_the_item_table_is_checked_before_the_log_is_read(tmp_path, monkeypatch):
     write_split(a_log(), tmp_path / "shards")
     pq.write_table(pa.table({"id": ["1", "2"]}), tmp_path / "shards" / "items.parquet")
