@@ -42,7 +42,8 @@ from tworec.features.sources import (DEFAULT_COLUMNS, FLOAT32_OVERFLOW, MISSING,
                                      _log_from_roles, _one_line, _resolve_columns,
                                      NUL, decimal_comma_advice, empty_ids_error,
                                      id_codes, id_type_error, not_utf8_ids_error,
-                                     nul_ids_error, unreadable_parquet,
+                                     nul_ids_error, parquet_file, unreadable_parquet,
+                                     INT96_UNIT,
                                      genres_multi_hot, no_known_items_error,
                                      whole_years)
 
@@ -195,8 +196,8 @@ def needed_columns(shards: ShardSet, columns: dict[str, str], by_duckdb: bool = 
     """
     schemas, rows = {}, {}
     for path in shards.files:
-        footer = _footer(path)
-        schemas[path], rows[path] = footer.schema.to_arrow_schema(), footer.num_rows
+        parquet = _parquet(path)
+        schemas[path], rows[path] = parquet.schema_arrow, parquet.metadata.num_rows
     first = next((path for path in shards.files if rows[path]), shards.files[0])
     schema = schemas[first]
     mapping = _resolve_columns(first, schema.names, columns)
@@ -280,12 +281,13 @@ def _refuse_case_twins(path: str, names: list[str], needed: list[str]) -> None:
 
 
 def _schema(path: str) -> pa.Schema:
-    return _footer(path).schema.to_arrow_schema()
+    return _parquet(path).schema_arrow
 
 
-def _footer(path: str) -> pq.FileMetaData:
+def _parquet(path: str) -> pq.ParquetFile:
+    """A shard (`sources.parquet_file`), refused in one line when Arrow cannot read it."""
     try:
-        return pq.read_metadata(path)
+        return parquet_file(path)
     except (pa.ArrowInvalid, OSError) as error:
         raise unreadable_parquet(path, error) from None
 
@@ -317,7 +319,8 @@ def read_columns(files, schema: pa.Schema, batch_rows: int = BATCH_ROWS) -> dict
     """name -> [n] NumPy column of the shards concatenated in order, read one column at a time
     and a batch of `batch_rows` at a time with Arrow's dataset scanner. A shard that cannot be
     read (a corrupt page) is a one-line DataError naming it."""
-    dataset = ds.dataset(list(files), schema=schema, format="parquet")
+    dataset = ds.dataset(list(files), schema=schema, format=ds.ParquetFileFormat(
+        read_options=ds.ParquetReadOptions(coerce_int96_timestamp_unit=INT96_UNIT)))
     columns = {}
     for field in schema:
         chunks = []
@@ -326,7 +329,8 @@ def read_columns(files, schema: pa.Schema, batch_rows: int = BATCH_ROWS) -> dict
                                           batch_size=batch_rows).scan_batches():
                 column = tagged.record_batch.column(0)
                 if column.null_count:          # the whole shard's count, for the message
-                    column = pq.read_table(tagged.fragment.path, columns=[field.name]).column(0)
+                    column = parquet_file(tagged.fragment.path).read(
+                        columns=[field.name]).column(0)
                 chunks.append(_column_numpy(tagged.fragment.path, field.name,
                                             pa.chunked_array([column])))
         except (pa.ArrowException, OSError):            # which shard: Arrow does not say
@@ -345,7 +349,7 @@ def _unreadable(files, names: list[str]) -> DataError | None:
     for path in files:
         for name in names:
             try:
-                for _ in pq.ParquetFile(path).iter_batches(BATCH_ROWS, columns=[name]):
+                for _ in parquet_file(path).iter_batches(BATCH_ROWS, columns=[name]):
                     pass
             except (pa.ArrowException, OSError) as error:
                 return DataError(f"{path}: cannot read column {name!r}: {_one_line(error)}")
@@ -363,7 +367,7 @@ def item_table_ids(path: str, id_column: str) -> np.ndarray:
         raise DataError(f"{path}: the item table needs the log's item column {id_column!r}; it "
                         f"has {', '.join(names)}")
     text, codes = id_codes(path, id_column, _column_numpy(
-        path, id_column, pq.read_table(path, columns=[id_column]).column(0)))
+        path, id_column, parquet_file(path).read(columns=[id_column]).column(0)))
     ids = text[codes]
     empty = np.flatnonzero(ids == "")
     if len(empty):
@@ -379,7 +383,7 @@ def read_item_table(path: str, id_column: str) -> dict:
     """The catalogue, item features and genre names of an `items.parquet` whose id column is
     the log's item column, as `sources.from_columns` takes them."""
     ids = item_table_ids(path, id_column)
-    table = pq.read_table(path)
+    table = parquet_file(path).read()
     features = {name: _feature(path, name, table.column(name))
                 for name in table.column_names if name != id_column}
     genre_names = ()
@@ -577,7 +581,7 @@ def parquet_log(source: str, columns: dict[str, str] | None, read_items) -> Parq
     if shards.items is not None:              # DuckDB reads its item column too
         _refuse_case_twins(shards.items, _schema(shards.items).names, [mapping["item"]])
     catalogue = None if shards.items is None else read_items(shards.items, mapping["item"])
-    shard_rows = [pq.ParquetFile(path).metadata.num_rows for path in shards.files]
+    shard_rows = [_parquet(path).metadata.num_rows for path in shards.files]
     if sum(shard_rows) == 0:
         raise DataError(f"{source}: the log is empty")
     return ParquetLog(shards, mapping, schema, shard_rows, catalogue,

@@ -996,7 +996,7 @@ def _last_per_id(ids: tuple[np.ndarray, np.ndarray], features: dict[str, np.ndar
 
 def _parquet_column_names(path: str) -> list[str]:
     try:
-        return pq.ParquetFile(path).schema_arrow.names
+        return parquet_file(path).schema_arrow.names
     except (pa.ArrowInvalid, OSError) as error:
         raise unreadable_parquet(path, error) from None
 
@@ -1233,9 +1233,19 @@ def _resolve_columns(path: str, names: list[str], columns: dict[str, str]) -> Co
     return mapping
 
 
+# INT96 timestamps (Spark's, Hive's and Impala's legacy ones) in microseconds, as DuckDB reads
+# them: Arrow's default, nanoseconds, wraps dates after 2262 around in silence.
+INT96_UNIT = "us"
+
+
+def parquet_file(path: str) -> pq.ParquetFile:
+    """A Parquet file, its INT96 timestamps read in `INT96_UNIT`."""
+    return pq.ParquetFile(path, coerce_int96_timestamp_unit=INT96_UNIT)
+
+
 def _read_parquet(path: str, include: list[str]) -> pa.Table:
     """Reads the needed columns a row group at a time."""
-    parquet = pq.ParquetFile(path)
+    parquet = parquet_file(path)
     try:
         batches = list(parquet.iter_batches(columns=include, batch_size=1 << 20))
     except (pa.ArrowInvalid, OSError) as error:

@@ -192,6 +192,23 @@ def test_a_rating_column_the_first_shard_lacks_is_refused_not_dropped(tmp_path):
             f"{', '.join(renamed[0].column_names)})")
 
 
+def test_int96_timestamps_after_2262_are_read_alike_on_both_paths(tmp_path):
+    """Spark's legacy INT96 times: Arrow's nanoseconds would wrap 9999-12-31 to 1816 in silence;
+    read in microseconds, as DuckDB reads them, they are what was written."""
+    import datetime
+    times = [datetime.datetime(*day) for day in ((2024, 1, 1), (2024, 1, 2), (9999, 12, 31),
+                                                 (2024, 1, 1), (2024, 1, 3), (2820, 9, 13))]
+    folder = tmp_path / "log"
+    os.makedirs(folder)
+    pq.write_table(pa.table({"user_id": ["a"] * 3 + ["b"] * 3, "item_id": list("xyzxyz"),
+                             "timestamp": pa.array(times, pa.timestamp("us"))}),
+                   folder / "part-0.parquet", use_deprecated_int96_timestamps=True)
+    seconds = [int(time.replace(tzinfo=datetime.timezone.utc).timestamp()) for time in times]
+    assert load(str(folder)).timestamp.tolist() == seconds
+    assert load(str(folder / "part-0.parquet")).timestamp.tolist() == seconds
+    assert shards.describe(str(folder))["time_range"] == [min(seconds), max(seconds)]
+
+
 def test_decimal_ids_wider_than_duckdb_reads_are_refused_out_of_core(tmp_path):
     """DuckDB reads a decimal of precision over 38 as a double: 10^30 and 10^30 + 1 as one."""
     ids = pa.array([10**30, 10**30 + 1, 10**30 + 2, 6], pa.decimal256(40, 0))
