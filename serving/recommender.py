@@ -93,12 +93,18 @@ class Recommender:
         for attempt in range(2):
             candidates, version = self.added_candidates(users, retrieved)
             try:
-                return candidates, self.client.predict(
-                    self.ranking_model, {"user_id": users, "item_ids": candidates},
-                    version=version)["scores"]
+                answer = self.client.predict(self.ranking_model,
+                                             {"user_id": users, "item_ids": candidates},
+                                             version=version)
             except ServingError as error:
                 if version is None or error.code != "NOT_FOUND" or attempt == 1:
                     raise
+                continue
+            if "item_ids" in answer:      # REST leaves an input a signature lacks unread
+                raise ValueError(f"model {self.ranking_model!r} answers item_ids, as a "
+                                 "retrieval model does: it scored no candidate; name the "
+                                 "ranking model")
+            return candidates, answer["scores"]
 
     def added_candidates(self, users: np.ndarray, candidates: np.ndarray
                          ) -> tuple[np.ndarray, int | None]:

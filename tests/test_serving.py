@@ -887,6 +887,19 @@ def unused_port() -> int:
         return sock.getsockname()[1]
 
 
+def test_a_retrieval_model_named_as_the_ranking_model_is_refused(client):
+    """Over REST the retrieval model leaves item_ids unread and answers its own list; over
+    gRPC the server refuses the input. Neither passes for a ranked list."""
+    with pytest.raises((ValueError, ServingError)) as refused:
+        Recommender(client, ranking_model="retrieval").recommend(["u1"], n=3)
+    if isinstance(refused.value, ValueError):
+        assert str(refused.value) == ("model 'retrieval' answers item_ids, as a retrieval "
+                                      "model does: it scored no candidate; name the ranking "
+                                      "model")
+    else:
+        assert refused.value.code == "INVALID_ARGUMENT"
+
+
 def test_recommender_drops_seen_items(client, local):
     recommender = Recommender(client)
     candidates = local["retrieval"].run({"user_id": np.array(["u1"])})["item_ids"][0]
