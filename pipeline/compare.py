@@ -354,6 +354,19 @@ def _summaries(arms: list[Arm], runs: dict[str, list[dict]], rows: dict[str, dic
     return result
 
 
+def identical_arms(arms: list[Arm], configs: Configs) -> list[str]:
+    """A note for each arm that trains exactly as an earlier one (its fields change nothing:
+    the preset's values), so that a gain of zero is not read as a finding."""
+    notes, seen = [], {}
+    for arm in arms:
+        trained = json.dumps(arm_configs(arm, configs, 0).to_dict(), sort_keys=True)
+        if trained in seen:
+            notes.append(f"arm {arm.name!r} trains exactly as arm {seen[trained]!r}: its fields "
+                         "are the values it would have anyway")
+        seen.setdefault(trained, arm.name)
+    return notes
+
+
 def stopping_of(arms: list[Arm], configs: Configs) -> tuple[bool, bool]:
     """(whether an arm stops early, whether arms stop early after other epochs or patience:
     then they choose their epoch among more or fewer looks at the rows they are compared on)."""
@@ -515,6 +528,8 @@ def table(result: dict) -> str:
                       "over that row)")
                      + ", as the served two-stage list; a calibrated ranker is calibrated on "
                      "half of the users and scores the other half.")
+    if result.get("command"):
+        lines.append(f"Command: `{result['command']}`")
     lines += [f"Note: {note}" for note in result.get("notes", [])]
     if result.get("seeds_left"):
         lines.append(f"Partial: {seeds_named(result['seeds_left'])} not run yet (the "
@@ -525,10 +540,13 @@ def table(result: dict) -> str:
     if skipped:
         lines.append(f"Note: a fold kept the trained weights, its calibration skipped "
                      f"(compare.json says why): {'; '.join(skipped)}.")
-    if result["epoch_choice_differs"]:
-        lines.append("Note: arms stop early after other epochs or patience, so they choose "
-                     "their epoch among more or fewer looks at these rows; the arm that looks "
-                     "more often is favoured.")
+    stopped = _other_epochs(result)
+    if result["epoch_choice_differs"] or (result["early_stopping"] and stopped):
+        lines.append("Note: arms stop early after other epochs or patience" + (
+            f", or stopped after other numbers of epochs ({stopped})" if stopped else "")
+            + ", so they choose their epoch among more or fewer looks at these rows; the arm "
+            "that looks more often is favoured.")
+    lines += [f"Note: {note}" for note in _seeds_beyond_intervals(result)]
     columns = ["arm", "fields", "Recall@10", "NDCG@10", "Recall@10 gain", "NDCG@10 gain",
                "NDCG@10 gain, seeds"] + (["NDCG@10 gain over retrieval"] if ranking else [])
     lines += ["", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
@@ -555,6 +573,34 @@ def table(result: dict) -> str:
         lines.append("| " + " | ".join([name, fields, f"{arm['recall@10']:.4f}",
                                         f"{arm['ndcg@10']:.4f}", *gains, spread, *over]) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _other_epochs(result: dict) -> str:
+    """'seed 0: a 3, slow 6' for the seeds whose arms trained other numbers of epochs, or ''."""
+    epochs: dict[int, dict[str, int]] = {}
+    for name, arm in result["arms"].items():
+        for run in arm["runs"]:
+            epochs.setdefault(run["seed"], {})[name] = run["epochs"]
+    return "; ".join(f"seed {seed}: " + ", ".join(f"{name} {count}" for name, count in
+                                                  by_arm.items())
+                     for seed, by_arm in epochs.items() if len(set(by_arm.values())) > 1)
+
+
+def _seeds_beyond_intervals(result: dict) -> list[str]:
+    """A note for each arm whose seeds' own NDCG@10 gains reach beyond its interval, which
+    covers the users drawn: the seeds move the gain more than the users do."""
+    notes = []
+    for name, arm in result["arms"].items():
+        seeds = [run["gain"]["ndcg@10"] for run in arm["runs"] if run["gain"]]
+        if len(seeds) < 2:
+            continue
+        low, high = arm["gain"]["ndcg@10"]["ci95"]
+        if min(seeds) < low or max(seeds) > high:
+            notes.append(f"arm {name!r}: its seeds' own NDCG@10 gains ({min(seeds):+.4f} to "
+                         f"{max(seeds):+.4f}) reach beyond its interval ({low:+.4f} to "
+                         f"{high:+.4f}), which covers the users drawn: the seeds move the gain "
+                         "more; more seeds, not the interval, tell whether it holds.")
+    return notes
 
 
 def seeds_named(seeds: list[int]) -> str:

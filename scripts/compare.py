@@ -19,12 +19,13 @@ it finished. No test row is scored. A log whose ties are listed by item id is no
 table and compare.json's "notes").
 """
 import os
+import shlex
 import sys
 
 from tworec.features.sources import tie_order_notes
 from tworec.pipeline import cli
-from tworec.pipeline.compare import (ARM_FORM, OUTPUTS, check_arms, compare, parse_arm,
-                                     seeds_named, table, validation_split, write)
+from tworec.pipeline.compare import (ARM_FORM, OUTPUTS, check_arms, compare, identical_arms,
+                                     parse_arm, seeds_named, table, validation_split, write)
 from tworec.pipeline.config import RunConfig, resolve
 from tworec.pipeline.folder import RunFolderError, load_source, only_run_into
 
@@ -65,14 +66,14 @@ def main(argv=None) -> int:
                         "--out")
     try:
         with only_run_into(args.out):           # locked; folders it makes go if left empty
-            return _compare(args)
+            return _compare(args, sys.argv[1:] if argv is None else argv)
     except RunFolderError as error:
         return cli.fail(str(error))
     except OSError as error:                  # --out cannot be made
         return cli.fail(f"--out {args.out}: {error.strerror or error}")
 
 
-def _compare(args) -> int:
+def _compare(args, argv: list[str]) -> int:
     """Checks everything, then compares and writes into the folder --out; the exit code."""
     if not os.access(args.out, os.W_OK | os.X_OK):
         return cli.fail(f"--out {args.out}: cannot write in this folder")
@@ -89,7 +90,7 @@ def _compare(args) -> int:
         check_arms(arms, configs, args.seeds)
         cli.show_logs(args)
         log = load_source(source)
-        notes = tie_order_notes(log)
+        notes = tie_order_notes(log) + identical_arms(arms, configs)
         parts = validation_split(log, configs, arms)
     except ValueError as error:                       # DataError included
         return cli.fail(str(error))
@@ -102,9 +103,11 @@ def _compare(args) -> int:
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
 
+    command = shlex.join(["python", "scripts/compare.py", *argv])
+
     def write_seeds(result: dict, ranks: dict) -> None:
         """The seeds done so far, written: a comparison that stops keeps them."""
-        write(args.out, {**result, "notes": notes}, ranks, source, configs)
+        write(args.out, {**result, "notes": notes, "command": command}, ranks, source, configs)
         written[:] = result["seeds"]
 
     def kept() -> str:
@@ -121,7 +124,7 @@ def _compare(args) -> int:
     except KeyboardInterrupt:
         print(f"error: stopped; {kept()}", file=sys.stderr)
         return 130
-    print(table({**result, "notes": notes}), end="")
+    print(table({**result, "notes": notes, "command": command}), end="")
     return 0
 
 

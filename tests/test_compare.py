@@ -3,6 +3,7 @@ import dataclasses
 import functools
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -12,8 +13,8 @@ import pytest
 from tworec.evaluation.metrics import paired_bootstrap, row_metrics
 from tworec.features import load, split
 from tworec.pipeline import compare as comparison
-from tworec.pipeline.compare import (Arm, check_arms, compare, parse_arm, stopping_of, table,
-                                     validation_split)
+from tworec.pipeline.compare import (Arm, check_arms, compare, identical_arms, parse_arm,
+                                     stopping_of, table, validation_split)
 from tworec.pipeline.config import resolve
 
 from helpers import exit_before_tensorflow
@@ -476,6 +477,7 @@ def test_the_script_prints_the_table_and_writes_it_with_the_ranks(tmp_path):
     assert done.stdout.splitlines()[0].startswith("[compare] one, seed 0: validation Recall@10")
     table_text = (out / "compare.md").read_text()
     assert done.stdout.endswith(table_text) and "| two | members=2 |" in table_text
+    assert table_text.splitlines()[1] == f"Command: `python scripts/compare.py {shlex.join(args)}`"
     saved = json.load(open(out / "compare.json"))
     assert saved["source"]["data"] == "synthetic:tiny" and saved["configs"]["retrieval"][
         "epochs"] == 1
@@ -491,7 +493,8 @@ def test_the_script_prints_the_table_and_writes_it_with_the_ranks(tmp_path):
         again.stderr
     (out / "compare.md").write_text("older")
     assert script(*args, "--overwrite").returncode == 0
-    assert (out / "compare.md").read_text() == table_text
+    assert (out / "compare.md").read_text() == table_text.replace(
+        shlex.join(args), shlex.join([*args, "--overwrite"]))            # the same figures
 
 
 def test_the_script_notes_a_log_whose_ties_are_in_id_order(tmp_path, monkeypatch, capsys):
@@ -507,8 +510,8 @@ def test_the_script_notes_a_log_whose_ties_are_in_id_order(tmp_path, monkeypatch
     notes = tie_order_notes(tied_pairs_log(tmp_path / "tied.csv", up=300))
     result = {"split": "temporal", "seeds": [0], "validation": {"rows": 1, "users": 1},
               "early_stopping": False, "epoch_choice_differs": False, "arms": {
-                  "a": {"fields": {}, "runs": [{"gain": None}], "recall@10": 0.5,
-                        "ndcg@10": 0.25, "gain": None}}}
+                  "a": {"fields": {}, "runs": [{"gain": None, "seed": 0, "epochs": 1}],
+                        "recall@10": 0.5, "ndcg@10": 0.25, "gain": None}}}
     tables = []
 
     def compared(*args, seed_done, **kwargs):
@@ -654,25 +657,59 @@ def test_script_mistakes_are_one_line_before_tensorflow_loads(tmp_path, args, me
     assert not (tmp_path / "new").exists()                   # no folder left behind
 
 
+def test_an_arm_that_trains_exactly_as_an_earlier_one_is_noted():
+    configs = resolve("tiny")
+    arms = [parse_arm(text) for text in (
+        "a", f"same:learning_rate={configs.retrieval.learning_rate}", "two:members=2",
+        "again:members=2")]
+    assert identical_arms(arms, configs) == [
+        "arm 'same' trains exactly as arm 'a': its fields are the values it would have anyway",
+        "arm 'again' trains exactly as arm 'two': its fields are the values it would have "
+        "anyway"]
+    ranking = [parse_arm(text, "ranking") for text in ("a", "b:calibrate=false")]
+    assert identical_arms(ranking, configs) == []
+
+
 def test_the_table_gives_the_seeds_gains_and_warns_when_arms_choose_epochs_differently():
     gain = {"difference": 0.01, "ci95": [-0.002, 0.02]}
-    runs = [{"gain": {"ndcg@10": 0.03}}, {"gain": {"ndcg@10": -0.01}}]
+    runs = [{"gain": {"ndcg@10": 0.03}, "seed": 0, "epochs": 3},
+            {"gain": {"ndcg@10": -0.01}, "seed": 1, "epochs": 3}]
     result = {"split": "temporal", "seeds": [0, 1], "validation": {"rows": 5, "users": 5},
               "early_stopping": True, "epoch_choice_differs": True, "arms": {
-                  "base": {"fields": {}, "runs": [{"gain": None}] * 2, "recall@10": 0.5,
-                           "ndcg@10": 0.25, "gain": None},
+                  "base": {"fields": {}, "runs": [{"gain": None, "seed": seed, "epochs": 3}
+                                                  for seed in (0, 1)],
+                           "recall@10": 0.5, "ndcg@10": 0.25, "gain": None},
                   "long": {"fields": {"epochs": 9}, "runs": runs, "recall@10": 0.51,
                            "ndcg@10": 0.26, "gain": {"recall@10": gain, "ndcg@10": gain}}}}
     lines = table(result).splitlines()
     assert lines[0].endswith("A run that stops early (early_stopping_patience > 0) chose its "
                              "epoch on these rows, as a run chooses it.")
-    assert lines[1].startswith("Note: arms stop early after other epochs or patience")
+    assert lines[1] == ("Note: arms stop early after other epochs or patience, so they choose "
+                        "their epoch among more or fewer looks at these rows; the arm that "
+                        "looks more often is favoured.")
+    assert lines[2] == ("Note: arm 'long': its seeds' own NDCG@10 gains (-0.0100 to +0.0300) "
+                        "reach beyond its interval (-0.0020 to +0.0200), which covers the users "
+                        "drawn: the seeds move the gain more; more seeds, not the interval, "
+                        "tell whether it holds.")
+    inside = {**result, "arms": {**result["arms"], "long": {**result["arms"]["long"], "gain": {
+        "recall@10": gain, "ndcg@10": {"difference": 0.01, "ci95": [-0.01, 0.03]}}}}}
+    assert "reach beyond" not in table(inside)
+    longer = [{**runs[0], "epochs": 5}, runs[1]]                 # the same settings, stopped
+    stopped = {**result, "epoch_choice_differs": False,           # after more epochs
+               "arms": {**result["arms"], "long": {**result["arms"]["long"], "runs": longer}}}
+    assert table(stopped).splitlines()[1] == (
+        "Note: arms stop early after other epochs or patience, or stopped after other numbers "
+        "of epochs (seed 0: base 3, long 5), so they choose their epoch among more or fewer "
+        "looks at these rows; the arm that looks more often is favoured.")
+    assert "arms stop early" not in table({**stopped, "early_stopping": False})
+    assert table({**result, "command": "python scripts/compare.py --arm a"}).splitlines()[1] \
+        == "Command: `python scripts/compare.py --arm a`"
     assert lines[-2] == "| base | - | 0.5000 | 0.2500 | - | - | - |"
     assert lines[-1] == ("| long | epochs=9 | 0.5100 | 0.2600 | +0.0100 (-0.0020 to +0.0200) | "
                          "+0.0100 (-0.0020 to +0.0200) | -0.0100 to +0.0300 |")
     assert table({**result, "early_stopping": False, "epoch_choice_differs": False}
                  ).splitlines()[0].endswith("Each run kept its last epoch (no early stopping).")
-    assert "Note:" not in table({**result, "epoch_choice_differs": False})
+    assert "Note:" not in table({**inside, "epoch_choice_differs": False})
     assert table({**result, "notes": ["log.csv: ties"]}).splitlines()[1] == "Note: log.csv: ties"
     over = {"ndcg@10": {"difference": 0.03, "ci95": [0.01, 0.05]}}
     ranking = {**result, "stage": "ranking", "epoch_choice_differs": False,
@@ -686,6 +723,7 @@ def test_the_table_gives_the_seeds_gains_and_warns_when_arms_choose_epochs_diffe
     assert lines[1].startswith("Each ranking arm re-ranks the lists of the same retrieval")
     assert lines[2] == ("Note: a fold kept the trained weights, its calibration skipped "
                         "(compare.json says why): long, seed 0.")
+    assert lines[3].startswith("Note: arm 'long': its seeds' own NDCG@10 gains")
     assert lines[-3] == "| retrieval alone | - | 0.4000 | 0.2000 | - | - | - | - |"
     assert lines[-2].endswith("| - | +0.0300 (+0.0100 to +0.0500) |")
 
