@@ -694,6 +694,9 @@ def test_the_table_gives_the_seeds_gains_and_warns_when_arms_choose_epochs_diffe
     inside = {**result, "arms": {**result["arms"], "long": {**result["arms"]["long"], "gain": {
         "recall@10": gain, "ndcg@10": {"difference": 0.01, "ci95": [-0.01, 0.03]}}}}}
     assert "reach beyond" not in table(inside)
+    above = {**result, "arms": {**result["arms"], "long": {**result["arms"]["long"], "gain": {
+        "recall@10": gain, "ndcg@10": {"difference": 0.01, "ci95": [-0.02, 0.02]}}}}}
+    assert "reach beyond its interval (-0.0200 to +0.0200)" in table(above)    # one side
     longer = [{**runs[0], "epochs": 5}, runs[1]]                 # the same settings, stopped
     stopped = {**result, "epoch_choice_differs": False,           # after more epochs
                "arms": {**result["arms"], "long": {**result["arms"]["long"], "runs": longer}}}
