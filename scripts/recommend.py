@@ -93,14 +93,13 @@ def mistake(args: argparse.Namespace) -> str | None:
     folder = os.path.dirname(args.out)
     if folder and not os.path.isdir(folder):
         return f"--out {args.out}: the folder {folder} does not exist"
+    from tworec.serving.batch import ExportError, partial_file, saved_model_dir
     try:                                  # what recommend_all writes first, then renames
-        open(f"{args.out}.partial", "wb").close()
-        os.unlink(f"{args.out}.partial")
+        os.unlink(partial_file(args.out))
     except OSError as error:
         return f"--out {args.out}: cannot write it here ({error.strerror or error})"
     if args.batch_size is not None and args.batch_size < 1:
         return f"--batch-size must be at least 1, got {args.batch_size}"
-    from tworec.serving.batch import ExportError, saved_model_dir
     try:
         saved_model_dir(args.export, args.version)
     except ExportError as error:

@@ -16,10 +16,12 @@ and one batch's results; the file appears under its name only once it is complet
 """
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import os
 import sys
+import tempfile
 import warnings
 from typing import Callable
 
@@ -119,7 +121,7 @@ def score_all(export: str, out: str, n: int = 10, batch_size: int = 1024,
     path = saved_model_dir(export, version)
     users = known_user_ids(path)                                                    # [U]
     model = LoadedModel(path, run_warmup=False)
-    partial = f"{out}.partial"                          # renamed to `out` once complete
+    partial = partial_file(out)                      # renamed to `out` once complete
     try:
         _check_signature(model, path)
         rows = _write_batches(model, users, partial, n, batch_size, titles, progress)
@@ -131,18 +133,36 @@ def score_all(export: str, out: str, n: int = 10, batch_size: int = 1024,
     return rows
 
 
+def partial_file(out: str) -> str:
+    """A new empty file beside `out`, named after it and hidden (`.NAME.XXXX.partial`): what
+    is written before it is renamed to `out`, never a file of the user's, nor another run's.
+    Raises OSError when the folder cannot be written."""
+    folder, name = os.path.split(out)
+    descriptor, path = tempfile.mkstemp(suffix=".partial", prefix=f".{name}.", dir=folder or ".")
+    os.close(descriptor)
+    return path
+
+
 def _write_batches(model, users: np.ndarray, path: str, n: int, batch_size: int,
                    titles: dict[str, str] | None,
                    progress: Callable[[int, int], None] | None) -> int:
     """Scores `users` [U] a batch at a time, one row group each; returns the rows written."""
     rows = titled = 0
+    short = collections.Counter()                     # users with 0, or fewer than n, items
+    first_empty = None
     with pq.ParquetWriter(path, _schema(titles is not None)) as writer:
         for start in range(0, len(users), batch_size):
             batch = users[start:start + batch_size]                                     # [b]
             outputs = model.run({"user_id": batch})
-            if start == 0 and outputs["item_ids"].shape[1] < n:
-                warnings.warn(f"the export returns {outputs['item_ids'].shape[1]} items per "
-                              f"user, fewer than the {n} asked for; the file holds those")
+            listed = min(n, outputs["item_ids"].shape[1])           # the export's width
+            if start == 0 and listed < n:
+                warnings.warn(f"the export returns {listed} items per user, fewer than the {n} "
+                              "asked for; the file holds those")
+            filled = (outputs["item_ids"][:, :n] != PAD_ID).sum(axis=1)                # [b]
+            short["none"] += int((filled == 0).sum())
+            short["fewer"] += int(((filled > 0) & (filled < listed)).sum())
+            if first_empty is None and (filled == 0).any():
+                first_empty = batch[np.argmax(filled == 0)]
             table = batch_table(batch, outputs["item_ids"][:, :n], outputs["scores"][:, :n],
                                 titles)
             writer.write_table(table, row_group_size=max(len(table), 1))
@@ -150,6 +170,15 @@ def _write_batches(model, users: np.ndarray, path: str, n: int, batch_size: int,
             titled += len(table) - table.column("title").null_count if titles is not None else 0
             if progress:
                 progress(start + len(batch), len(users))
+    if short["none"]:
+        example = first_empty.decode("utf-8", "replace") if isinstance(
+            first_empty, bytes) else str(first_empty)
+        warnings.warn(f"{short['none']} known users have no item left to recommend (every "
+                      "item the export would list is theirs already), so the file has no row "
+                      f"of them, e.g. {example!r}")
+    if short["fewer"]:
+        warnings.warn(f"{short['fewer']} known users have fewer than {listed} items in the "
+                      "file (the others the export would list are theirs already)")
     if titles is not None and rows and not titled:
         warnings.warn("no item written has one of the titles given (another catalogue's ids?); "
                       "the title column is empty")

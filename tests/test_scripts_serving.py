@@ -313,6 +313,36 @@ def test_score_all_writes_what_the_signature_answers_a_batch_per_row_group(expor
     assert os.listdir(tmp_path) == ["recs.parquet"]
 
 
+class ListsOfTwo:
+    """A stand-in export answering two slots a user: u1 one item, u2 none (it has them all)."""
+
+    def run(self, inputs):
+        assert inputs["user_id"].tolist() == [b"u1", b"u2"]
+        return {"item_ids": np.array([[b"i1", b""], [b"", b""]], object),
+                "scores": np.array([[0.5, -np.inf], [-np.inf, -np.inf]], np.float32)}
+
+
+def test_users_with_fewer_items_or_none_left_are_said_and_a_users_partial_file_kept(tmp_path):
+    """A known user whose every item is theirs has no row: said, not dropped in silence. The
+    file is written aside under a name of its own, never over one of the user's."""
+    from tworec.serving.batch import _write_batches, partial_file
+    mine = tmp_path / "recs.parquet.partial"
+    mine.write_text("the user's own file")
+    out = str(tmp_path / "recs.parquet")
+    aside = partial_file(out)
+    with pytest.warns(UserWarning) as said:
+        rows = _write_batches(ListsOfTwo(), np.array([b"u1", b"u2"], object), aside, 2, 8,
+                              None, None)
+    assert [str(warning.message) for warning in said] == [
+        "1 known users have no item left to recommend (every item the export would list is "
+        "theirs already), so the file has no row of them, e.g. 'u2'",
+        "1 known users have fewer than 2 items in the file (the others the export would list "
+        "are theirs already)"]
+    assert rows == 1 and pq.read_table(aside)["user_id"].to_pylist() == ["u1"]
+    assert os.path.basename(aside).startswith(".recs.parquet.") and aside.endswith(".partial")
+    assert mine.read_text() == "the user's own file"
+
+
 def test_score_all_refuses_exports_it_cannot_score(exports, tmp_path):
     out = str(tmp_path / "recs.parquet")
     with pytest.raises(ValueError, match="has no table of known users"):
