@@ -306,7 +306,7 @@ def only_run_into(out: str):
         descriptor = os.open(out, os.O_RDONLY)
     except OSError as error:                     # under a file, a read-only place, or ''
         _remove_empty(made)
-        raise RunFolderError(f"{out or repr(out)}: cannot make this folder "
+        raise RunFolderError(f"--out {out or repr(out)}: cannot make this folder "
                              f"({error.strerror or error}); name one that can be made") from None
     try:
         try:
