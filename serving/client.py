@@ -75,7 +75,7 @@ class Client:
             (outputs name -> [batch, ...], the version that answered: an int, or None when the
             server does not say).
         """
-        inputs = {name: np.asarray(value) for name, value in inputs.items()}
+        inputs = {name: _request_array(name, value) for name, value in inputs.items()}
         rows = {len(value) if value.ndim else None for value in inputs.values()}
         if len(rows) != 1 or None in rows or rows.pop() <= self.max_rows_per_request:
             return self._retry(self.transport.predict, model, inputs, signature_name, version)
@@ -298,6 +298,32 @@ def _fill_spec(spec, model: str, version: int | None, signature_name: str = "") 
 def _model_path(model: str, version: int | None) -> str:
     path = "/v1/models/" + urllib.parse.quote(model, safe="")
     return path if version is None else f"{path}/versions/{version}"
+
+
+def _request_array(name: str, value) -> np.ndarray:
+    """An input as both transports send it alike: text (str or bytes, in an object or a
+    unicode array) as UTF-8 bytes in an object array; anything else as NumPy makes it.
+
+    Raises:
+        ValueError: text that is not valid Unicode (a lone surrogate), or an object array
+            holding something besides text (ints among ids).
+    """
+    array = np.asarray(value)
+    if array.dtype.kind not in "OU":
+        return array
+    flat = np.empty(array.size, object)
+    for index, item in enumerate(array.reshape(-1).tolist()):
+        if isinstance(item, str):
+            try:
+                item = item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"input {name!r}: {item!r} is not valid Unicode text (a lone "
+                                 "surrogate?)") from None
+        elif not isinstance(item, bytes):
+            raise ValueError(f"input {name!r}: a {type(item).__name__} ({item!r}) among text; "
+                             "give ids as str or bytes, or numbers as a numeric array")
+        flat[index] = item
+    return flat.reshape(array.shape)
 
 
 def _json_of_array(value: np.ndarray):

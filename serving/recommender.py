@@ -73,8 +73,13 @@ class Recommender:
             raise ValueError(f"user_ids must be a flat list of ids, got shape "
                              f"{np.shape(user_ids)}")
         users = _as_bytes(user_ids)
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"n must be a whole number of at least 1, got {n!r}")
         if seen is not None and len(seen) != len(users):
             raise ValueError(f"seen has {len(seen)} rows for {len(users)} users")
+        if seen is not None and any(isinstance(row, (str, bytes)) for row in seen):
+            raise ValueError("seen holds one list of item ids per user, e.g. [['i1', 'i2']], "
+                             "not ids alone")
         retrieved = self.client.predict(self.retrieval_model, {"user_id": users})["item_ids"]
         if not len(users):               # JSON could not carry the [0, k] candidates
             candidates, scores = retrieved, np.zeros(retrieved.shape, np.float32)

@@ -16,6 +16,7 @@ import binascii
 import contextlib
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -900,6 +901,19 @@ def test_a_retrieval_model_named_as_the_ranking_model_is_refused(client):
         assert refused.value.code == "INVALID_ARGUMENT"
 
 
+def test_client_inputs_are_read_alike_over_both_transports(client, local):
+    """Text as str, bytes, a unicode array or a list gives one answer; ints among ids and a
+    lone surrogate are refused in the client, the same on REST and gRPC."""
+    expected = local["retrieval"].run({"user_id": np.array([b"u1", b"u4"], object)})
+    for users in (["u1", "u4"], np.array(["u1", "u4"]), np.array([b"u1", "u4"], object)):
+        answer = client.predict("retrieval", {"user_id": users})
+        assert answer["item_ids"].tolist() == expected["item_ids"].tolist(), users
+    for users, message in ((np.array(["u1", 4], object), "a int (4) among text"),
+                           (["u1", "\ud800"], "'\\ud800' is not valid Unicode text")):
+        with pytest.raises(ValueError, match=re.escape(f"input 'user_id': {message}")):
+            client.predict("retrieval", {"user_id": users})
+
+
 def test_recommender_drops_seen_items(client, local):
     recommender = Recommender(client)
     candidates = local["retrieval"].run({"user_id": np.array(["u1"])})["item_ids"][0]
@@ -909,6 +923,12 @@ def test_recommender_drops_seen_items(client, local):
     assert not set(result["item_ids"][0]) & set(seen[0])
     everything = recommender.recommend(["u1"], n=3, seen=[list(candidates)])
     assert list(everything["item_ids"][0]) == [PAD_ID] * 3
+    for n in (0, -1, 2.5):
+        with pytest.raises(ValueError, match=f"n must be a whole number of at least 1, got "
+                                             f"{re.escape(repr(n))}"):
+            recommender.recommend(["u1"], n=n)
+    with pytest.raises(ValueError, match=r"seen holds one list of item ids per user"):
+        recommender.recommend(["u1"], n=3, seen=["i1"])           # ids alone: one per user?
 
 
 def test_recommender_says_which_users_the_retrieval_model_knows(client):
