@@ -79,9 +79,9 @@ def main(argv=None) -> int:
         ("jit_compile", args.jit_compile)) if value is not None}
     if args.retrieval_run:
         return cli.run(args, RANKING_ONLY, continue_run=True, ranking=ranking)
+    top_k = RunConfig.candidates if args.top_k is None else args.top_k
     return cli.run(args, ("train retrieval",) + RANKING_ONLY, ranking=ranking,
-                   retrieval=cli.members_given(args),
-                   run=cli.candidates_run(RunConfig.candidates if args.top_k is None else args.top_k))
+                   retrieval=cli.members_given(args), run=cli.candidates_run(top_k))
 
 
 if __name__ == "__main__":
