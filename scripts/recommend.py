@@ -144,9 +144,11 @@ def recommend_one(args: argparse.Namespace, titles: dict[str, str]) -> int:
             except (OSError, ServingError):          # for a note only: the list stands
                 known = None
     except (OSError, ValueError, ServingError) as error:
+        unreachable = getattr(error, "code", None) == "UNAVAILABLE" and any(
+            words in str(error).lower() for words in ("connection refused",
+                                                      "failed to connect", "name or service"))
         hint = ("; is a server running there? start one with python scripts/serve.py "
-                "--model_config_file RUN/export/models_scann.config"
-                if getattr(error, "code", None) == "UNAVAILABLE" else "")
+                "--model_config_file RUN/export/models_scann.config" if unreachable else "")
         return fail(f"{error}{hint}", code=1)
     print(f"recommendations for user {args.user}:")
     items = [item.decode("utf-8") for item in result["item_ids"][0] if item != PAD_ID]

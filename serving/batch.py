@@ -121,24 +121,29 @@ def score_all(export: str, out: str, n: int = 10, batch_size: int = 1024,
     path = saved_model_dir(export, version)
     users = known_user_ids(path)                                                    # [U]
     model = LoadedModel(path, run_warmup=False)
-    partial = partial_file(out)                      # renamed to `out` once complete
+    partial = None
     try:
+        partial = partial_file(out)                  # renamed to `out` once complete
         _check_signature(model, path)
         rows = _write_batches(model, users, partial, n, batch_size, titles, progress)
         os.replace(partial, out)
     finally:
         model.close()
-        if os.path.exists(partial):
+        if partial is not None and os.path.exists(partial):
             os.unlink(partial)
     return rows
 
 
 def partial_file(out: str) -> str:
     """A new empty file beside `out`, named after it and hidden (`.NAME.XXXX.partial`): what
-    is written before it is renamed to `out`, never a file of the user's, nor another run's.
-    Raises OSError when the folder cannot be written."""
+    is written before it is renamed to `out`, never a file of the user's, nor another run's (a
+    killed run leaves it behind). Its mode is a new file's (0666 less the umask), not
+    mkstemp's private 0600. Raises OSError when the folder cannot be written."""
     folder, name = os.path.split(out)
     descriptor, path = tempfile.mkstemp(suffix=".partial", prefix=f".{name}.", dir=folder or ".")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(descriptor, 0o666 & ~umask)
     os.close(descriptor)
     return path
 
@@ -173,12 +178,12 @@ def _write_batches(model, users: np.ndarray, path: str, n: int, batch_size: int,
     if short["none"]:
         example = first_empty.decode("utf-8", "replace") if isinstance(
             first_empty, bytes) else str(first_empty)
-        warnings.warn(f"{short['none']} known users have no item left to recommend (every "
-                      "item the export would list is theirs already), so the file has no row "
+        warnings.warn(f"{short['none']} known users got no item back (their seen items are "
+                      "excluded; a ScaNN export may also find fewer), so the file has no row "
                       f"of them, e.g. {example!r}")
     if short["fewer"]:
-        warnings.warn(f"{short['fewer']} known users have fewer than {listed} items in the "
-                      "file (the others the export would list are theirs already)")
+        warnings.warn(f"{short['fewer']} known users got fewer than {listed} items back (their "
+                      "seen items are excluded; a ScaNN export may also find fewer)")
     if titles is not None and rows and not titled:
         warnings.warn("no item written has one of the titles given (another catalogue's ids?); "
                       "the title column is empty")

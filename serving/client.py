@@ -308,7 +308,12 @@ def _request_array(name: str, value) -> np.ndarray:
         ValueError: text that is not valid Unicode (a lone surrogate), or an object array
             holding something besides text (ints among ids).
     """
-    array = np.asarray(value)
+    try:
+        array = np.asarray(value)
+    except UnicodeDecodeError:              # bytes that are not ASCII beside str, in a list
+        array = np.array(value, dtype=object)
+    if isinstance(value, (list, tuple)) and array.dtype.kind in "US":
+        array = np.array(value, dtype=object)      # NumPy made ints among text into text
     if array.dtype.kind not in "OU":
         return array
     flat = np.empty(array.size, object)

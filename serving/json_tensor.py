@@ -120,6 +120,8 @@ def b64_unescape(text: str) -> bytes:
     whitespace skipped (MIME encoders break lines), padding optional but correct when given,
     '.' padding as '='. Raises binascii.Error for anything else."""
     compact = text.translate(_ASCII_SPACE)
+    if not compact.isascii():                   # b64decode would raise ValueError, a 500
+        raise binascii.Error("characters outside base64's alphabet")
     data = compact.rstrip("=.")
     padding, wanted = len(compact) - len(data), -len(data) % 4
     if padding and padding != wanted:

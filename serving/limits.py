@@ -75,7 +75,8 @@ def check_shape(name: str, shape: list[int], max_rows: int) -> None:
 class BytesInFlight:
     """The request bytes the server holds at once (REST bodies as they arrive, so that a
     client declaring a large body and sending none holds nothing, and gRPC messages, until
-    their answer), bounded by `limit`: a request that would pass it is refused
+    their answer is made or, for a run its client left, the run ends; an answer being sent is
+    not counted), bounded by `limit`: a request that would pass it is refused
     UNAVAILABLE (retry later; HTTP 503), unless no other request is held, so a lone request of
     up to --max_request_bytes always runs. A request costs a multiple of its bytes while it is
     parsed and run (a 63 MB REST ranking request of 8M short ids raised the server's peak
@@ -90,14 +91,17 @@ class BytesInFlight:
 
     @contextlib.contextmanager
     def reserve(self, size: int = 0) -> Iterator["Reservation"]:
-        """Holds `size` bytes (grown by `Reservation.cover`) until the block ends."""
+        """Holds `size` bytes (grown by `Reservation.cover`) until the block ends, or, when
+        `Reservation.hold_until` handed them to a run, until that run ends."""
         reservation = Reservation(self)
         try:
             reservation.cover(size)
             yield reservation
         finally:
-            with self._lock:
-                self._held -= reservation.size
+            if reservation.handed_to is None:
+                reservation.release()
+            else:
+                reservation.handed_to.add_done_callback(lambda _: reservation.release())
 
     @property
     def held(self) -> int:
@@ -109,6 +113,17 @@ class Reservation:
 
     def __init__(self, budget: BytesInFlight):
         self.budget, self.size = budget, 0
+        self.handed_to = None                 # a run's future that outlives the request
+
+    def hold_until(self, future) -> None:
+        """Keeps the bytes held until `future` is done: a run a request started goes on
+        holding its inputs after the request ends (its client gone, its deadline passed)."""
+        self.handed_to = future
+
+    def release(self) -> None:
+        with self.budget._lock:
+            self.budget._held -= self.size
+            self.size = 0
 
     def cover(self, size: int) -> None:
         """Grows the reservation to `size` bytes when it is smaller; raises ServingError

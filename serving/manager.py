@@ -103,8 +103,16 @@ def reload_configs(proto: model_server_config_pb2.ModelServerConfig) -> list[Mod
 
 
 def _config_of_proto(config: model_server_config_pb2.ModelConfig) -> ModelConfig:
-    platform = config.model_platform or (
-        "tensorflow" if config.model_type == model_server_config_pb2.TENSORFLOW else "")
+    platform = config.model_platform                     # as TF Serving's GetPlatform reads it
+    if config.model_type != model_server_config_pb2.MODEL_TYPE_UNSPECIFIED:
+        if platform:
+            raise ServingError("INVALID_ARGUMENT", "Illegal setting both ModelServerConfig::"
+                               "model_type (deprecated) and ModelServerConfig::model_platform, "
+                               f"model name is {config.name}")
+        if config.model_type != model_server_config_pb2.TENSORFLOW:
+            raise ServingError("INVALID_ARGUMENT", "ModelServerConfig::model_type choice "
+                               f"{config.model_type} not supported.")
+        platform = "tensorflow"
     if not platform:
         raise ServingError("INVALID_ARGUMENT", "Illegal setting neither ModelServerConfig::"
                            "model_type (deprecated) nor ModelServerConfig::model_platform, model "
@@ -395,6 +403,7 @@ class ModelManager:
                         self.reload(reload_configs(config_proto(f.read())))
                 except (OSError, ServingError) as error:
                     log.error("reloading the model config %s failed: %s", path, error)
+                    mtime = None          # read again next poll: a write may end in one tick
         threading.Thread(target=loop, args=(os.path.getmtime(path),), name="config-poll",
                          daemon=True).start()
 

@@ -105,11 +105,21 @@ class Recommender:
                 if version is None or error.code != "NOT_FOUND" or attempt == 1:
                     raise
                 continue
-            if "item_ids" in answer:      # REST leaves an input a signature lacks unread
-                raise ValueError(f"model {self.ranking_model!r} answers item_ids, as a "
-                                 "retrieval model does: it scored no candidate; name the "
+            if "item_ids" in answer and not self._reads_item_ids(version):
+                raise ValueError(f"model {self.ranking_model!r} answers item_ids and takes "
+                                 "none, as a retrieval model does: it scored no candidate "
+                                 "(REST leaves an input a signature lacks unread); name the "
                                  "ranking model")
             return candidates, answer["scores"]
+
+    def _reads_item_ids(self, version: int | None) -> bool:
+        """Whether the ranking model's serving_default takes item_ids (True when the client
+        cannot say: a stand-in without `metadata`)."""
+        metadata = getattr(self.client, "metadata", None)
+        if metadata is None:
+            return True
+        signature = metadata(self.ranking_model, version).signature_def["serving_default"]
+        return "item_ids" in signature.inputs
 
     def added_candidates(self, users: np.ndarray, candidates: np.ndarray
                          ) -> tuple[np.ndarray, int | None]:

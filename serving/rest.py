@@ -89,6 +89,7 @@ class RestApp:
         if scope["type"] != "http":
             return
         over_limit = scope.get("extensions", {}).get(OVER_LIMIT, False)
+        unread = False                      # a body left partly unread closes the connection
         try:
             if over_limit:                # refused unread, as uvicorn's limit_concurrency does
                 raise ServingError("UNAVAILABLE", "The server is serving as many requests as it "
@@ -98,11 +99,12 @@ class RestApp:
             return
         except ServingError as error:
             status, data = error.http_status, _json_bytes({"error": error.message})
+            unread = getattr(error, "body_unread", False)
         except Exception:  # no request may take the server down; the log keeps the details
             log.exception("REST request %s %s failed", scope["method"], scope["path"])
             status, data = 500, _json_bytes({"error": "the request failed on the server; the "
                                                       "server log has the details"})
-        await _send_json(send, status, data, close=over_limit or status in (408, 413, 503))
+        await _send_json(send, status, data, close=over_limit or unread or status in (408, 413))
 
     async def _answer(self, scope, receive) -> tuple[int, bytes]:
         """(HTTP status, JSON body) of a request, serialized here so that an answer that
@@ -119,7 +121,7 @@ class RestApp:
             with self.in_flight.reserve() as held:      # what has arrived, until the answer
                 body = await self._read_body(receive, held)
                 return 200, await self._predict(predict["verb"], *_model_spec(predict), body,
-                                                scope, deadline)
+                                                scope, deadline, held)
         if method == "GET" and status:
             handler = self._metadata if status["metadata"] else self._status
             return 200, _json_bytes(handler(*_model_spec(status)))
@@ -153,7 +155,11 @@ class RestApp:
             size += len(chunk)
             if size > self.max_request_bytes:
                 raise self._too_large(size)
-            held.cover(size)
+            try:
+                held.cover(size)
+            except ServingError as error:
+                error.body_unread = message.get("more_body", False)
+                raise
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
@@ -164,7 +170,7 @@ class RestApp:
                             "(--max_request_bytes)", http_status=413)
 
     async def _predict(self, verb: str, name: str, version: int | None, label: str | None,
-                       body: bytes, scope, deadline: float | None) -> bytes:
+                       body: bytes, scope, deadline: float | None, held: Reservation) -> bytes:
         if verb.lower() != "predict":
             parse_json(body)             # as TF Serving: the body, then the model, then this
             with self.manager.lease(name, version, label):
@@ -179,6 +185,7 @@ class RestApp:
                 big, parse_predict, request, _rest_signature(model, signature), self.max_rows,
                 self.max_elements)
             future = self.scheduler.submit(model, inputs, signature, (), deadline)
+            held.hold_until(future)               # a run left behind still holds its bytes
             outputs = await _wait(future, scope, deadline, self.timeout_seconds)
         big = sum(getattr(value, "nbytes", 0) for value in outputs.values()) > _INLINE_BYTES
         return await _maybe_offload(big, format_predict, outputs, row_form)

@@ -334,13 +334,27 @@ def test_users_with_fewer_items_or_none_left_are_said_and_a_users_partial_file_k
         rows = _write_batches(ListsOfTwo(), np.array([b"u1", b"u2"], object), aside, 2, 8,
                               None, None)
     assert [str(warning.message) for warning in said] == [
-        "1 known users have no item left to recommend (every item the export would list is "
-        "theirs already), so the file has no row of them, e.g. 'u2'",
-        "1 known users have fewer than 2 items in the file (the others the export would list "
-        "are theirs already)"]
+        "1 known users got no item back (their seen items are excluded; a ScaNN export may "
+        "also find fewer), so the file has no row of them, e.g. 'u2'",
+        "1 known users got fewer than 2 items back (their seen items are excluded; a ScaNN "
+        "export may also find fewer)"]
     assert rows == 1 and pq.read_table(aside)["user_id"].to_pylist() == ["u1"]
     assert os.path.basename(aside).startswith(".recs.parquet.") and aside.endswith(".partial")
     assert mine.read_text() == "the user's own file"
+
+
+def test_score_all_keeps_a_users_partial_file_and_writes_a_file_others_can_read(exports,
+                                                                               tmp_path):
+    mine = tmp_path / "recs.parquet.partial"
+    mine.write_text("the user's own file")
+    previous = os.umask(0o022)
+    try:
+        score_all(exports["recommender"], str(tmp_path / "recs.parquet"), n=2)
+    finally:
+        os.umask(previous)
+    assert mine.read_text() == "the user's own file"
+    assert sorted(os.listdir(tmp_path)) == ["recs.parquet", "recs.parquet.partial"]
+    assert os.stat(tmp_path / "recs.parquet").st_mode & 0o777 == 0o644
 
 
 def test_score_all_refuses_exports_it_cannot_score(exports, tmp_path):

@@ -894,9 +894,10 @@ def test_a_retrieval_model_named_as_the_ranking_model_is_refused(client):
     with pytest.raises((ValueError, ServingError)) as refused:
         Recommender(client, ranking_model="retrieval").recommend(["u1"], n=3)
     if isinstance(refused.value, ValueError):
-        assert str(refused.value) == ("model 'retrieval' answers item_ids, as a retrieval "
-                                      "model does: it scored no candidate; name the ranking "
-                                      "model")
+        assert str(refused.value) == (
+            "model 'retrieval' answers item_ids and takes none, as a retrieval model does: it "
+            "scored no candidate (REST leaves an input a signature lacks unread); name the "
+            "ranking model")
     else:
         assert refused.value.code == "INVALID_ARGUMENT"
 
@@ -905,10 +906,12 @@ def test_client_inputs_are_read_alike_over_both_transports(client, local):
     """Text as str, bytes, a unicode array or a list gives one answer; ints among ids and a
     lone surrogate are refused in the client, the same on REST and gRPC."""
     expected = local["retrieval"].run({"user_id": np.array([b"u1", b"u4"], object)})
-    for users in (["u1", "u4"], np.array(["u1", "u4"]), np.array([b"u1", "u4"], object)):
+    for users in (["u1", "u4"], np.array(["u1", "u4"]), np.array([b"u1", "u4"], object),
+                  [b"u1", "u4"], ("u1", b"u4")):
         answer = client.predict("retrieval", {"user_id": users})
         assert answer["item_ids"].tolist() == expected["item_ids"].tolist(), users
     for users, message in ((np.array(["u1", 4], object), "a int (4) among text"),
+                           (["u1", 4], "a int (4) among text"),
                            (["u1", "\ud800"], "'\\ud800' is not valid Unicode text")):
         with pytest.raises(ValueError, match=re.escape(f"input 'user_id': {message}")):
             client.predict("retrieval", {"user_id": users})
@@ -1500,7 +1503,13 @@ def _reload_config(server: ModelServer, text: str) -> None:
      'model_platform, model name is other; set model_platform: "tensorflow"'),
     ('config { name: "other" base_path: "/other" model_platform: "pytorch" }',
      grpc.StatusCode.INVALID_ARGUMENT, "Model other requests unsupported platform pytorch; this "
-     'server serves model_platform "tensorflow"')])
+     'server serves model_platform "tensorflow"'),
+    ('config { name: "other" base_path: "/other" model_platform: "tensorflow" '
+     'model_type: TENSORFLOW }', grpc.StatusCode.INVALID_ARGUMENT, "Illegal setting both "
+     "ModelServerConfig::model_type (deprecated) and ModelServerConfig::model_platform, model "
+     "name is other"),
+    ('config { name: "other" base_path: "/other" model_type: OTHER }',
+     grpc.StatusCode.INVALID_ARGUMENT, "ModelServerConfig::model_type choice 2 not supported.")])
 def test_a_reload_to_no_model_list_or_platform_is_refused_as_tf_serving_does(
         swap_server, text, code, message):
     """An empty reload request would otherwise unload every model; a config naming no platform,
@@ -1673,6 +1682,10 @@ def test_config_file_changes_are_picked_up(swap_server, tmp_path):
             os.utime(path, (time.time() + later, time.time() + later))
             time.sleep(0.3)
             assert _available(client, "again") and _available(client, "scale"), repr(broken)
+        stamp = os.stat(path).st_mtime                 # the whole config, written within the
+        write_models_config(path, {"scale": base, "third": base})    # emptied one's tick
+        os.utime(path, (stamp, stamp))
+        _wait_for(lambda: _available(client, "third"))
 
 
 def test_json_inputs_are_read_as_tf_serving_reads_them():
@@ -1703,7 +1716,7 @@ BASE64_READINGS = [
     ("dTQwOQ==", b"u409"), ("dTQwOQ", b"u409"), ("dTQwOQ..", b"u409"), ("dTQwOQ=.", b"u409"),
     ("dTQw\r\nOQ==\n", b"u409"), (" d T Q w O Q = = ", b"u409"), ("", b""), ("dTQw", b"u40"),
     ("dTQwOQ=", None), ("dTQwOQ===", None), ("dTQw=", None), ("dTQwO", None), ("dTQ=wOQ", None),
-    ("dTQwOQ-_", None), ("%%%", None)]
+    ("dTQwOQ-_", None), ("%%%", None), ("dTQwé", None)]
 
 
 @pytest.mark.parametrize("text, value", BASE64_READINGS,
