@@ -279,9 +279,12 @@ def compare(log: Interactions, parts: Split, configs: Configs, arms: list[Arm],
     evalset = eval_set(log, parts, "validation", exclude_seen=inputs.exclude_seen)
     stage = arms[0].stage
     early_stopping, epoch_choice_differs = stopping_of(arms, configs)
+    arms_stop_early = any(getattr(arm_configs(arm, configs, 0), stage).early_stopping_patience
+                          > 0 for arm in arms)
     header = {"stage": stage, "split": parts.kind, "cold_start_window": window,
               "validation": {"rows": len(evalset), "users": len(np.unique(evalset.users))},
-              "early_stopping": early_stopping, "epoch_choice_differs": epoch_choice_differs}
+              "early_stopping": early_stopping, "epoch_choice_differs": epoch_choice_differs,
+              "arms_stop_early": arms_stop_early}
     ranks = {"rows": evalset.rows, "users": evalset.users}
     retrieval_of = retrieval_rows(arms, configs) if stage == "ranking" else {}
     runs: dict[str, list[dict]] = {}
@@ -361,8 +364,8 @@ def identical_arms(arms: list[Arm], configs: Configs) -> list[str]:
     for arm in arms:
         trained = json.dumps(arm_configs(arm, configs, 0).to_dict(), sort_keys=True)
         if trained in seen:
-            notes.append(f"arm {arm.name!r} trains exactly as arm {seen[trained]!r}: its fields "
-                         "are the values it would have anyway")
+            notes.append(f"arm {arm.name!r} trains exactly as arm {seen[trained]!r}: the "
+                         "configs they resolve to are equal")
         seen.setdefault(trained, arm.name)
     return notes
 
@@ -540,13 +543,16 @@ def table(result: dict) -> str:
     if skipped:
         lines.append(f"Note: a fold kept the trained weights, its calibration skipped "
                      f"(compare.json says why): {'; '.join(skipped)}.")
-    stopped = _other_epochs(result)
-    if result["epoch_choice_differs"] or (result["early_stopping"] and stopped):
-        lines.append("Note: arms stop early after other epochs or patience" + (
-            f", or stopped after other numbers of epochs ({stopped})" if stopped else "")
-            + ", so they choose their epoch among more or fewer looks at these rows; the arm "
-            "that looks more often is favoured.")
-    lines += [f"Note: {note}" for note in _seeds_beyond_intervals(result)]
+    stopped = _other_epochs(result) if result.get("arms_stop_early") else ""
+    if result["epoch_choice_differs"]:
+        lines.append("Note: arms stop early after other epochs or patience, so they choose "
+                     "their epoch among more or fewer looks at these rows; the arm that looks "
+                     "more often is favoured.")
+    elif stopped:
+        lines.append(f"Note: arms that stop early stopped after other numbers of epochs "
+                     f"({stopped}), so they chose their epoch among more or fewer looks at "
+                     "these rows; the arm that looks more often is favoured.")
+    lines += [f"Note: {note}" for note in _seed_uncertainty_notes(result)]
     columns = ["arm", "fields", "Recall@10", "NDCG@10", "Recall@10 gain", "NDCG@10 gain",
                "NDCG@10 gain, seeds"] + (["NDCG@10 gain over retrieval"] if ranking else [])
     lines += ["", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
@@ -586,20 +592,23 @@ def _other_epochs(result: dict) -> str:
                      for seed, by_arm in epochs.items() if len(set(by_arm.values())) > 1)
 
 
-def _seeds_beyond_intervals(result: dict) -> list[str]:
-    """A note for each arm whose seeds' own NDCG@10 gains reach beyond its interval, which
-    covers the users drawn: the seeds move the gain more than the users do."""
+def _seed_uncertainty_notes(result: dict) -> list[str]:
+    """A note for each arm whose mean NDCG@10 gain is more uncertain over its seeds (the 95%
+    t interval of the seeds' own gains, half-width t(k-1) s / sqrt(k)) than over the users
+    drawn (its bootstrap interval's half-width): that interval then understates it."""
+    from scipy import stats
     notes = []
     for name, arm in result["arms"].items():
-        seeds = [run["gain"]["ndcg@10"] for run in arm["runs"] if run["gain"]]
+        seeds = np.array([run["gain"]["ndcg@10"] for run in arm["runs"] if run["gain"]])
         if len(seeds) < 2:
             continue
+        over_seeds = stats.t.ppf(0.975, len(seeds) - 1) * seeds.std(ddof=1) / np.sqrt(len(seeds))
         low, high = arm["gain"]["ndcg@10"]["ci95"]
-        if min(seeds) < low or max(seeds) > high:
-            notes.append(f"arm {name!r}: its seeds' own NDCG@10 gains ({min(seeds):+.4f} to "
-                         f"{max(seeds):+.4f}) reach beyond its interval ({low:+.4f} to "
-                         f"{high:+.4f}), which covers the users drawn: the seeds move the gain "
-                         "more; more seeds, not the interval, tell whether it holds.")
+        if over_seeds > (high - low) / 2:
+            notes.append(f"arm {name!r}: over its {len(seeds)} seeds its mean NDCG@10 gain is "
+                         f"uncertain by ±{over_seeds:.4f} (a t interval of the seeds' own "
+                         f"gains), more than by ±{(high - low) / 2:.4f} over the users drawn: "
+                         "its interval understates the gain's uncertainty.")
     return notes
 
 

@@ -66,7 +66,7 @@ def main(argv=None) -> int:
                         "--out")
     try:
         with only_run_into(args.out):           # locked; folders it makes go if left empty
-            return _compare(args, sys.argv[1:] if argv is None else argv)
+            return _compare(args, sys.argv if argv is None else ["scripts/compare.py", *argv])
     except RunFolderError as error:
         return cli.fail(str(error))
     except OSError as error:                  # --out cannot be made
@@ -74,7 +74,8 @@ def main(argv=None) -> int:
 
 
 def _compare(args, argv: list[str]) -> int:
-    """Checks everything, then compares and writes into the folder --out; the exit code."""
+    """Checks everything, then compares and writes into the folder --out; the exit code.
+    `argv`: the command line, the script's path first."""
     if not os.access(args.out, os.W_OK | os.X_OK):
         return cli.fail(f"--out {args.out}: cannot write in this folder")
     try:
@@ -103,7 +104,7 @@ def _compare(args, argv: list[str]) -> int:
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
 
-    command = shlex.join(["python", "scripts/compare.py", *argv])
+    command = shlex.join(["python", *argv])
 
     def write_seeds(result: dict, ranks: dict) -> None:
         """The seeds done so far, written: a comparison that stops keeps them."""

@@ -477,7 +477,8 @@ def test_the_script_prints_the_table_and_writes_it_with_the_ranks(tmp_path):
     assert done.stdout.splitlines()[0].startswith("[compare] one, seed 0: validation Recall@10")
     table_text = (out / "compare.md").read_text()
     assert done.stdout.endswith(table_text) and "| two | members=2 |" in table_text
-    assert table_text.splitlines()[1] == f"Command: `python scripts/compare.py {shlex.join(args)}`"
+    ran = shlex.join([os.path.join(ROOT, "scripts", "compare.py"), *args])   # as it was run
+    assert table_text.splitlines()[1] == f"Command: `python {ran}`"
     saved = json.load(open(out / "compare.json"))
     assert saved["source"]["data"] == "synthetic:tiny" and saved["configs"]["retrieval"][
         "epochs"] == 1
@@ -663,9 +664,8 @@ def test_an_arm_that_trains_exactly_as_an_earlier_one_is_noted():
         "a", f"same:learning_rate={configs.retrieval.learning_rate}", "two:members=2",
         "again:members=2")]
     assert identical_arms(arms, configs) == [
-        "arm 'same' trains exactly as arm 'a': its fields are the values it would have anyway",
-        "arm 'again' trains exactly as arm 'two': its fields are the values it would have "
-        "anyway"]
+        "arm 'same' trains exactly as arm 'a': the configs they resolve to are equal",
+        "arm 'again' trains exactly as arm 'two': the configs they resolve to are equal"]
     ranking = [parse_arm(text, "ranking") for text in ("a", "b:calibrate=false")]
     assert identical_arms(ranking, configs) == []
 
@@ -687,24 +687,28 @@ def test_the_table_gives_the_seeds_gains_and_warns_when_arms_choose_epochs_diffe
     assert lines[1] == ("Note: arms stop early after other epochs or patience, so they choose "
                         "their epoch among more or fewer looks at these rows; the arm that "
                         "looks more often is favoured.")
-    assert lines[2] == ("Note: arm 'long': its seeds' own NDCG@10 gains (-0.0100 to +0.0300) "
-                        "reach beyond its interval (-0.0020 to +0.0200), which covers the users "
-                        "drawn: the seeds move the gain more; more seeds, not the interval, "
-                        "tell whether it holds.")
-    inside = {**result, "arms": {**result["arms"], "long": {**result["arms"]["long"], "gain": {
-        "recall@10": gain, "ndcg@10": {"difference": 0.01, "ci95": [-0.01, 0.03]}}}}}
-    assert "reach beyond" not in table(inside)
-    above = {**result, "arms": {**result["arms"], "long": {**result["arms"]["long"], "gain": {
-        "recall@10": gain, "ndcg@10": {"difference": 0.01, "ci95": [-0.02, 0.02]}}}}}
-    assert "reach beyond its interval (-0.0200 to +0.0200)" in table(above)    # one side
+    # seeds' gains 0.03 and -0.01: t(1) 12.706 x 0.02828 / sqrt(2) = 0.2541 > 0.011
+    assert lines[2] == ("Note: arm 'long': over its 2 seeds its mean NDCG@10 gain is uncertain "
+                        "by ±0.2541 (a t interval of the seeds' own gains), more than by ±0.0110 "
+                        "over the users drawn: its interval understates the gain's "
+                        "uncertainty.")
+    close = [{**runs[0], "gain": {"ndcg@10": value}, "seed": seed}     # 3 seeds: t(2) 4.303 x
+             for seed, value in enumerate((0.009, 0.01, 0.011))]      # 0.001 / sqrt(3) = 0.0025
+    steady = {**result, "arms": {**result["arms"], "long": {**result["arms"]["long"],
+                                                             "runs": close}}}
+    assert "understates" not in table(steady)
+    assert "understates" in table({**steady, "arms": {**steady["arms"], "long": {
+        **steady["arms"]["long"], "gain": {"recall@10": gain, "ndcg@10": {
+            "difference": 0.01, "ci95": [0.008, 0.012]}}}}})             # +-0.002 < +-0.0025
     longer = [{**runs[0], "epochs": 5}, runs[1]]                 # the same settings, stopped
-    stopped = {**result, "epoch_choice_differs": False,           # after more epochs
-               "arms": {**result["arms"], "long": {**result["arms"]["long"], "runs": longer}}}
+    stopped = {**steady, "epoch_choice_differs": False, "arms_stop_early": True,
+               "arms": {**steady["arms"], "long": {**steady["arms"]["long"], "runs": longer}}}
     assert table(stopped).splitlines()[1] == (
-        "Note: arms stop early after other epochs or patience, or stopped after other numbers "
-        "of epochs (seed 0: base 3, long 5), so they choose their epoch among more or fewer "
-        "looks at these rows; the arm that looks more often is favoured.")
-    assert "arms stop early" not in table({**stopped, "early_stopping": False})
+        "Note: arms that stop early stopped after other numbers of epochs (seed 0: base 3, "
+        "long 5), so they chose their epoch among more or fewer looks at these rows; the arm "
+        "that looks more often is favoured.")
+    assert "stopped after" not in table({**stopped, "arms_stop_early": False})  # rankers kept
+                                                                 # their epochs: retrieval's stop
     assert table({**result, "command": "python scripts/compare.py --arm a"}).splitlines()[1] \
         == "Command: `python scripts/compare.py --arm a`"
     assert lines[-2] == "| base | - | 0.5000 | 0.2500 | - | - | - |"
@@ -712,7 +716,7 @@ def test_the_table_gives_the_seeds_gains_and_warns_when_arms_choose_epochs_diffe
                          "+0.0100 (-0.0020 to +0.0200) | -0.0100 to +0.0300 |")
     assert table({**result, "early_stopping": False, "epoch_choice_differs": False}
                  ).splitlines()[0].endswith("Each run kept its last epoch (no early stopping).")
-    assert "Note:" not in table({**inside, "epoch_choice_differs": False})
+    assert "Note:" not in table({**steady, "epoch_choice_differs": False})
     assert table({**result, "notes": ["log.csv: ties"]}).splitlines()[1] == "Note: log.csv: ties"
     over = {"ndcg@10": {"difference": 0.03, "ci95": [0.01, 0.05]}}
     ranking = {**result, "stage": "ranking", "epoch_choice_differs": False,
@@ -726,7 +730,7 @@ def test_the_table_gives_the_seeds_gains_and_warns_when_arms_choose_epochs_diffe
     assert lines[1].startswith("Each ranking arm re-ranks the lists of the same retrieval")
     assert lines[2] == ("Note: a fold kept the trained weights, its calibration skipped "
                         "(compare.json says why): long, seed 0.")
-    assert lines[3].startswith("Note: arm 'long': its seeds' own NDCG@10 gains")
+    assert lines[3].startswith("Note: arm 'long': over its 2 seeds its mean NDCG@10 gain")
     assert lines[-3] == "| retrieval alone | - | 0.4000 | 0.2000 | - | - | - | - |"
     assert lines[-2].endswith("| - | +0.0300 (+0.0100 to +0.0500) |")
 
