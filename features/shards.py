@@ -106,12 +106,14 @@ def find(source: str) -> ShardSet | None:
         return _with_item_table(source, matches)
     if not os.path.isdir(source):
         return None
-    files, anything, walked = [], False, set()
+    files, anything, walked, read = [], False, set(), set()
+    root = os.path.realpath(source)
     for folder, subfolders, names in os.walk(source, followlinks=True):
-        if os.path.realpath(folder) in walked:     # linked folders are read once: no loop
-            subfolders[:] = []
+        real = os.path.realpath(folder)
+        if real in walked or root.startswith(real + os.sep):   # read once; an ancestor's
+            subfolders[:] = []                              # other folders are not the log
             continue
-        walked.add(os.path.realpath(folder))
+        walked.add(real)
         subfolders[:] = sorted(d for d in subfolders if not d.startswith((".", "_")))
         anything |= bool(names)
         shards = [n for n in names if not n.startswith((".", "_"))
@@ -120,7 +122,10 @@ def find(source: str) -> ShardSet | None:
         if misnamed is not None:
             raise DataError(f"{os.path.join(folder, misnamed)}: a shard is read when its name "
                             "ends .parquet; rename it so, or move it out of the folder")
-        files += [os.path.join(folder, n) for n in shards]
+        for name in shards:                           # a file linked twice is read once
+            if os.path.realpath(os.path.join(folder, name)) not in read:
+                read.add(os.path.realpath(os.path.join(folder, name)))
+                files.append(os.path.join(folder, name))
     if not anything:
         raise DataError(f"{source}: the folder is empty; pass a folder of .parquet shards, a "
                         f"glob such as {os.path.join(source, 'part-*.parquet')}, or a GroupLens "
@@ -206,6 +211,10 @@ def needed_columns(shards: ShardSet, columns: dict[str, str], by_duckdb: bool = 
         other = schemas[path]
         if not rows[path]:                    # neither compared nor read by DuckDB
             continue
+        twice = next((name for name in needed.names if other.names.count(name) > 1), None)
+        if twice is not None:
+            raise DataError(f"{path}: the column {twice!r} is in the shard "
+                            f"{other.names.count(twice)} times; give the columns distinct names")
         if by_duckdb:
             _refuse_case_twins(path, other.names, needed.names)
             _refuse_row_column_names(path, other.names)
@@ -226,9 +235,14 @@ def needed_columns(shards: ShardSet, columns: dict[str, str], by_duckdb: bool = 
             if found != wide:
                 wide = _widened(wide, found)
                 if wide is None:
+                    units = {getattr(_stored(kind), "unit", None) for kind in
+                             (found, schema.field(field.name).type)}
+                    int96 = ("; a Parquet INT96 time (Spark's legacy) is read in microseconds, "
+                             "as DuckDB reads it: write the times in one unit, e.g. "
+                             "timestamp[us]" if units == {"us", "ns"} else "")
                     raise DataError(f"{path}: column {field.name!r} is {found}, but "
                                     f"{schema.field(field.name).type} in {first}; write every "
-                                    "shard with the same schema")
+                                    f"shard with the same schema{int96}")
                 needed = needed.set(needed.get_field_index(field.name), field.with_type(wide))
         mapping.unread = tuple(dict.fromkeys(mapping.unread + mapping.unread_of(other.names)))
     return mapping, needed

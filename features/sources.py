@@ -491,8 +491,8 @@ def _refuse_mixed_times(source: str, name: str, values: np.ndarray) -> None:
         first = _first_unreadable_time(text)
         raise DataError(f"{source}: column {name!r} holds ISO dates and times that no one "
                         f"timestamp type reads all of (first {str(values[first])!r}, at row "
-                        f"{first}: an impossible date such as 2020-02-30, or a time with an "
-                        "offset beside times without one)")
+                        f"{first}: an impossible date such as 2020-02-30, a time with an "
+                        "offset beside times without one, or other text)")
     if not len(odd):                                   # numbers and dates: the fewer kind
         odd = np.flatnonzero(date if date.sum() <= number.sum() else ~date)
     first = odd[0]

@@ -325,6 +325,8 @@ def only_run_into(out: str):
 def _remove_empty(folders: list[str]) -> None:
     """Removes `folders` (deepest first) while they are empty."""
     for folder in folders:
+        if not os.path.isdir(folder):                     # never made: its parent may be
+            continue
         try:
             os.rmdir(folder)                              # refused once the run wrote in it
         except OSError:

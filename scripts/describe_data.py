@@ -43,12 +43,12 @@ def main(argv=None) -> int:
     except ValueError as error:
         return cli.fail(f"--memory-limit: {error}")
     try:
-        if args.split:
+        if args.split is not None:
             DataConfig(split=args.split).validate()        # before the log loads
         columns = parse_columns(args.columns)
         found = shards.find(args.data)
         summary_only = args.summary_only or found is not None
-        if summary_only and args.split:
+        if summary_only and args.split is not None:
             return cli.fail(f"--split: {args.data} is summarised without the split (it needs "
                             "the whole log in memory); leave out --split"
                             + ("" if found is not None else " or --summary-only"))

@@ -651,3 +651,12 @@ def test_a_continued_run_that_stops_leaves_the_folders_config(tmp_path, monkeypa
     with pytest.raises(StepFailed, match="step 'serve and check' failed"):
         execute(started, config.RANKING_ONLY)                # once exported, its models serve
     assert folder.read_run(str(tmp_path / "run"))[1].ranking.model == "bst"
+
+
+def test_an_out_that_cannot_be_made_leaves_no_folder_it_made(tmp_path):
+    out = tmp_path / "new" / ("x" * 300)                  # a name too long: its parent made
+    with pytest.raises(folder.RunFolderError, match=r"^--out .*: cannot make this folder "
+                                                    r"\(File name too long\)"):
+        with folder.only_run_into(str(out)):
+            pass
+    assert os.listdir(tmp_path) == []

@@ -155,14 +155,18 @@ def test_shard_mistakes_are_one_line_naming_the_path_and_what_works(tmp_path):
 
 
 def test_linked_folders_are_read_once_and_misnamed_shards_refused(tmp_path):
-    """A symlinked partition is read as a folder is (twice linked, once; a loop ends); a shard
-    named .parq or .PARQUET is refused, not skipped."""
+    """A symlinked partition is read as a folder is (twice linked, once; a loop ends; a link
+    to an ancestor reads none of its other folders; a file linked twice is read once); a
+    shard named .parq or .PARQUET is refused, not skipped."""
     table = a_log()
-    write_split(table.slice(0, 60), tmp_path / "log" / "a", cuts=(0,))
+    first = write_split(table.slice(0, 60), tmp_path / "log" / "a", cuts=(0,))[0]
     write_split(table.slice(60), tmp_path / "elsewhere" / "b", cuts=(0,))
     for link in ("b", "c"):
         os.symlink(tmp_path / "elsewhere" / "b", tmp_path / "log" / link)
     os.symlink(tmp_path / "log", tmp_path / "log" / "a" / "loop")
+    os.symlink(tmp_path, tmp_path / "log" / "a" / "up")         # an ancestor: other data sets
+    write_split(a_log(seed=1), tmp_path / "other", cuts=(0,))
+    os.symlink(first, tmp_path / "log" / "again.parquet")
     pq.write_table(table, tmp_path / "whole.parquet")
     assert_same_log(load(str(tmp_path / "log"), columns=MAPPING),
                     load(str(tmp_path / "whole.parquet"), columns=MAPPING))
@@ -172,6 +176,28 @@ def test_linked_folders_are_read_once_and_misnamed_shards_refused(tmp_path):
             f"{tmp_path / 'log' / 'a' / name}: a shard is read when its name ends .parquet; "
             "rename it so, or move it out of the folder")
         os.remove(tmp_path / "log" / "a" / name)
+
+
+def test_a_column_twice_in_a_later_shard_is_refused_in_one_line(tmp_path):
+    table = a_log()
+    paths = write_split(table, tmp_path / "log", cuts=(0, 60))
+    twice = table.slice(60).append_column("uid", table.slice(60).column("uid"))
+    pq.write_table(twice, paths[1])
+    for read in (lambda: load(str(tmp_path / "log"), columns=MAPPING),
+                 lambda: shards.describe(str(tmp_path / "log"), MAPPING)):
+        assert one_line(read) == (f"{paths[1]}: the column 'uid' is in the shard 2 times; give "
+                                  "the columns distinct names")
+
+
+def test_int96_shards_beside_nanosecond_ones_are_refused_saying_why(tmp_path):
+    times = pa.array([1_700_000_000_000_000_000 + n for n in range(4)], pa.timestamp("ns"))
+    log = pa.table({"user_id": ["a", "a", "b", "b"], "item_id": list("xyxz"), "timestamp": times})
+    os.makedirs(tmp_path / "log")
+    pq.write_table(log, tmp_path / "log" / "part-0.parquet", use_deprecated_int96_timestamps=True)
+    pq.write_table(log, tmp_path / "log" / "part-1.parquet")
+    assert one_line(lambda: load(str(tmp_path / "log"))).endswith(
+        "write every shard with the same schema; a Parquet INT96 time (Spark's legacy) is read "
+        "in microseconds, as DuckDB reads it: write the times in one unit, e.g. timestamp[us]")
 
 
 def test_a_rating_column_the_first_shard_lacks_is_refused_not_dropped(tmp_path):

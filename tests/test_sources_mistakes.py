@@ -310,16 +310,16 @@ def test_times_below_a_second_order_a_text_log_and_are_not_duplicates(tmp_path):
      "numbers nor all ISO dates and times (first odd value: 'oops', at row 2)"),
     (np.array(["2020-01-01", "2020-02-30", "2020-01-03"]), "column 'timestamp' holds ISO "
      "dates and times that no one timestamp type reads all of (first '2020-02-30', at row 1: "
-     "an impossible date such as 2020-02-30, or a time with an offset beside times without "
-     "one)"),
+     "an impossible date such as 2020-02-30, a time with an offset beside times without one, "
+     "or other text)"),
     (np.array(["2020-01-01T10:00", "2020-01-02T10:00", "2020-01-03T10:00+01:00"]),
      "column 'timestamp' holds ISO dates and times that no one timestamp type reads all of "
-     "(first '2020-01-03T10:00+01:00', at row 2: an impossible date such as 2020-02-30, or a "
-     "time with an offset beside times without one)"),
+     "(first '2020-01-03T10:00+01:00', at row 2: an impossible date such as 2020-02-30, a time "
+     "with an offset beside times without one, or other text)"),
     (np.array(["2020-01-01T10:00+01:00", "2020-01-02T10:00", "2020-01-03T10:00"]),
      "column 'timestamp' holds ISO dates and times that no one timestamp type reads all of "
-     "(first '2020-01-02T10:00', at row 1: an impossible date such as 2020-02-30, or a time "
-     "with an offset beside times without one)"),
+     "(first '2020-01-02T10:00', at row 1: an impossible date such as 2020-02-30, a time "
+     "with an offset beside times without one, or other text)"),
     (np.array(["2300-01-01", "2300-01-02", "1600-01-01"], "datetime64[D]"),
      [10413792000, 10413878400, -11676096000]),
     (np.array([1, 2, 3], "timedelta64"), "column 'timestamp' is a timedelta64 without a unit; "
