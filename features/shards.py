@@ -98,6 +98,7 @@ def find(source: str) -> ShardSet | None:
             raise SourceNotFound(f"{source}: no file matches the pattern; pass a glob that "
                                  "matches Parquet shards, e.g. logs/part-*.parquet, or their "
                                  "folder")
+        matches = list({os.path.realpath(p): p for p in reversed(matches)}.values())[::-1]
         other = next((p for p in matches if not p.endswith(".parquet")), None)
         if other is not None:
             raise DataError(f"{source}: the pattern matches {other}, which is not a .parquet "
@@ -107,11 +108,12 @@ def find(source: str) -> ShardSet | None:
     if not os.path.isdir(source):
         return None
     files, anything, walked, read = [], False, set(), set()
-    root = os.path.realpath(source)
+    roots = {os.path.realpath(source), os.path.abspath(source)}
     for folder, subfolders, names in os.walk(source, followlinks=True):
         real = os.path.realpath(folder)
-        if real in walked or root.startswith(real + os.sep):   # read once; an ancestor's
-            subfolders[:] = []                              # other folders are not the log
+        if real in walked or any(real != root and os.path.commonpath([real, root]) == real
+                                 for root in roots):     # read once; an ancestor's other
+            subfolders[:] = []                           # folders are not the log
             continue
         walked.add(real)
         subfolders[:] = sorted(d for d in subfolders if not d.startswith((".", "_")))
@@ -122,7 +124,7 @@ def find(source: str) -> ShardSet | None:
         if misnamed is not None:
             raise DataError(f"{os.path.join(folder, misnamed)}: a shard is read when its name "
                             "ends .parquet; rename it so, or move it out of the folder")
-        for name in shards:                           # a file linked twice is read once
+        for name in sorted(shards):                   # a file linked twice is read once
             if os.path.realpath(os.path.join(folder, name)) not in read:
                 read.add(os.path.realpath(os.path.join(folder, name)))
                 files.append(os.path.join(folder, name))
@@ -237,9 +239,9 @@ def needed_columns(shards: ShardSet, columns: dict[str, str], by_duckdb: bool = 
                 if wide is None:
                     units = {getattr(_stored(kind), "unit", None) for kind in
                              (found, schema.field(field.name).type)}
-                    int96 = ("; a Parquet INT96 time (Spark's legacy) is read in microseconds, "
-                             "as DuckDB reads it: write the times in one unit, e.g. "
-                             "timestamp[us]" if units == {"us", "ns"} else "")
+                    int96 = ("; if one of them is a Parquet INT96 time (Spark's legacy), it "
+                             "is read in microseconds, as DuckDB reads it: write the times in "
+                             "one unit, e.g. timestamp[us]" if units == {"us", "ns"} else "")
                     raise DataError(f"{path}: column {field.name!r} is {found}, but "
                                     f"{schema.field(field.name).type} in {first}; write every "
                                     f"shard with the same schema{int96}")

@@ -543,7 +543,8 @@ def table(result: dict) -> str:
     if skipped:
         lines.append(f"Note: a fold kept the trained weights, its calibration skipped "
                      f"(compare.json says why): {'; '.join(skipped)}.")
-    stopped = _other_epochs(result) if result.get("arms_stop_early") else ""
+    stopped = (_other_epochs(result) if result.get("arms_stop_early", result["early_stopping"])
+               else "")
     if result["epoch_choice_differs"]:
         lines.append("Note: arms stop early after other epochs or patience, so they choose "
                      "their epoch among more or fewer looks at these rows; the arm that looks "

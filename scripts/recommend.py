@@ -146,7 +146,7 @@ def recommend_one(args: argparse.Namespace, titles: dict[str, str]) -> int:
     except (OSError, ValueError, ServingError) as error:
         unreachable = getattr(error, "code", None) == "UNAVAILABLE" and any(
             words in str(error).lower() for words in ("connection refused",
-                                                      "failed to connect", "name or service"))
+                                                      "failed to connect"))
         hint = ("; is a server running there? start one with python scripts/serve.py "
                 "--model_config_file RUN/export/models_scann.config" if unreachable else "")
         return fail(f"{error}{hint}", code=1)

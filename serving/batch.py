@@ -20,8 +20,8 @@ import collections
 import functools
 import json
 import os
+import secrets
 import sys
-import tempfile
 import warnings
 from typing import Callable
 
@@ -137,15 +137,16 @@ def score_all(export: str, out: str, n: int = 10, batch_size: int = 1024,
 def partial_file(out: str) -> str:
     """A new empty file beside `out`, named after it and hidden (`.NAME.XXXX.partial`): what
     is written before it is renamed to `out`, never a file of the user's, nor another run's (a
-    killed run leaves it behind). Its mode is a new file's (0666 less the umask), not
-    mkstemp's private 0600. Raises OSError when the folder cannot be written."""
+    killed run leaves it behind). Its mode is a new file's (0666 less the umask). Raises
+    OSError when the folder cannot be written."""
     folder, name = os.path.split(out)
-    descriptor, path = tempfile.mkstemp(suffix=".partial", prefix=f".{name}.", dir=folder or ".")
-    umask = os.umask(0)
-    os.umask(umask)
-    os.fchmod(descriptor, 0o666 & ~umask)
-    os.close(descriptor)
-    return path
+    while True:                         # mkstemp's file would be 0600: the kernel applies the
+        path = os.path.join(folder or ".", f".{name}.{secrets.token_hex(4)}.partial")
+        try:                            # umask (and any default ACL) to 0666 itself
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return path
+        except FileExistsError:
+            continue
 
 
 def _write_batches(model, users: np.ndarray, path: str, n: int, batch_size: int,

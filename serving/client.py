@@ -318,6 +318,8 @@ def _request_array(name: str, value) -> np.ndarray:
         return array
     flat = np.empty(array.size, object)
     for index, item in enumerate(array.reshape(-1).tolist()):
+        if isinstance(item, np.ndarray) and item.ndim == 0:       # [np.array("u1"), ...]
+            item = item.item()
         if isinstance(item, str):
             try:
                 item = item.encode("utf-8")

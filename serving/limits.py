@@ -75,8 +75,9 @@ def check_shape(name: str, shape: list[int], max_rows: int) -> None:
 class BytesInFlight:
     """The request bytes the server holds at once (REST bodies as they arrive, so that a
     client declaring a large body and sending none holds nothing, and gRPC messages, until
-    their answer is made or, for a run its client left, the run ends; an answer being sent is
-    not counted), bounded by `limit`: a request that would pass it is refused
+    their answer is made or, for a REST run its client left, the run ends; a gRPC request
+    under batching, or a request split into parts, releases its bytes when it returns; an
+    answer being sent is not counted), bounded by `limit`: a request that would pass it is refused
     UNAVAILABLE (retry later; HTTP 503), unless no other request is held, so a lone request of
     up to --max_request_bytes always runs. A request costs a multiple of its bytes while it is
     parsed and run (a 63 MB REST ranking request of 8M short ids raised the server's peak

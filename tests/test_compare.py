@@ -171,7 +171,9 @@ def test_each_arm_scores_the_validation_rows_as_its_model_and_gains_are_paired_b
     assert [run["seed"] for run in arm["runs"]] == seeds and arm["fields"] == {
         "history_encoder": "mean"}
     lines = table(result).splitlines()
-    assert lines[-1].startswith("| mean | history_encoder=mean | ") and len(lines) == 7
+    notes = [line for line in lines if line.startswith("Note: ")]   # 2 seeds: t(1) is 12.7
+    assert all(note.startswith("Note: arm 'mean': over its 2 seeds") for note in notes)
+    assert lines[-1].startswith("| mean | history_encoder=mean | ") and len(lines) == 7 + len(notes)
 
     (first, first_ranks), = partial               # after seed 0 only, of seed 0 alone
     assert first["seeds"] == [0] and first["seeds_left"] == [3]

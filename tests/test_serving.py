@@ -907,7 +907,7 @@ def test_client_inputs_are_read_alike_over_both_transports(client, local):
     lone surrogate are refused in the client, the same on REST and gRPC."""
     expected = local["retrieval"].run({"user_id": np.array([b"u1", b"u4"], object)})
     for users in (["u1", "u4"], np.array(["u1", "u4"]), np.array([b"u1", "u4"], object),
-                  [b"u1", "u4"], ("u1", b"u4")):
+                  [b"u1", "u4"], ("u1", b"u4"), [np.array("u1"), np.array("u4")]):
         answer = client.predict("retrieval", {"user_id": users})
         assert answer["item_ids"].tolist() == expected["item_ids"].tolist(), users
     for users, message in ((np.array(["u1", 4], object), "a int (4) among text"),

@@ -612,9 +612,10 @@ def test_slow_clients_are_cut_off_and_requests_in_flight_capped(models):
 
 def test_request_bytes_in_flight_are_capped_over_both_apis(models):
     """A body of which 90 bytes have arrived holds 90 of the server's 100: another REST body
-    (17) or gRPC message is refused UNAVAILABLE (503), status still answers, and once the first client leaves the bytes are free again. What is
-    declared but not sent holds nothing, and a chunked body holds what has arrived. A lone
-    request larger than the cap runs."""
+    (17) or gRPC message is refused UNAVAILABLE (503), status still answers, and once the
+    first client leaves the bytes are free again. What is declared but not sent holds
+    nothing, and a chunked body holds what has arrived. A lone request larger than the cap
+    runs."""
     with _serve(models, names=("scale",), max_request_bytes_in_flight=100) as server:
         port = server.rest_port
         url = f"http://127.0.0.1:{port}/v1/models/scale:predict"

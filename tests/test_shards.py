@@ -165,11 +165,17 @@ def test_linked_folders_are_read_once_and_misnamed_shards_refused(tmp_path):
         os.symlink(tmp_path / "elsewhere" / "b", tmp_path / "log" / link)
     os.symlink(tmp_path / "log", tmp_path / "log" / "a" / "loop")
     os.symlink(tmp_path, tmp_path / "log" / "a" / "up")         # an ancestor: other data sets
+    os.symlink("/", tmp_path / "log" / "a" / "root")            # the file system's root too
     write_split(a_log(seed=1), tmp_path / "other", cuts=(0,))
     os.symlink(first, tmp_path / "log" / "again.parquet")
     pq.write_table(table, tmp_path / "whole.parquet")
     assert_same_log(load(str(tmp_path / "log"), columns=MAPPING),
                     load(str(tmp_path / "whole.parquet"), columns=MAPPING))
+    os.makedirs(tmp_path / "g")                                 # a glob reads a file once too
+    os.symlink(first, tmp_path / "g" / "again.parquet")
+    os.symlink(first, tmp_path / "g" / "part-0.parquet")
+    assert len(load(str(tmp_path / "g" / "*.parquet"), columns=MAPPING)) == \
+        len(load(first, columns=MAPPING))
     for name in ("part-9.parq", "part-9.PARQUET"):
         pq.write_table(table, tmp_path / "log" / "a" / name)
         assert one_line(lambda: load(str(tmp_path / "log"), columns=MAPPING)) == (
@@ -196,8 +202,9 @@ def test_int96_shards_beside_nanosecond_ones_are_refused_saying_why(tmp_path):
     pq.write_table(log, tmp_path / "log" / "part-0.parquet", use_deprecated_int96_timestamps=True)
     pq.write_table(log, tmp_path / "log" / "part-1.parquet")
     assert one_line(lambda: load(str(tmp_path / "log"))).endswith(
-        "write every shard with the same schema; a Parquet INT96 time (Spark's legacy) is read "
-        "in microseconds, as DuckDB reads it: write the times in one unit, e.g. timestamp[us]")
+        "write every shard with the same schema; if one of them is a Parquet INT96 time "
+        "(Spark's legacy), it is read in microseconds, as DuckDB reads it: write the times in "
+        "one unit, e.g. timestamp[us]")
 
 
 def test_a_rating_column_the_first_shard_lacks_is_refused_not_dropped(tmp_path):
