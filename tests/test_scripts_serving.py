@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import numpy as np
 import pyarrow as pa
@@ -296,7 +297,9 @@ def test_score_all_writes_what_the_signature_answers_a_batch_per_row_group(expor
     users = exports["users"]
     titles = {f"i{i}": f"Film {i}" for i in range(0, 30, 2)}          # odd ids: no title
     out = str(tmp_path / "recs.parquet")
-    rows = score_all(exports[name], out, n=n, batch_size=16, titles=titles)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        rows = score_all(exports[name], out, n=n, batch_size=16, titles=titles)
     table = pq.read_table(out)
     assert table.schema == pa.schema([("user_id", pa.string()), ("rank", pa.int32()),
                                       ("item_id", pa.string()), ("score", pa.float32()),
@@ -308,8 +311,13 @@ def test_score_all_writes_what_the_signature_answers_a_batch_per_row_group(expor
     np.testing.assert_allclose(whole[1], batched[1], rtol=1e-6, atol=1e-6)
     assert rows == table.num_rows and pq.ParquetFile(out).metadata.num_row_groups == \
         math.ceil(len(users) / 16)
+    filled = (batched[0][:, :n] != b"").sum(axis=1)
+    fewer = int(((filled > 0) & (filled < min(n, batched[0].shape[1]))).sum())
+    assert [str(warning.message) for warning in said] == ([
+        f"{fewer} known users got fewer than {n} items back (their seen items are excluded; a "
+        "ScaNN export may also find fewer)"] if fewer else [])
     if n == 30:                                     # empty slots were there, and dropped
-        assert 0 < rows < len(users) * n and "" not in table["item_id"].to_pylist()
+        assert fewer and 0 < rows < len(users) * n and "" not in table["item_id"].to_pylist()
     assert os.listdir(tmp_path) == ["recs.parquet"]
 
 
