@@ -98,7 +98,10 @@ def find(source: str) -> ShardSet | None:
             raise SourceNotFound(f"{source}: no file matches the pattern; pass a glob that "
                                  "matches Parquet shards, e.g. logs/part-*.parquet, or their "
                                  "folder")
-        matches = list({os.path.realpath(p): p for p in reversed(matches)}.values())[::-1]
+        first_names: dict[str, str] = {}                  # a file linked twice: its first
+        for path in matches:                               # name, in the sorted order
+            first_names.setdefault(os.path.realpath(path), path)
+        matches = list(first_names.values())
         other = next((p for p in matches if not p.endswith(".parquet")), None)
         if other is not None:
             raise DataError(f"{source}: the pattern matches {other}, which is not a .parquet "
@@ -111,9 +114,9 @@ def find(source: str) -> ShardSet | None:
     roots = {os.path.realpath(source), os.path.abspath(source)}
     for folder, subfolders, names in os.walk(source, followlinks=True):
         real = os.path.realpath(folder)
-        if real in walked or any(real != root and os.path.commonpath([real, root]) == real
-                                 for root in roots):     # read once; an ancestor's other
-            subfolders[:] = []                           # folders are not the log
+        if real in walked or real not in roots and any(   # read once; an ancestor's other
+                os.path.commonpath([real, root]) == real for root in roots):  # folders are
+            subfolders[:] = []                                                # not the log
             continue
         walked.add(real)
         subfolders[:] = sorted(d for d in subfolders if not d.startswith((".", "_")))

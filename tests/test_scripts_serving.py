@@ -313,9 +313,9 @@ def test_score_all_writes_what_the_signature_answers_a_batch_per_row_group(expor
         math.ceil(len(users) / 16)
     filled = (batched[0][:, :n] != b"").sum(axis=1)
     fewer = int(((filled > 0) & (filled < min(n, batched[0].shape[1]))).sum())
-    assert [str(warning.message) for warning in said] == ([
-        f"{fewer} known users got fewer than {n} items back (their seen items are excluded; a "
-        "ScaNN export may also find fewer)"] if fewer else [])
+    assert [str(warning.message) for warning in said if "known users" in str(warning.message)
+            ] == ([f"{fewer} known users got fewer than {n} items back (their seen items are "
+                   "excluded; a ScaNN export may also find fewer)"] if fewer else [])
     if n == 30:                                     # empty slots were there, and dropped
         assert fewer and 0 < rows < len(users) * n and "" not in table["item_id"].to_pylist()
     assert os.listdir(tmp_path) == ["recs.parquet"]

@@ -4,6 +4,7 @@ writes shards a chunk at a time, deterministically, that load back with their it
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tracemalloc
@@ -165,17 +166,24 @@ def test_linked_folders_are_read_once_and_misnamed_shards_refused(tmp_path):
         os.symlink(tmp_path / "elsewhere" / "b", tmp_path / "log" / link)
     os.symlink(tmp_path / "log", tmp_path / "log" / "a" / "loop")
     os.symlink(tmp_path, tmp_path / "log" / "a" / "up")         # an ancestor: other data sets
-    os.symlink("/", tmp_path / "log" / "a" / "root")            # the file system's root too
     write_split(a_log(seed=1), tmp_path / "other", cuts=(0,))
     os.symlink(first, tmp_path / "log" / "again.parquet")
     pq.write_table(table, tmp_path / "whole.parquet")
     assert_same_log(load(str(tmp_path / "log"), columns=MAPPING),
                     load(str(tmp_path / "whole.parquet"), columns=MAPPING))
-    os.makedirs(tmp_path / "g")                                 # a glob reads a file once too
-    os.symlink(first, tmp_path / "g" / "again.parquet")
-    os.symlink(first, tmp_path / "g" / "part-0.parquet")
-    assert len(load(str(tmp_path / "g" / "*.parquet"), columns=MAPPING)) == \
-        len(load(first, columns=MAPPING))
+    os.makedirs(tmp_path / "g")                    # a glob reads a file once too, in order
+    os.makedirs(tmp_path / "copies")
+    for name, target in (("a.parquet", first), ("b.parquet", tmp_path / "whole.parquet"),
+                         ("c.parquet", first)):
+        os.symlink(target, tmp_path / "g" / name)
+    shutil.copy(first, tmp_path / "copies" / "0.parquet")
+    shutil.copy(tmp_path / "whole.parquet", tmp_path / "copies" / "1.parquet")
+    assert_same_log(load(str(tmp_path / "g" / "*.parquet"), columns=MAPPING),
+                    load(str(tmp_path / "copies"), columns=MAPPING))
+    os.symlink(".", tmp_path / "log" / "self")           # the source named by a link to itself
+    for source in ("log", os.path.join("log", "self")):
+        assert_same_log(load(str(tmp_path / source), columns=MAPPING),
+                        load(str(tmp_path / "whole.parquet"), columns=MAPPING))
     for name in ("part-9.parq", "part-9.PARQUET"):
         pq.write_table(table, tmp_path / "log" / "a" / name)
         assert one_line(lambda: load(str(tmp_path / "log"), columns=MAPPING)) == (
