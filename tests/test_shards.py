@@ -180,6 +180,8 @@ def test_linked_folders_are_read_once_and_misnamed_shards_refused(tmp_path):
     shutil.copy(tmp_path / "whole.parquet", tmp_path / "copies" / "1.parquet")
     assert_same_log(load(str(tmp_path / "g" / "*.parquet"), columns=MAPPING),
                     load(str(tmp_path / "copies"), columns=MAPPING))
+    assert shards.find(str(tmp_path / "g" / "*.parquet")).files == (
+        str(tmp_path / "g" / "a.parquet"), str(tmp_path / "g" / "b.parquet"))
     os.symlink(".", tmp_path / "log" / "self")           # the source named by a link to itself
     for source in ("log", os.path.join("log", "self")):
         assert_same_log(load(str(tmp_path / source), columns=MAPPING),
