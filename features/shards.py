@@ -216,15 +216,15 @@ def needed_columns(shards: ShardSet, columns: dict[str, str], by_duckdb: bool = 
         other = schemas[path]
         if not rows[path]:                    # neither compared nor read by DuckDB
             continue
+        if by_duckdb:
+            _refuse_case_twins(path, other.names, needed.names)
+            _refuse_row_column_names(path, other.names)
+        if path == first:                  # its header checked by `_resolve_columns`
+            continue
         twice = next((name for name in needed.names if other.names.count(name) > 1), None)
         if twice is not None:
             raise DataError(f"{path}: the column {twice!r} is in the shard "
                             f"{other.names.count(twice)} times; give the columns distinct names")
-        if by_duckdb:
-            _refuse_case_twins(path, other.names, needed.names)
-            _refuse_row_column_names(path, other.names)
-        if path == first:
-            continue
         rated = "rating" not in mapping and next(
             (name for name in DEFAULT_COLUMNS["rating"] if name in other.names), None)
         if rated:                     # read from the first shard alone, its rows would be lost
