@@ -36,8 +36,8 @@ import pyarrow.parquet as pq
 
 from tworec.console import OneLineParser
 from tworec.features.interactions import DataError, Interactions, SourceNotFound
-from tworec.features.sources import (DEFAULT_COLUMNS, FLOAT32_OVERFLOW, MISSING, OUT_OF_RANGE,
-                                     RATINGS_OUT_OF_RANGE,
+from tworec.features.sources import (DEFAULT_COLUMNS, FLOAT32_OVERFLOW, MISSING, NO_RATING,
+                                     OUT_OF_RANGE, RATINGS_OUT_OF_RANGE,
                                      TICKS_PER_SECOND, _column_numpy,
                                      _log_from_roles, _one_line, _resolve_columns,
                                      NUL, decimal_comma_advice, empty_ids_error,
@@ -225,12 +225,13 @@ def needed_columns(shards: ShardSet, columns: dict[str, str], by_duckdb: bool = 
         if twice is not None:
             raise DataError(f"{path}: the column {twice!r} is in the shard "
                             f"{other.names.count(twice)} times; give the columns distinct names")
-        rated = "rating" not in mapping and next(
+        rated = "rating" not in mapping and not mapping.unrated and next(
             (name for name in DEFAULT_COLUMNS["rating"] if name in other.names), None)
         if rated:                     # read from the first shard alone, its rows would be lost
             raise DataError(f"{path}: column {rated!r} would be read as ratings, which {first} "
                             "lacks; every shard needs the same columns (found there: "
-                            f"{', '.join(schema.names)})")
+                            f"{', '.join(schema.names)}), or give --columns rating={NO_RATING} "
+                            "to read no ratings")
         for field in needed:
             if field.name not in other.names:
                 raise DataError(f"{path}: no column {field.name!r}, which {first} has; every "

@@ -41,6 +41,7 @@ DEFAULT_COLUMNS = {"user": ("user_id", "userId", "user", "uid"),
                    "item": ("item_id", "movieId", "movie_id", "item", "iid"),
                    "time": ("timestamp", "time", "ts", "datetime"),
                    "rating": ("rating", "user_rating", "score")}
+NO_RATING = "none"      # `--columns rating=none`: the log has no ratings, whatever its columns
 BLOCK_SIZE = 16 << 20
 TEXT_SUFFIXES = (".csv", ".tsv", ".txt")          # each also gzip-compressed, e.g. `.csv.gz`
 DELIMITERS = (",", ";", "\t", "|")                 # detected from the header, in this order
@@ -1170,11 +1171,11 @@ def _in_arrow_memory(data: bytes) -> pa.BufferReader:
     return pa.BufferReader(copy)
 
 
-def unread_columns_note(names, has_rating: bool) -> str:
+def unread_columns_note(names, offer_rating: bool) -> str:
     """One line naming a generic log's columns that no role reads, and how to read one (as
-    the rating too when the log has none)."""
+    the rating too when `offer_rating`: the log has none and `rating=none` was not given)."""
     first = names[0]
-    ways = ([f"rating={first}"] if not has_rating else []) + [f"user.{first}={first}",
+    ways = ([f"rating={first}"] if offer_rating else []) + [f"user.{first}={first}",
                                                              f"item.{first}={first}"]
     return (f"the log's columns {list(names)} are not read: map one with --columns, as "
             f"{', '.join(ways[:-1])} or {ways[-1]}")
@@ -1186,8 +1187,9 @@ INDEX_COLUMN = re.compile(r"__index_level_\d+__|Unnamed: \d+|")
 
 class ColumnMapping(dict):
     """role -> column name, as `_resolve_columns` finds it; `unread`: the file's other
-    columns (`unread_of`)."""
+    columns (`unread_of`); `unrated`: `rating=none` was given, so no column is the rating."""
     unread: tuple[str, ...] = ()
+    unrated: bool = False
 
     def unread_of(self, names) -> tuple[str, ...]:
         """The columns of `names` that no role reads, but a data frame's index."""
@@ -1211,6 +1213,9 @@ def _resolve_columns(path: str, names: list[str], columns: dict[str, str]) -> Co
             raise DataError(f"--columns: unknown role {role!r}; use user, item, time, rating, "
                             "user.NAME or item.NAME")
         mapping[role] = name
+    mapping.unrated = mapping.get("rating") == NO_RATING
+    if mapping.unrated:
+        del mapping["rating"]
     for role, name in mapping.items():
         if name not in names:
             raise DataError(f"{path}: missing required column {name!r} (for {role}); "
@@ -1226,9 +1231,12 @@ def _resolve_columns(path: str, names: list[str], columns: dict[str, str]) -> Co
             roles_of[mapping[role]].append(role)
     for name, roles in roles_of.items():
         if len(roles) > 1:
+            found = "rating" in roles and "rating" not in columns     # a common name, not given
             raise DataError(f"{path}: the column {name!r} would be read as both {roles[0]} and "
                             f"{roles[1]}; give each of user, item, time and rating a column of "
-                            "its own (--columns ROLE=COLUMN)")
+                            "its own (--columns ROLE=COLUMN"
+                            + (f", or rating={NO_RATING} for a log without ratings)" if found
+                               else ")"))
     mapping.unread = mapping.unread_of(names)
     return mapping
 

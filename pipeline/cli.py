@@ -28,7 +28,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, out_required: bool = True
                              "copy prepared elsewhere (default: TFDS's own)")
     parser.add_argument("--columns", default="",
                         help="for generic files: ROLE=COLUMN,... with roles user, item, time, "
-                             "rating, user.NAME, item.NAME")
+                             "rating, user.NAME, item.NAME; rating=none reads no ratings")
     parser.add_argument("--delimiter", help=DELIMITER_HELP)
     parser.add_argument("--out", required=out_required, help=out_help)
     parser.add_argument("--split",

@@ -18,7 +18,7 @@ from tworec.features import Interactions, Split, load, split
 from tworec.features.interactions import SourceNotFound
 from tworec.features.inputs import MODEL_ITEM_FEATURES
 from tworec.features.splits import require_held_out
-from tworec.features.sources import (has_fixed_columns, is_release, release_gaps,
+from tworec.features.sources import (NO_RATING, has_fixed_columns, is_release, release_gaps,
                                      tie_order_notes, unread_columns_note)
 from tworec.pipeline import config as run_config, report as run_report
 from tworec.pipeline.config import Configs
@@ -152,7 +152,9 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
     notices += release_gaps(source["data"])
     notices += tie_order_notes(log)
     if log.unread_columns:
-        notices.append(unread_columns_note(log.unread_columns, log.rating is not None))
+        notices.append(unread_columns_note(
+            log.unread_columns,
+            log.rating is None and (source.get("columns") or {}).get("rating") != NO_RATING))
     unread = sorted(set(log.item_features) - {*MODEL_ITEM_FEATURES, "title"})  # title: the ranker's
     if unread:
         notices.append(f"item features {unread} are not read: the models read "

@@ -605,6 +605,11 @@ def test_prepare_notes_the_side_features_its_shards_do_not_hold(tmp_path, capsys
     assert notes == ["the log's columns ['stars', 'note'] are not read: map one with --columns, "
                      "as user.stars=stars or item.stars=stars"]       # the log has a rating
     assert shards.describe(extra)["unread_columns"] == ["stars", "note"]
+    notes = []                           # rating=none: the log's rating is read by no role
+    prepare_shards(extra, str(tmp_path / "unrated_out"), note=notes.append,
+                   columns={"rating": "none"})
+    assert notes == ["the log's columns ['rating', 'stars', 'note'] are not read: map one with "
+                     "--columns, as user.rating=rating or item.rating=rating"]
 
 
 def test_prepare_stopped_by_ctrl_c_says_so_in_one_line(tmp_path, monkeypatch, capsys):

@@ -232,7 +232,14 @@ def test_a_rating_column_the_first_shard_lacks_is_refused_not_dropped(tmp_path):
         assert one_line(read) == (
             f"{paths[1]}: column 'rating' would be read as ratings, which {paths[0]} lacks; "
             "every shard needs the same columns (found there: "
-            f"{', '.join(renamed[0].column_names)})")
+            f"{', '.join(renamed[0].column_names)}), or give --columns rating=none to read no "
+            "ratings")
+    unrated = {**columns, "rating": "none"}          # said: no ratings, on both paths
+    log = load(str(tmp_path / "log"), columns=unrated)
+    summary = shards.describe(str(tmp_path / "log"), unrated)
+    assert log.rating is None and not summary["has_ratings"]
+    assert len(log) == summary["interactions"] == 120      # a_log's 10 repeats dropped
+    assert summary["unread_columns"] == ["note", "rating"]      # the later shard's too
 
 
 def test_int96_timestamps_after_2262_are_read_alike_on_both_paths(tmp_path):

@@ -558,7 +558,12 @@ def test_binary_ids_are_read_as_utf8_text(tmp_path):
      "the column 'item_id' would be read as both user and item; give each of user, item, time "
      "and rating a column of its own (--columns ROLE=COLUMN)"),
     ("u,i,t,r", {"user": "u", "item": "i", "time": "t", "rating": "t"},
-     "the column 't' would be read as both time and rating")])
+     "the column 't' would be read as both time and rating; give each of user, item, time and "
+     "rating a column of its own (--columns ROLE=COLUMN)"),
+    ("user_id,item_id,score", {"time": "score"},
+     "the column 'score' would be read as both time and rating; give each of user, item, time "
+     "and rating a column of its own (--columns ROLE=COLUMN, or rating=none for a log without "
+     "ratings)")])
 def test_a_column_read_twice_or_for_two_roles_is_refused(tmp_path, header, columns, expected):
     """Either way one column would silently stand for another: which copy, which role."""
     fields = len(header.split(","))
@@ -568,6 +573,24 @@ def test_a_column_read_twice_or_for_two_roles_is_refused(tmp_path, header, colum
     with pytest.raises(DataError) as error:
         load(str(path), columns=columns)
     assert str(error.value).startswith(f"{path}: {expected}"), str(error.value)
+
+
+def test_rating_none_reads_no_ratings_whatever_the_columns(tmp_path):
+    """A click log whose `score` column is its time, or whose `rating` column is no rating:
+    `rating=none` loads it as implicit feedback, names the column as unread, and the run's
+    note offers no `rating=` mapping the user declined."""
+    from tworec.pipeline import config, folder
+    path = tmp_path / "log.csv"
+    path.write_text("user_id,item_id,score,rating\n" + "".join(
+        f"u{user},i{item},{10 * user + item},{item % 3}\n"
+        for user in range(6) for item in range(5)))
+    log = load(str(path), columns={"time": "score", "rating": "none"})
+    assert log.rating is None and log.unread_columns == ("rating",)
+    assert sorted(log.timestamp.tolist()) == sorted(10 * u + i for u in range(6) for i in range(5))
+    checked = folder.check_run(str(tmp_path / "run"), {"data": str(path), "columns": {
+        "time": "score", "rating": "none"}}, config.resolve("tiny"))
+    assert ("the log's columns ['rating'] are not read: map one with --columns, as "
+            "user.rating=rating or item.rating=rating") in checked.notices
 
 
 def test_a_role_given_twice_in_columns_is_refused():
