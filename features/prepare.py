@@ -334,8 +334,9 @@ def main(argv=None) -> int:
     parser.add_argument("--memory-limit", default="1GB",
                         help="DuckDB's memory limit (default 1GB); beyond it DuckDB spills to a "
                              "temporary folder")
-    parser.add_argument("--columns", default="", help="column mapping, "
-                                                      "user=..,item=..,time=..,rating=..")
+    parser.add_argument("--columns", default="",
+                        help="column mapping, user=..,item=..,time=..,rating=.. (rating=none "
+                             "reads no ratings)")
     args = parser.parse_args(argv)
     if args.history_length < 0:
         parser.error(f"--history-length must be at least 0, got {args.history_length}")
