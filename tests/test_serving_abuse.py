@@ -632,6 +632,11 @@ def test_request_bytes_in_flight_are_capped_over_both_apis(models):
         assert refused.json() == {"error": "The server holds 90 bytes of other requests; with "
                                   "this one's 17 they would pass 100 "
                                   "(--max_request_bytes_in_flight); retry later"}
+        unsent = _connect(port)                 # refused mid-body: the rest is never read,
+        unsent.sendall((_HEAD + "Content-Length: 50\r\n\r\n" + " " * 20).encode())
+        answer = unsent.recv(65536)                       # so the connection closes
+        assert b" 503 " in answer.split(b"\r\n")[0] and b"connection: close" in answer.lower()
+        assert _closed_within(unsent, 10)
         error = _grpc_error(_stub(server).Predict,
                             _request("scale", {"x": np.ones(1, np.float32)}))
         assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
@@ -650,6 +655,23 @@ def test_request_bytes_in_flight_are_capped_over_both_apis(models):
         _wait_for(lambda: server._in_flight.held == 0, seconds=30)
         assert _stub(server).Predict(_request("scale", {"x": np.ones(1, np.float32)}),
                                      timeout=10).outputs["y"].float_val == [3.0]
+
+
+def test_a_run_its_client_left_holds_its_request_bytes_until_it_ends(models):
+    """The ~3 s spin run goes on after its REST client leaves; its inputs stay in memory, so
+    its bytes stay counted in flight until the run ends, then are free."""
+    manager = ModelManager([ModelConfig("spin", os.path.join(models, "spin"))],
+                           poll_seconds=0, load=CountingLoadedModel)
+    with ModelServer(manager, grpc_port=None, rest_port=0) as server:
+        before = CountingLoadedModel.runs
+        gone = _connect(server.rest_port)
+        gone.sendall((_HEAD.replace("scale", "spin") + f"Content-Length: {len(_BODY)}\r\n\r\n"
+                      ).encode() + _BODY)
+        _wait_for(lambda: CountingLoadedModel.runs > before, seconds=30)      # it runs
+        gone.close()
+        time.sleep(1.0)                                  # the server has seen the client go
+        assert server._in_flight.held == len(_BODY)
+        _wait_for(lambda: server._in_flight.held == 0, seconds=60)
 
 
 # ------------------------------------------------------------------ 8. batches fill
