@@ -5,13 +5,17 @@ module: string ids at the boundary, the users' state baked in (their latest item
 items of the rows the model was fit on), the popular items for users it does not know
 (`ModelInputs.popular`: the most frequent in the latest share of the fit rows). A known
 user is never served an item of their state, nor a `with_history` request the items it
-passed, unless the export is made with `exclude_seen=False`; the top k of what remains come
-back (ScaNN over-fetches k plus the most items any user has seen). A slot left without an item
+passed (a known user's: neither), unless the export is made with `exclude_seen=False`; the top
+k of what remains come back (ScaNN over-fetches k plus the most items any user has seen plus
+a history's length). A slot left without an item
 (the catalogue exhausted) holds the id "" and the lowest float32 score.
 
 Signatures (batch is dimension 0):
     serving_default: user_id [b] string -> item_ids [b, k] string, scores [b, k] float32
-    with_history: user_id [b] string, history [b, L] string -> item_ids, scores
+    with_history: user_id [b] string, history [b, L] string (oldest first, "" for padding
+        anywhere, any L: the towers read the latest `history_length` items, as the evaluation
+        does) -> item_ids, scores; a user it does not know who gives no item with training
+        rows gets the popular items
     embed_user: user_id [b] string -> embedding [b, d] float32
     embed_items: item_ids [n] string -> embedding [n, d] float32 (an id outside the catalogue:
         the out-of-vocabulary id row, no features)
@@ -33,6 +37,7 @@ import tensorflow as tf
 from tworec.features.inputs import ModelInputs
 from tworec.features.layers import (UserInputs, hold_model, id_lookup, in_row_blocks,
                                     write_state)
+from tworec.features.vocab import FIRST, OOV, PAD
 from tworec.retrieval.index import ScannParams, build_index
 from tworec.retrieval.model import RetrievalModel
 from tworec.retrieval.train import candidate_embeddings
@@ -47,10 +52,11 @@ SCORES_PER_BLOCK = 1 << 24
 
 
 def scann_fetch(data: ModelInputs, k: int, exclude_seen: bool = True) -> int:
-    """How many items the ScaNN export fetches so that k remain once a user's seen (or given)
-    items are gone: k plus the most any user has seen (or a request can pass)."""
+    """How many items the ScaNN export fetches so that k remain once a user's seen and given
+    items are gone: k plus the most any user has seen plus a history's length (a request may
+    pass more; beyond what it can skip, the export refuses it)."""
     most_seen = int(np.diff(data.seen.indptr).max(initial=0))
-    return min(data.num_items, k + max(most_seen, data.history_length) * exclude_seen)
+    return min(data.num_items, k + (most_seen + data.history_length) * exclude_seen)
 
 
 def usable_top_k(scores: tf.Tensor, codes: tf.Tensor, excluded: tf.Tensor, k: int
@@ -67,6 +73,18 @@ def usable_top_k(scores: tf.Tensor, codes: tf.Tensor, excluded: tf.Tensor, k: in
                              tf.logical_not(tf.math.is_finite(scores)))
     scores, order = tf.math.top_k(tf.where(unusable, -np.inf, scores), k=k)
     return scores, tf.gather(codes, order, batch_dims=1)
+
+
+def latest_items(index: tf.Tensor, length: int) -> tf.Tensor:
+    """A request's histories as the towers were trained and evaluated on them: [b, L] item
+    indexes, oldest first, PAD anywhere -> [b, max(length, 1)] the latest `length` items in
+    their order, left-padded (one PAD slot for length 0: no history)."""
+    filled = tf.cast(index != PAD, tf.int32)
+    index = tf.gather(index, tf.argsort(filled, axis=1, stable=True), batch_dims=1)  # pads first
+    if not length:
+        return tf.fill([tf.shape(index)[0], 1], tf.constant(PAD, tf.int64))
+    index = tf.pad(index, [[0, 0], [tf.maximum(length - tf.shape(index)[1], 0), 0]])
+    return index[:, tf.shape(index)[1] - length:]                                  # [b, length]
 
 
 def traced_query(model: RetrievalModel) -> tf.types.experimental.PolymorphicFunction:
@@ -91,6 +109,7 @@ class RetrievalModule(tf.Module):
         interactions = data.interactions
         hold_model(self, model)
         self.k, self.exclude_seen = k, exclude_seen
+        self.history_length = data.history_length if model.history_encoder is not None else 0
         self.num_items = interactions.num_items
         self.users = UserInputs(data)
         self.item_codes = id_lookup(interactions.item_ids)                              # id -> code
@@ -161,13 +180,19 @@ class RetrievalModule(tf.Module):
     def with_history(self, user_id, history):
         codes = self.item_codes.lookup(history)                                          # [b, L]
         index = tf.where(codes >= 0, tf.gather(self.item_index, tf.maximum(codes, 0)),
-                         tf.where(history == "", tf.constant(0, tf.int64), 1))
-        # a history of no items ([b, 0]) is one slot of padding: what the encoders read as none
-        index = tf.pad(index, [[0, 0], [0, tf.maximum(1 - tf.shape(index)[1], 0)]])
-        features, _ = self.users(user_id, index)
-        given = tf.where(codes >= 0)                          # [n, 2] (row, slot) of known items
-        excluded = (given[:, 0], tf.gather_nd(codes, given)) if self.exclude_seen else None
-        known = tf.ones_like(user_id, tf.bool)       # history given: the towers can answer
+                         tf.where(history == "", tf.constant(PAD, tf.int64), OOV))
+        index = latest_items(index, self.history_length)                            # [b, L']
+        features, known = self.users(user_id, index)
+        # the towers answer a user they know, or one whose history holds an item they learned
+        known = tf.logical_or(known, tf.reduce_any(index >= FIRST, axis=1))
+        excluded = None
+        if self.exclude_seen:
+            given = tf.where(codes >= 0)                      # [n, 2] (row, slot) of known items
+            rows, items = (tf.concat(pairs, 0) for pairs in zip(
+                self.users.seen(*self.users.codes(user_id)),
+                (given[:, 0], tf.gather_nd(codes, given))))
+            order = tf.argsort(rows, stable=True)                  # rows ascending, as `_top_k`
+            excluded = tf.gather(rows, order), tf.gather(items, order)
         return self._top_k(features, known, excluded)
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="user_id")])

@@ -627,14 +627,15 @@ def test_brute_force_export_serves_the_keras_top_k_of_unseen_items(trained, tmp_
     assert not [op for op in ops if op.startswith("Scann")]
     assert all(op_def_registry.get(op) is not None for op in ops)
     assert_holds_the_weights_alone(path, model)
-    history = _history_strings(data, users)
+    history = _history_strings(data, users)[:, 1:]              # not all the items they have
     given = run("with_history", user_id=log.user_ids[users], history=history)
     passed = np.zeros_like(seen)
     for row, ids in enumerate(history):
         passed[row, np.isin(log.item_ids, ids[ids != ""])] = 1
+    latest = np.pad(data.latest[users][:, 1:], [(0, 0), (1, 0)])          # left-padded to L
     assert given["item_ids"].astype(str).tolist() == \
-        log.item_ids[keras_top_k(model, data, users, 10, passed)].tolist()
-    no_history = keras_top_k(model, data, users, 10, np.zeros_like(seen),
+        log.item_ids[keras_top_k(model, data, users, 10, seen, history=latest)].tolist()
+    no_history = keras_top_k(model, data, users, 10, seen,         # a known user's: skipped
                              history=np.zeros_like(data.latest[users]))
     for width in (0, 1):                     # no items, or padding alone: a history of none
         none = run("with_history", user_id=log.user_ids[users],
@@ -646,6 +647,55 @@ def test_brute_force_export_serves_the_keras_top_k_of_unseen_items(trained, tmp_
     np.testing.assert_allclose(outside, model.candidate(tf.constant([-1, -1], tf.int64)).numpy(),
                                atol=1e-5)                         # not catalogue item 0's
     assert not np.allclose(outside[0], embedded[0], atol=1e-3)
+
+
+@pytest.mark.parametrize("encoder", ["gru", "transformer"])
+def test_with_history_reads_the_latest_items_wherever_the_padding_is(trained, tmp_path,
+                                                                     encoder):
+    """The towers read what they were trained and evaluated on: the latest L items, oldest
+    first, left-padded. Right or middle padding, a shorter or longer request, give the answer
+    of the user's own latest items (the GRU read a right-padded history rotated; the
+    transformer refused a longer one and answered a shorter one otherwise); every given item
+    is skipped, and a known user's seen items too. A user the export does not know gets the
+    popular items unless the history holds an item the towers learned."""
+    from tworec.features.vocab import OOV
+    from tworec.retrieval.export import export
+    log, parts, model, data, _ = trained
+    if encoder == "transformer":
+        model, data, _ = train(log, parts, preset("tiny", epochs=1, history_encoder=encoder))
+    run, _ = load_like_tf_serving(export(model, data, str(tmp_path / "retrieval"), k=10))
+    users = np.flatnonzero(data.known & (np.diff(data.seen.indptr) > data.history_length))[:3]
+    latest = _history_strings(data, users)                               # [3, L], all items
+    assert (latest != "").all()
+    older = np.array([[log.item_ids[data.seen[user].indices[0]]] for user in users], object)
+    expected = log.item_ids[keras_top_k(model, data, users, 10, data.seen[users].toarray())]
+    pads = np.full((len(users), 2), "", object)
+    middle = np.concatenate([latest[:, :1], pads, latest[:, 1:]], axis=1)
+    for history in (np.concatenate([latest, pads], axis=1), middle,
+                    np.concatenate([pads, older, latest], axis=1)):          # L + 3: truncated
+        answer = run("with_history", user_id=log.user_ids[users], history=history)
+        assert answer["item_ids"].astype(str).tolist() == expected.tolist(), history
+    two = latest[:, -2:]                                       # [3, 2] alone, and left-padded
+    alone = run("with_history", user_id=log.user_ids[users], history=two)["item_ids"]
+    padded = np.concatenate([np.full((len(users), data.history_length - 2), "", object), two], 1)
+    assert alone.tolist() == run("with_history", user_id=log.user_ids[users],
+                                 history=padded)["item_ids"].tolist()
+    popular = run("serving_default", user_id=np.array(["nobody"]))["item_ids"]
+    for nothing in (np.zeros((1, 0), object), np.array([["", "no-such-item"]], object)):
+        assert run("with_history", user_id=np.array(["nobody"]), history=nothing)[
+            "item_ids"].tolist() == popular.tolist()
+    item = data.seen[users[0]].indices[0]                      # an item the towers learned
+    features = {"user": np.array([OOV]), "history": np.pad([[data.item_index[item]]],
+                                                           [(0, 0), (data.history_length - 1, 0)])}
+    features.update({f"user_{name}": np.array([OOV]) for name in data.user_feature_index})
+    query = model.query({key: tf.constant(value) for key, value in features.items()}).numpy()
+    scores = (query @ candidate_embeddings(model, data.num_items).T)[0]
+    scores[item] = -np.inf
+    towers = run("with_history", user_id=np.array(["nobody"]),
+                 history=np.array([[log.item_ids[item]]], object))["item_ids"]
+    assert towers.astype(str).tolist() == [
+        log.item_ids[np.argsort(-scores, kind="stable")[:10]].tolist()]
+    assert towers.tolist() != popular.tolist()
 
 
 @pytest.mark.parametrize("k", [0, "catalogue + 1"])
