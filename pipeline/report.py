@@ -473,7 +473,11 @@ def index_section(report: dict, plots: list[str]) -> list[str]:
                         f"{exported['exact_latency_ms_p50']:.2f} ms for the brute-force "
                         f"export's search, {scann_verdict(exported)}"
                         + ("." if scann_is_faster(exported) else
-                           ": ask `retrieval` instead.")))
+                           ": ask `retrieval` instead."))
+                     + (f" It answered {exported['short_answers']} of the timed queries with "
+                        f"fewer than {exported['fetch']} items (leaves holding fewer than their "
+                        "share): some users may be served fewer than k."
+                        if exported.get("short_answers") else ""))
     return lines + image("index.png", plots, "ScaNN recall against latency")
 
 
@@ -502,13 +506,23 @@ def scann_verdict(exported: dict) -> str:
 
 def slow_scann_notice(exported: dict, candidates: int, exclude_seen: bool) -> str:
     """The run's notice when the ScaNN export is not found faster than brute force."""
-    fetched = (f"({candidates} candidates and the most items a user has seen) "
+    fetched = (f"({candidates} candidates, the most items a user has seen and a history's "
+               "length) "
                if exclude_seen else "")
     return (f"the retrieval_scann export fetches {exported['fetch']} items a query {fetched}"
             f"and takes {exported['latency_ms_p50']:.2f} ms a query against "
             f"{exported['exact_latency_ms_p50']:.2f} ms for the brute-force export's search, "
             f"{scann_verdict(exported)}: ask retrieval (served by models.config and "
             "models_scann.config) instead")
+
+
+def short_scann_notice(exported: dict, queries: int, part: str, candidates: int) -> str:
+    """The run's notice when ScaNN answered some of the `queries` timed queries (of `part`)
+    with fewer items than the export fetches."""
+    return (f"the retrieval_scann export's search answered {exported['short_answers']} of "
+            f"{queries} {part} queries with fewer than the {exported['fetch']} items it fetches "
+            "(its leaves hold fewer items than their share): it may serve some users fewer than "
+            f"{candidates} items, where retrieval serves {candidates}")
 
 
 def served_section(report: dict) -> list[str]:

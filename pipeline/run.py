@@ -265,6 +265,9 @@ class Run:
             if not run_report.scann_is_faster(exported):
                 self.notice(run_report.slow_scann_notice(exported, run.candidates,
                                                          self.inputs.exclude_seen))
+            if exported["short_answers"]:
+                self.notice(run_report.short_scann_notice(exported, len(sample), part,
+                                                          run.candidates))
         if self.tuning["params"] and self.evaluating:
             test = retrieval.query_embeddings(model, self.inputs.examples["test"])
             index = build_index(candidates, run.tuning_k, ScannParams(**self.tuning["params"]))

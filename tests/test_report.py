@@ -155,6 +155,10 @@ def test_the_index_section_times_the_scann_export_as_it_searches(scann_ms, timed
     kept = index_section({"index": index, "data": {"exclude_seen": False}}, plots=[])[4]
     assert kept.startswith("The `retrieval_scann` export fetches 2490 items per query (seen "
                            "items kept: the k it serves), so it searches with 47 leaves")
+    index["exported"]["short_answers"] = 4
+    assert index_section({"index": index}, plots=[])[4].endswith(
+        f"{verdict} It answered 4 of the timed queries with fewer than 2490 items (leaves "
+        "holding fewer than their share): some users may be served fewer than k.")
 
 
 def test_a_scann_export_not_found_faster_is_noticed_with_why_it_fetches_what_it_does():
@@ -162,12 +166,17 @@ def test_a_scann_export_not_found_faster_is_noticed_with_why_it_fetches_what_it_
     exported = {"fetch": 352, "latency_ms_p50": 0.28, "exact_latency_ms_p50": 0.26,
                 "verdict": "slower", "difference_ms_ci95": [0.01, 0.02], "verdict_margin": 0.05}
     assert slow_scann_notice(exported, 100, exclude_seen=True) == (
-        "the retrieval_scann export fetches 352 items a query (100 candidates and the most "
-        "items a user has seen) and takes 0.28 ms a query against 0.26 ms for the brute-force "
+        "the retrieval_scann export fetches 352 items a query (100 candidates, the most "
+        "items a user has seen and a history's length) and takes 0.28 ms a query against 0.26 ms for the brute-force "
         "export's search, slower by 10 to 20 µs a query (95% interval): ask retrieval "
         "(served by models.config and models_scann.config) instead")
     assert slow_scann_notice({**exported, "fetch": 100}, 100, exclude_seen=False).startswith(
         "the retrieval_scann export fetches 100 items a query and takes 0.28 ms")  # --keep-seen
+    from tworec.pipeline.report import short_scann_notice
+    assert short_scann_notice({**exported, "short_answers": 3}, 200, "validation", 100) == (
+        "the retrieval_scann export's search answered 3 of 200 validation queries with fewer "
+        "than the 352 items it fetches (its leaves hold fewer items than their share): it may "
+        "serve some users fewer than 100 items, where retrieval serves 100")
 
 
 def test_the_notes_say_what_the_run_noticed_as_it_printed_it():

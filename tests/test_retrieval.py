@@ -273,8 +273,28 @@ def test_the_exported_setting_is_timed_as_the_export_searches(monkeypatch):
                        "num_reordering_candidates": 120, "dimensions_per_block": 2,
                        "latency_ms_p50": pytest.approx(3.5), "exact_latency_ms_p50": 2.0,
                        "verdict": "slower", "difference_ms_ci95": pytest.approx([1.5, 2.0]),
-                       "verdict_margin": 0.05}
+                       "verdict_margin": 0.05, "short_answers": 0}
     assert timed == [[("SeededScaNN", 120), ("BruteForce", 30), 20, 7]]     # as exported
+
+
+def test_the_exported_setting_counts_queries_scann_answers_short():
+    """Uneven leaves: 900 of 1,000 items in one tight cluster, 3 of 62 leaves searched. The
+    over-fetch assumes each leaf holds its share, so a query whose searched leaves hold
+    fewer items gets fewer than `fetch` answers: counted, as `found_codes` finds them."""
+    from tworec.retrieval import index as index_module
+    rng = np.random.default_rng(0)
+    cluster = rng.normal(0, 0.01, (900, 8)) + np.eye(8)[0]
+    directions = rng.normal(size=(50, 8))
+    directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+    candidates = np.concatenate([cluster, np.repeat(directions, 2, 0) +
+                                 rng.normal(0, 0.01, (100, 8))])
+    queries = np.concatenate([-np.eye(8)[:1], directions[:20]]).astype(np.float32)
+    params = ScannParams(num_leaves=62, num_leaves_to_search=3, num_reordering_candidates=40)
+    setting = index_module.exported_setting(candidates.astype(np.float32), queries, params,
+                                            fetch=10, k=10, repeats=2)
+    index = build_index(candidates.astype(np.float32), 10, params)
+    answers = (found_codes(index, queries) >= 0).sum(axis=1)
+    assert setting["short_answers"] == (answers < 10).sum() > 0
 
 
 def test_a_speed_verdict_needs_an_interval_clear_of_the_margin():
