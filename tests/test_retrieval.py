@@ -253,8 +253,8 @@ def test_scann_settings_are_raised_to_give_k_answers():
 
 def test_the_exported_setting_is_timed_as_the_export_searches(monkeypatch):
     """The report's speed of the ScaNN export is measured at the export's fetch (k and the
-    most items a user has seen), with the setting raised to give that many, against the
-    brute-force export's search (the top k, seen items masked), the two timed in turn: the
+    most items a user has seen), with the setting raised to give that many, against brute
+    force's search of the top k (no mask on either side), the two timed in turn: the
     tuned setting's speed at the tuning k is not what it serves."""
     from tworec.retrieval import index as index_module
     timed = []
