@@ -14,8 +14,9 @@ Signatures (batch is dimension 0):
     serving_default: user_id [b] string -> item_ids [b, k] string, scores [b, k] float32
     with_history: user_id [b] string, history [b, L] string (oldest first, "" for padding
         anywhere, any L: the towers read the latest `history_length` items, as the evaluation
-        does) -> item_ids, scores; a user it does not know who gives no item with training
-        rows gets the popular items
+        does) -> item_ids, scores; a user it does not know whose latest `history_length`
+        items hold none with training rows (any user, when the towers read no history) gets
+        the popular items, the given ones skipped
     embed_user: user_id [b] string -> embedding [b, d] float32
     embed_items: item_ids [n] string -> embedding [n, d] float32 (an id outside the catalogue:
         the out-of-vocabulary id row, no features)
@@ -116,8 +117,9 @@ class RetrievalModule(tf.Module):
         self.item_ids = tf.constant(np.append(interactions.item_ids, ""))               # [I + 1]
         self.item_index = tf.constant(data.item_index)                                  # [I]
         popular = data.popular["test"]
-        self.popular_codes = tf.constant(popular.order[:k], tf.int64)                   # [k]
-        self.popular_scores = tf.constant(popular.share[popular.order[:k]])             # [k]
+        self.popular_order = tf.constant(popular.order, tf.int64)                       # [I]
+        self.popular_place = tf.constant(np.argsort(popular.order), tf.int64)           # [I]
+        self.popular_share = tf.constant(popular.share)                                 # [I]
         self.block_rows = max(SCORES_PER_BLOCK // self.num_items, 1)
         candidates = candidate_embeddings(model, interactions.num_items)                # [I, d]
         if scann is None:
@@ -146,12 +148,31 @@ class RetrievalModule(tf.Module):
         specs = (tf.TensorSpec([None, self.k], tf.float32), tf.TensorSpec([None, self.k], tf.int64))
         scores, codes = tf.cond(batch <= self.block_rows, lambda: block(0, batch),
                                 lambda: in_row_blocks(block, batch, self.block_rows, specs))
+        popular_scores, popular_codes = self._popular(batch, rows, items)
+        scores = tf.where(known[:, None], scores, popular_scores)
+        codes = tf.where(known[:, None], codes, popular_codes)
         empty = tf.math.is_inf(scores)                       # fewer than k items remained
         codes = tf.where(empty, tf.constant(self.num_items, tf.int64), codes)
         scores = tf.where(empty, tf.float32.min, scores)
-        codes = tf.where(known[:, None], codes, self.popular_codes[None, :])
-        scores = tf.where(known[:, None], scores, tf.tile(self.popular_scores[None, :], [batch, 1]))
         return {"item_ids": tf.gather(self.item_ids, codes), "scores": scores}
+
+    def _popular(self, batch, rows, items):
+        """([b, k] scores, [b, k] codes) of the popular items in their served order, each
+        row's excluded (row [n], code [n]) pairs skipped: the first k free places of the first
+        k + (the most pairs a row has) places; -inf scores where fewer than k remain."""
+        pairs = tf.math.bincount(tf.cast(rows, tf.int32), minlength=batch, maxlength=batch,
+                                 dtype=tf.int64)                                          # [b]
+        width = tf.minimum(self.k + tf.reduce_max(tf.concat([pairs, [0]], 0)), self.num_items)
+        places = tf.gather(self.popular_place, items)                                   # [n]
+        near = places < width
+        taken = tf.scatter_nd(
+            tf.stack([tf.boolean_mask(rows, near), tf.boolean_mask(places, near)], axis=1),
+            tf.ones_like(tf.boolean_mask(places, near), tf.int32),
+            tf.stack([tf.cast(batch, tf.int64), width])) > 0                        # [b, width]
+        free, place = tf.math.top_k(tf.where(taken, -np.inf, -tf.cast(                 # [b, k]
+            tf.range(width), tf.float32)[None, :]), k=self.k)
+        codes = tf.gather(self.popular_order, place)
+        return tf.where(tf.math.is_inf(free), -np.inf, tf.gather(self.popular_share, codes)), codes
 
     def _search(self, query, mask):
         """([r, k] scores, [r, k] int64 codes) of queries [r, d], the items `mask` ([r, I]

@@ -157,7 +157,7 @@ def test_the_index_section_times_the_scann_export_as_it_searches(scann_ms, timed
                            "items kept: the k it serves), so it searches with 47 leaves")
     index["exported"]["short_answers"] = 4
     assert index_section({"index": index}, plots=[])[4].endswith(
-        f"{verdict} It answered 4 of the timed queries with fewer than 2490 items (leaves "
+        f"{verdict} It answered 4 of the sampled queries with fewer than 2490 items (leaves "
         "holding fewer than their share): some users may be served fewer than k.")
 
 

@@ -704,6 +704,14 @@ def test_with_history_reads_the_latest_items_wherever_the_padding_is(trained, tm
     for nothing in (np.zeros((1, 0), object), np.array([["", "no-such-item"]], object)):
         assert run("with_history", user_id=np.array(["nobody"]), history=nothing)[
             "item_ids"].tolist() == popular.tolist()
+    unknown = np.array([[f"new-{n}" for n in range(data.history_length)]], object)
+    older = np.concatenate([popular[:, [0, 3]].astype(object), unknown], axis=1)
+    skipped = run("with_history", user_id=np.array(["nobody"]), history=older)   # latest: new
+    order = data.popular["test"].order
+    assert skipped["item_ids"].astype(str).tolist() == [log.item_ids[np.delete(
+        order, [0, 3])[:10]].tolist()]                              # the popular, given skipped
+    np.testing.assert_allclose(skipped["scores"][0],
+                               data.popular["test"].share[np.delete(order, [0, 3])[:10]])
     item = data.seen[users[0]].indices[0]                      # an item the towers learned
     features = {"user": np.array([OOV]), "history": np.pad([[data.item_index[item]]],
                                                            [(0, 0), (data.history_length - 1, 0)])}
@@ -843,8 +851,19 @@ def test_scann_export_loads_and_answers(trained, tmp_path):
     everything = np.array([log.item_ids.astype(object)])           # more than it can skip
     assert len(brute_run("with_history", user_id=users[:1], history=everything)["item_ids"][0]
                ) == 10
+    unknown = np.array([[f"new-{n}" for n in range(data.history_length)]], object)
+    exhausted = brute_run("with_history", user_id=np.array(["nobody"]),   # popular: all given
+                          history=np.concatenate([everything, unknown], axis=1))
+    assert exhausted["item_ids"].tolist() == [[b""] * 10]
+    assert exhausted["scores"].tolist() == [[np.finfo(np.float32).min] * 10]
     with pytest.raises(tf.errors.InvalidArgumentError, match="use the retrieval export"):
         run("with_history", user_id=users[:1], history=everything)
+    most = int(np.argmax(np.diff(data.seen.indptr)))         # the user who has seen the most
+    unseen = np.setdiff1d(np.arange(data.num_items), data.seen[most].indices)
+    history = log.item_ids[unseen[:data.history_length]][None, :].astype(object)
+    given = run("with_history", user_id=log.user_ids[[most]], history=history)   # k still come
+    assert given["item_ids"].tolist() == brute_run(
+        "with_history", user_id=log.user_ids[[most]], history=history)["item_ids"].tolist()
 
 
 @pytest.mark.parametrize("scann", [False, True], ids=["brute-force", "scann"])
