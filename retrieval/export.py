@@ -110,7 +110,8 @@ class RetrievalModule(tf.Module):
         interactions = data.interactions
         hold_model(self, model)
         self.k, self.exclude_seen = k, exclude_seen
-        self.history_length = data.history_length if model.history_encoder is not None else 0
+        reads_history = model.config.history_encoder != "none"          # one member or more
+        self.history_length = data.history_length if reads_history else 0
         self.num_items = interactions.num_items
         self.users = UserInputs(data)
         self.item_codes = id_lookup(interactions.item_ids)                              # id -> code
