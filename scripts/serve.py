@@ -95,6 +95,15 @@ def parse_args(argv):
                      "and --model_base_path, or serve one model with those two alone")
     if not (args.model_config_file or args.model_base_path):
         parser.error("give --model_config_file, or --model_name with --model_base_path")
+    if args.model_config_file and not os.path.isfile(args.model_config_file):
+        parser.error(f"--model_config_file {args.model_config_file}: no such file")
+    for flag in ("port", "rest_api_port"):
+        if not 0 <= getattr(args, flag) <= 65535:
+            parser.error(f"--{flag} must be a port from 0 to 65535 (0: a free one), got "
+                         f"{getattr(args, flag)}")
+    if args.port and args.port == args.rest_api_port:
+        parser.error(f"--port and --rest_api_port are both {args.port}; give gRPC and REST "
+                     "a port each (0 picks a free one)")
     batching = args.enable_batching
     for flag, least, checked in (("max_concurrent_requests", 1, True),
                                  ("max_request_bytes", 1, True),
@@ -161,8 +170,12 @@ def main(argv=None) -> int:
     from tworec.serving.server import ModelServer
     try:
         configs = model_configs(args)
-    except (OSError, ServingError) as error:
-        print(f"error: {error}", file=sys.stderr)
+    except OSError as error:                           # unreadable, or gone since the check
+        print(f"error: --model_config_file {args.model_config_file}: "
+              f"{error.strerror or error}", file=sys.stderr)
+        return 2
+    except ServingError as error:
+        print(f"error: --model_config_file {args.model_config_file}: {error}", file=sys.stderr)
         return 2
     manager = ModelManager(configs, args.file_system_poll_wait_seconds,
                            max_load_retries=args.max_num_load_retries,

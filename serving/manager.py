@@ -155,6 +155,7 @@ class _Model:
     removed: threading.Event = dataclasses.field(default_factory=threading.Event)
     poll: Future | None = None
     listed: ModelConfig | None = None      # the config whose base path was last listed
+    listing_error: str | None = None       # why the last listing failed, logged when it changes
 
     def tried(self) -> bool:
         """Listed under its current config, and every version it wants has had a load
@@ -424,11 +425,14 @@ class ModelManager:
         try:
             on_disk = _versions_on_disk(config.base_path)
         except Exception as error:      # anything: the model must still count as listed
-            log.error("listing the versions of model %s failed: %s", config.name, error)
+            if str(error) != model.listing_error:       # once, not at every poll
+                log.error("listing the versions of model %s failed: %s", config.name, error)
+            model.listing_error = str(error)
             with self._changed:                         # what is served stays as it is
                 model.listed = config
                 self._changed.notify_all()
             return
+        model.listing_error = None
         loads = []
         with self._lock:
             for number in sorted(self._wanted(model, config, on_disk)):

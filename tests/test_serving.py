@@ -15,6 +15,7 @@ import base64
 import binascii
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -1086,6 +1087,24 @@ def test_recommender_and_composed_model_rank_the_ranking_models_added_candidates
 # ------------------------------------------------------------------ hot swap
 
 
+def test_a_base_path_not_there_is_logged_once_not_at_every_poll(tmp_path, caplog):
+    """A mistyped base path: one error line, then quiet while it stays so; logged again once
+    it fails for another reason after a listing that worked."""
+    base = str(tmp_path / "scael")
+    manager = ModelManager([ModelConfig("scale", base)], poll_seconds=0.02)
+    with caplog.at_level(logging.ERROR, logger="tworec.serving.manager"):
+        manager.start()
+        time.sleep(0.4)                                       # about twenty polls
+        os.makedirs(base)
+        time.sleep(0.1)
+        os.rmdir(base)
+        time.sleep(0.1)
+        manager.stop()
+    failures = [r.getMessage() for r in caplog.records if "listing the versions" in r.message]
+    assert failures == [f"listing the versions of model scale failed: the base path {base} "
+                        "is not there"] * 2
+
+
 @pytest.fixture
 def swap_server(tmp_path):
     base = str(tmp_path / "scale")
@@ -1405,6 +1424,19 @@ def test_serve_says_which_models_to_serve_in_one_line(flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_serve_names_the_config_file_it_cannot_read_or_parse(tmp_path, capsys):
+    serve = _script("serve")
+    missing = tmp_path / "nope" / "models.config"
+    with pytest.raises(SystemExit):
+        serve.parse_args([f"--model_config_file={missing}"])
+    assert f"--model_config_file {missing}: no such file" in capsys.readouterr().err
+    readme = tmp_path / "README.md"
+    readme.write_text("# tworec\nA recommender.\n")
+    assert serve.main([f"--model_config_file={readme}"]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"error: --model_config_file {readme}: INVALID_ARGUMENT: ")
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--enable_batching", "--max_batch_size=0"], "--max_batch_size must be at least 1, got 0"),
     (["--max_concurrent_requests=0"], "--max_concurrent_requests must be at least 1, got 0"),
@@ -1414,6 +1446,10 @@ def test_serve_says_which_models_to_serve_in_one_line(flags, message, capsys):
      "--max_enqueued_batches must be at least 1, got 0"),
     (["--max_num_load_retries=-1"], "--max_num_load_retries must be at least 0, got -1"),
     (["--max_request_bytes=0"], "--max_request_bytes must be at least 1, got 0"),
+    (["--port=99999"], "--port must be a port from 0 to 65535 (0: a free one), got 99999"),
+    (["--rest_api_port=-1"], "--rest_api_port must be a port from 0 to 65535"),
+    (["--port=8600", "--rest_api_port=8600"], "--port and --rest_api_port are both 8600; "
+     "give gRPC and REST a port each (0 picks a free one)"),
 ])
 def test_serve_refuses_flags_that_cannot_serve_in_one_line(flags, message, capsys):
     serve = _script("serve")
