@@ -448,8 +448,10 @@ def run(names: list[str], smoke: bool = False) -> dict:
     results = {}
     for name in names:
         _log(f"{name} ...")
+        start = time.perf_counter()
         results[name] = PARTS[name](smoke=smoke)
-        _log(f"{name}: {json.dumps(results[name])}")
+        ratio = f", ratio {results[name]['ratio']}" if "ratio" in results[name] else ""
+        _log(f"{name}: done in {time.perf_counter() - start:.0f} s{ratio}")    # figures: stdout
     return results
 
 

@@ -41,6 +41,7 @@ from tworec.serving.client import Client
 from tworec.serving.compose import compose_recommender
 from tworec.serving.layout import list_versions, write_models_config, write_version
 from tworec.serving.manager import ModelManager, parse_config
+from tworec.serving.model import settle_native_logs
 from tworec.serving.recommender import Recommender
 from tworec.serving.server import ModelServer
 
@@ -396,6 +397,7 @@ class Run:
         targets = self.log.item_ids[self.log.item[test][rows]]
         with open(self.export_dir("models_scann.config")) as f:
             manager = ModelManager(parse_config(f.read()), poll_seconds=0)
+        settle_native_logs()             # a library caller's terminal gets no native banner
         server = ModelServer(manager, grpc_port=0, rest_port=0).start()
         try:
             with Client(url=f"http://127.0.0.1:{server.rest_port}") as rest, \

@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 import time
 import urllib.parse
 
@@ -276,7 +277,8 @@ class RestTransport:
         except requests.Timeout as error:
             raise ServingError("DEADLINE_EXCEEDED", f"{method} {path}: {error}") from error
         except requests.ConnectionError as error:
-            raise ServingError("UNAVAILABLE", f"{method} {path}: {error}") from error
+            raise ServingError("UNAVAILABLE", f"{method} {self.url}{path}: "
+                               f"{_connection_failure(error)}") from error
         try:
             answer = response.json()
         except ValueError:
@@ -286,6 +288,15 @@ class RestTransport:
                                answer.get("error", response.text) if isinstance(answer, dict)
                                else response.text, http_status=response.status_code)
         return answer
+
+
+def _connection_failure(error: requests.ConnectionError) -> str:
+    """What urllib3's nested exception text comes to: "cannot connect ([Errno 111]
+    Connection refused)", or its first line when it names no OS error."""
+    text = str(error)
+    found = re.search(r"\[Errno -?\d+\] [^'\")(]+", text)
+    return (f"cannot connect ({found.group(0).strip()})" if found else
+            text.splitlines()[0] if text else type(error).__name__)
 
 
 def _fill_spec(spec, model: str, version: int | None, signature_name: str = "") -> None:

@@ -199,6 +199,7 @@ def test_benchmark_script_runs_every_part_small():
         assert all(run["errors"] == 0 and run["requests"] > 0 for run in figures.values()), model
     assert all(line.startswith("[benchmark] ") for line in done.stderr.splitlines()), \
         done.stderr[-2000:]
+    assert "[benchmark] input: done in " in done.stderr and "{" not in done.stderr  # once
     scale = results["scale"]["sizes"][0]
     for side in (scale, scale["in_memory"]):
         assert side["rows"] > 0 and side["peak_rss_gib"] > 0, side

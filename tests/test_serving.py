@@ -863,12 +863,16 @@ def test_client_splits_requests_over_its_row_limit(server, local):
 
 
 def test_client_retries_unavailable_then_fails(unused_port):
-    for client in (Client(url=f"http://127.0.0.1:{unused_port}", retries=2, backoff=0.01),
-                   Client(grpc_target=f"127.0.0.1:{unused_port}", retries=2, backoff=0.01,
-                          timeout=2)):
+    rest = (f"GET http://127.0.0.1:{unused_port}/v1/models/scale: cannot connect ([Errno 111] "
+            "Connection refused)")                    # urllib3's nested exception text, read
+    for client, message in ((Client(url=f"http://127.0.0.1:{unused_port}", retries=2,
+                                    backoff=0.01), rest),
+                            (Client(grpc_target=f"127.0.0.1:{unused_port}", retries=2,
+                                    backoff=0.01, timeout=2), None)):
         with client, pytest.raises(ServingError) as error:
             client.status("scale")
         assert error.value.code == "UNAVAILABLE"
+        assert message is None or error.value.message == message
 
 
 def test_recommend_says_how_to_start_a_server_when_none_answers(unused_port, capsys):
