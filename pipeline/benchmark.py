@@ -449,7 +449,12 @@ def run(names: list[str], smoke: bool = False) -> dict:
     for name in names:
         _log(f"{name} ...")
         start = time.perf_counter()
-        results[name] = PARTS[name](smoke=smoke)
+        try:
+            results[name] = PARTS[name](smoke=smoke)
+        except BaseException:                      # minutes of figures are not lost
+            if results:
+                _log(f"stopped in {name}; the parts done: {json.dumps(results)}")
+            raise
         ratio = f", ratio {results[name]['ratio']}" if "ratio" in results[name] else ""
         _log(f"{name}: done in {time.perf_counter() - start:.0f} s{ratio}")    # figures: stdout
     return results

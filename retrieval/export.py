@@ -149,7 +149,9 @@ class RetrievalModule(tf.Module):
         specs = (tf.TensorSpec([None, self.k], tf.float32), tf.TensorSpec([None, self.k], tf.int64))
         scores, codes = tf.cond(batch <= self.block_rows, lambda: block(0, batch),
                                 lambda: in_row_blocks(block, batch, self.block_rows, specs))
-        popular_scores, popular_codes = self._popular(batch, rows, items)
+        unknown = tf.gather(tf.logical_not(known), rows)     # only their pairs matter here
+        popular_scores, popular_codes = self._popular(
+            batch, tf.boolean_mask(rows, unknown), tf.boolean_mask(items, unknown))
         scores = tf.where(known[:, None], scores, popular_scores)
         codes = tf.where(known[:, None], codes, popular_codes)
         empty = tf.math.is_inf(scores)                       # fewer than k items remained
@@ -160,7 +162,9 @@ class RetrievalModule(tf.Module):
     def _popular(self, batch, rows, items):
         """([b, k] scores, [b, k] codes) of the popular items in their served order, each
         row's excluded (row [n], code [n]) pairs skipped: the first k free places of the first
-        k + (the most pairs a row has) places; -inf scores where fewer than k remain."""
+        k + (the most pairs a row has) places; -inf scores where fewer than k remain. Given
+        the pairs of unknown users alone (none in `serve`, a request's items in
+        `with_history`), it costs [b, k + the request's width] at most."""
         pairs = tf.math.bincount(tf.cast(rows, tf.int32), minlength=batch, maxlength=batch,
                                  dtype=tf.int64)                                          # [b]
         width = tf.minimum(self.k + tf.reduce_max(tf.concat([pairs, [0]], 0)), self.num_items)

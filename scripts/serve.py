@@ -96,14 +96,16 @@ def parse_args(argv):
     if not (args.model_config_file or args.model_base_path):
         parser.error("give --model_config_file, or --model_name with --model_base_path")
     if args.model_config_file and not os.path.isfile(args.model_config_file):
-        parser.error(f"--model_config_file {args.model_config_file}: no such file")
-    for flag in ("port", "rest_api_port"):
+        parser.error(f"--model_config_file {args.model_config_file}: "
+                     + ("a folder, not a file" if os.path.isdir(args.model_config_file)
+                        else "no such file"))
+    for flag, zero in (("port", "a free one"), ("rest_api_port", "REST off")):
         if not 0 <= getattr(args, flag) <= 65535:
-            parser.error(f"--{flag} must be a port from 0 to 65535 (0: a free one), got "
+            parser.error(f"--{flag} must be a port from 0 to 65535 (0: {zero}), got "
                          f"{getattr(args, flag)}")
-    if args.port and args.port == args.rest_api_port:
+    if args.port and args.port == args.rest_api_port:     # TF Serving skips REST instead
         parser.error(f"--port and --rest_api_port are both {args.port}; give gRPC and REST "
-                     "a port each (0 picks a free one)")
+                     "a port each")
     batching = args.enable_batching
     for flag, least, checked in (("max_concurrent_requests", 1, True),
                                  ("max_request_bytes", 1, True),
@@ -173,6 +175,10 @@ def main(argv=None) -> int:
     except OSError as error:                           # unreadable, or gone since the check
         print(f"error: --model_config_file {args.model_config_file}: "
               f"{error.strerror or error}", file=sys.stderr)
+        return 2
+    except UnicodeDecodeError:
+        print(f"error: --model_config_file {args.model_config_file}: not text; give a text "
+              "ModelServerConfig", file=sys.stderr)
         return 2
     except ServingError as error:
         print(f"error: --model_config_file {args.model_config_file}: {error}", file=sys.stderr)

@@ -295,7 +295,8 @@ def _connection_failure(error: requests.ConnectionError) -> str:
     Connection refused)", or its first line when it names no OS error."""
     text = str(error)
     found = re.search(r"\[Errno -?\d+\] [^'\")(]+", text)
-    return (f"cannot connect ({found.group(0).strip()})" if found else
+    to = " through the proxy" if isinstance(error, requests.exceptions.ProxyError) else ""
+    return (f"cannot connect{to} ({found.group(0).strip()})" if found else
             text.splitlines()[0] if text else type(error).__name__)
 
 

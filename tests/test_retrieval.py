@@ -860,6 +860,22 @@ def test_scann_export_loads_and_answers(trained, tmp_path):
                           history=np.concatenate([everything, unknown], axis=1))
     assert exhausted["item_ids"].tolist() == [[b""] * 10]
     assert exhausted["scores"].tolist() == [[np.finfo(np.float32).min] * 10]
+    order = data.popular["test"].order                    # a mixed batch, row by row as alone
+    given = np.full((3, 3 + data.history_length), "", object)
+    given[0, :2] = log.item_ids[order[[1, 4]]]            # unknown: two popular items given
+    given[1, :3] = log.item_ids[order[[0, 2, 5]]]         # known: the towers, seen skipped
+    given[2, :1] = log.item_ids[order[[0]]]               # unknown: another one given
+    given[:, 3:] = unknown                                # the latest: ids it does not know
+    mixed = brute_run("with_history", user_id=np.array(["nobody", users[0], "also-nobody"]),
+                      history=given)
+    for row in range(3):
+        alone = brute_run("with_history", user_id=np.array(["nobody", users[0],
+                                                            "also-nobody"])[row:row + 1],
+                          history=given[row:row + 1])
+        assert mixed["item_ids"][row].tolist() == alone["item_ids"][0].tolist(), row
+    assert mixed["item_ids"][0].astype(str).tolist() == log.item_ids[
+        np.delete(order, [1, 4])[:10]].tolist()
+    assert mixed["item_ids"][2].astype(str).tolist() == log.item_ids[order[1:11]].tolist()
     with pytest.raises(tf.errors.InvalidArgumentError, match="use the retrieval export"):
         run("with_history", user_id=users[:1], history=everything)
     most = int(np.argmax(np.diff(data.seen.indptr)))         # the user who has seen the most

@@ -1093,16 +1093,22 @@ def test_recommender_and_composed_model_rank_the_ranking_models_added_candidates
 
 def test_a_base_path_not_there_is_logged_once_not_at_every_poll(tmp_path, caplog):
     """A mistyped base path: one error line, then quiet while it stays so; logged again once
-    it fails for another reason after a listing that worked."""
+    it fails after a listing that worked. Polled by hand: no timing."""
     base = str(tmp_path / "scael")
-    manager = ModelManager([ModelConfig("scale", base)], poll_seconds=0.02)
+    manager = ModelManager([ModelConfig("scale", base)], poll_seconds=0)
+
+    def poll_once():
+        manager.poll()
+        manager._models["scale"].poll.result(timeout=30)
     with caplog.at_level(logging.ERROR, logger="tworec.serving.manager"):
         manager.start()
-        time.sleep(0.4)                                       # about twenty polls
+        for _ in range(5):
+            poll_once()
         os.makedirs(base)
-        time.sleep(0.1)
+        poll_once()
         os.rmdir(base)
-        time.sleep(0.1)
+        for _ in range(3):
+            poll_once()
         manager.stop()
     failures = [r.getMessage() for r in caplog.records if "listing the versions" in r.message]
     assert failures == [f"listing the versions of model scale failed: the base path {base} "
@@ -1434,11 +1440,19 @@ def test_serve_names_the_config_file_it_cannot_read_or_parse(tmp_path, capsys):
     with pytest.raises(SystemExit):
         serve.parse_args([f"--model_config_file={missing}"])
     assert f"--model_config_file {missing}: no such file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        serve.parse_args([f"--model_config_file={tmp_path}"])
+    assert f"--model_config_file {tmp_path}: a folder, not a file" in capsys.readouterr().err
     readme = tmp_path / "README.md"
     readme.write_text("# tworec\nA recommender.\n")
     assert serve.main([f"--model_config_file={readme}"]) == 2
     assert capsys.readouterr().err.startswith(
         f"error: --model_config_file {readme}: INVALID_ARGUMENT: ")
+    binary = tmp_path / "saved_model.pb"
+    binary.write_bytes(b"\x08\xff\xfe\x00")
+    assert serve.main([f"--model_config_file={binary}"]) == 2
+    assert capsys.readouterr().err == (f"error: --model_config_file {binary}: not text; give a "
+                                       "text ModelServerConfig\n")
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -1451,9 +1465,9 @@ def test_serve_names_the_config_file_it_cannot_read_or_parse(tmp_path, capsys):
     (["--max_num_load_retries=-1"], "--max_num_load_retries must be at least 0, got -1"),
     (["--max_request_bytes=0"], "--max_request_bytes must be at least 1, got 0"),
     (["--port=99999"], "--port must be a port from 0 to 65535 (0: a free one), got 99999"),
-    (["--rest_api_port=-1"], "--rest_api_port must be a port from 0 to 65535"),
+    (["--rest_api_port=-1"], "--rest_api_port must be a port from 0 to 65535 (0: REST off)"),
     (["--port=8600", "--rest_api_port=8600"], "--port and --rest_api_port are both 8600; "
-     "give gRPC and REST a port each (0 picks a free one)"),
+     "give gRPC and REST a port each"),
 ])
 def test_serve_refuses_flags_that_cannot_serve_in_one_line(flags, message, capsys):
     serve = _script("serve")
