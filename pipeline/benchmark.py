@@ -78,8 +78,8 @@ def check_first_epochs(batch_size: int, rows: int) -> None:
 def bench_input(smoke: bool = False, batch_size: int = 4096) -> dict:
     """Ours against the strongest tf.data pipeline a user would write, by hand, with the
     tf.data guide's and the TFRS tutorials' pipelines beside it, labelled (`input_pipelines`),
-    on a 1M-row log; every pipeline yields the same integer columns, checked first to read
-    each row once an epoch (`check_first_epochs`)."""
+    on a 1M-row log; every pipeline yields the same integer columns, and each is checked
+    first, on a small log, to read each row once in its first epoch (`check_first_epochs`)."""
     log = generate(PRESETS["tiny" if smoke else "1m"], seed=0)
     columns = {"user": log.user, "item": log.item, "timestamp": log.timestamp,
                "rating": log.rating}

@@ -506,8 +506,8 @@ def scann_verdict(exported: dict) -> str:
 
 def slow_scann_notice(exported: dict, candidates: int, exclude_seen: bool) -> str:
     """The run's notice when the ScaNN export is not found faster than brute force."""
-    fetched = (f"({candidates} candidates, the most items a user has seen and a history's "
-               "length) "
+    fetched = (f"({candidates} candidates and the most items a user has seen or a history "
+               "holds) "
                if exclude_seen else "")
     return (f"the retrieval_scann export fetches {exported['fetch']} items a query {fetched}"
             f"and takes {exported['latency_ms_p50']:.2f} ms a query against "

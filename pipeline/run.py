@@ -242,8 +242,9 @@ class Run:
         """Tunes ScaNN on validation queries (training queries when the split has no
         validation) and reports the chosen setting's recall against exact search on test
         queries, and the setting the export searches with its latency against brute force at
-        the export's fetch (noticed when it is no faster); a catalogue ScaNN cannot index is
-        noticed, and only brute force exported."""
+        the export's fetch (noticed when it is no faster, and when it answers some sampled
+        queries with fewer items than it fetches); a catalogue ScaNN cannot index is noticed,
+        and only brute force exported."""
         run, model = self.configs.run, self.retrieval_model
         candidates = retrieval.candidate_embeddings(model, self.inputs.num_items)
         part = "validation" if len(self.parts.validation) else "train"

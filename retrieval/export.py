@@ -6,8 +6,8 @@ items of the rows the model was fit on), the popular items for users it does not
 (`ModelInputs.popular`: the most frequent in the latest share of the fit rows). A known
 user is never served an item of their state, nor a `with_history` request the items it
 passed (a known user's: neither), unless the export is made with `exclude_seen=False`; the top
-k of what remains come back (ScaNN over-fetches k plus the most items any user has seen plus
-a history's length). A slot left without an item
+k of what remains come back (ScaNN over-fetches k plus the most items any user has seen or a
+history holds, and refuses a request that skips more). A slot left without an item
 (the catalogue exhausted) holds the id "" and the lowest float32 score.
 
 Signatures (batch is dimension 0):
@@ -53,11 +53,12 @@ SCORES_PER_BLOCK = 1 << 24
 
 
 def scann_fetch(data: ModelInputs, k: int, exclude_seen: bool = True) -> int:
-    """How many items the ScaNN export fetches so that k remain once a user's seen and given
-    items are gone: k plus the most any user has seen plus a history's length (a request may
-    pass more; beyond what it can skip, the export refuses it)."""
+    """How many items the ScaNN export fetches so that k remain once a user's seen (or a
+    request's given) items are gone: k plus the most any user has seen or a history holds. A
+    `with_history` request of a known user skips both; beyond what the fetch leaves room for,
+    the export refuses it in one line (the brute-force export serves it)."""
     most_seen = int(np.diff(data.seen.indptr).max(initial=0))
-    return min(data.num_items, k + (most_seen + data.history_length) * exclude_seen)
+    return min(data.num_items, k + max(most_seen, data.history_length) * exclude_seen)
 
 
 def usable_top_k(scores: tf.Tensor, codes: tf.Tensor, excluded: tf.Tensor, k: int
@@ -131,8 +132,8 @@ class RetrievalModule(tf.Module):
 
     def _top_k(self, features, known, excluded=None):
         """Top k codes of the query tower's scores, `excluded` ((row [n], code [n]) pairs,
-        rows ascending) skipped, the popular items for rows not `known`. Rows are searched
-        `block_rows` at a time (`in_row_blocks`): a [rows, I] score matrix and mask per block,
+        rows ascending) skipped, the popular items for rows not `known` (theirs skipped too).
+        Rows are searched `block_rows` at a time (`in_row_blocks`): a [rows, I] score matrix and mask per block,
         never per request."""
         query = traced_query(self.model)(features)                                      # [b, d]
         batch = tf.shape(query)[0]

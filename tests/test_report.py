@@ -166,8 +166,8 @@ def test_a_scann_export_not_found_faster_is_noticed_with_why_it_fetches_what_it_
     exported = {"fetch": 352, "latency_ms_p50": 0.28, "exact_latency_ms_p50": 0.26,
                 "verdict": "slower", "difference_ms_ci95": [0.01, 0.02], "verdict_margin": 0.05}
     assert slow_scann_notice(exported, 100, exclude_seen=True) == (
-        "the retrieval_scann export fetches 352 items a query (100 candidates, the most "
-        "items a user has seen and a history's length) and takes 0.28 ms a query against "
+        "the retrieval_scann export fetches 352 items a query (100 candidates and the most "
+        "items a user has seen or a history holds) and takes 0.28 ms a query against "
         "0.26 ms for the brute-force export's search, slower by 10 to 20 µs a query (95% "
         "interval): ask retrieval (served by models.config and models_scann.config) instead")
     assert slow_scann_notice({**exported, "fetch": 100}, 100, exclude_seen=False).startswith(

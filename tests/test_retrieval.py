@@ -253,7 +253,7 @@ def test_scann_settings_are_raised_to_give_k_answers():
 
 def test_the_exported_setting_is_timed_as_the_export_searches(monkeypatch):
     """The report's speed of the ScaNN export is measured at the export's fetch (k and the
-    most items a user has seen), with the setting raised to give that many, against brute
+    most items a user has seen or a history holds), with the setting raised to give that many, against brute
     force's search of the top k (no mask on either side), the two timed in turn: the
     tuned setting's speed at the tuning k is not what it serves."""
     from tworec.retrieval import index as index_module
@@ -878,12 +878,17 @@ def test_scann_export_loads_and_answers(trained, tmp_path):
     assert mixed["item_ids"][2].astype(str).tolist() == log.item_ids[order[1:11]].tolist()
     with pytest.raises(tf.errors.InvalidArgumentError, match="use the retrieval export"):
         run("with_history", user_id=users[:1], history=everything)
-    most = int(np.argmax(np.diff(data.seen.indptr)))         # the user who has seen the most
-    unseen = np.setdiff1d(np.arange(data.num_items), data.seen[most].indices)
-    history = log.item_ids[unseen[:data.history_length]][None, :].astype(object)
-    given = run("with_history", user_id=log.user_ids[[most]], history=history)   # k still come
+    seen = np.diff(data.seen.indptr)                 # a known user's seen and given items
+    room = max(seen.max(), data.history_length)            # the fetch's room: k still come
+    user = int(np.flatnonzero(seen == room - 2)[0])      # (the tiny log has such a user)
+    unseen = np.setdiff1d(np.arange(data.num_items), data.seen[user].indices)
+    history = log.item_ids[unseen[:2]][None, :].astype(object)
+    given = run("with_history", user_id=log.user_ids[[user]], history=history)
     assert given["item_ids"].tolist() == brute_run(
-        "with_history", user_id=log.user_ids[[most]], history=history)["item_ids"].tolist()
+        "with_history", user_id=log.user_ids[[user]], history=history)["item_ids"].tolist()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="use the retrieval export"):
+        run("with_history", user_id=log.user_ids[[user]],           # one more: refused
+            history=log.item_ids[unseen[:3]][None, :].astype(object))
 
 
 @pytest.mark.parametrize("scann", [False, True], ids=["brute-force", "scann"])
