@@ -133,8 +133,8 @@ class RetrievalModule(tf.Module):
     def _top_k(self, features, known, excluded=None):
         """Top k codes of the query tower's scores, `excluded` ((row [n], code [n]) pairs,
         rows ascending) skipped, the popular items for rows not `known` (theirs skipped too).
-        Rows are searched `block_rows` at a time (`in_row_blocks`): a [rows, I] score matrix and mask per block,
-        never per request."""
+        Rows are searched `block_rows` at a time (`in_row_blocks`): a [rows, I] score matrix
+        and mask per block, never per request."""
         query = traced_query(self.model)(features)                                      # [b, d]
         batch = tf.shape(query)[0]
         rows, items = excluded if excluded is not None else (

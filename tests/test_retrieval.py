@@ -253,9 +253,9 @@ def test_scann_settings_are_raised_to_give_k_answers():
 
 def test_the_exported_setting_is_timed_as_the_export_searches(monkeypatch):
     """The report's speed of the ScaNN export is measured at the export's fetch (k and the
-    most items a user has seen or a history holds), with the setting raised to give that many, against brute
-    force's search of the top k (no mask on either side), the two timed in turn: the
-    tuned setting's speed at the tuning k is not what it serves."""
+    most items a user has seen or a history holds), with the setting raised to give that many,
+    against brute force's search of the top k (no mask on either side), the two timed in
+    turn: the tuned setting's speed at the tuning k is not what it serves."""
     from tworec.retrieval import index as index_module
     timed = []
 
