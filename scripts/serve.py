@@ -172,16 +172,11 @@ def main(argv=None) -> int:
     from tworec.serving.server import ModelServer
     try:
         configs = model_configs(args)
-    except OSError as error:                           # unreadable, or gone since the check
-        print(f"error: --model_config_file {args.model_config_file}: "
-              f"{error.strerror or error}", file=sys.stderr)
-        return 2
-    except UnicodeDecodeError:
-        print(f"error: --model_config_file {args.model_config_file}: not text; give a text "
-              "ModelServerConfig", file=sys.stderr)
-        return 2
-    except ServingError as error:
-        print(f"error: --model_config_file {args.model_config_file}: {error}", file=sys.stderr)
+    except (OSError, UnicodeDecodeError, ServingError) as error:    # OSError: gone since
+        reason = ("not text; give a text ModelServerConfig"           # the check, unreadable
+                  if isinstance(error, UnicodeDecodeError) else getattr(error, "strerror", None)
+                  or error)
+        print(f"error: --model_config_file {args.model_config_file}: {reason}", file=sys.stderr)
         return 2
     manager = ModelManager(configs, args.file_system_poll_wait_seconds,
                            max_load_retries=args.max_num_load_retries,

@@ -392,8 +392,8 @@ class ModelManager:
     def watch_config_file(self, path: str, poll_seconds: float) -> None:
         """Reloads the model list whenever the text config at `path` changes (checked every
         `poll_seconds`, TF Serving's `--model_config_file_poll_wait_seconds`). A config that
-        does not parse or is refused (`reload_configs`: an emptied file) is logged and the
-        current one kept."""
+        is not text, does not parse or is refused (`reload_configs`: an emptied file) is logged
+        and the current one kept."""
         def loop(mtime: float) -> None:
             while not self._stop.wait(poll_seconds):
                 try:
@@ -402,7 +402,7 @@ class ModelManager:
                     mtime = os.path.getmtime(path)
                     with open(path) as f:
                         self.reload(reload_configs(config_proto(f.read())))
-                except (OSError, ServingError) as error:
+                except (OSError, UnicodeDecodeError, ServingError) as error:
                     log.error("reloading the model config %s failed: %s", path, error)
                     mtime = None          # read again next poll: a write may end in one tick
         threading.Thread(target=loop, args=(os.path.getmtime(path),), name="config-poll",

@@ -1730,9 +1730,9 @@ def test_config_file_changes_are_picked_up(swap_server, tmp_path):
     os.utime(path, (time.time() + 5, time.time() + 5))
     with Client(url=f"http://127.0.0.1:{server.rest_port}") as client:
         _wait_for(lambda: _available(client, "again"))
-        for later, broken in [(10, "not a config"), (15, "")]:   # a broken or emptied config is
-            with open(path, "w") as f:                          # logged; the models stay
-                f.write(broken)
+        for later, broken in [(10, "not a config"), (15, b"\xff\xfe\x00"), (20, "")]:  # broken,
+            with open(path, "wb" if isinstance(broken, bytes) else "w") as f:   # not text or
+                f.write(broken)                       # emptied: logged; the models stay
             os.utime(path, (time.time() + later, time.time() + later))
             time.sleep(0.3)
             assert _available(client, "again") and _available(client, "scale"), repr(broken)
