@@ -395,6 +395,7 @@ class ModelManager:
         is not text, does not parse or is refused (`reload_configs`: an emptied file) is logged
         and the current one kept."""
         def loop(mtime: float) -> None:
+            refused = None                                  # logged once, until it changes
             while not self._stop.wait(poll_seconds):
                 try:
                     if os.path.getmtime(path) == mtime:
@@ -402,8 +403,11 @@ class ModelManager:
                     mtime = os.path.getmtime(path)
                     with open(path) as f:
                         self.reload(reload_configs(config_proto(f.read())))
+                    refused = None
                 except (OSError, UnicodeDecodeError, ServingError) as error:
-                    log.error("reloading the model config %s failed: %s", path, error)
+                    if str(error) != refused:
+                        log.error("reloading the model config %s failed: %s", path, error)
+                    refused = str(error)
                     mtime = None          # read again next poll: a write may end in one tick
         threading.Thread(target=loop, args=(os.path.getmtime(path),), name="config-poll",
                          daemon=True).start()

@@ -1722,7 +1722,10 @@ def test_latency_measure_counts_requests_and_errors(embedded):
     assert failing["errors"] > 0 and failing["requests"] > 0
 
 
-def test_config_file_changes_are_picked_up(swap_server, tmp_path):
+def test_config_file_changes_are_picked_up(swap_server, tmp_path, caplog):
+    """A refused file is read again at every poll (a write may end within one mtime tick) and
+    logged once, until its error changes."""
+    caplog.set_level(logging.ERROR, logger="tworec.serving.manager")
     base, server = swap_server
     path = write_models_config(str(tmp_path / "models.config"), {"scale": base})
     server.manager.watch_config_file(path, poll_seconds=0.05)
@@ -1740,6 +1743,8 @@ def test_config_file_changes_are_picked_up(swap_server, tmp_path):
         write_models_config(path, {"scale": base, "third": base})    # emptied one's tick
         os.utime(path, (stamp, stamp))
         _wait_for(lambda: _available(client, "third"))
+    refusals = [r for r in caplog.records if "reloading the model config" in r.getMessage()]
+    assert len(refusals) == 3, [r.getMessage() for r in refusals]       # one a broken file
 
 
 def test_json_inputs_are_read_as_tf_serving_reads_them():
