@@ -118,8 +118,7 @@ def prepare_shards(source: str, out_folder: str, history_length: int = 20,
                                                     pq.read_schema(parquet.shards.items).names)
             if name != mapping["item"] and not INDEX_COLUMN.fullmatch(name)]
         if mapping.unread and note:
-            note(unread_columns_note(mapping.unread,
-                                     "rating" not in mapping and not mapping.unrated))
+            note(unread_columns_note(mapping.unread, mapping.rating_open))
         if not_read and note:
             note(f"{', '.join(not_read)} not in the prepared shards, which hold ids, histories, "
                  "times and ratings: models trained on them read no side features")

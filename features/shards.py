@@ -225,7 +225,7 @@ def needed_columns(shards: ShardSet, columns: dict[str, str], by_duckdb: bool = 
         if twice is not None:
             raise DataError(f"{path}: the column {twice!r} is in the shard "
                             f"{other.names.count(twice)} times; give the columns distinct names")
-        rated = "rating" not in mapping and not mapping.unrated and next(
+        rated = mapping.rating_open and next(
             (name for name in DEFAULT_COLUMNS["rating"] if name in other.names), None)
         if rated:                     # read from the first shard alone, its rows would be lost
             raise DataError(f"{path}: column {rated!r} would be read as ratings, which {first} "

@@ -1191,6 +1191,11 @@ class ColumnMapping(dict):
     unread: tuple[str, ...] = ()
     unrated: bool = False
 
+    @property
+    def rating_open(self) -> bool:
+        """No column is the rating, and `rating=none` was not given: one may be mapped."""
+        return "rating" not in self and not self.unrated
+
     def unread_of(self, names) -> tuple[str, ...]:
         """The columns of `names` that no role reads, but a data frame's index."""
         return tuple(name for name in names

@@ -473,11 +473,7 @@ def index_section(report: dict, plots: list[str]) -> list[str]:
                         f"{exported['exact_latency_ms_p50']:.2f} ms for the brute-force "
                         f"export's search, {scann_verdict(exported)}"
                         + ("." if scann_is_faster(exported) else
-                           ": ask `retrieval` instead."))
-                     + (f" It answered {exported['short_answers']} of the sampled queries with "
-                        f"fewer than {exported['fetch']} items (leaves holding fewer than their "
-                        "share): some users may be served fewer than k."
-                        if exported.get("short_answers") else ""))
+                           ": ask `retrieval` instead.")))
     return lines + image("index.png", plots, "ScaNN recall against latency")
 
 
