@@ -279,8 +279,7 @@ def compare(log: Interactions, parts: Split, configs: Configs, arms: list[Arm],
     evalset = eval_set(log, parts, "validation", exclude_seen=inputs.exclude_seen)
     stage = arms[0].stage
     early_stopping, epoch_choice_differs = stopping_of(arms, configs)
-    arms_stop_early = any(getattr(arm_configs(arm, configs, 0), stage).early_stopping_patience
-                          > 0 for arm in arms)
+    arms_stop_early = any(patience > 0 for _, patience in _stopping(arms, configs, stage))
     header = {"stage": stage, "split": parts.kind, "cold_start_window": window,
               "validation": {"rows": len(evalset), "users": len(np.unique(evalset.users))},
               "early_stopping": early_stopping, "epoch_choice_differs": epoch_choice_differs,
@@ -376,12 +375,17 @@ def stopping_of(arms: list[Arm], configs: Configs) -> tuple[bool, bool]:
     stages = ["retrieval"] + (["ranking"] if arms and arms[0].stage == "ranking" else [])
     early_stopping = differs = False               # a ranking arm's retrieval chooses its epoch too
     for stage in stages:
-        stopping = {(config.epochs, config.early_stopping_patience) for config in
-                    (getattr(arm_configs(arm, configs, 0), stage) for arm in arms)}
+        stopping = _stopping(arms, configs, stage)
         stops = any(patience > 0 for _, patience in stopping)
         early_stopping |= stops
         differs |= len(stopping) > 1 and stops
     return early_stopping, differs
+
+
+def _stopping(arms: list[Arm], configs: Configs, stage: str) -> set[tuple[int, int]]:
+    """The (epochs, early-stopping patience) pairs of the arms' `stage` configs."""
+    return {(config.epochs, config.early_stopping_patience) for config in
+            (getattr(arm_configs(arm, configs, 0), stage) for arm in arms)}
 
 
 @contextlib.contextmanager
