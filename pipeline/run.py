@@ -383,8 +383,10 @@ class Run:
         REST and gRPC, and records the metrics of the served lists beside the offline ones
         (`pipeline.served`; the approximate `retrieval_scann`'s are measured, with the share of
         the exact lists' items it serves); fails when they differ beyond float ties, when REST
-        and gRPC disagree, when a served list holds a seen item, or when the ranking export
-        adds or scores the candidates otherwise than the offline lists and the Keras ranker.
+        and gRPC disagree, when a served list holds a seen item, when a retrieval export's
+        `with_history` given each user's latest fit items serves other lists than by id, or
+        when the ranking export adds or scores the candidates otherwise than the offline lists
+        and the Keras ranker.
         Without a test part (split `none` or `latest`) it asks for the first `checked_users`
         users the exports know (in code order), with the same checks except the metrics: the
         ranking export is compared on each user's latest state and the list the retrieval
@@ -408,6 +410,8 @@ class Run:
                            for name in ("retrieval", "retrieval_scann", "recommender")
                            if name != "retrieval_scann" or
                            list_versions(self.export_dir("retrieval_scann"))}
+                with_history = {name: served.ask(rest, name, ids, self.fit_history(users))
+                                for name in answers if name != "recommender"}
                 checked = self.test_lists(rows) if self.evaluating else self.latest_lists(
                     users, answers["retrieval"]["rest"]["item_ids"])
                 ranking_gap = self.ranking_export_gap(rest, checked, RANKING_GAP_ROWS)
@@ -435,6 +439,11 @@ class Run:
                                       self.inputs.seen[users])
             if seen and self.inputs.exclude_seen:
                 raise served.ServedMismatch(f"{name}: {seen} served items were already seen")
+            if name in with_history and not np.array_equal(
+                    rest_lists["item_ids"], with_history[name]["item_ids"]):
+                raise served.ServedMismatch(
+                    f"{name}: with_history, given each user's latest items as the export "
+                    "knows them, served other lists than serving_default")
             result["served"][name] = {"seen_items_served": seen}
             if name == "retrieval_scann":         # approximate: measured, not compared
                 known = self.inputs.known[users]         # others get the same popular list
@@ -457,6 +466,14 @@ class Run:
                 answers["retrieval"]["rest"]["item_ids"][known],
                 answers["recommender"]["rest"]["item_ids"][known])
         self.report["serving"] = result
+
+    def fit_history(self, users: np.ndarray) -> np.ndarray:
+        """[u, max(L, 1)] str: the latest items of `users` (codes) among the fit rows, oldest
+        first, "" for padding: a `with_history` request that the exports must answer as they
+        answer the users by id."""
+        codes = latest_history(self.log.take(self.parts.fit),
+                               max(self.inputs.history_length, 1))[users]               # [u, S]
+        return np.where(codes >= 0, self.log.item_ids[np.maximum(codes, 0)], "")
 
     def title_candidates_per_user(self) -> int:
         """The title candidates the ranking stage adds to a known user's list (0: none)."""

@@ -16,6 +16,7 @@ import scipy.sparse as sp
 from tworec.evaluation import KS, MISS, rank_metrics
 from tworec.evaluation.metrics import entries
 from tworec.serving.client import Client
+from tworec.serving.protocol import DEFAULT_SIGNATURE
 
 REQUEST_USERS = 200          # users per request: well inside the server's row limit
 
@@ -48,10 +49,17 @@ def strings(values) -> np.ndarray:
         if values.size else values.astype(str)
 
 
-def ask(client: Client, model: str, user_ids: np.ndarray) -> dict[str, np.ndarray]:
+def ask(client: Client, model: str, user_ids: np.ndarray, history: np.ndarray | None = None
+        ) -> dict[str, np.ndarray]:
     """{"item_ids": [u, n] str, "scores": [u, n]} of a served model for every user, in
-    requests of `REQUEST_USERS`."""
-    answers = [client.predict(model, {"user_id": user_ids[start:start + REQUEST_USERS]})
+    requests of `REQUEST_USERS`: its `serving_default` signature's, or given `history` ([u, L]
+    str, "" for padding) its `with_history` signature's."""
+    def inputs(start: int) -> dict[str, np.ndarray]:
+        rows = slice(start, start + REQUEST_USERS)
+        return {"user_id": user_ids[rows]} if history is None else \
+            {"user_id": user_ids[rows], "history": history[rows]}
+    signature = DEFAULT_SIGNATURE if history is None else "with_history"
+    answers = [client.predict(model, inputs(start), signature)
                for start in range(0, len(user_ids), REQUEST_USERS)]
     return {"item_ids": strings(np.concatenate([a["item_ids"] for a in answers])),
             "scores": np.concatenate([a["scores"] for a in answers]).astype(np.float32)}

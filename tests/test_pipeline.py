@@ -662,8 +662,9 @@ def test_a_run_without_test_rows_checks_the_ranking_export_on_each_users_latest_
     is tested and the exports know every row. The served check asks for the users they know
     (no metric, no seen item served) and compares the ranking export on each one's latest
     state and the list the retrieval export served them: its scores against the Keras
-    ranker's, the title candidates it adds against NumPy's. Other title candidates, or a Keras
-    side that reads other retrieval queries, fail the run; so does another popularity period
+    ranker's, the title candidates it adds against NumPy's. Other title candidates, a Keras
+    side that reads other retrieval queries, or `with_history` requests of other histories
+    than the exports know, fail the run; so does another popularity period
     after `latest` calibrated the ranker (without validation rows, `none` leaves the held-out
     signals at weight 0, and the scores cannot show them)."""
     import dataclasses
@@ -715,4 +716,9 @@ def test_a_run_without_test_rows_checks_the_ranking_export_on_each_users_latest_
         with pytest.raises(ServedMismatch, match="scores differ from the Keras ranker's"):
             run.serve_and_check()
         periods["test"] = right
+    fit_history = run.fit_history               # each user's own items, in the reverse order
+    monkeypatch.setattr(run, "fit_history", lambda users: fit_history(users)[:, ::-1])
+    with pytest.raises(ServedMismatch, match="with_history, given each user's latest items"):
+        run.serve_and_check()
+    monkeypatch.undo()
     run.serve_and_check()                                             # as it was: it passes
