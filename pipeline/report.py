@@ -455,9 +455,9 @@ def index_section(report: dict, plots: list[str]) -> list[str]:
         lines.append(f"{reason}; only the brute-force export is written.")
     else:
         lines.append(
-            f"{scann_sentence(index['params'])}, tuned on {index['tuned_on']} queries, finds "
-            f"{recall:.1%} of the exact top {k} there"
-            + (f" and {test:.1%} on test queries" if test is not None else "")
+            f"{scann_sentence(index['params'])}, tuned on {index['tuned_on']} queries of users "
+            f"the models know, finds {recall:.1%} of the exact top {k} there"
+            + (f" and {test:.1%} on their test queries" if test is not None else "")
             + f"; one query takes {index['latency_ms_p50']:.2f} ms (p50) against "
             f"{index['exact_latency_ms_p50']:.2f} ms for brute force's top {k} (timed "
             "separately, not in turn).")

@@ -239,16 +239,16 @@ class Run:
                                         for name, ranks in self.baseline_ranks.items()}
 
     def tune_index(self) -> None:
-        """Tunes ScaNN on validation queries (training queries when the split has no
-        validation) and reports the chosen setting's recall against exact search on test
+        """Tunes ScaNN on validation queries of users it knows (training queries when the
+        split has none) and reports the chosen setting's recall against exact search on test
         queries, and the setting the export searches with its latency against brute force at
         the export's fetch (noticed when it is no faster, and when it answers some sampled
         queries with fewer items than it fetches); a catalogue ScaNN cannot index is noticed,
         and only brute force exported."""
         run, model = self.configs.run, self.retrieval_model
         candidates = retrieval.candidate_embeddings(model, self.inputs.num_items)
-        part = "validation" if len(self.parts.validation) else "train"
-        queries = retrieval.query_embeddings(model, self.inputs.examples[part])
+        part = "validation" if self.inputs.known_in("validation").any() else "train"
+        queries = self.searched_queries(part)
         sample = queries[np.sort(np.random.default_rng(0).permutation(len(queries))[
             :run.tuning_queries])]
         self.tuning = tune_scann(candidates, sample, k=run.tuning_k)
@@ -270,11 +270,18 @@ class Run:
             if exported["short_answers"]:
                 self.notice(run_report.short_scann_notice(exported, len(sample), part,
                                                           run.candidates))
-        if self.tuning["params"] and self.evaluating:
-            test = retrieval.query_embeddings(model, self.inputs.examples["test"])
+        test = self.searched_queries("test") if self.evaluating else []
+        if self.tuning["params"] and len(test):
             index = build_index(candidates, run.tuning_k, ScannParams(**self.tuning["params"]))
             self.report["index"][f"test_{recall_key}"] = recall_against(
                 found_codes(index, test), exact_top_k(candidates, test, run.tuning_k))
+
+    def searched_queries(self, part: str) -> np.ndarray:
+        """[m, d] the query embeddings of the rows of `part` whose users an export searches
+        for: those with rows known before the part (the others are served the popular list,
+        and share one query when the towers read no history)."""
+        return retrieval.query_embeddings(self.retrieval_model, self.inputs.examples[part]
+                                          )[self.inputs.known_in(part)]
 
     def train_ranking(self) -> None:
         run, model = self.configs.run, self.retrieval_model

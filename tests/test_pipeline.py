@@ -637,6 +637,28 @@ def test_an_approximate_index_is_scored_as_served_and_against_the_exact_lists():
     assert figures["ndcg@10"] == pytest.approx(0.5 / np.log2(2 + 2))        # a at rank 2
 
 
+def test_scann_is_tuned_and_tested_on_the_queries_the_export_searches(tmp_path, monkeypatch):
+    """Under `global` most held-out users have no rows before their part: the exports serve
+    them the popular list without searching, and their queries (the unknown user's, alike
+    when histories are) would flatter ScaNN's recall. The tuning sample and the test recall
+    hold the queries of the users known before each part alone."""
+    from tworec.pipeline import execute, prepare_run, resolve
+    from tworec.pipeline import run as run_module
+    sampled, tested = [], []
+    tune, exact = run_module.tune_scann, run_module.exact_top_k
+    monkeypatch.setattr(run_module, "tune_scann", lambda candidates, sample, **kwargs: (
+        sampled.append(len(sample)) or tune(candidates, sample, **kwargs)))
+    monkeypatch.setattr(run_module, "exact_top_k", lambda candidates, queries, k: (
+        tested.append(len(queries)) or exact(candidates, queries, k)))
+    run = prepare_run(str(tmp_path / "run"), {"data": "synthetic:tiny"},
+                      resolve("tiny", data={"split": "global"}), verbose=0)
+    execute(run, ("train retrieval", "tune index"))
+    known = {part: run.inputs.known_in(part) for part in ("validation", "test")}
+    assert all(0 < rows.sum() < min(len(rows), 200) for rows in known.values())
+    assert sampled == [known["validation"].sum()] and tested == [known["test"].sum()]
+    assert run.report["index"]["tuned_on"] == "validation"
+
+
 @pytest.mark.parametrize("protocol, rows_per_user", [("latest", 2), ("temporal", 3)])
 def test_a_run_whose_users_each_train_on_one_row_serves_the_keras_ranker(tmp_path, protocol,
                                                                          rows_per_user):
