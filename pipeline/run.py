@@ -515,10 +515,10 @@ class Run:
                               target_scores=target_scores)
 
     def offline_two_stage(self) -> served.Offline:
-        """Every test row's position in its candidates (`served_candidates`) re-ranked by the
-        ranker (ties keep the candidates' order, as served), and the ranker's score there; a
-        target missing from the candidates or past the `top_n` items served is a miss at every
-        K."""
+        """Every test row's rank in its candidates (`served_candidates`) re-ranked by the
+        ranker (ties counting against the target: `ranking.reranked_ranks`), and the target's
+        score; a target missing from the candidates or past the `top_n` items served is a miss
+        at every K."""
         scores = ranking.score_lists(self.ranking_model, self.inputs, self.signals, "test",
                                      self.test_candidates)                        # [m, C]
         ranks, target_scores = ranking.reranked_ranks(scores, self.test_candidates,

@@ -323,17 +323,21 @@ def rerank(model: RankingModel, data: ModelInputs, signals: RankingSignals, part
 def reranked_ranks(scores: np.ndarray, candidates: np.ndarray, targets: np.ndarray
                    ) -> tuple[np.ndarray, np.ndarray]:
     """Where each row's target lands when its candidates [m, C] are ordered by the ranker's
-    scores [m, C] (ties keep the candidates' order, as served).
+    scores [m, C]: how many other candidates score at least as high, ties counting against
+    the target as in `evaluation.target_ranks` (served, ties keep the candidates' order, so
+    a served position is at most this rank; the served check allows the difference at a
+    float tie alone).
 
     Returns:
-        ([m] 0-based positions, `MISS` for a target not among the candidates; [m] the score
-        at that position, the target's own where it was found).
+        ([m] 0-based ranks, `MISS` for a target not among the candidates; [m] the target's
+        score, -inf where it is missing).
     """
-    order = np.argsort(-scores, axis=1, kind="stable")                             # [m, C]
-    found = np.take_along_axis(candidates, order, 1) == targets[:, None]             # [m, C]
-    position = found.argmax(1)                                                       # [m]
-    ranks = np.where(found.any(1), position, MISS)
-    return ranks, np.take_along_axis(scores, order, 1)[np.arange(len(scores)), position]
+    found = candidates == targets[:, None]                                           # [m, C]
+    present = found.any(1)
+    target_scores = np.where(present, scores[np.arange(len(scores)), found.argmax(1)],
+                             -np.inf)                                                # [m]
+    ahead = (scores >= target_scores[:, None]).sum(1) - 1                # the target itself
+    return np.where(present, ahead, MISS), target_scores
 
 
 def two_stage_metrics(model: RankingModel, data: ModelInputs, signals: RankingSignals, part: str,

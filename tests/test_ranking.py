@@ -15,7 +15,7 @@ from tworec.ranking.features import (list_examples, retrieval_scores, signals,
                                      transition_features, transition_matrix)
 from tworec.ranking.sequence import SequenceTransformer
 from tworec.ranking.train import (calibrate, candidate_lists, evaluate, fit, pair_auc, rerank,
-                                  score_lists, two_stage_metrics)
+                                  reranked_ranks, score_lists, two_stage_metrics)
 from test_retrieval import (assert_holds_the_weights_alone, graph_op_types, load_like_tf_serving,
                             train as train_retrieval)
 
@@ -455,6 +455,17 @@ def test_ranking_learns_and_reranks(inputs, transitions_only):
     missing = candidates.copy()
     missing[:, 0] = missing[:, 1]
     assert two_stage_metrics(model, inputs, transitions_only, "test", missing)["recall@10"] == 0.0
+
+
+def test_a_reranked_target_ranks_below_every_candidate_scoring_as_high():
+    """Ties count against the target, as over the full catalogue (`target_ranks`), whatever
+    the candidates' order: retrieval's and the two stages' ranks pair under one rule."""
+    from tworec.evaluation import MISS
+    candidates = np.array([[5, 6, 7, 8]] * 5)
+    scores = np.array([[1.0, 2.0, 2.0, 0.0]] * 5, np.float32)
+    ranks, target_scores = reranked_ranks(scores, candidates, np.array([6, 7, 5, 8, 9]))
+    assert ranks.tolist() == [1, 1, 2, 3, MISS]     # 6 is listed before 7, its tie: still 1
+    assert target_scores.tolist() == [2.0, 2.0, 1.0, 0.0, -np.inf]
 
 
 def test_empty_slots_score_below_their_list_as_the_export(inputs, transitions_only):
