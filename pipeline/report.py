@@ -196,7 +196,9 @@ PROTOCOLS = {
               "rows after the same quantile of the earlier rows are validation; each user is "
               "scored from their "
               "state frozen at the cut, users first seen after it get the popular items, and "
-              "nothing after the cut reaches any fitted statistic",
+              "nothing after the cut reaches any fitted statistic; the catalogue is the item "
+              "table's, or without one every item of the log: one first seen after the cut is "
+              "ranked by its features and the untrained out-of-vocabulary id",
     "latest": "each user's last row is validation (early stopping, calibration), the rest "
               "train; nothing is tested, so no test metric is reported (the deployment run of "
               "what `temporal` evaluates)",
