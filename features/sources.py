@@ -281,6 +281,7 @@ def id_codes(source: str, name: str, ids) -> tuple[np.ndarray, np.ndarray]:
         if len(nul):
             rows = np.flatnonzero(np.isin(codes, nul))
             raise nul_ids_error(source, name, len(rows), int(rows[0]))
+        _refuse_wide_ids(source, name, distinct, codes)
         written = distinct.to_numpy(zero_copy_only=False).astype(str)
     else:                                               # numbers
         if natural.dtype.kind == "f" and natural.itemsize < 8:
@@ -294,6 +295,24 @@ def id_codes(source: str, name: str, ids) -> tuple[np.ndarray, np.ndarray]:
 
 
 BYTES_LIKE = (bytes, bytearray, memoryview)    # ids as bytes, decoded as UTF-8
+ID_TABLE_BYTES = 1 << 30       # at most, a column's distinct ids as fixed-width NumPy text
+
+
+def _refuse_wide_ids(source: str, name: str, distinct: pa.Array, codes: np.ndarray) -> None:
+    """A DataError naming the longest of `distinct` ([d] Arrow text) and its first row (of
+    `codes` [n]) when the ids as fixed-width NumPy text (4 bytes a character of the longest,
+    each) would take more than ID_TABLE_BYTES."""
+    lengths = pc.utf8_length(distinct)
+    longest = pc.max(lengths).as_py() or 0
+    size = 4 * longest * len(distinct)
+    if size <= ID_TABLE_BYTES:
+        return
+    row = int(np.flatnonzero(codes == pc.index(lengths, longest).as_py())[0])
+    raise DataError(f"{source}: column {name!r} has an id of {longest:,} characters (first at "
+                    f"row {row}) among {len(distinct):,} distinct ids, which as fixed-width text "
+                    f"would take {size / 2**30:.1f} GiB (at most {ID_TABLE_BYTES / 2**30:g} "
+                    "GiB); give shorter ids (map them to integers, or check that the role "
+                    "reads the id column)")
 
 
 def _missing(values: np.ndarray) -> np.ndarray:

@@ -532,6 +532,28 @@ def test_one_long_id_costs_its_length_once_not_once_a_row(tmp_path):
     assert log.user_ids[log.user].tolist() == [f"u{row % 500}" for row in range(rows)]
 
 
+def test_ids_too_wide_as_fixed_width_text_are_refused_naming_the_longest(tmp_path, monkeypatch):
+    """One 4,000-character id among 100,000 made a 1.6 GiB table (peak 6 GiB): past
+    ID_TABLE_BYTES the log is refused in one line, before the table is built."""
+    monkeypatch.setattr(sources, "ID_TABLE_BYTES", 4 * 100 * 10)        # 10 ids of 100 chars
+    items = [f"i{row}" for row in range(20)]
+    items[7] = "x" * 60                                            # 4 * 60 * 20 = 4,800 bytes
+    pq.write_table(pa.table({"user_id": ["u"] * 20, "item_id": items,
+                             "timestamp": np.arange(20)}), tmp_path / "log.parquet")
+    with pytest.raises(DataError) as error:
+        load(str(tmp_path / "log.parquet"))
+    message = str(error.value)
+    assert message.startswith(f"{tmp_path / 'log.parquet'}: column 'item_id' has an id of 60 "
+                              "characters (first at row 7) among 20 distinct ids, which as "
+                              "fixed-width text would take "), message
+    assert message.endswith("; give shorter ids (map them to integers, or check that the role "
+                            "reads the id column)") and "\n" not in message
+    items[7] = "x" * 40                                            # 3,200 bytes: read
+    pq.write_table(pa.table({"user_id": ["u"] * 20, "item_id": items,
+                             "timestamp": np.arange(20)}), tmp_path / "log.parquet")
+    assert load(str(tmp_path / "log.parquet")).item_ids.dtype == np.dtype("<U40")
+
+
 def test_binary_ids_are_read_as_utf8_text(tmp_path):
     """Hive, Impala and Spark write text as BINARY: its ids are UTF-8 text (NumPy decoded them
     as ASCII and failed on 'é'); bytes that are not UTF-8 are refused in one line."""
