@@ -408,7 +408,7 @@ def read_item_table(path: str, id_column: str) -> dict:
                 for name in table.column_names if name != id_column}
     genre_names = ()
     if "genres" in features and features["genres"].dtype.kind == "U":   # names joined by '|'
-        features["genres"], genre_names = genres_multi_hot(features["genres"])
+        features["genres"], genre_names = genres_multi_hot(features["genres"], path, "genres")
     elif "genres" in features:
         width = features["genres"].shape[1] if features["genres"].ndim == 2 else 1
         stored = (table.schema.metadata or {}).get(GENRE_NAMES_KEY)

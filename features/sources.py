@@ -807,15 +807,26 @@ def _year_from_title(titles: pa.ChunkedArray) -> np.ndarray:
     return pc.cast(years, pa.int32()).to_numpy(zero_copy_only=False)
 
 
-def _multi_hot(genre_lists: pa.ChunkedArray) -> tuple[np.ndarray, tuple[str, ...]]:
-    """[n, g] float32 multi-hot of `|`-joined genre strings, and the g genre names."""
+GENRES_MAX = 1000      # distinct genre names of a multi-hot item.genres (MovieLens has 20)
+
+
+def _multi_hot(genre_lists: pa.ChunkedArray, source: str,
+               name: str) -> tuple[np.ndarray, tuple[str, ...]]:
+    """[n, g] float32 multi-hot of `|`-joined genre strings, and the g genre names; a
+    DataError naming the column `name` of `source` past GENRES_MAX names (the table is
+    dense)."""
     lists = pc.split_pattern(genre_lists, "|").combine_chunks()
     flat = pc.utf8_trim_whitespace(lists.flatten())                    # "Action | Comedy"
     rows = pc.list_parent_indices(lists).to_numpy()
     names, codes = np.unique(flat.to_numpy(zero_copy_only=False).astype(str), return_inverse=True)
+    listed = (names != "(no genres listed)") & (names != "")            # "", "Action|"
+    if listed.sum() > GENRES_MAX:
+        raise DataError(f"{source}: column {name!r} (item.genres) has {int(listed.sum()):,} "
+                        f"distinct genre names, more than {GENRES_MAX:,}: its multi-hot table "
+                        "is dense ([items, genres]); map item.genres to a column of a few "
+                        "genres joined by '|' (MovieLens has 20), or leave it out")
     matrix = np.zeros((len(lists), len(names)), dtype=np.float32)
     matrix[rows, codes] = 1.0
-    listed = (names != "(no genres listed)") & (names != "")            # "", "Action|"
     return matrix[:, listed], tuple(names[listed])
 
 
@@ -845,7 +856,7 @@ def _read_ml1m(release: _Release) -> Interactions:
     if release.has("movies.dat"):
         table = _read_delimited(release, "movies.dat", ["item", "title", "genres"], "::",
                                 encoding="latin-1")
-        items = _movies_table(table)
+        items = _movies_table(table, release.where("movies.dat"))
     users = _user_table(release, "users.dat", ["user", "gender", "age", "occupation", "zip"], "::")
     return _ratings(release, "ratings.dat", ratings, ("user", "item", "rating", "time"),
                     user_table=users, **(items or {}))
@@ -870,14 +881,16 @@ def _read_ml_latest(release: _Release) -> Interactions:
         table = _read_delimited(release, "movies.csv", ["movieId", "title", "genres"], ",",
                                 header=True)
         items = _movies_table(table.rename_columns(
-            ["item" if c == "movieId" else c for c in table.column_names]))
+            ["item" if c == "movieId" else c for c in table.column_names]),
+            release.where("movies.csv"))
     return _ratings(release, "ratings.csv", ratings, ("userId", "movieId", "rating", "timestamp"),
                     **(items or {}))
 
 
-def _movies_table(table: pa.Table) -> dict:
-    """Catalogue and item features of a movies table with item, title and `|`-joined genres."""
-    genres, names = _multi_hot(table.column("genres"))
+def _movies_table(table: pa.Table, where: str) -> dict:
+    """Catalogue and item features of a movies table (file `where`) with item, title and
+    `|`-joined genres."""
+    genres, names = _multi_hot(table.column("genres"), where, "genres")
     titles = table.column("title")
     return dict(catalogue=table.column("item").to_numpy(zero_copy_only=False).astype(str),
                 genre_names=names,
@@ -965,7 +978,8 @@ def _log_from_roles(source: str, mapping: dict[str, str], arrays: dict[str, np.n
         features = {name: values[position] for name, values in features.items()}
         genre_names = {}
         if "genres" in features:                          # one text an item, then multi-hot
-            features["genres"], genre_names["genre_names"] = genres_multi_hot(features["genres"])
+            features["genres"], genre_names["genre_names"] = genres_multi_hot(
+                features["genres"], source, mapping["item.genres"])
         interactions = dataclasses.replace(interactions, item_features=features, **genre_names)
     return interactions
 
@@ -983,9 +997,11 @@ def _genres_text(source: str, name: str, values: np.ndarray, items: dict | None)
     return values
 
 
-def genres_multi_hot(values: np.ndarray) -> tuple[np.ndarray, tuple[str, ...]]:
-    """([n, g] float32 multi-hot, the g genre names) of [n] texts of names joined by `|`."""
-    return _multi_hot(pa.chunked_array([pa.array(values, pa.string())]))
+def genres_multi_hot(values: np.ndarray, source: str,
+                     name: str) -> tuple[np.ndarray, tuple[str, ...]]:
+    """([n, g] float32 multi-hot, the g genre names) of [n] texts of names joined by `|`, the
+    column `name` of `source` (`_multi_hot`)."""
+    return _multi_hot(pa.chunked_array([pa.array(values, pa.string())]), source, name)
 
 
 def whole_years(source: str, name: str, values: np.ndarray) -> np.ndarray:

@@ -488,6 +488,23 @@ def test_item_years_that_are_not_whole_are_refused(tmp_path):
                                 "whole numbers (first at row 1)")
 
 
+def test_item_genres_of_too_many_names_are_refused_before_the_dense_table(tmp_path,
+                                                                          monkeypatch):
+    """item.genres mapped to free-text tags made a dense [items, tags] table (10,000 tags:
+    400 MB); past GENRES_MAX names the log is refused naming the column and the count."""
+    monkeypatch.setattr(sources, "GENRES_MAX", 2)
+    (tmp_path / "log.csv").write_text(SIDE)
+    with pytest.raises(DataError) as error:
+        load(str(tmp_path / "log.csv"), {**SIDE_COLUMNS, "item.genres": "genre"})
+    assert str(error.value) == (
+        f"{tmp_path / 'log.csv'}: column 'genre' (item.genres) has 3 distinct genre names, more "
+        "than 2: its multi-hot table is dense ([items, genres]); map item.genres to a column "
+        "of a few genres joined by '|' (MovieLens has 20), or leave it out")
+    monkeypatch.setattr(sources, "GENRES_MAX", 3)
+    assert load(str(tmp_path / "log.csv"), {**SIDE_COLUMNS, "item.genres": "genre"}
+                ).item_features["genres"].shape == (5, 3)
+
+
 def test_columns_no_role_reads_are_named_not_dropped_silently(tmp_path):
     """A rating under a name the loader does not know (`stars`) is not read: the log says
     which columns no role reads, and a run notes them with how to map one."""
