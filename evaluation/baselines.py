@@ -150,9 +150,9 @@ def prepared_baseline_ranks(prepared: PreparedLog, part: str = "test",
     """`baseline_ranks` of a prepared log: popularity and item transitions fit on its
     training rows, counted by DuckDB (`PreparedLog.item_counts`, `transition_counts`), scored
     batch by batch in one read of the held-out rows (`prepared_ranks`); a held-out row's last
-    item is its last history slot. EASE, a dense inverse over the catalogue, is None. Memory
-    holds the counts, one pass of held-out rows with their users' known items, and one
-    batch's scores. A held-out item without training rows is a miss (in
+    item is its `previous` item, whatever the history length. EASE, a dense inverse over the
+    catalogue, is None. Memory holds the counts, one pass of held-out rows with their users'
+    known items, and one batch's scores. A held-out item without training rows is a miss (in
     memory it ranks below every trained item the user has not seen)."""
     transitions = transition_scores(prepared.transition_counts(memory_limit),
                                     prepared.item_counts)
@@ -160,7 +160,7 @@ def prepared_baseline_ranks(prepared: PreparedLog, part: str = "test",
     scorers = {"popularity": lambda rows: np.broadcast_to(counts, (len(rows["user"]),
                                                                    len(counts))),
                "item_transition": lambda rows: transitions(
-                   rows["history"][:, -1].astype(np.int64) - FIRST)}
+                   rows["previous"].astype(np.int64) - FIRST)}
     ranks = prepared_ranks(scorers, prepared, part, memory_limit)
     return {"popularity": ranks["popularity"], "ease": None,
             "item_transition": ranks["item_transition"]}

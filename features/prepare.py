@@ -29,7 +29,8 @@ The query's shape (`f` the file's position among the shards, `r` the row's in it
     items/users:   SELECT i, COUNT(*) c, MIN(row) first FROM labelled WHERE split = 0
                    GROUP BY i; index = 1 + ROW_NUMBER() OVER (ORDER BY c DESC, first)
     shards:        SELECT row, user index, item index, [LAG(item index, L, 0) OVER w, ...,
-                   LAG(item index, 1, 0) OVER w] AS history, t, rating, split
+                   LAG(item index, 1, 0) OVER w] AS history,
+                   LAG(item index, 1, 0) OVER w AS previous, t, rating, split
                    FROM labelled LEFT JOIN users LEFT JOIN items  -- unknown: OOV
                    WINDOW w AS (PARTITION BY u ORDER BY t, row)
 
@@ -39,11 +40,12 @@ an array constructor for the history), writing the same shards.
 
 Written to `out_folder`: `shards/part-NNNNN.parquet` (columns `row` int64, the row's position
 in the log; `user`, `item` int32 vocabulary indexes; `history` fixed-size list<int32>[max(L, 1)];
-`timestamp` int64; `rating` float32, NaN without ratings; `split` int8: 0 train,
-1 validation, 2 test); the training rows again as `train/part-NNNNN.tfrecord`, blocks that
-TensorFlow streams (`features.stream`); `users.parquet` and `items.parquet` (`index` int32,
-`id` string, `count` int64 training rows, ordered by index) and `manifest.json` with the
-counts, the rows dropped by reason among them.
+`previous` int32, the item index of the user's row before (0 for none), whatever L, for the
+item-transition baseline; `timestamp` int64; `rating` float32, NaN without ratings; `split`
+int8: 0 train, 1 validation, 2 test); the training rows again as `train/part-NNNNN.tfrecord`,
+blocks that TensorFlow streams (`features.stream`); `users.parquet` and `items.parquet`
+(`index` int32, `id` string, `count` int64 training rows, ordered by index) and
+`manifest.json` with the counts, the rows dropped by reason among them.
 
 Before any of it, the values `load` refuses (missing or empty ids, missing times and ratings,
 an item table without the log's item column or with an item twice, an empty result) stop it
@@ -225,7 +227,7 @@ def _vocabulary_sql(table: str, column: str) -> str:
 
 def _shards_sql(history_length: int) -> str:
     """The rows of the shards: codes, history of the previous `history_length` item indexes
-    (one PAD slot for 0)."""
+    (one PAD slot for 0), and the previous item index whatever the length."""
     lags = ", ".join(f"LAG(item, {back}, {PAD}) OVER w"
                      for back in range(history_length, 0, -1)) or str(PAD)
     return f"""
@@ -233,7 +235,8 @@ def _shards_sql(history_length: int) -> str:
             SELECT l.row, l.u, l.t, l.r, l.split,
                    COALESCE(users.index, {OOV}) AS user, COALESCE(items.index, {OOV}) AS item
             FROM labelled l LEFT JOIN users ON l.u = users.id LEFT JOIN items ON l.i = items.id)
-        SELECT row, user, item, [{lags}] AS history, t AS timestamp,
+        SELECT row, user, item, [{lags}] AS history, LAG(item, 1, {PAD}) OVER w AS previous,
+               t AS timestamp,
                COALESCE(CAST(r AS FLOAT), CAST('NaN' AS FLOAT)) AS rating, split
         FROM coded
         WINDOW w AS (PARTITION BY u ORDER BY t, row)"""
@@ -249,7 +252,8 @@ def _write_shards(reader: pa.RecordBatchReader, out_folder: str, length: int,
     """Writes the query's batches as Parquet shards of at most `rows_per_shard` rows;
     [(path, rows)]."""
     schema = pa.schema([("row", pa.int64()), ("user", pa.int32()), ("item", pa.int32()),
-                        ("history", pa.list_(pa.int32(), length)), ("timestamp", pa.int64()),
+                        ("history", pa.list_(pa.int32(), length)), ("previous", pa.int32()),
+                        ("timestamp", pa.int64()),
                         ("rating", pa.float32()), ("split", pa.int8())])
     written, writer = [], None
     for batch in reader:

@@ -204,18 +204,33 @@ class PreparedLog:
         return read_parquet_sql([os.path.join(self.folder, shard["path"])
                                  for shard in self.manifest["shards"]])
 
+    def _previous_sql(self) -> str:
+        """SQL for a shard row's previous item index (`prepare_shards`' `previous` column, 0
+        for none). A folder prepared before shards held it has it as its last history slot,
+        unless it was prepared without history (L = 0, or an L of 1 recorded before the slots
+        were told apart from it): a DataError saying to prepare it again."""
+        first = os.path.join(self.folder, self.manifest["shards"][0]["path"])
+        if "previous" in pq.read_schema(first).names:
+            return "previous"
+        if self.history_length >= (1 if "history_slots" in self.manifest else 2):
+            return f"history[{self.history_slots}]"
+        raise DataError(f"{self.folder}: prepared by an earlier version without history, so its "
+                        "shards do not hold each row's previous item, which the item-transition "
+                        "baseline reads; prepare the log again into a new folder")
+
     def transition_counts(self, memory_limit: str = "1GB") -> sp.csr_matrix:
         """[num_items, num_items] float32 CSR: how often catalogue item j directly followed
         item i in a user's training rows (`features.history.transition_counts` of the training
-        rows), counted by DuckDB over the shards: a training row's last history slot is its
+        rows), counted by DuckDB over the shards: a training row's `previous` item is its
         user's previous training row. The counts themselves are held, as in memory: 8 bytes
         per distinct pair (about 20 while read), read sorted and laid out as CSR without a
         copy in between."""
+        previous = self._previous_sql()
         with duckdb_session(self.folder, memory_limit) as connection:
             pairs = connection.sql(
-                f"SELECT history[{self.history_slots}] - {FIRST} AS previous, "
+                f"SELECT {previous} - {FIRST} AS previous, "
                 f"item - {FIRST} AS next, COUNT(*) AS n FROM {self._shards_sql()} "
-                f"WHERE split = 0 AND history[{self.history_slots}] >= {FIRST} "
+                f"WHERE split = 0 AND {previous} >= {FIRST} "
                 "GROUP BY ALL ORDER BY previous, next").to_arrow_table()
         per_row = np.bincount(pairs.column("previous").to_numpy(), minlength=self.num_items)
         return sp.csr_matrix((pairs.column("n").to_numpy().astype(np.float32),
@@ -236,6 +251,7 @@ class PreparedLog:
 
         Yields:
             dicts of "user" [b] int32 and "history" [b, L] int32 (the query features),
+            "previous" [b] int32 the vocabulary index of the user's row before (0 for none),
             "target" [b] int64 catalogue code (-1 when the item is not in the catalogue, a
             miss), "known" [b] bool (the user is in the vocabulary) and "excluded", a
             [b, num_items] CSR of the user's known items.
@@ -244,12 +260,12 @@ class PreparedLog:
             raise DataError(f"unknown evaluation part {part!r}; use 'test' or 'validation'")
         code = SPLIT_CODES[part]
         passes = max(1, -(-self.manifest["rows"] // rows_per_pass))
-        length = self.history_slots
+        length, previous = self.history_slots, self._previous_sql()
         with duckdb_session(self.folder, memory_limit) as connection:
             for number in range(passes):
                 where = f"FROM {self._shards_sql()} WHERE user % {passes} = {number}"
-                held = connection.sql(f"SELECT user, item, history {where} AND split = {code} "
-                                      "ORDER BY row").to_arrow_table()
+                held = connection.sql(f"SELECT user, item, history, {previous} AS previous "
+                                      f"{where} AND split = {code} ORDER BY row").to_arrow_table()
                 if not len(held):
                     continue
                 seen = connection.sql(f"SELECT DISTINCT user, item {where} "   # a heavy
@@ -261,9 +277,10 @@ class PreparedLog:
                 history = held.column("history").combine_chunks().flatten()
                 history = history.to_numpy().reshape(len(held), length)
                 items = held.column("item").to_numpy().astype(np.int64)
+                last = held.column("previous").to_numpy()
                 for start in range(0, len(held), batch_rows):
                     rows = slice(start, start + batch_rows)
-                    yield {"user": users[rows], "history": history[rows],
+                    yield {"user": users[rows], "history": history[rows], "previous": last[rows],
                            "target": np.where(items[rows] >= FIRST, items[rows] - FIRST, -1),
                            "known": users[rows] != OOV, "excluded": excluded[rows]}
 

@@ -15,6 +15,7 @@ import tensorflow as tf
 from test_prepare import LENGTH, _log_table
 from tworec.evaluation import (MISS, baseline_ranks, baselines, eval_set,
                                prepared_baseline_ranks, prepared_baselines)
+from tworec.features import DataError
 from tworec.features.history import transition_counts
 from tworec.features.inputs import prepare
 from tworec.features.prepare import prepare_shards
@@ -205,10 +206,13 @@ def test_evaluation_of_a_prepared_log_equals_the_in_memory_evaluation(folders, m
         assert got == pytest.approx(expected, abs=1e-9)
 
 
-def test_baselines_of_a_prepared_log_equal_the_in_memory_baselines(tmp_path):
+@pytest.mark.parametrize("length", [LENGTH, 0])
+def test_baselines_of_a_prepared_log_equal_the_in_memory_baselines(tmp_path, length):
     """Row by row, on the tiny log plus two users: one whose validation item has no training
     row (so its test row's last item is out of the vocabulary), one whose test item has none
-    (out of the catalogue: a miss, ranked in memory below every trained item)."""
+    (out of the catalogue: a miss, ranked in memory below every trained item). Whatever the
+    history length: at 0 the transitions were read from the one PAD slot, so none were
+    counted and the baseline was popularity."""
     table = _log_table()
     last = int(table.column("timestamp").to_numpy().max())
     a, b, c = (table.column("item_id")[n].as_py() for n in (0, 1, 2))
@@ -218,7 +222,7 @@ def test_baselines_of_a_prepared_log_equal_the_in_memory_baselines(tmp_path):
     pq.write_table(pa.concat_tables([table, pa.table(fresh, schema=table.schema)]),
                    tmp_path / "log.parquet")
     prepare_shards(str(tmp_path / "log.parquet"), str(tmp_path / "prepared"),
-                   history_length=LENGTH, memory_limit="256MiB")
+                   history_length=length, memory_limit="256MiB")
     prepared = PreparedLog.load(str(tmp_path / "prepared"))
     log = load(str(tmp_path / "log.parquet"))
     parts = temporal_split(log)
@@ -247,6 +251,30 @@ def test_baselines_of_a_prepared_log_equal_the_in_memory_baselines(tmp_path):
             assert streamed[name][outside] == MISS and memory[name][outside] >= 10
         assert prepared_baselines(prepared, part, ks=(10,))["item_transition"] == \
             pytest.approx(baselines(log, parts, evalset, ks=(10,))["item_transition"])
+
+
+@pytest.mark.parametrize("length", [2, 0])
+def test_shards_prepared_without_the_previous_item_use_the_history_or_are_refused(tmp_path,
+                                                                                 length):
+    """Shards of an earlier version have no `previous` column: their last history slot is
+    the previous item, unless they hold no history (a one-line DataError, not popularity)."""
+    pq.write_table(_log_table(), tmp_path / "log.parquet")
+    prepare_shards(str(tmp_path / "log.parquet"), str(tmp_path / "prepared"),
+                   history_length=length, memory_limit="256MiB")
+    prepared = PreparedLog.load(str(tmp_path / "prepared"))
+    current = prepared.transition_counts()
+    for shard in prepared.manifest["shards"]:
+        path = os.path.join(prepared.folder, shard["path"])
+        pq.write_table(pq.read_table(path).drop_columns(["previous"]), path)
+    if length:
+        assert (prepared.transition_counts() != current).nnz == 0 and current.nnz
+        return
+    with pytest.raises(DataError) as error:
+        prepared.transition_counts()
+    assert str(error.value) == (
+        f"{prepared.folder}: prepared by an earlier version without history, so its shards do "
+        "not hold each row's previous item, which the item-transition baseline reads; prepare "
+        "the log again into a new folder")
 
 
 @pytest.mark.parametrize("members", [1, 2])
