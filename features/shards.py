@@ -44,8 +44,9 @@ from tworec.features.sources import (DEFAULT_COLUMNS, FLOAT32_OVERFLOW, MISSING,
                                      id_codes, id_type_error, not_utf8_ids_error,
                                      nul_ids_error, parquet_file, unreadable_parquet,
                                      INT96_UNIT,
-                                     genres_multi_hot, no_known_items_error,
-                                     whole_years)
+                                     genres_error, genres_multi_hot, no_known_items_error,
+                                     whole_years, NOT_WHOLE_YEARS, NOT_YEARS,
+                                     YEARS_OUT_OF_RANGE)
 
 ITEM_TABLE = "items.parquet"
 GENRE_NAMES_KEY = b"tworec.genre_names"      # item-table metadata: JSON list, one per column
@@ -685,6 +686,7 @@ def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int
             checks.append((f"{name} > {2 ** 63 - 1}", mapping[role], "out of range"))
         if role == "time" and text:                        # read through float64 below
             checks.append((f"abs({number}) >= {2 ** 53}", mapping[role], "beyond 2^53"))
+    checks += _side_checks(source, shards, mapping, schema)
     row, scan = _scan(shards.files, shard_rows)
     # Parquet's min/max statistics leave NaN out, and DuckDB's statistics propagation then
     # folds isnan() to false (DuckDB 2.0): the count is taken without it.
@@ -722,9 +724,9 @@ def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int
             raise DataError(f"{source}: column {name!r} holds a time beyond 2^53 as text "
                             f"({value!r} at row {first}), which out of core is read through "
                             "float64 and would lose digits: write the column as int64")
-        if wrong == "text rating":
-            raise DataError(f"{source}: column {name!r} is not numeric (first value that is "
-                            f"not a number: {value!r}, at row {first}"
+        if wrong in NOT_NUMBERS:
+            raise DataError(f"{source}: column {name!r} is {NOT_NUMBERS[wrong]} (first value "
+                            f"that is not a number: {value!r}, at row {first}"
                             f"{decimal_comma_advice(value)})")
         raise DataError(f"{source}: column {name!r} holds text that is not a number ({value!r} "
                         f"at row {first}); read out of core, a text time must be a number: "
@@ -740,7 +742,33 @@ READ_AS = {"time": "integers, floats, timestamps, durations or dates",
 
 # The checks `check_values` counts, and what their rows are.
 COUNTED = {"missing": "missing or NaN values", "out of range": OUT_OF_RANGE,
-           "rating out of range": RATINGS_OUT_OF_RANGE}
+           "rating out of range": RATINGS_OUT_OF_RANGE, "missing side": "missing values",
+           "year not whole": NOT_WHOLE_YEARS, "year out of range": YEARS_OUT_OF_RANGE}
+NOT_NUMBERS = {"text rating": "not numeric", "text year": NOT_YEARS}   # and what they are not
+
+
+def _side_checks(source: str, shards: ShardSet, mapping: dict[str, str],
+                 schema: pa.Schema) -> list[tuple[str, str, str]]:
+    """`check_values`' checks of the side features (`user.NAME`, `item.NAME`) as `load` reads
+    them: no value missing, `item.genres` text without an item table, `item.year` whole
+    numbers below 2^31 (text of such numbers too); a DataError at once for a type it refuses."""
+    checks = []
+    for role in sorted((role for role in mapping if "." in role), key=mapping.get):
+        name, kind = _name(mapping[role]), _stored(schema.field(mapping[role]).type)
+        checks.append((f"{name} IS NULL", mapping[role], "missing side"))
+        if role == "item.genres" and (shards.items is not None or not _is_text(kind)):
+            raise genres_error(source, mapping[role], shards.items is not None)
+        if role != "item.year":
+            continue
+        if not _read_as("rating", kind):
+            raise DataError(f"{source}: column {mapping[role]!r} is of type {kind}, "
+                            f"{NOT_YEARS}")
+        number = f"TRY_CAST({name} AS DOUBLE)" if _is_text(kind) else f"CAST({name} AS DOUBLE)"
+        checks += [(f"{number} IS NULL AND {name} IS NOT NULL", mapping[role], "text year"),
+                   (f"isnan({number})", mapping[role], "missing"),
+                   (f"{number} <> round({number})", mapping[role], "year not whole"),
+                   (f"abs({number}) >= {2 ** 31}", mapping[role], "year out of range")]
+    return checks
 
 
 def _stored(kind: pa.DataType) -> pa.DataType:

@@ -987,14 +987,19 @@ def _log_from_roles(source: str, mapping: dict[str, str], arrays: dict[str, np.n
 def _genres_text(source: str, name: str, values: np.ndarray, items: dict | None) -> np.ndarray:
     """[n] a log's `item.genres` column: text of genre names joined by `|`, as in MovieLens
     (`Action|Comedy`); `genres_multi_hot` reads it once it holds one value an item."""
-    if items is not None:
-        raise DataError(f"{source}: column {name!r} (item.genres) beside an item table: the "
-                        "table's genres are the items' genres; leave item.genres out")
     values = np.asarray(values)
-    if _arrow_text(values) is None:
-        raise DataError(f"{source}: column {name!r} (item.genres) is not text; give each item's "
-                        "genre names joined by '|' (Action|Comedy)")
+    if items is not None or _arrow_text(values) is None:
+        raise genres_error(source, name, items is not None)
     return values
+
+
+def genres_error(source: str, name: str, beside_table: bool) -> DataError:
+    """The DataError of an `item.genres` column beside an item table or, if not, not text."""
+    if beside_table:
+        return DataError(f"{source}: column {name!r} (item.genres) beside an item table: the "
+                         "table's genres are the items' genres; leave item.genres out")
+    return DataError(f"{source}: column {name!r} (item.genres) is not text; give each item's "
+                     "genre names joined by '|' (Action|Comedy)")
 
 
 def genres_multi_hot(values: np.ndarray, source: str,
@@ -1008,11 +1013,16 @@ def whole_years(source: str, name: str, values: np.ndarray) -> np.ndarray:
     """[n] int32 of an `item.year` column (a log's or an item table's), refused unless whole
     numbers."""
     years = _numeric(source, name, _from_text(source, name, np.asarray(values), (pa.int64(),)),
-                     "not years as item.year takes them, whole numbers such as 1995")
+                     NOT_YEARS)
     if years.dtype.kind == "f":
-        _refuse(source, name, years != np.round(years), "years that are not whole numbers")
-    _refuse(source, name, np.abs(years) >= 2 ** 31, "years beyond ±2^31")
+        _refuse(source, name, years != np.round(years), NOT_WHOLE_YEARS)
+    _refuse(source, name, np.abs(years) >= 2 ** 31, YEARS_OUT_OF_RANGE)
     return years.astype(np.int32)
+
+
+NOT_YEARS = "not years as item.year takes them, whole numbers such as 1995"
+NOT_WHOLE_YEARS = "years that are not whole numbers"
+YEARS_OUT_OF_RANGE = "years beyond ±2^31"
 
 
 def _last_per_id(ids: tuple[np.ndarray, np.ndarray], features: dict[str, np.ndarray]):

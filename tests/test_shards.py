@@ -324,6 +324,34 @@ def test_describe_counts_exactly_what_loading_gives(tmp_path, monkeypatch, passe
     assert {k: summary[k] for k in log.summary()} == log.summary()
 
 
+@pytest.mark.parametrize("column, values, role, expected", [
+    ("plan", ["free", None, "paid", "free"], "user.plan", "column 'plan' has 1 missing values"),
+    ("year", pa.array([1990, 1991, None, 1990], pa.int64()), "item.year",
+     "column 'year' has 1 missing values"),
+    ("year", ["1990", "199x", "1990", "1990"], "item.year",
+     "column 'year' is not years as item.year takes them, whole numbers such as 1995 (first "
+     "value that is not a number: '199x', at row 1)"),
+    ("year", [1990.0, 1990.5, 1990.0, 1990.0], "item.year",
+     "column 'year' has 1 years that are not whole numbers (first at row 1)"),
+    ("year", [1990, 2 ** 40, 1990, 1990], "item.year",
+     "column 'year' has 1 years beyond ±2^31 (first at row 1)"),
+    ("tags", [1, 2, 3, 4], "item.genres",
+     "column 'tags' (item.genres) is not text; give each item's genre names joined by '|' "
+     "(Action|Comedy)"),
+], ids=["user-null", "year-null", "year-text", "year-fraction", "year-too-large",
+        "genres-numbers"])
+def test_describe_refuses_the_side_features_loading_refuses(tmp_path, column, values, role,
+                                                            expected):
+    """describe and prepare counted a log whose side features loading refuses: a null plan or
+    year, years that are not whole numbers, genres that are not text."""
+    path = tmp_path / "log.parquet"
+    pq.write_table(pa.table({"user_id": ["a", "a", "a", "b"], "item_id": ["x", "y", "z", "x"],
+                             "timestamp": [1, 2, 3, 4], column: values}), path)
+    for refused in (lambda: load(str(path), {role: column}),
+                    lambda: shards.describe(str(path), {role: column})):
+        assert one_line(refused).startswith(f"{path}: {expected}")
+
+
 def test_describe_data_summarises_shards_without_the_split(tmp_path):
     write_split(a_log().rename_columns(["user_id", "item_id", "timestamp", "rating", "note",
                                         "colour", "age"]), tmp_path / "shards")
