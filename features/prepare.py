@@ -56,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pathlib
 import shutil
 import sys
 import time
@@ -64,9 +65,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tworec.features.interactions import DataError
-from tworec.features.shards import (ITEM_TABLE, dropped_counts, duckdb_session,
-                                    item_table_ids, parquet_log, read_parquet_sql,
-                                    whole_seconds)
+from tworec.features.shards import (GLOB_CHARACTERS, ITEM_TABLE, dropped_counts,
+                                    duckdb_session, item_table_ids, parquet_log,
+                                    read_parquet_sql, whole_seconds)
 from tworec.features.sources import INDEX_COLUMN, unread_columns_note
 from tworec.features.stream import BLOCK_ROWS, SPLIT_CODES, BlockWriter
 from tworec.features.vocab import FIRST, OOV, PAD
@@ -103,10 +104,7 @@ def prepare_shards(source: str, out_folder: str, history_length: int = 20,
         `columns` names (`user.NAME`, `item.NAME`) and the item table's feature columns
         ("items.parquet's NAME"), which the prepared shards do not hold.
     """
-    if os.path.exists(out_folder) and not os.path.isdir(out_folder):
-        raise DataError(f"{out_folder}: a file, not a folder; pass a new or empty folder")
-    if os.path.isdir(out_folder) and os.listdir(out_folder):
-        raise DataError(f"{out_folder}: not empty; pass a new or empty folder")
+    _check_out_folder(source, out_folder)
     parquet = parquet_log(source, columns, item_table_ids)
     mapping, schema, shard_rows = parquet.mapping, parquet.schema, parquet.shard_rows
     catalogue, log, known = parquet.catalogue, parquet.log, parquet.known
@@ -167,6 +165,34 @@ def prepare_shards(source: str, out_folder: str, history_length: int = 20,
         with open(os.path.join(out_folder, "manifest.json"), "w") as f:
             json.dump(manifest, f, indent=1)
     return manifest
+
+
+def _check_out_folder(source: str, out_folder: str) -> None:
+    """A one-line DataError, before any work, unless `out_folder` is a new or empty folder
+    that can be made (no file on its path, its nearest existing folder writable) outside the
+    folder the log `source` is read from (a folder, or a glob's folders before its first
+    wildcard when one reaches into folders): the prepared shards would be read with it."""
+    if os.path.exists(out_folder) and not os.path.isdir(out_folder):
+        raise DataError(f"{out_folder}: a file, not a folder; pass a new or empty folder")
+    if os.path.isdir(out_folder) and os.listdir(out_folder):
+        raise DataError(f"{out_folder}: not empty; pass a new or empty folder")
+    existing = os.path.abspath(out_folder)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        problem = "a file, not a folder" if not os.path.isdir(existing) else "not writable"
+        raise DataError(f"{out_folder}: cannot be made: {existing} is {problem}; pass a new or "
+                        "empty folder in a folder you can write")
+    parts = pathlib.PurePath(os.path.abspath(source)).parts
+    wild = next((k for k, part in enumerate(parts) if any(c in part for c in GLOB_CHARACTERS)),
+                None)
+    read = os.path.abspath(source) if os.path.isdir(source) else None
+    if read is None and wild is not None and wild < len(parts) - 1:     # wildcard folders
+        read = os.path.join(*parts[:wild])
+    if read is not None and os.path.commonpath(
+            [os.path.realpath(out_folder), os.path.realpath(read)]) == os.path.realpath(read):
+        raise DataError(f"--out {out_folder}: inside the log's folder {read}, where the "
+                        "prepared shards would be read as the log's; pass a folder outside it")
 
 
 @contextlib.contextmanager

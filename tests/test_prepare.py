@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tworec.features import DataError, shards
+import tworec.features.prepare as prepare_module
 from tworec.features.inputs import prepare
 from tworec.features.prepare import SPLIT_CODES, main, prepare_shards
 from tworec.features.sources import load
@@ -299,6 +300,29 @@ def test_prepare_says_what_it_reads_and_where_it_writes(tmp_path, capsys):
     error = capsys.readouterr().err
     assert error.startswith(f"error: {tmp_path / 'taken'}: a file, not a folder; pass a new or "
                             "empty folder") and error.count("\n") == 1
+
+
+def test_an_out_folder_inside_the_log_or_under_a_file_is_refused_before_any_work(
+        tmp_path, monkeypatch):
+    """--out inside --data was prepared, and the log then read the prepared shards as its own;
+    --out under a file failed with NotADirectoryError after the log was checked."""
+    source = _write(tmp_path / "log", pa.table(LOG))
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setattr(prepare_module, "parquet_log", None)              # no work at all
+    for data, out, expected in (
+            (source, f"{source}/prepared", f"--out {source}/prepared: inside the log's folder "
+             f"{source}, where the prepared shards would be read as the log's; pass a folder "
+             "outside it"),
+            (f"{tmp_path}/*/*.parquet", f"{source}/deeper/prepared", f"--out {source}/deeper/"
+             f"prepared: inside the log's folder {tmp_path}, where the prepared shards would be "
+             "read as the log's; pass a folder outside it"),
+            (source, f"{tmp_path}/afile/sub", f"{tmp_path}/afile/sub: cannot be made: "
+             f"{tmp_path}/afile is a file, not a folder; pass a new or empty folder in a folder "
+             "you can write")):
+        with pytest.raises(DataError) as error:
+            prepare_shards(data, out)
+        assert str(error.value) == expected
+    assert not os.path.exists(f"{source}/prepared")
 
 
 # ------------------------------------------------------------------ times below a second, dates
