@@ -53,6 +53,10 @@ GENRE_NAMES_KEY = b"tworec.genre_names"      # item-table metadata: JSON list, o
 BATCH_ROWS = 1 << 20
 DISTINCT_ROW_BYTES = 64     # memory limit per row of one DISTINCT pass (see `describe`)
 GLOB_CHARACTERS = "*?["
+# Data files refused among shards, which would not be read (not a `.json`, such as a log's own
+# manifest, nor a `.txt`, such as a readme).
+OTHER_DATA = (".csv", ".tsv", ".jsonl", ".ndjson", ".gz", ".bz2", ".zst", ".xz", ".zip",
+              ".orc", ".avro", ".arrow", ".feather")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +81,8 @@ def find(source: str) -> ShardSet | None:
 
     Raises:
         DataError: one line for an empty folder, a glob matching nothing or matching files that
-            are not Parquet, or two item tables.
+            are not Parquet, a folder of shards that also holds other data files (`OTHER_DATA`,
+            such as a day's `.csv`), or two item tables.
     """
     prepared = _prepared_folder(source)
     if prepared is not None:
@@ -111,7 +116,7 @@ def find(source: str) -> ShardSet | None:
         return _with_item_table(source, matches)
     if not os.path.isdir(source):
         return None
-    files, anything, walked, read = [], False, set(), set()
+    files, anything, walked, read, others = [], False, set(), set(), []
     roots = {os.path.realpath(source), os.path.abspath(source)}
     for folder, subfolders, names in os.walk(source, followlinks=True):
         real = os.path.realpath(folder)
@@ -132,6 +137,11 @@ def find(source: str) -> ShardSet | None:
             if os.path.realpath(os.path.join(folder, name)) not in read:
                 read.add(os.path.realpath(os.path.join(folder, name)))
                 files.append(os.path.join(folder, name))
+        others += [os.path.join(folder, n) for n in sorted(names) if not n.startswith((".", "_"))
+                   and n.lower().endswith(OTHER_DATA)]
+    if files and others:
+        raise DataError(f"{others[0]}: not a .parquet file, among the log's shards, where it "
+                        "would not be read; write it as Parquet, or move it out of the folder")
     if not anything:
         raise DataError(f"{source}: the folder is empty; pass a folder of .parquet shards, a "
                         f"glob such as {os.path.join(source, 'part-*.parquet')}, or a GroupLens "

@@ -135,6 +135,17 @@ def test_shard_mistakes_are_one_line_naming_the_path_and_what_works(tmp_path):
     message = one_line(lambda: load(str(tmp_path / "mixed" / "*"), columns=MAPPING))
     assert "readme.txt, which is not a .parquet file" in message and "*.parquet" in message
 
+    for name in ("day2.csv", "nested/day3.json.gz"):     # data files a folder read skipped
+        os.makedirs(tmp_path / "mixed" / os.path.dirname(name), exist_ok=True)
+        (tmp_path / "mixed" / name).write_text("user_id,item_id,timestamp\nb,x,5\n")
+        for read in (load, shards.describe):
+            assert one_line(lambda: read(str(tmp_path / "mixed"), MAPPING)) == (
+                f"{tmp_path / 'mixed' / name}: not a .parquet file, among the log's shards, "
+                "where it would not be read; write it as Parquet, or move it out of the folder")
+        os.remove(tmp_path / "mixed" / name)
+    (tmp_path / "mixed" / "_day4.csv").write_text("")                  # hidden: skipped
+    assert len(load(str(tmp_path / "mixed"), columns=MAPPING)) == 120
+
     retyped = a_log().set_column(0, "uid", pa.array(np.arange(a_log().num_rows)))
     pq.write_table(retyped.slice(0, 5), paths[2])
     message = one_line(lambda: load(str(tmp_path / "mixed"), columns=MAPPING))
