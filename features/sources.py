@@ -582,6 +582,9 @@ def _numeric(source: str, name: str, values, wrong: str = "not numeric") -> np.n
     values = np.asarray(values)
     if values.dtype.kind not in "iuf":
         try:
+            text = _arrow_text(values)
+            if text is not None and not pc.all(pc.string_is_ascii(text)).as_py():
+                raise ValueError("not ASCII")                        # '١', '０', '1\xa0'
             values = values.astype(np.float64)
         except (TypeError, ValueError):
             row = next(row for row, value in enumerate(values) if not _parses(value))
@@ -600,6 +603,10 @@ def decimal_comma_advice(value) -> str:
 
 
 def _parses(value) -> bool:
+    """Whether `value` reads as a number as out of core (DuckDB) reads text too: ASCII only
+    (Python's float() also reads Arabic-Indic and full-width digits and Unicode spaces)."""
+    if isinstance(value, str) and not value.isascii():
+        return False
     try:
         float(value)
         return True

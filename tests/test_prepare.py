@@ -238,13 +238,16 @@ LOG = {"user_id": ["a", "a", "b", "b"], "item_id": ["x", "y", "x", "z"], "timest
     ("timestamp", [True, False, True, True], "column 'timestamp' is of type bool, which "),
     ("item_id", [1.0, float("nan"), 2.0, float("nan")], "column 'item_id' has 2 missing"),
     ("user_id", pa.array([1, 1, 2, 2], pa.time64("us")), "values, which are not read as ids"),
+    *(("rating", ["1", text, "3", "4"], "column 'rating' is not numeric (first value that is "
+       f"not a number: {text!r}, at row 1)") for text in ("\u0661", "\uff10", "1\xa0")),
 ], ids=["null-user", "null-time", "nan-time", "nan-rating", "empty-item", "empty-user",
         "text-rating", "NA-text-rating", "decimal-comma-rating", "nan-text-time", "NAN-text-rating",
         "dictionary-text-rating", "inf-text-time", "inf-time", "1e19-time", "huge-text-time",
         "uint64-time", "decimal-1e20-time", "1e300-rating", "text-1e39-rating", "inf-rating",
         "null-typed-rating", "dictionary-binary-empty-user", "binary-not-utf8-item",
         "nul-user", "binary-nul-item", "timestamp-user", "date-item", "bool-item",
-        "bool-time", "nan-float-item", "time-of-day-user"])
+        "bool-time", "nan-float-item", "time-of-day-user", "arabic-indic-rating",
+        "full-width-rating", "nbsp-rating"])
 def test_prepare_refuses_the_values_load_refuses(tmp_path, column, values, expected):
     source = _write(tmp_path / "log", pa.table({**LOG, column: values}))
     for message in _three_ways(source, str(tmp_path / "out")):
