@@ -147,7 +147,7 @@ def _delimiter_option(source: str, text: str | None) -> str | None:
 
 def from_columns(source: str, user, item, timestamp, rating=None, *, catalogue=None,
                  item_features=None, genre_names=(), user_table=None, user_rows=None,
-                 dropped=None, names=None) -> Interactions:
+                 item_rows=None, dropped=None, names=None) -> Interactions:
     """Validates raw columns and encodes them as `Interactions`.
 
     Args:
@@ -169,6 +169,9 @@ def from_columns(source: str, user, item, timestamp, rating=None, *, catalogue=N
             instead of `user_table`. Each user's last value in file order makes the table; a
             feature whose value changes within a user also keeps its rows' values
             (`Interactions.user_feature_at`).
+        item_rows: name -> [n] each row's item feature (a log's `item.NAME` column), or None:
+            each item's last value among the kept rows in file order, beside `item_features`;
+            items of the catalogue the log lacks get '' or 0.
         dropped: counts of rows already dropped by the reader.
         names: role (user, item, time, rating) -> column name, for messages.
     """
@@ -206,9 +209,12 @@ def from_columns(source: str, user, item, timestamp, rating=None, *, catalogue=N
     else:
         item_ids, item_codes = catalogue, item_codes[rows].astype(np.int32)
     feature_rows = {name: np.asarray(values)[rows] for name, values in (user_rows or {}).items()}
+    kept = np.sort(rows)                                          # in file order
     if feature_rows:
-        user_table = _last_per_id((user_text, user[np.sort(rows)]), {
-            name: np.asarray(values)[np.sort(rows)] for name, values in user_rows.items()})
+        user_table = _last_per_id((user_text, user[kept]), _taken(user_rows, kept))
+    if item_rows:                                    # as the users': of the kept rows only
+        item_features = {**(item_features or {}), **_align_user_features(
+            item_ids, _last_per_id((item_text, item[kept]), _taken(item_rows, kept)))}
     changing = {name: values for name, values in feature_rows.items()
                 if _changes_within(user_codes, values)}
     return Interactions(user_ids=user_ids, item_ids=item_ids, user=user_codes, item=item_codes,
@@ -217,6 +223,11 @@ def from_columns(source: str, user, item, timestamp, rating=None, *, catalogue=N
                         user_features=_align_user_features(user_ids, user_table),
                         user_feature_rows=changing, genre_names=tuple(genre_names),
                         dropped=dropped, source=source)
+
+
+def _taken(features: dict, rows: np.ndarray) -> dict[str, np.ndarray]:
+    """name -> [len(rows)] the `rows` of each of `features` (name -> [n])."""
+    return {name: np.asarray(values)[rows] for name, values in features.items()}
 
 
 def _changes_within(user: np.ndarray, values: np.ndarray) -> bool:
@@ -971,23 +982,15 @@ def _log_from_roles(source: str, mapping: dict[str, str], arrays: dict[str, np.n
             column = whole_years(source, mapping[role], column)
         (user_features if kind == "user" else item_features)[name] = column
     interactions = from_columns(source, user, item, timestamp, rating, user_rows=user_features,
-                                names=mapping, **(items or {}))
+                                item_rows=item_features, names=mapping, **(items or {}))
     interactions = dataclasses.replace(interactions,
                                        unread_columns=getattr(mapping, "unread", ()))
-    if item_features and items is not None:
-        aligned = _align_user_features(interactions.item_ids, _last_per_id(
-            id_codes(source, mapping["item"], item), item_features))
+    if "genres" in item_features:           # one text an item (no item table), then multi-hot
+        genres, names = genres_multi_hot(interactions.item_features["genres"], source,
+                                         mapping["item.genres"])
         interactions = dataclasses.replace(
-            interactions, item_features={**interactions.item_features, **aligned})
-    elif item_features:
-        ids, features = _last_per_id(id_codes(source, mapping["item"], item), item_features)
-        position, _ = _positions(ids, interactions.item_ids)
-        features = {name: values[position] for name, values in features.items()}
-        genre_names = {}
-        if "genres" in features:                          # one text an item, then multi-hot
-            features["genres"], genre_names["genre_names"] = genres_multi_hot(
-                features["genres"], source, mapping["item.genres"])
-        interactions = dataclasses.replace(interactions, item_features=features, **genre_names)
+            interactions, item_features={**interactions.item_features, "genres": genres},
+            genre_names=names)
     return interactions
 
 

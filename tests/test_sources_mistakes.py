@@ -505,6 +505,18 @@ def test_item_genres_of_too_many_names_are_refused_before_the_dense_table(tmp_pa
                 ).item_features["genres"].shape == (5, 3)
 
 
+def test_item_and_user_features_come_from_the_rows_kept_alike(tmp_path):
+    """A row repeating another but for its side features is a duplicate, dropped: the user's
+    plan came from the kept row, the item's year from the dropped one."""
+    (tmp_path / "log.csv").write_text("user_id,item_id,timestamp,plan,year\n"
+                                      "a,x,1,free,1990\na,x,1,paid,1991\na,y,2,free,2000\n")
+    log = load(str(tmp_path / "log.csv"), {"user.plan": "plan", "item.year": "year"})
+    assert log.dropped == {"duplicate_row": 1}
+    assert log.user_features["plan"].tolist() == ["free"]
+    assert dict(zip(log.item_ids.tolist(), log.item_features["year"].tolist())) == {
+        "x": 1990, "y": 2000}
+
+
 def test_columns_no_role_reads_are_named_not_dropped_silently(tmp_path):
     """A rating under a name the loader does not know (`stars`) is not read: the log says
     which columns no role reads, and a run notes them with how to map one."""
