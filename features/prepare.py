@@ -74,6 +74,7 @@ from tworec.features.vocab import FIRST, OOV, PAD
 
 ROWS_PER_SHARD = 1 << 22
 ROW_GROUP_ROWS = 1 << 17
+HISTORY_MAX = 1000          # history slots: the SQL takes one LAG a slot (20,000 ran minutes)
 
 
 def prepare_shards(source: str, out_folder: str, history_length: int = 20,
@@ -85,8 +86,8 @@ def prepare_shards(source: str, out_folder: str, history_length: int = 20,
     Args:
         source: a folder or glob of Parquet shards, or one `.parquet` file.
         out_folder: a new or empty folder for the shards, vocabularies and manifest.
-        history_length: L, previous items per row; 0 gives every row one PAD slot, as
-            `inputs.prepare` does (the models read at least one slot).
+        history_length: L, previous items per row, at most HISTORY_MAX; 0 gives every row one
+            PAD slot, as `inputs.prepare` does (the models read at least one slot).
         memory_limit: DuckDB's memory limit, e.g. '1GB' or '500MiB'.
         columns: role -> column name, as for `shards.load`.
         rows_per_shard: rows of one output shard (written in row groups of ROW_GROUP_ROWS).
@@ -104,6 +105,8 @@ def prepare_shards(source: str, out_folder: str, history_length: int = 20,
         `columns` names (`user.NAME`, `item.NAME`) and the item table's feature columns
         ("items.parquet's NAME"), which the prepared shards do not hold.
     """
+    _check_sizes(history_length=history_length, rows_per_shard=rows_per_shard,
+                 block_rows=block_rows)
     _check_out_folder(source, out_folder)
     parquet = parquet_log(source, columns, item_table_ids)
     mapping, schema, shard_rows = parquet.mapping, parquet.schema, parquet.shard_rows
@@ -165,6 +168,16 @@ def prepare_shards(source: str, out_folder: str, history_length: int = 20,
         with open(os.path.join(out_folder, "manifest.json"), "w") as f:
             json.dump(manifest, f, indent=1)
     return manifest
+
+
+def _check_sizes(**sizes: int) -> None:
+    """A ValueError naming the first of `sizes` (history_length from 0 to HISTORY_MAX, the
+    others from 1) out of its range: a shard of 0 rows was written again and again."""
+    for name, value in sizes.items():
+        low, high = (0, HISTORY_MAX) if name == "history_length" else (1, None)
+        if value < low or high is not None and value > high:
+            raise ValueError(f"{name} must be from {low}" + (f" to {high:,}" if high else " up")
+                             + f", got {value!r}")
 
 
 def _check_out_folder(source: str, out_folder: str) -> None:
@@ -359,7 +372,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="a new or empty folder for the prepared "
                                                      "shards")
     parser.add_argument("--history-length", type=int, default=20,
-                        help="previous items per row (default 20)")
+                        help=f"previous items per row (default 20, at most {HISTORY_MAX:,})")
     parser.add_argument("--memory-limit", default="1GB",
                         help="DuckDB's memory limit (default 1GB); beyond it DuckDB spills to a "
                              "temporary folder")
@@ -367,8 +380,9 @@ def main(argv=None) -> int:
                         help="column mapping, user=..,item=..,time=..,rating=.. (rating=none "
                              "reads no ratings)")
     args = parser.parse_args(argv)
-    if args.history_length < 0:
-        parser.error(f"--history-length must be at least 0, got {args.history_length}")
+    if not 0 <= args.history_length <= HISTORY_MAX:
+        parser.error(f"--history-length must be from 0 to {HISTORY_MAX:,}, got "
+                     f"{args.history_length}")
     try:
         memory_bytes(args.memory_limit)
     except ValueError as error:

@@ -631,13 +631,18 @@ UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
+MEMORY_MAX = 1 << 50        # 1PiB: DuckDB refuses sizes from 2^63 bytes in its own words
+
+
 def memory_bytes(text: str) -> int:
-    """Bytes of a memory size as DuckDB writes it: '1GB' (10**9), '512MiB' (2**29), '2e9'."""
+    """Bytes of a memory size as DuckDB writes it: '1GB' (10**9), '512MiB' (2**29), '2e9';
+    from 1MiB to MEMORY_MAX."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:e\d+)?)\s*([a-zA-Z]*)\s*", text)
     unit = match and match.group(2).lower()
-    if not match or unit not in UNITS or float(match.group(1)) * UNITS[unit] < 1 << 20:
-        raise ValueError(f"{text!r} is not a memory size of at least 1MiB, such as 1GB or "
-                         "512MiB")
+    if not match or unit not in UNITS or not (
+            1 << 20 <= float(match.group(1)) * UNITS[unit] <= MEMORY_MAX):
+        raise ValueError(f"{text!r} is not a memory size of at least 1MiB and at most 1PiB, "
+                         "such as 1GB or 512MiB")
     return int(float(match.group(1)) * UNITS[unit])
 
 

@@ -328,6 +328,30 @@ def test_an_out_folder_inside_the_log_or_under_a_file_is_refused_before_any_work
     assert not os.path.exists(f"{source}/prepared")
 
 
+def test_sizes_out_of_range_are_refused_naming_them_before_any_work(tmp_path, capsys):
+    """rows_per_shard=0 wrote empty shards until stopped; --history-length 20000 (a LAG a
+    slot) ran for minutes on 5 rows; --memory-limit 1e20 or 1e400 ended in a traceback."""
+    source = _write(tmp_path / "log", pa.table(LOG))
+    for sizes, expected in (({"rows_per_shard": 0}, "rows_per_shard must be from 1 up, got 0"),
+                            ({"block_rows": -1}, "block_rows must be from 1 up, got -1"),
+                            ({"history_length": 1001},
+                             "history_length must be from 0 to 1,000, got 1001")):
+        with pytest.raises(ValueError) as error:
+            prepare_shards(source, str(tmp_path / "out"), **sizes)
+        assert str(error.value) == expected
+    for options, expected in ((["--history-length", "20000"], "--history-length must be from "
+                               "0 to 1,000, got 20000"),
+                              (["--memory-limit", "1e20"], "--memory-limit: '1e20' is not a "
+                               "memory size of at least 1MiB and at most 1PiB, such as 1GB or "
+                               "512MiB"),
+                              (["--memory-limit", "1e400"], "'1e400' is not a memory size")):
+        with pytest.raises(SystemExit):
+            main(["--data", source, "--out", str(tmp_path / "out"), *options])
+        error = capsys.readouterr().err
+        assert expected in error and error.count("\n") == 1, error
+    assert not os.path.exists(tmp_path / "out")
+
+
 # ------------------------------------------------------------------ times below a second, dates
 
 
