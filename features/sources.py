@@ -1258,6 +1258,10 @@ class ColumnMapping(dict):
 
 
 def _resolve_columns(path: str, names: list[str], columns: dict[str, str]) -> ColumnMapping:
+    for role in columns:                      # a misspelt role first, not the role it missed
+        if role not in DEFAULT_COLUMNS and not role.startswith(("user.", "item.")):
+            raise DataError(f"--columns: unknown role {role!r}; use user, item, time, rating, "
+                            "user.NAME or item.NAME")
     mapping = ColumnMapping()
     for role, candidates in DEFAULT_COLUMNS.items():
         if role in columns:
@@ -1269,9 +1273,6 @@ def _resolve_columns(path: str, names: list[str], columns: dict[str, str]) -> Co
                             f"{list(candidates)} is present (columns: {names}); map it with "
                             f"--columns {role}=NAME")
     for role, name in columns.items():
-        if role not in DEFAULT_COLUMNS and not role.startswith(("user.", "item.")):
-            raise DataError(f"--columns: unknown role {role!r}; use user, item, time, rating, "
-                            "user.NAME or item.NAME")
         mapping[role] = name
     mapping.unrated = mapping.get("rating") == NO_RATING
     if mapping.unrated:

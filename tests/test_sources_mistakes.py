@@ -644,6 +644,15 @@ def test_rating_none_reads_no_ratings_whatever_the_columns(tmp_path):
             "user.rating=rating or item.rating=rating") in checked.notices
 
 
+def test_a_misspelt_role_is_named_before_the_role_it_left_unmapped(tmp_path):
+    """`itm=sku` was reported as a missing item column, not as the unknown role it is."""
+    (tmp_path / "log.csv").write_text("uid,sku,ts\na,x,1\n")
+    with pytest.raises(DataError) as error:
+        load(str(tmp_path / "log.csv"), {"user": "uid", "itm": "sku", "time": "ts"})
+    assert str(error.value) == ("--columns: unknown role 'itm'; use user, item, time, rating, "
+                                "user.NAME or item.NAME")
+
+
 def test_a_role_given_twice_in_columns_is_refused():
     with pytest.raises(DataError, match=r"^--columns: role 'user' is given twice \('a' and 'b'\); "
                                         "give each role once$"):
