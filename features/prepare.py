@@ -397,8 +397,8 @@ def main(argv=None) -> int:
     try:
         manifest = prepare_shards(args.data, args.out, args.history_length, args.memory_limit,
                                   parse_columns(args.columns), progress=progress, note=note)
-    except DataError as error:
-        parser.error(str(error))
+    except DataError as error:                         # the data's mistake, not the options'
+        parser.exit(2, f"error: {error}\n")
     except KeyboardInterrupt:                          # the folder is left as it was
         print(f"error: stopped (Ctrl-C); {args.out} is left as it was: run the same command "
               "again", file=sys.stderr)
