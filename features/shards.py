@@ -116,7 +116,7 @@ def find(source: str) -> ShardSet | None:
         return _with_item_table(source, matches)
     if not os.path.isdir(source):
         return None
-    files, anything, walked, read, others = [], False, set(), set(), []
+    files, anything, walked, read, others, hidden = [], False, set(), set(), [], []
     roots = {os.path.realpath(source), os.path.abspath(source)}
     for folder, subfolders, names in os.walk(source, followlinks=True):
         real = os.path.realpath(folder)
@@ -125,6 +125,8 @@ def find(source: str) -> ShardSet | None:
             subfolders[:] = []                                                # not the log
             continue
         walked.add(real)
+        hidden += [os.path.join(folder, n) for n in sorted(subfolders + names)
+                   if n.startswith((".", "_"))]
         subfolders[:] = sorted(d for d in subfolders if not d.startswith((".", "_")))
         anything |= bool(names)
         shards = [n for n in names if not n.startswith((".", "_"))
@@ -142,6 +144,10 @@ def find(source: str) -> ShardSet | None:
     if files and others:
         raise DataError(f"{others[0]}: not a .parquet file, among the log's shards, where it "
                         "would not be read; write it as Parquet, or move it out of the folder")
+    if not anything and hidden:
+        raise DataError(f"{source}: holds only names starting with _ or . ({hidden[0]}), which "
+                        "are skipped as a write in progress (Spark's _temporary); pass the "
+                        "folder of the finished shards")
     if not anything:
         raise DataError(f"{source}: the folder is empty; pass a folder of .parquet shards, a "
                         f"glob such as {os.path.join(source, 'part-*.parquet')}, or a GroupLens "

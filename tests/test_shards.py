@@ -126,6 +126,12 @@ def test_shard_mistakes_are_one_line_naming_the_path_and_what_works(tmp_path):
     (tmp_path / "empty").mkdir()
     message = one_line(lambda: load(str(tmp_path / "empty")))
     assert "the folder is empty" in message and "part-*.parquet" in message
+    os.makedirs(tmp_path / "writing" / "_temporary" / "0")         # a write in progress
+    pq.write_table(a_log(), tmp_path / "writing" / "_temporary" / "0" / "part-0.parquet")
+    assert one_line(lambda: load(str(tmp_path / "writing"))) == (
+        f"{tmp_path / 'writing'}: holds only names starting with _ or . "
+        f"({tmp_path / 'writing' / '_temporary'}), which are skipped as a write in progress "
+        "(Spark's _temporary); pass the folder of the finished shards")    # not "empty"
     pattern = str(tmp_path / "logs" / "part-*.parquet")
     message = one_line(lambda: load(pattern))
     assert message.startswith(f"{pattern}: no file matches")
