@@ -641,6 +641,9 @@ def _align_user_features(user_ids: np.ndarray, user_table) -> dict[str, np.ndarr
 # ---------------------------------------------------------------- GroupLens releases
 
 
+RATINGS_FILES = ("u.data", "ratings.dat", "ratings.csv")     # one a release, by format
+
+
 class _Release:
     """Files of a GroupLens release, in a folder or a `.zip`, found by their base names."""
 
@@ -656,6 +659,11 @@ class _Release:
             names = [os.path.relpath(os.path.join(d, f), path)
                      for d, _, files in os.walk(path) for f in files]
         self.files = {os.path.basename(n): n for n in sorted(names, key=len, reverse=True)}
+        ratings = sorted(n for n in names if os.path.basename(n) in RATINGS_FILES)
+        if len(ratings) > 1:
+            shown = ", ".join(ratings[:3]) + (", ..." if len(ratings) > 3 else "")
+            raise DataError(f"{path}: holds more than one release's ratings ({shown}); pass the "
+                            "folder or .zip of one release")
 
     def has(self, name: str) -> bool:
         return name in self.files

@@ -155,6 +155,27 @@ def test_columns_are_refused_for_sources_with_fixed_columns(tmp_path):
     assert not has_fixed_columns(str(release))             # read as Parquet shards, as load does
 
 
+def test_a_folder_or_zip_of_two_releases_is_refused_naming_both(tmp_path):
+    """Two releases' ratings in one folder or zip (ml-100k beside ml-latest-small, or two
+    copies of one): none is read on its own choice; both are named."""
+    ratings = "userId,movieId,rating,timestamp\n1,2,3.0,4\n"
+    for folder, name, text in (("ml-100k", "u.data", "1\t10\t3\t100\n"),
+                               ("ml-latest-small", "ratings.csv", ratings)):
+        (tmp_path / "both" / folder).mkdir(parents=True)
+        (tmp_path / "both" / folder / name).write_text(text)
+    archive = str(tmp_path / "copies.zip")
+    with zipfile.ZipFile(archive, "w") as packed:
+        for copy in ("ml-latest-small", "ml-latest-small (1)"):
+            packed.writestr(f"{copy}/ratings.csv", ratings)
+    assert load(str(tmp_path / "both" / "ml-100k")).num_users == 1           # one alone: read
+    for source, found in ((tmp_path / "both", "ml-100k/u.data, ml-latest-small/ratings.csv"),
+                          (archive, "ml-latest-small (1)/ratings.csv, "
+                                    "ml-latest-small/ratings.csv")):
+        assert load_error(source) == (f"{source}: holds more than one release's ratings "
+                                      f"({found}); pass the folder or .zip of one release")
+        assert not is_release(str(source))
+
+
 def test_a_tsv_stays_tab_separated(tmp_path):
     rows = [("user_id", "item_id", "timestamp", "tags,of,the,item")] + [
         (user, item, time, "a,b,c,d") for user, item, time, *_ in ROWS[1:]]
