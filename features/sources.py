@@ -1265,6 +1265,20 @@ class ColumnMapping(dict):
                      if name not in self.values() and not INDEX_COLUMN.fullmatch(name))
 
 
+def _header_mistake(names: list[str]) -> str:
+    """What a header that no mapping can read needs ("" for none): one column holding another
+    delimiter, or names with spaces around them (after ", "), which --columns cannot give."""
+    if len(names) == 1:
+        delimiter = next((d for d in ",;|\t" if d in names[0]), None)
+        if delimiter is not None:
+            return f"the header is one column: pass --delimiter {delimiter!r}"
+    spaced = [name for name in names if name != name.strip()]
+    if spaced:
+        return (f"the header names {spaced[:3]} have spaces around them, which --columns "
+                "cannot name: write the file without them")
+    return ""
+
+
 def _resolve_columns(path: str, names: list[str], columns: dict[str, str]) -> ColumnMapping:
     for role in columns:                      # a misspelt role first, not the role it missed
         if role not in DEFAULT_COLUMNS and not role.startswith(("user.", "item.")):
@@ -1278,8 +1292,8 @@ def _resolve_columns(path: str, names: list[str], columns: dict[str, str]) -> Co
             mapping[role] = found
         elif role != "rating":
             raise DataError(f"{path}: missing required column for {role!r}: none of "
-                            f"{list(candidates)} is present (columns: {names}); map it with "
-                            f"--columns {role}=NAME")
+                            f"{list(candidates)} is present (columns: {names}); "
+                            + (_header_mistake(names) or f"map it with --columns {role}=NAME"))
     for role, name in columns.items():
         mapping[role] = name
     mapping.unrated = mapping.get("rating") == NO_RATING
@@ -1288,7 +1302,8 @@ def _resolve_columns(path: str, names: list[str], columns: dict[str, str]) -> Co
     for role, name in mapping.items():
         if name not in names:
             raise DataError(f"{path}: missing required column {name!r} (for {role}); "
-                            f"columns: {names}")
+                            f"columns: {names}" + (f"; {_header_mistake(names)}"
+                                                   if _header_mistake(names) else ""))
     counts = collections.Counter(names)
     for role, name in mapping.items():
         if counts[name] > 1:

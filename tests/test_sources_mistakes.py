@@ -176,6 +176,24 @@ def test_a_folder_or_zip_of_two_releases_is_refused_naming_both(tmp_path):
         assert not is_release(str(source))
 
 
+@pytest.mark.parametrize("name, text, columns, advice", [
+    ("comma.tsv", "user_id,item_id,timestamp\na,x,1\n", {},
+     "the header is one column: pass --delimiter ','"),
+    ("spaced.csv", "user_id, item_id, timestamp\na, x, 1\n", {},
+     "the header names [' item_id', ' timestamp'] have spaces around them, which --columns "
+     "cannot name: write the file without them"),
+    ("spaced.csv", "user_id, item_id, timestamp\na, x, 1\n", {"item": "item_id"},
+     "the header names [' item_id', ' timestamp'] have spaces around them, which --columns "
+     "cannot name: write the file without them")])
+def test_a_header_no_mapping_can_read_says_what_would(tmp_path, name, text, columns, advice):
+    """Advice to map a column with --columns cannot help a header read as one column (another
+    delimiter) or names with spaces around them (after ", "): the message says what would."""
+    (tmp_path / name).write_text(text)
+    with pytest.raises(DataError) as error:
+        load(str(tmp_path / name), columns=columns)
+    assert str(error.value).endswith(advice) and "--columns item=NAME" not in str(error.value)
+
+
 def test_a_tsv_stays_tab_separated(tmp_path):
     rows = [("user_id", "item_id", "timestamp", "tags,of,the,item")] + [
         (user, item, time, "a,b,c,d") for user, item, time, *_ in ROWS[1:]]
