@@ -116,14 +116,27 @@ def run(args, steps: tuple[str, ...], continue_run: bool = False, verbose: int =
     try:
         return _run(args, steps, continue_run, verbose, overrides)
     except KeyboardInterrupt:
-        return stopped(args.out, getattr(args, "overwrite", False))
+        return stopped(args.out, getattr(args, "overwrite", False), continue_run)
 
 
-def stopped(out: str, overwrite: bool) -> int:
+def stopped(out: str, overwrite: bool, continue_run: bool = False) -> int:
     """Prints the one line of a run that Ctrl-C stopped (once the folder lock is released and
     the folders it made empty are gone), with how to resume when it can; returns 130."""
-    print("error: stopped (Ctrl-C)" + resume_advice(out, overwrite), file=sys.stderr)
+    advice = continued_advice(out) if continue_run else resume_advice(out, overwrite)
+    print("error: stopped (Ctrl-C)" + advice, file=sys.stderr)
     return 130
+
+
+def continued_advice(out: str) -> str:
+    """'; ...' for a continued run's folder whose report shows no ranking stage (it started
+    replacing it, or there was none), else ''."""
+    from tworec.pipeline.report import read
+    try:
+        shows_ranking = "ranking" in read(out)
+    except ValueError:
+        return ""
+    return ("" if shows_ranking else "; its report shows no ranking stage until the same "
+            "command, rerun, trains one")
 
 
 def resume_advice(out: str, overwrite: bool) -> str:

@@ -22,16 +22,22 @@ from tworec.features.sources import (NO_RATING, has_fixed_columns, is_release, r
                                      tie_order_notes, unread_columns_note)
 from tworec.pipeline import config as run_config, report as run_report
 from tworec.pipeline.config import Configs
+from tworec.serving.layout import list_versions
 
 
 class RunFolderError(ValueError):
     """A run folder that cannot be used; the message names the folder and the problem."""
 
 # What a run folder holds (and `clear` removes before a run replaces it).
-RUN_ENTRIES = ("config.json", "config.json.tmp", "report.json", "report.md", "plots", "export",
-               "vocab", "retrieval", "checkpoints", "tensorboard", "retrieval_config.json",
+RUN_ENTRIES = ("config.json", "config.json.tmp", "report.json", "report.json.tmp", "report.md",
+               "report.md.tmp", "report.html", "report.html.tmp", "plots", "export", "vocab", "retrieval", "checkpoints", "tensorboard", "retrieval_config.json",
                "retrieval_train.json", "retrieval_report.json", "retrieval_report.json.tmp",
                "ranking_config.json", "ranking_train.json")
+# What makes a run folder that cannot be continued usable again.
+TRAIN_AGAIN = ("train a run into it again (scripts/pipeline.py or scripts/train_retrieval.py with "
+               "--overwrite)")
+# Where `clear` moves a run's entries before deleting them; a later run deletes what is left.
+CLEARING = ".clearing"
 # What a retrieval training that was interrupted leaves, and nothing else: a rerun of the
 # command that started it resumes it from its checkpoint.
 INTERRUPTED_RETRIEVAL = {"config.json", "config.json.tmp", "retrieval_config.json", "checkpoints",
@@ -108,10 +114,18 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
             raise RunFolderError(f"{out}: its run stopped after retrieval trained, before it "
                                  "finished; rerun the command that started it to finish it "
                                  "(it resumes from the trained retrieval)")
-        if "retrieval" not in run_report.read(out):
-            raise RunFolderError(f"{out}: its retrieval stage did not finish (no report.json with "
-                                 "retrieval's results); rerun scripts/train_retrieval.py or "
-                                 "scripts/pipeline.py into it with --overwrite")
+        try:
+            report = run_report.read(out)
+        except ValueError as error:
+            raise RunFolderError(f"{error}; {TRAIN_AGAIN}") from None
+        if "retrieval" not in report:
+            raise RunFolderError(
+                f"{out}: its retrieval stage did not finish (no report.json with retrieval's "
+                "results); " + ("rerun the command that started it to resume its training"
+                                if interrupted_retrieval(out) else TRAIN_AGAIN))
+        if not list_versions(os.path.join(out, "export", "retrieval")):
+            raise RunFolderError(f"{out}: holds no retrieval export (export/retrieval/N), which "
+                                 f"a continued run serves and composes; {TRAIN_AGAIN}")
     resume = None if continue_run else check_fresh(out, overwrite)
     configs.validate()                  # all but what depends on the log, before it loads
     cluster = [] if continue_run else check_cluster(configs.retrieval.strategy)
@@ -178,7 +192,7 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
                        f"{RESUMED_TRAINING} ({backup})" if checkpointed(backup) else
                        RESTARTED_TRAINING)
     return CheckedRun(out, log, parts, configs, source,
-                      run_report.read(out) if continue_run else {}, notices, continue_run,
+                      report if continue_run else {}, notices, continue_run,
                       overwrite, resume)
 
 
@@ -216,7 +230,7 @@ def read_run(out: str) -> tuple[dict, Configs]:
         source, configs = run_config.read(path)
     except (ValueError, KeyError, TypeError, AttributeError, OSError) as error:
         raise RunFolderError(f"{path} cannot be read as a run's config ({type(error).__name__}: "
-                             f"{error}); pass --overwrite to start over") from None
+                             f"{error}); {TRAIN_AGAIN}") from None
     if source.get("columns") and has_fixed_columns(source["data"]):
         source = {**source, "columns": {}}   # recorded before they were refused; never read
     return source, configs
@@ -273,6 +287,8 @@ def check_fresh(out: str, overwrite: bool) -> str | None:
     returns what the run resumes (TRAINING, AFTER_RETRIEVAL), None for a fresh one."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise RunFolderError(f"--out {out} is a file; name a folder for the run")
+    if os.path.isdir(os.path.join(out, CLEARING)):      # a `clear` that was stopped: finished
+        shutil.rmtree(os.path.join(out, CLEARING))
     if not os.path.isdir(out) or not os.listdir(out):
         return None
     if not os.path.exists(os.path.join(out, "config.json")):
@@ -439,13 +455,16 @@ def check_fingerprint_format(out: str, saved_source: dict, advice: str) -> None:
 
 
 def clear(out: str) -> None:
-    """Removes what a run wrote in `out` (a folder `check_fresh` accepted with overwrite)."""
-    for name in RUN_ENTRIES:
-        path = os.path.join(out, name)
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        elif os.path.exists(path):
-            os.remove(path)
+    """Removes what a run wrote in `out` (a folder `check_fresh` accepted with overwrite): each
+    entry is moved into `out/CLEARING` (config.json last: until then the folder is the old run),
+    which is then deleted; a stop while it is deleted leaves that folder alone, which the next
+    run's `check_fresh` deletes."""
+    aside = os.path.join(out, CLEARING)
+    os.makedirs(aside, exist_ok=True)
+    for name in sorted(RUN_ENTRIES, key=lambda name: name == "config.json"):
+        if os.path.lexists(os.path.join(out, name)):
+            os.replace(os.path.join(out, name), os.path.join(aside, name))
+    shutil.rmtree(aside)
 
 
 def fingerprint(log: Interactions) -> dict:

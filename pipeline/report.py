@@ -18,7 +18,10 @@ def read(out: str) -> dict:
     if not os.path.exists(path):
         return {}
     with open(path) as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} cannot be read as a run's report ({error})") from None
 
 
 # How the report names each baseline of `evaluation.baselines`.
@@ -63,17 +66,18 @@ def warnings_of(report: dict) -> list[str]:
 
 
 def write(out: str, report: dict) -> None:
-    """Writes report.json, the plots and report.md."""
+    """Writes the plots, report.md, report.html and, last, report.json (a finished run's mark),
+    each file whole or not at all."""
     report["warnings"] = warnings_of(report)
     os.makedirs(os.path.join(out, "plots"), exist_ok=True)
-    with open(os.path.join(out, "report.json"), "w") as f:
-        json.dump(report, f, indent=2, default=float)
     plots = plot(out, report)
     text = markdown(report, out, plots)
-    with open(os.path.join(out, "report.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(out, "report.html"), "w") as f:
-        f.write(html(text, out, plots))
+    for name, content in (("report.md", text), ("report.html", html(text, out, plots)),
+                          ("report.json", json.dumps(report, indent=2, default=float))):
+        path = os.path.join(out, name)
+        with open(path + ".tmp", "w") as f:
+            f.write(content)
+        os.replace(path + ".tmp", path)
 
 
 def html(text: str, out: str, plots: list[str]) -> str:

@@ -664,7 +664,9 @@ def prepare_run(out: str, source: dict, configs: Configs, verbose: int = 1,
 def start_run(checked: folder.CheckedRun, verbose: int = 1) -> Run:
     """The run of a checked folder: the log split and prepared, its notices recorded and
     printed (with how many held-out rows repeat a known item, `Run.repeat_notices`), the folder
-    cleared when it is replaced, and its config.json written."""
+    cleared when it is replaced, and its config.json written; a continued run's folder gets a
+    report without the ranking stage it replaces, so that one stopped midway (its new exports
+    maybe served) shows no figure of the old ranker."""
     out = checked.out
     result = Run(out, checked.log, checked.configs, checked.source, verbose=verbose,
                  report=checked.report, parts=checked.parts)
@@ -681,6 +683,9 @@ def start_run(checked: folder.CheckedRun, verbose: int = 1) -> Run:
             result.say(f"note: {notice}")
         else:
             result.notice(notice)
+    if checked.continue_run:     # until it ends, the folder's report shows no ranking stage
+        run_report.write(out, {key: value for key, value in result.report.items()
+                               if key != "examples"})           # lists served by the ranking
     if checked.overwrite and not checked.continue_run:
         folder.clear(out)
     if checked.resume == folder.AFTER_RETRIEVAL:

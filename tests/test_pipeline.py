@@ -212,6 +212,8 @@ def test_plots_and_human_report_exist(run):
     assert "<table>" in page and page.count('src="data:image/png;base64,') == 3
     assert "http://" not in page and "https://" not in page        # nothing fetched to read it
     assert (out / "config.json").exists() and (out / "tensorboard").is_dir()
+    from tworec.pipeline.folder import RUN_ENTRIES        # what --overwrite clears: all of it
+    assert set(os.listdir(out)) - {"command_output.txt"} <= set(RUN_ENTRIES)
 
 
 def test_train_retrieval_script_writes_its_part_of_the_run(retrieval_run):

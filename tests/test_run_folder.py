@@ -52,7 +52,7 @@ def trained_run(out, log: str, report: bool = True, columns: dict = COLUMNS,
     """Writes what a finished retrieval run on `log` with `columns` and `split` leaves for a
     continued run to check: config.json (with the log's fingerprint, a chosen cold-start window
     and the source's fields replaced by `recorded`) and, with `report`, a report.json with
-    retrieval's results."""
+    retrieval's results and a retrieval export's version folder."""
     checked = folder.check_run(str(out), {"data": log, "columns": columns},
                                config.resolve("tiny", data={"split": split}))
     configs = checked.configs
@@ -62,6 +62,7 @@ def trained_run(out, log: str, report: bool = True, columns: dict = COLUMNS,
     config.write(os.path.join(out, "config.json"), configs, {**checked.source, **(recorded or {})})
     if report:
         (out / "report.json").write_text(json.dumps({"retrieval": {"test": None}}))
+        os.makedirs(out / "export" / "retrieval" / "1")
 
 
 def continue_run(out) -> folder.CheckedRun:
@@ -478,12 +479,16 @@ def test_a_run_stopped_after_retrieval_trained_resumes_from_it(tmp_path, script,
                                   '{"source": {}, "data": "x"}'])
 def test_a_config_that_cannot_be_read_is_named_in_one_line(tmp_path, script, text):
     """A folder holding only a config.json cut short (config.json is now written whole or not
-    at all, but older runs and other writers may leave one) names the file."""
+    at all, but older runs and other writers may leave one) names the file, and advice that
+    works for a new run and a continued one alike (train_ranking takes no --overwrite)."""
     (tmp_path / "config.json").write_text(text)
-    code, error = script("train_retrieval.py", "--data", "synthetic:tiny", "--preset", "tiny",
-                         "--out", str(tmp_path))
-    assert code == 2 and f"{tmp_path / 'config.json'} cannot be read as a run's config" in error
-    assert "pass --overwrite to start over" in error and len(error.strip().splitlines()) == 1
+    for command in (["train_retrieval.py", "--data", "synthetic:tiny", "--preset", "tiny",
+                     "--out", str(tmp_path)], ["train_ranking.py", "--retrieval-run",
+                                               str(tmp_path)]):
+        code, error = script(*command)
+        assert code == 2 and error == (
+            f"error: {tmp_path / 'config.json'} cannot be read as a run's config "
+            f"{error.split(' config ')[1].split(';')[0]}; {folder.TRAIN_AGAIN}\n"), error
 
 
 def test_a_continued_run_of_a_release_may_predate_its_shuffled_ties(tmp_path):
@@ -660,3 +665,96 @@ def test_an_out_that_cannot_be_made_leaves_no_folder_it_made(tmp_path):
         with folder.only_run_into(str(out)):
             pass
     assert os.listdir(tmp_path) == []
+
+
+def test_a_stopped_overwrite_leaves_a_folder_the_next_run_finishes_clearing(tmp_path,
+                                                                            monkeypatch):
+    """--overwrite moves every entry of the old run aside (config.json last) before deleting
+    them: a Ctrl-C while they are deleted leaves that aside folder alone, with no advice to
+    resume the old run, and the next run deletes it and starts afresh."""
+    from tworec.pipeline import cli
+    out = tmp_path / "run"
+    for name in ("export/retrieval/1", "checkpoints/retrieval", "tensorboard", "plots"):
+        os.makedirs(out / name)
+    for name in ("config.json", "retrieval_config.json", "report.json", "report.md",
+                 "report.html"):
+        (out / name).write_text("{}")
+    moved = []
+    replace, rmtree = os.replace, folder.shutil.rmtree
+    monkeypatch.setattr(folder.os, "replace", lambda src, dst: moved.append(
+        os.path.basename(src)) or replace(src, dst))
+
+    def stopped(path, *args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(folder.shutil, "rmtree", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        folder.clear(str(out))
+    monkeypatch.undo()
+    assert moved[-1] == "config.json" and len(moved) == 9
+    assert os.listdir(out) == [folder.CLEARING]
+    assert cli.resume_advice(str(out), overwrite=True) == ""
+    assert folder.check_fresh(str(out), overwrite=False) is None and os.listdir(out) == []
+    assert rmtree is folder.shutil.rmtree
+
+
+def test_a_report_stopped_while_written_leaves_no_report_json(tmp_path, monkeypatch):
+    """report.json marks a finished run: it is written last, whole, once report.md and
+    report.html are; a stop before leaves the folder's earlier report.json as it was."""
+    from tworec.pipeline import report as run_report
+    (tmp_path / "report.json").write_text('{"retrieval": {"test": null}}')
+
+    replace = os.replace
+
+    def stopped_at_html(source, target):
+        if target.endswith("report.html"):
+            raise KeyboardInterrupt
+        replace(source, target)
+    monkeypatch.setattr(run_report, "markdown", lambda report, out, plots: "# a report\n")
+    monkeypatch.setattr(run_report, "html", lambda text, out, plots: "<p>a report</p>")
+    monkeypatch.setattr(run_report.os, "replace", stopped_at_html)
+    with pytest.raises(KeyboardInterrupt):
+        run_report.write(str(tmp_path), {"retrieval": {"test": None}, "ranking": {}})
+    assert json.loads((tmp_path / "report.json").read_text()) == {"retrieval": {"test": None}}
+    assert (tmp_path / "report.md").exists() and not (tmp_path / "report.html").exists()
+    monkeypatch.setattr(run_report.os, "replace", replace)
+    run_report.write(str(tmp_path), {"retrieval": {"test": None}, "ranking": {}})
+    assert "ranking" in json.loads((tmp_path / "report.json").read_text())
+    assert sorted(os.listdir(tmp_path)) == ["plots", "report.html", "report.json", "report.md"]
+
+
+def test_a_continued_run_shows_no_old_ranking_from_its_start(tmp_path, capsys):
+    """Once a continued run starts, the folder's report drops the ranking stage it replaces
+    (and the example lists it served): stopped after its export, the folder serves the new
+    ranker and no figure of the old one. Its Ctrl-C line says the report shows no ranking
+    until the command is rerun; a folder whose report still shows one gets no advice."""
+    from tworec.pipeline import cli
+    from tworec.pipeline.run import start_run
+    trained_run(tmp_path / "run", write_log(tmp_path / "log.csv"))
+    old = {"retrieval": {"test": None}, "ranking": {"model": "dcn"}, "examples": {"users": []},
+           "two_stage": {"test": {"recall@10": 0.715}}, "serving": {"served": {}}}
+    (tmp_path / "run" / "report.json").write_text(json.dumps(old))
+    assert cli.stopped(str(tmp_path / "run"), overwrite=False, continue_run=True) == 130
+    assert capsys.readouterr().err == "error: stopped (Ctrl-C)\n"
+    start_run(continue_run(tmp_path / "run"), verbose=0)
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert not {"ranking", "two_stage", "serving", "examples"} & set(report)
+    assert "Two-stage" not in (tmp_path / "run" / "report.md").read_text()
+    assert cli.stopped(str(tmp_path / "run"), overwrite=False, continue_run=True) == 130
+    assert capsys.readouterr().err == ("error: stopped (Ctrl-C); its report shows no ranking "
+                                       "stage until the same command, rerun, trains one\n")
+
+
+@pytest.mark.parametrize("broken", ["report", "export"])
+def test_a_continued_run_refuses_a_report_or_export_it_cannot_use(tmp_path, broken):
+    """A report.json cut short, or no retrieval export to compose with, is refused before any
+    training, naming it, with advice that works for a continued run."""
+    trained_run(tmp_path / "run", write_log(tmp_path / "log.csv"))
+    if broken == "report":
+        (tmp_path / "run" / "report.json").write_text('{"retrieval": {"te')
+        named = f"{tmp_path / 'run' / 'report.json'} cannot be read as a run's report ("
+    else:
+        os.rmdir(tmp_path / "run" / "export" / "retrieval" / "1")
+        named = f"{tmp_path / 'run'}: holds no retrieval export (export/retrieval/N)"
+    with pytest.raises(folder.RunFolderError) as error:
+        continue_run(tmp_path / "run")
+    assert str(error.value).startswith(named) and str(error.value).endswith(folder.TRAIN_AGAIN)
