@@ -265,6 +265,7 @@ def test_a_continued_run_refuses_a_folder_whose_retrieval_stage_did_not_finish(t
     trained_run(tmp_path / "run", write_log(tmp_path / "log.csv"), report=False)
     code, error = script("train_ranking.py", "--retrieval-run", str(tmp_path / "run"))
     assert code == 2 and "its retrieval stage did not finish" in error, error
+    assert error.strip().endswith("; rerun the command that started it to resume its training")
     assert len(error.strip().splitlines()) == 1, error
 
 
