@@ -40,25 +40,40 @@ def check_elements(shapes: dict[str, list[int]], max_elements: int) -> None:
     """Refuses (INVALID_ARGUMENT) inputs whose shapes hold more than `max_elements` elements
     together, or an empty input whose other dimensions alone would hold more (no array of
     such a shape can be made, empty or not); checked on the declared shapes, before any input
-    is converted."""
+    is converted, each shape's rank and signs first (`check_dims`)."""
     from tworec.serving.errors import ServingError
 
-    total = sum(math.prod(shape) for shape in shapes.values() if min(shape, default=0) >= 0)
-    if total > max_elements:
-        raise ServingError("INVALID_ARGUMENT", f"The request's inputs have {total} elements; a "
-                           f"request may have at most {max_elements} "
+    for name, shape in shapes.items():
+        check_dims(name, shape)
+    counts = [_product(shape, max_elements) for shape in shapes.values()]
+    if sum(counts) > max_elements:
+        total = f"more than {max_elements}" if max(counts) > max_elements else sum(counts)
+        raise ServingError("INVALID_ARGUMENT", f"The request's inputs have {total} elements; "
+                           f"a request may have at most {max_elements} "
                            "(--max_elements_per_request)")
     for name, shape in shapes.items():
-        spread = math.prod(size for size in shape if size > 0)
-        if min(shape, default=1) == 0 and spread > max_elements:
+        if 0 in shape and _product([size for size in shape if size], max_elements) > max_elements:
             raise ServingError("INVALID_ARGUMENT", f'Input "{name}" has shape {shape}: empty, '
-                               f"but its other dimensions hold {spread} elements; a request may "
-                               f"have at most {max_elements} (--max_elements_per_request)")
+                               f"but its other dimensions hold more than {max_elements} "
+                               f"elements; a request may have at most {max_elements} "
+                               "(--max_elements_per_request)")
 
 
-def check_shape(name: str, shape: list[int], max_rows: int) -> None:
-    """Refuses (INVALID_ARGUMENT) a shape of too high a rank, a negative dimension, or more
-    than `max_rows` rows in dimension 0."""
+def _product(shape: list[int], bound: int) -> int:
+    """The product of the sizes, or `bound + 1` as soon as it passes `bound` (32 sizes of
+    2^62 multiply to a 600-digit number; a product never grows past bound × 2^63)."""
+    if 0 in shape:
+        return 0
+    product = 1
+    for size in shape:
+        product *= size
+        if product > bound:
+            return bound + 1
+    return product
+
+
+def check_dims(name: str, shape: list[int]) -> None:
+    """Refuses (INVALID_ARGUMENT) a shape of too high a rank or with a negative dimension."""
     from tworec.serving.errors import ServingError
 
     if len(shape) > MAX_RANK:
@@ -67,6 +82,14 @@ def check_shape(name: str, shape: list[int], max_rows: int) -> None:
     if any(size < 0 for size in shape):
         raise ServingError("INVALID_ARGUMENT", f'Input "{name}" has a negative dimension in '
                            f"shape {shape}")
+
+
+def check_shape(name: str, shape: list[int], max_rows: int) -> None:
+    """Refuses (INVALID_ARGUMENT) a shape of too high a rank, a negative dimension, or more
+    than `max_rows` rows in dimension 0."""
+    from tworec.serving.errors import ServingError
+
+    check_dims(name, shape)
     if shape and shape[0] > max_rows:
         raise ServingError("INVALID_ARGUMENT", f'Input "{name}" has {shape[0]} rows; a request '
                            f"may have at most {max_rows} (--max_rows_per_request)")

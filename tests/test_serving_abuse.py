@@ -170,6 +170,24 @@ def test_elements_per_request_are_limited(models):
         assert "--max_elements_per_request" in error.details()
 
 
+def test_a_shape_of_huge_rank_is_refused_before_its_size_is_counted(models):
+    """100k dimensions of 2^62 (a 1.2 MB proto) froze the server: their product was counted
+    (big ints, quadratic) before the rank was checked, then could not be formatted (an
+    INTERNAL answer). Rank and signs come first, and a count stops once past the limit."""
+    from tworec.serving.limits import check_elements
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = "scale"
+    request.inputs["x"].CopyFrom(_proto(types_pb2.DT_FLOAT, [1 << 62] * 5000))
+    with _serve(models) as server:
+        error = _grpc_error(_stub(server).Predict, request)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert 'Input "x" has rank 5000; at most 32 dimensions' in error.details()
+    with pytest.raises(ServingError, match="have more than 100 elements; .* at most 100 "):
+        check_elements({"x": [2, 3], "y": [(1 << 63) - 1] * 32}, max_elements=100)
+    with pytest.raises(ServingError, match='"y" has a negative dimension'):
+        check_elements({"x": [2, 3], "y": [1 << 62] * 31 + [-1]}, max_elements=100)
+
+
 def test_default_row_limit_follows_memory():
     from tworec.serving.limits import default_max_rows
     assert default_max_rows(24 << 30) == 6144
