@@ -11,10 +11,12 @@ one model version, signature and output filter queue together; a batch closes wh
 `max_batch_size` rows or its first request has waited `batch_timeout_micros`, and runs on one of
 `num_batch_threads` threads of its own, so a batch fills however few request threads there are.
 Every request is checked alone before it may join a queue (names, dtypes, shapes and one shared
-dimension 0), the merged outputs go back by each request's own row count, and when a merged run
-fails on its data each request is run alone so that it gets its own answer or error. A merged
-run is bounded by the latest deadline of its requests, never the earliest, so one request with a
-short deadline cannot cut the others' run short. A request larger than
+dimension 0) and the merged outputs go back by each request's own row count; when a merged run
+fails on its data, its halves run merged in turn, down to the request at fault, so that each
+request gets its own answer or error. Like TF Serving's batching, this relies on the model's rows
+being independent: a model that mixes the rows of a batch answers a request differently batched.
+A merged run is bounded by the latest deadline of its requests, never the earliest, so one
+request with a short deadline cannot cut the others' run short. A request larger than
 `max_batch_size` is refused ("Task size ... is larger than maximum input batch size ...")
 unless `enable_large_batch_splitting` splits it.
 """
@@ -85,12 +87,13 @@ class Direct:
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="predict")
 
     def submit(self, model: LoadedModel, inputs: dict[str, np.ndarray], signature_name: str = "",
-               output_filter: tuple[str, ...] | list[str] = (),
-               deadline: float | None = None) -> Future:
-        """Checks the request (raising `ServingError`) and queues its run."""
+               output_filter: tuple[str, ...] | list[str] = (), deadline: float | None = None,
+               cancelled: Callable[[], bool] = _never) -> Future:
+        """Checks the request (raising `ServingError`) and queues its run; dropped if
+        `cancelled()` by the time it starts."""
         inputs = model.check_inputs(inputs, signature_name)
         return self._pool.submit(self._run, model, inputs, signature_name, tuple(output_filter),
-                                 deadline)
+                                 deadline, cancelled)
 
     def run(self, model: LoadedModel, inputs: dict[str, np.ndarray], signature_name: str = "",
             output_filter: tuple[str, ...] | list[str] = (), deadline: float | None = None,
@@ -330,25 +333,52 @@ _NOT_DATA_ERRORS = ("DEADLINE_EXCEEDED", "CANCELLED", "UNAVAILABLE")
 
 
 def _run_batch(queue: _Queue, tasks: list[_Task]) -> None:
-    """Runs the tasks as one merged batch, or one by one when the merged run fails on its data
-    (or its outputs cannot be split), so that each request gets its own answer or error."""
-    tasks = _start(tasks)
-    if len(tasks) > 1:
+    """Runs the tasks still wanted (`_start`) as one merged batch (`_run_halving`)."""
+    _run_halving(queue, _start(tasks))
+
+
+def _run_halving(queue: _Queue, tasks: list[_Task]) -> None:
+    """Runs started tasks as one merged batch; when a merged run fails on its data (or its
+    outputs cannot be split), runs each half merged in turn, halving again only a half that
+    fails, so that each request gets its own answer or error and one bad request among n
+    costs 2·ceil(log2 n) more runs, not n (the good ones batched with it meet their
+    deadlines). Tasks whose client left or deadline passed meanwhile are not run again."""
+    if not tasks:
+        return
+    if len(tasks) == 1:
         try:
-            return _run_merged(queue, tasks)
+            tasks[0].future.set_result(_run(queue.model, tasks[0].inputs, queue.signature_name,
+                                            queue.output_filter, tasks[0].deadline))
         except ServingError as error:
-            if error.code in _NOT_DATA_ERRORS:
-                for task in tasks:
-                    task.future.set_exception(error)
-                return
-            log.info("a merged batch of %d requests failed (%s); running them one by one",
-                     len(tasks), error)
+            tasks[0].future.set_exception(error)
+        return
+    try:
+        return _run_merged(queue, tasks)
+    except ServingError as error:
+        if error.code in _NOT_DATA_ERRORS:
+            for task in tasks:
+                task.future.set_exception(error)
+            return
+        log.info("a merged batch of %d requests failed (%s); running its halves", len(tasks),
+                 error)
+    for half in (tasks[:len(tasks) // 2], tasks[len(tasks) // 2:]):
+        _run_halving(queue, _still_wanted(half))
+
+
+def _still_wanted(tasks: list[_Task]) -> list[_Task]:
+    """The started tasks to run again: those whose client has gone or whose deadline has
+    passed are answered instead."""
+    wanted = []
     for task in tasks:
-        try:
-            task.future.set_result(_run(queue.model, task.inputs, queue.signature_name,
-                                        queue.output_filter, task.deadline))
-        except ServingError as error:
-            task.future.set_exception(error)
+        left = remaining(task.deadline)
+        if task.cancelled():
+            task.future.set_exception(ServingError("CANCELLED", "the client has gone"))
+        elif left is not None and left <= 0:
+            task.future.set_exception(ServingError(
+                "DEADLINE_EXCEEDED", "the request's deadline passed before the model answered"))
+        else:
+            wanted.append(task)
+    return wanted
 
 
 def _run_merged(queue: _Queue, tasks: list[_Task]) -> None:

@@ -184,7 +184,9 @@ class RestApp:
             inputs, row_form = await _maybe_offload(
                 big, parse_predict, request, _rest_signature(model, signature), self.max_rows,
                 self.max_elements)
-            future = self.scheduler.submit(model, inputs, signature, (), deadline)
+            gone = scope.get("extensions", {}).get(DISCONNECTED)
+            future = self.scheduler.submit(model, inputs, signature, (), deadline,
+                                           gone.done if gone else lambda: False)
             held.hold_until(future)               # a run left behind still holds its bytes
             outputs = await _wait(future, scope, deadline, self.timeout_seconds)
         big = sum(getattr(value, "nbytes", 0) for value in outputs.values()) > _INLINE_BYTES

@@ -760,6 +760,63 @@ class _Blocking:
         return {"y": inputs["x"] * 3}
 
 
+class _RefusesNegatives:
+    """A stand-in model: y = 3x, INVALID_ARGUMENT when any row is negative; records its runs'
+    rows, and calls `during_first_run` in the first."""
+
+    def __init__(self, during_first_run=lambda: None):
+        self.runs, self.during_first_run = [], during_first_run
+
+    def check_inputs(self, inputs, signature_name=""):
+        return inputs
+
+    def run(self, inputs, signature_name="", output_filter=(), timeout_seconds=None):
+        self.runs.append(inputs["x"].tolist())
+        if len(self.runs) == 1:
+            self.during_first_run()
+        if (inputs["x"] < 0).any():
+            raise ServingError("INVALID_ARGUMENT", "x must not be negative")
+        return {"y": inputs["x"] * 3}
+
+
+@pytest.mark.parametrize("size, bad", [(16, 5), (17, 16), (32, 0), (2, 1)])
+def test_one_bad_request_reruns_halves_of_its_batch_not_each_request(size, bad):
+    """A merged run failing on one request's data ran every request alone after it, serially:
+    16 good clients batched with one bad one timed out. Halves run merged instead, and only
+    a failing half is halved again: 1 + 2·ceil(log2 n) runs, each request its own answer."""
+    model = _RefusesNegatives()
+    batcher = Batcher(max_batch_size=size, batch_timeout_micros=60_000_000, num_batch_threads=1)
+    values = [-1.0 if i == bad else float(i) for i in range(size)]
+    try:
+        futures = [batcher.submit(model, {"x": np.array([v])}) for v in values]  # fills it
+        answers = [future.exception(timeout=60) or future.result()["y"].tolist()
+                   for future in futures]
+    finally:
+        batcher.close()
+    assert len(model.runs) <= 1 + 2 * int(np.ceil(np.log2(size)))
+    assert [a for i, a in enumerate(answers) if i != bad] == [
+        [3.0 * v] for i, v in enumerate(values) if i != bad]
+    assert answers[bad].code == "INVALID_ARGUMENT" and "negative" in answers[bad].message
+
+
+def test_a_request_whose_client_left_is_not_run_again():
+    """A client that leaves while its batch runs and fails is answered CANCELLED, and its rows
+    are in none of the halves run after."""
+    gone = threading.Event()
+    model = _RefusesNegatives(during_first_run=gone.set)
+    batcher = Batcher(max_batch_size=4, batch_timeout_micros=60_000_000, num_batch_threads=1)
+    try:
+        futures = [batcher.submit(model, {"x": np.array([v])}, cancelled=cancelled)
+                   for v, cancelled in [(1.0, lambda: False), (2.0, gone.is_set),
+                                        (-1.0, lambda: False), (4.0, lambda: False)]]
+        assert futures[1].exception(timeout=60).code == "CANCELLED"
+        assert [f.result(timeout=60)["y"].tolist() for f in futures[::3]] == [[3.0], [12.0]]
+    finally:
+        batcher.close()
+    assert model.runs[0] == [1.0, 2.0, -1.0, 4.0]
+    assert all(2.0 not in rows for rows in model.runs[1:])
+
+
 @pytest.mark.parametrize("abandon", ["cancelled", "refused"])
 def test_a_split_request_cancelled_or_refused_leaves_no_part_running(abandon):
     """Cancelling a split request cancels its queued parts, and a part refused by a full queue
