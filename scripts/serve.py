@@ -69,6 +69,9 @@ def parse_args(argv):
                         help="a REST request head must arrive within this long")
     parser.add_argument("--http_body_timeout_seconds", type=float, default=30.0,
                         help="a REST request body must arrive within this long (408)")
+    parser.add_argument("--http_body_stall_seconds", type=float, default=5.0,
+                        help="a REST request body none of which arrives for this long is "
+                        "refused (408), releasing its share of --max_request_bytes_in_flight")
     parser.add_argument("--shutdown_grace_seconds", type=float, default=10.0,
                         help="on SIGTERM or Ctrl-C, how long requests in flight may finish")
     parser.add_argument("--max_num_load_retries", type=int, default=5,
@@ -192,6 +195,7 @@ def main(argv=None) -> int:
                          max_concurrent_requests=args.max_concurrent_requests,
                          header_timeout_seconds=args.http_header_timeout_seconds,
                          body_timeout_seconds=args.http_body_timeout_seconds,
+                         body_stall_seconds=args.http_body_stall_seconds,
                          grace_seconds=args.shutdown_grace_seconds,
                          max_elements=args.max_elements_per_request,
                          max_request_bytes_in_flight=args.max_request_bytes_in_flight)

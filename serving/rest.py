@@ -6,9 +6,10 @@
 
 Every answer is JSON; errors are `{"error": MESSAGE}` with TF Serving's HTTP codes. Status and
 metadata are answered on the event loop, so they never wait behind predictions. A predict reads
-its body within `body_timeout_seconds` (408 otherwise; a client that leaves mid-body has nothing
-run), refuses a body over `max_request_bytes` (413) before reading it, and waits for its model
-run at most until its deadline (`--rest_api_timeout_in_ms`, 504); a request whose client has
+its body within `body_timeout_seconds`, none of it stalling longer than `body_stall_seconds`
+(408 otherwise, its bytes released; a client that leaves mid-body has nothing run), refuses a
+body over `max_request_bytes` (413) before reading it, and waits for its model run at most
+until its deadline (`--rest_api_timeout_in_ms`, 504); a request whose client has
 gone, or whose deadline passed, is dropped if its run has not started.
 """
 from __future__ import annotations
@@ -69,12 +70,15 @@ class RestApp:
         max_elements: the most elements the inputs of one request may have together.
         in_flight: the request bytes the server holds at once (shared with gRPC; None: one
             of its own, of `limits.default_max_request_bytes_in_flight`).
+        body_stall_seconds: a body none of which arrives for this long is refused (HTTP 408):
+            a stalled upload would otherwise hold its bytes of `in_flight` for the whole
+            body timeout, and a few such uploads refuse every other request.
     """
 
     def __init__(self, manager: ModelManager, scheduler, timeout_seconds: float = 30.0,
                  max_request_bytes: int = 64 << 20, max_rows: int | None = None,
                  body_timeout_seconds: float = 30.0, max_elements: int | None = None,
-                 in_flight: BytesInFlight | None = None):
+                 in_flight: BytesInFlight | None = None, body_stall_seconds: float = 5.0):
         self.manager = manager
         self.in_flight = in_flight or BytesInFlight(
             default_max_request_bytes_in_flight(max_request_bytes))
@@ -84,6 +88,7 @@ class RestApp:
         self.max_rows = max_rows or default_max_rows()
         self.max_elements = max_elements or default_max_elements()
         self.body_timeout_seconds = body_timeout_seconds
+        self.body_stall_seconds = body_stall_seconds
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -148,7 +153,13 @@ class RestApp:
     async def _receive_body(self, receive, held: Reservation) -> bytes:
         chunks, size = [], 0
         while True:
-            message = await receive()
+            try:
+                async with asyncio.timeout(self.body_stall_seconds):
+                    message = await receive()
+            except TimeoutError as error:
+                raise ServingError("DEADLINE_EXCEEDED", f"The request body stalled: none of "
+                                   f"it arrived for {self.body_stall_seconds:g} s",
+                                   http_status=408) from error
             if message["type"] == "http.disconnect":      # a partial body is never run
                 raise ClientGone()
             chunk = message.get("body", b"")

@@ -6,9 +6,9 @@ APIs hand predictions to one scheduler (`batching.Direct`, or a `batching.Batche
 their threads only wait for answers: status and metadata are never queued behind a model run.
 At most `max_concurrent_requests` requests are served at a time on each API (REST answers 503
 beyond, gRPC RESOURCE_EXHAUSTED); a REST connection must send its request head within
-`header_timeout_seconds` and its body within `body_timeout_seconds`. `stop` (and SIGTERM or
-SIGINT during `wait`) stops accepting, lets requests in flight finish for `grace_seconds`,
-then closes everything.
+`header_timeout_seconds` and its body within `body_timeout_seconds`, never pausing longer than
+`body_stall_seconds`. `stop` (and SIGTERM or SIGINT during `wait`) stops accepting, lets
+requests in flight finish for `grace_seconds`, then closes everything.
 """
 from __future__ import annotations
 
@@ -56,6 +56,8 @@ class ModelServer:
         max_request_bytes_in_flight: the request bytes held at once over both APIs, beyond
             which a request is refused UNAVAILABLE unless it is alone (None: from memory, see
             `limits.BytesInFlight`).
+        body_stall_seconds: a REST request body that makes no progress for this long is
+            refused, its bytes released.
     """
 
     def __init__(self, manager: ModelManager, host: str = "127.0.0.1",
@@ -65,7 +67,8 @@ class ModelServer:
                  predict_threads: int = 8, max_concurrent_requests: int = 256,
                  header_timeout_seconds: float = 10.0, body_timeout_seconds: float = 30.0,
                  grace_seconds: float = 10.0, max_elements: int | None = None,
-                 max_request_bytes_in_flight: int | None = None):
+                 max_request_bytes_in_flight: int | None = None,
+                 body_stall_seconds: float = 5.0):
         self.manager = manager
         self.host = host
         self.grpc_port, self.rest_port = grpc_port, rest_port
@@ -75,7 +78,7 @@ class ModelServer:
                                         default_max_request_bytes_in_flight(max_request_bytes))
         self._rest_app = RestApp(manager, self._scheduler, rest_timeout_seconds,
                                  max_request_bytes, max_rows, body_timeout_seconds,
-                                 max_elements, self._in_flight)
+                                 max_elements, self._in_flight, body_stall_seconds)
         self._max_request_bytes = max_request_bytes
         self._max_rows = max_rows
         self._max_elements = max_elements

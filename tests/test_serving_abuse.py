@@ -675,6 +675,33 @@ def test_request_bytes_in_flight_are_capped_over_both_apis(models):
                                      timeout=10).outputs["y"].float_val == [3.0]
 
 
+def test_a_stalled_body_is_cut_off_and_its_bytes_freed(models):
+    """Uploads stalled just short of their end held the bytes in flight for the whole body
+    timeout, and every other predict was refused meanwhile. A body none of which arrives for
+    `body_stall_seconds` is refused 408 and its bytes freed; one that trickles in runs."""
+    with _serve(models, names=("scale",), max_request_bytes_in_flight=100,
+                body_timeout_seconds=120, body_stall_seconds=1.5) as server:
+        url = f"http://127.0.0.1:{server.rest_port}/v1/models/scale:predict"
+        stalled = _connect(server.rest_port)
+        stalled.sendall((_HEAD + "Content-Length: 100\r\n\r\n" + " " * 90).encode())
+        _wait_for(lambda: server._in_flight.held == 90, seconds=30)
+        assert requests.post(url, data=_BODY, timeout=5).status_code == 503
+        stalled.settimeout(60)
+        answer = b"".join(iter(lambda: stalled.recv(65536), b""))         # until it closes
+        assert b" 408 " in answer.split(b"\r\n")[0]
+        assert answer.endswith(b'{"error": "The request body stalled: none of it arrived for '
+                               b'1.5 s"}')
+        _wait_for(lambda: server._in_flight.held == 0, seconds=30)
+        assert requests.post(url, data=_BODY, timeout=5).json() == {"outputs": [3.0]}
+        trickle = _connect(server.rest_port)
+        trickle.sendall((_HEAD + f"Content-Length: {len(_BODY)}\r\n\r\n").encode())
+        for byte in _BODY:                         # 17 bytes over ~3.4 s, none late
+            time.sleep(0.2)
+            trickle.sendall(bytes([byte]))
+        trickle.settimeout(60)
+        assert b" 200 " in trickle.recv(65536).split(b"\r\n")[0]
+
+
 def test_a_run_its_client_left_holds_its_request_bytes_until_it_ends(models):
     """The ~3 s spin run goes on after its REST client leaves; its inputs stay in memory, so
     its bytes stay counted in flight until the run ends, then are free."""
