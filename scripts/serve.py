@@ -72,6 +72,9 @@ def parse_args(argv):
     parser.add_argument("--http_body_stall_seconds", type=float, default=5.0,
                         help="a REST request body none of which arrives for this long is "
                         "refused (408), releasing its share of --max_request_bytes_in_flight")
+    parser.add_argument("--http_write_stall_seconds", type=float, default=5.0,
+                        help="a REST connection whose client reads none of its answer for this "
+                        "long is aborted, its unsent answer dropped")
     parser.add_argument("--shutdown_grace_seconds", type=float, default=10.0,
                         help="on SIGTERM or Ctrl-C, how long requests in flight may finish")
     parser.add_argument("--max_num_load_retries", type=int, default=5,
@@ -196,6 +199,7 @@ def main(argv=None) -> int:
                          header_timeout_seconds=args.http_header_timeout_seconds,
                          body_timeout_seconds=args.http_body_timeout_seconds,
                          body_stall_seconds=args.http_body_stall_seconds,
+                         write_stall_seconds=args.http_write_stall_seconds,
                          grace_seconds=args.shutdown_grace_seconds,
                          max_elements=args.max_elements_per_request,
                          max_request_bytes_in_flight=args.max_request_bytes_in_flight)

@@ -99,8 +99,9 @@ class BytesInFlight:
     """The request bytes the server holds at once (REST bodies as they arrive, so that a
     client declaring a large body and sending none holds nothing, and gRPC messages, until
     their answer is made or, for a REST run its client left, the run ends; a gRPC request
-    under batching, or a request split into parts, releases its bytes when it returns; an
-    answer being sent is not counted), bounded by `limit`: a request that would pass it is refused
+    under batching, or a request split into parts, releases its bytes when it returns; then
+    a REST answer's bytes until at most 64 KiB of it waits in the server for its client to
+    read it), bounded by `limit`: a request that would pass it is refused
     UNAVAILABLE (retry later; HTTP 503), unless no other request is held, so a lone request of
     up to --max_request_bytes always runs. A request costs a multiple of its bytes while it is
     parsed and run (a 63 MB REST ranking request of 8M short ids raised the server's peak
@@ -149,9 +150,10 @@ class Reservation:
             self.budget._held -= self.size
             self.size = 0
 
-    def cover(self, size: int) -> None:
+    def cover(self, size: int, refuse: bool = True) -> None:
         """Grows the reservation to `size` bytes when it is smaller; raises ServingError
-        (UNAVAILABLE) when the others' bytes and these would pass the limit."""
+        (UNAVAILABLE) when the others' bytes and these would pass the limit, unless not
+        `refuse` (an answer already made: its bytes are held anyway)."""
         from tworec.serving.errors import ServingError
 
         with self.budget._lock:
@@ -159,7 +161,7 @@ class Reservation:
             others = self.budget._held - self.size
             if more <= 0:
                 return
-            if others and others + size > self.budget.limit:
+            if refuse and others and others + size > self.budget.limit:
                 raise ServingError("UNAVAILABLE", f"The server holds {others} bytes of other "
                                    f"requests; with this one's {size} they would pass "
                                    f"{self.budget.limit} (--max_request_bytes_in_flight); "

@@ -8,9 +8,13 @@ Every answer is JSON; errors are `{"error": MESSAGE}` with TF Serving's HTTP cod
 metadata are answered on the event loop, so they never wait behind predictions. A predict reads
 its body within `body_timeout_seconds`, none of it stalling longer than `body_stall_seconds`
 (408 otherwise, its bytes released; a client that leaves mid-body has nothing run), refuses a
-body over `max_request_bytes` (413) before reading it, and waits for its model run at most
-until its deadline (`--rest_api_timeout_in_ms`, 504); a request whose client has
-gone, or whose deadline passed, is dropped if its run has not started.
+body over `max_request_bytes` (413) before reading it, and waits for its model run at most until
+its deadline (`--rest_api_timeout_in_ms`, 504); a request whose client has gone, or whose
+deadline passed, is dropped if its run has not started. An answer's bytes count in flight until
+at most 64 KiB of it is left unsent (the transport's write buffer is under its high-water mark,
+or has drained to its low-water mark), and a connection whose client reads none of its answer
+for `write_stall_seconds` is aborted, its unsent bytes dropped (uvicorn has no write timeout: an
+unread answer stayed in memory for as long as its client kept the connection open).
 """
 from __future__ import annotations
 
@@ -44,6 +48,9 @@ _INLINE_BYTES = 64 << 10
 DISCONNECTED = "tworec.disconnected"
 # The scope extension that is True when the request is over the server's concurrency limit.
 OVER_LIMIT = "tworec.over_limit"
+# The scope extension holding an async function that returns once the connection's write
+# buffer is below its low-water mark, or the connection is lost.
+DRAINED = "tworec.drained"
 
 
 class ClientGone(Exception):
@@ -109,7 +116,14 @@ class RestApp:
             log.exception("REST request %s %s failed", scope["method"], scope["path"])
             status, data = 500, _json_bytes({"error": "the request failed on the server; the "
                                                       "server log has the details"})
-        await _send_json(send, status, data, close=over_limit or unread or status in (408, 413))
+        with self.in_flight.reserve() as answer:           # until its client has read it
+            answer.cover(len(data), refuse=False)
+            await _send_json(send, status, data,
+                             close=over_limit or unread or status in (408, 413))
+            del data                          # what is unsent is in the transport's buffer
+            drained = scope.get("extensions", {}).get(DRAINED)
+            if drained is not None:
+                await drained()
 
     async def _answer(self, scope, receive) -> tuple[int, bytes]:
         """(HTTP status, JSON body) of a request, serialized here so that an answer that
@@ -300,10 +314,13 @@ class HeaderTimeoutProtocol(H11Protocol):
     and under `extensions[OVER_LIMIT]` whether it is beyond `config.max_concurrent_requests`
     requests in flight, itself counted (uvicorn's `limit_concurrency` would also count idle
     connections, so a client's pool of kept-alive ones could refuse every other client; its
-    503 answer is not JSON either).
+    503 answer is not JSON either), and under `extensions[DRAINED]` uvicorn's wait for its
+    write buffer to drain. While writes are paused (the buffer over its high-water mark), a
+    connection whose client reads nothing for `config.write_stall_seconds` is aborted.
     """
 
     _header_timer: asyncio.TimerHandle | None = None
+    _write_timer: asyncio.TimerHandle | None = None
     _seen_cycle = None
 
     def connection_made(self, transport) -> None:
@@ -323,14 +340,42 @@ class HeaderTimeoutProtocol(H11Protocol):
             self._disarm()
             extensions = self.scope.setdefault("extensions", {})
             extensions[DISCONNECTED] = self._disconnected
+            extensions[DRAINED] = self.flow.drain
             limit = self.config.max_concurrent_requests   # its own task counted
             extensions[OVER_LIMIT] = limit is not None and len(self.tasks) > limit
 
     def connection_lost(self, exc) -> None:
         self._disarm()
+        self._stop_watching_writes()
         if not self._disconnected.done():
             self._disconnected.set_result(None)
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._watch_writes(None)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._stop_watching_writes()
+
+    def _watch_writes(self, left_before: int | None) -> None:
+        """Aborts the connection when none of its write buffer has been sent since the last
+        look, `config.write_stall_seconds` ago; otherwise looks again that much later."""
+        left = self.transport.get_write_buffer_size()
+        if left == left_before:
+            log.info("aborting a connection whose client read none of its %d unsent bytes for "
+                     "%g s", left, self.config.write_stall_seconds)
+            self._write_timer = None
+            self.transport.abort()
+            return
+        self._write_timer = self.loop.call_later(self.config.write_stall_seconds,
+                                                 self._watch_writes, left)
+
+    def _stop_watching_writes(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
 
     def _arm(self) -> None:
         self._disarm()

@@ -702,6 +702,37 @@ def test_a_stalled_body_is_cut_off_and_its_bytes_freed(models):
         assert b" 200 " in trickle.recv(65536).split(b"\r\n")[0]
 
 
+class LongAnswer(tf.Module):
+    """x [b] float32 -> y [b] string: 8 MiB of "a" a row, more than loopback's socket buffers
+    hold."""
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32, name="x")])
+    def serve(self, x):
+        row = tf.strings.reduce_join(tf.fill([2048], "a" * 4096))
+        return {"y": tf.fill(tf.shape(x), row)}
+
+
+def test_an_unread_answer_is_counted_until_read_and_its_stalled_connection_aborted(tmp_path):
+    """A client that never read its answer pinned it in the server's write buffer for as long
+    as it kept the connection open, uncounted (40 such clients took 0.9 GB). The answer's
+    bytes now count in flight until it is read, and the connection is aborted once its client
+    reads none of it for `write_stall_seconds`, which frees them; a reading client is served."""
+    save(LongAnswer(), str(tmp_path / "long"))
+    manager = ModelManager([ModelConfig("long", str(tmp_path / "long"))], poll_seconds=0)
+    with ModelServer(manager, grpc_port=None, rest_port=0, write_stall_seconds=1.0) as server:
+        url = f"http://127.0.0.1:{server.rest_port}/v1/models/long:predict"
+        assert requests.post(url, data=_BODY, timeout=60).json() == {"outputs": ["a" * (8 << 20)]}
+        _wait_for(lambda: server._in_flight.held == 0, seconds=30)
+        unread = socket.socket()
+        unread.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        unread.connect(("127.0.0.1", server.rest_port))
+        unread.sendall((_HEAD.replace("scale", "long") + f"Content-Length: {len(_BODY)}\r\n\r\n"
+                        ).encode() + _BODY)
+        _wait_for(lambda: server._in_flight.held > 8 << 20, seconds=60)
+        _wait_for(lambda: server._in_flight.held == 0, seconds=60)
+        assert _closed_within(unread, 10)
+
+
 def test_a_run_its_client_left_holds_its_request_bytes_until_it_ends(models):
     """The ~3 s spin run goes on after its REST client leaves; its inputs stay in memory, so
     its bytes stay counted in flight until the run ends, then are free."""
