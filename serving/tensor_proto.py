@@ -47,7 +47,7 @@ def to_array(name: str, proto: tensor_pb2.TensorProto, max_rows: int) -> np.ndar
     check_shape(name, shape, max_rows)
     if proto.dtype not in _FIELDS:
         raise ServingError("INVALID_ARGUMENT", f'Input "{name}" has dtype '
-                           f"{types_pb2.DataType.Name(proto.dtype)}, which requests cannot carry")
+                           f"{_dtype_name(proto.dtype)}, which requests cannot carry")
     want = math.prod(shape)
     got = _values_present(name, proto)
     if got != want:
@@ -63,6 +63,15 @@ def to_array(name: str, proto: tensor_pb2.TensorProto, max_rows: int) -> np.ndar
         dtype = tf.as_dtype(proto.dtype).as_numpy_dtype
         return np.array(proto.int_val, np.int32).astype(dtype).reshape(shape)
     return tf.make_ndarray(proto)
+
+
+def _dtype_name(dtype: int) -> str:
+    """The DataType's name, or what the number is when it names none (a proto3 enum field
+    keeps any int32 it is sent)."""
+    try:
+        return types_pb2.DataType.Name(dtype)
+    except ValueError:
+        return f"{dtype}, not a DataType enum value"
 
 
 def _values_present(name: str, proto: tensor_pb2.TensorProto) -> int | float:

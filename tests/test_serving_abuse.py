@@ -272,6 +272,16 @@ def test_a_proto_short_of_its_shape_is_refused_saying_what_to_send(proto, carrie
         to_array("x", proto, max_rows=10)
 
 
+@pytest.mark.parametrize("dtype, said", [(999, "dtype 999, not a DataType enum value"),
+                                         (types_pb2.DT_VARIANT, "dtype DT_VARIANT, which")])
+def test_a_dtype_requests_cannot_carry_is_named_in_an_invalid_argument(dtype, said):
+    """A proto3 enum field keeps any number: 999 was answered INTERNAL (naming it raised)."""
+    from tworec.serving.tensor_proto import to_array
+    with pytest.raises(ServingError, match=said) as error:
+        to_array("x", _proto(dtype, [1], float_val=[1.0]), max_rows=10)
+    assert error.value.code == "INVALID_ARGUMENT"
+
+
 @pytest.mark.parametrize("dtype", [types_pb2.DT_INT8, types_pb2.DT_UINT8, types_pb2.DT_INT16,
                                    types_pb2.DT_UINT16])
 def test_narrow_ints_out_of_range_are_cast_as_tf_serving_casts_them(dtype):
