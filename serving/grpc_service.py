@@ -90,6 +90,7 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
         deadline = None if left is None else time.monotonic() + left
         with self.in_flight.reserve(request.ByteSize()), \
                 self.manager.lease(*version_of(request.model_spec)) as (number, model):
+            model.check_input_names(request.inputs, signature)     # before any is converted
             check_elements({name: [dim.size for dim in proto.tensor_shape.dim]
                             for name, proto in request.inputs.items()}, self.max_elements)
             inputs = {name: to_array(name, proto, self.max_rows)

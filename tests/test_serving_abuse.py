@@ -188,6 +188,27 @@ def test_a_shape_of_huge_rank_is_refused_before_its_size_is_counted(models):
         check_elements({"x": [2, 3], "y": [1 << 62] * 31 + [-1]}, max_elements=100)
 
 
+def test_input_names_are_checked_before_any_input_is_converted(models, monkeypatch):
+    """200k one-float inputs cost 4.4 s of CPU: each was converted before the names were
+    compared with the signature. Now a request whose names do not match converts none."""
+    from tworec.serving import grpc_service
+    converted = []
+
+    def counting_to_array(name, proto, max_rows):
+        converted.append(name)
+        return to_array(name, proto, max_rows)
+    to_array = grpc_service.to_array
+    monkeypatch.setattr(grpc_service, "to_array", counting_to_array)
+    request = _request("scale", {str(i): np.ones(1, np.float32) for i in range(1000)})
+    with _serve(models) as server:
+        error = _grpc_error(_stub(server).Predict, request)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.details().startswith("input size does not match signature: 1000!=1")
+        assert converted == []
+        _stub(server).Predict(_request("scale", {"x": np.ones(1, np.float32)}), timeout=10)
+    assert converted == ["x"]
+
+
 def test_default_row_limit_follows_memory():
     from tworec.serving.limits import default_max_rows
     assert default_max_rows(24 << 30) == 6144
