@@ -22,6 +22,8 @@ HTTP_STATUS = {
 CODE_OF_HTTP_STATUS = {status: code for code, status in reversed(HTTP_STATUS.items())}
 
 MAX_GRPC_MESSAGE = 1024
+# The most characters of a client's value an error message repeats.
+MAX_ECHOED = 100
 # An absolute path of two or more components, e.g. /srv/models/m/1/saved_model.pb.
 _PATH = re.compile(r"(?<![\w.:/])/(?:[\w.{}|@+=,-]+/)+[\w.{}|@+=,-]*")
 
@@ -49,11 +51,12 @@ class ServingError(Exception):
         return f"{self.code}: {self.message}"
 
 
-def truncate(message: str) -> str:
-    """Cuts a gRPC status message the way TF Serving does."""
-    if len(message) <= MAX_GRPC_MESSAGE:
+def truncate(message: str, limit: int = MAX_GRPC_MESSAGE) -> str:
+    """Cuts a gRPC status message the way TF Serving does, or with `limit=MAX_ECHOED` a
+    client's value that an error repeats, so that no answer grows with the request."""
+    if len(message) <= limit:
         return message
-    return message[:MAX_GRPC_MESSAGE] + "...TRUNCATED"
+    return message[:limit] + "...TRUNCATED"
 
 
 def redact(message: str) -> str:

@@ -16,7 +16,7 @@ import tensorflow as tf
 from tensorflow.core.framework import types_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
 
-from tworec.serving.errors import ServingError
+from tworec.serving.errors import MAX_ECHOED, ServingError, truncate
 from tworec.serving.limits import MAX_RANK, check_elements, check_shape, default_max_elements
 
 # A predict answer is encoded at most this many elements at a time (see `format_predict`).
@@ -264,7 +264,8 @@ def _parse_instances(instances, signature) -> dict[str, tuple]:
             _check_names(row, signature, "instance")
             extra = sorted(set(row) - set(signature.inputs))       # refused here, as in TF's
             if extra:
-                raise ServingError("INVALID_ARGUMENT", f"Unknown named input: {extra[0]} in "
+                raise ServingError("INVALID_ARGUMENT", "Unknown named input: "
+                                   f"{truncate(extra[0], MAX_ECHOED)} in "
                                    f"instance; the signature's inputs are "
                                    f"{sorted(signature.inputs)}")
         return {name: ([row[name] for row in instances], spec)
@@ -383,7 +384,7 @@ def _typed_leaf(accepts, kind: str, dtype: tf.DType):
     def convert(leaf, name: str):
         if not accepts(leaf):
             raise ServingError("INVALID_ARGUMENT", f'Input "{name}": JSON Value: '
-                               f"{json.dumps(leaf)} Type: {_json_type(leaf)} is not of expected "
+                               f"{_echo(leaf)} Type: {_json_type(leaf)} is not of expected "
                                f"type: {dtype.name} (a JSON {kind})")
         return leaf
     return convert
@@ -401,10 +402,15 @@ def _string_leaf(leaf, name: str) -> bytes:
             return b64_unescape(leaf["b64"])
         except binascii.Error as error:
             raise ServingError("INVALID_ARGUMENT", f'Input "{name}": Unable to base64 decode '
-                               f"{leaf['b64']!r}: {error}") from error
-    raise ServingError("INVALID_ARGUMENT", f'Input "{name}": JSON Value: {json.dumps(leaf)} '
+                               f"{truncate(repr(leaf['b64']), MAX_ECHOED)}: {error}") from error
+    raise ServingError("INVALID_ARGUMENT", f'Input "{name}": JSON Value: {_echo(leaf)} '
                        f"Type: {_json_type(leaf)} is not of expected type: string (a JSON "
                        'string or {"b64": "..."})')
+
+
+def _echo(leaf) -> str:
+    """A client's JSON value as an error repeats it, cut (`errors.MAX_ECHOED`)."""
+    return truncate(json.dumps(leaf), MAX_ECHOED)
 
 
 def _json_type(value) -> str:

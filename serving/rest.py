@@ -28,7 +28,7 @@ import urllib.parse
 from google.protobuf import json_format
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from tworec.serving.errors import ServingError
+from tworec.serving.errors import MAX_ECHOED, ServingError, truncate
 from tworec.serving.json_tensor import format_predict, parse_json, parse_predict, signature_name
 from tworec.serving.limits import (BytesInFlight, Reservation, default_max_elements,
                                    default_max_request_bytes_in_flight, default_max_rows)
@@ -301,8 +301,9 @@ def _rest_signature(model, name: str):
     except ServingError as error:
         if error.code != "FAILED_PRECONDITION":
             raise
-        raise ServingError("INVALID_ARGUMENT", f'Serving signature name: '
-                           f'"{name or DEFAULT_SIGNATURE}" not found in signature def') from None
+        raise ServingError("INVALID_ARGUMENT", 'Serving signature name: '
+                           f'"{truncate(name or DEFAULT_SIGNATURE, MAX_ECHOED)}" not found in '
+                           "signature def") from None
 
 
 class HeaderTimeoutProtocol(H11Protocol):

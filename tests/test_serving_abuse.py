@@ -954,6 +954,23 @@ def test_rest_client_mistakes_are_client_errors(models, model, body, status):
     assert not _LEAKS.search(answer.json()["error"]), answer.text
 
 
+def test_rest_errors_repeat_at_most_100_characters_of_a_clients_value(models):
+    """A 10 MB bad b64 value came back as a 10 MB error: values an error repeats are cut."""
+    long = "@" * 1_000_000
+    bodies = {"ranking": [{"inputs": {"user_id": [{"b64": long}], "item_ids": [["i1"]]}},
+                          {"inputs": {"user_id": [{"id": long}], "item_ids": [["i1"]]}},
+                          {"instances": [{"user_id": "u1", "item_ids": ["i1"], long: 1}]},
+                          {"signature_name": long, "inputs": {}}],
+              "scale": [{"inputs": [long]}]}
+    with _serve(models) as server:
+        for model, body in [(m, b) for m, some in bodies.items() for b in some]:
+            answer = requests.post(f"http://127.0.0.1:{server.rest_port}/v1/models/{model}"
+                                   ":predict", json=body, timeout=30)
+            assert answer.status_code == 400
+            error = answer.json()["error"]
+            assert "@...TRUNCATED" in error and len(error) < 400, error[:400]
+
+
 def test_grpc_init_op_and_missing_saved_model_are_client_facing(models, tmp_path):
     base = str(tmp_path / "empty")
     manager = ModelManager([ModelConfig("scale", os.path.join(models, "scale")),
