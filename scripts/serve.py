@@ -51,11 +51,12 @@ def parse_args(argv):
                         help="larger REST bodies and gRPC messages are refused")
     parser.add_argument("--max_rows_per_request", type=int, default=default_max_rows(),
                         help="an input with more rows (dimension 0) is refused; the default "
-                        "is a quarter of physical memory at 1 MiB per row")
+                        "(and 0) is a quarter of physical memory at 1 MiB per row")
     parser.add_argument("--max_elements_per_request", type=int,
                         default=default_max_elements(),
                         help="a request whose inputs have more elements together is refused; "
-                        "the default is a quarter of physical memory at 256 bytes per element")
+                        "the default (and 0) is a quarter of physical memory at 256 bytes per "
+                        "element")
     parser.add_argument("--max_request_bytes_in_flight", type=int, default=None,
                         help="request bytes held at once over both APIs; a request beyond is "
                         "refused (503 / UNAVAILABLE: retry later) unless it is alone; the "
@@ -115,6 +116,8 @@ def parse_args(argv):
     batching = args.enable_batching
     for flag, least, checked in (("max_concurrent_requests", 1, True),
                                  ("max_request_bytes", 1, True),
+                                 ("max_rows_per_request", 0, True),
+                                 ("max_elements_per_request", 0, True),
                                  ("max_request_bytes_in_flight", 1,
                                   args.max_request_bytes_in_flight is not None),
                                  ("max_num_load_retries", 0, True),

@@ -68,6 +68,14 @@ def test_help_answers_without_loading_tensorflow(name):
 # ------------------------------------------------------------------ serve.py
 
 
+@pytest.mark.parametrize("flag", ["--max_rows_per_request", "--max_elements_per_request"])
+def test_serve_refuses_a_negative_request_limit(flag):
+    """--max_rows_per_request=-5 was taken, and the server then refused every request."""
+    done, _ = probe("serve.py", "--model_name=x", "--model_base_path=/nowhere", f"{flag}=-5")
+    assert done.returncode == 2
+    assert f"error: {flag} must be at least 0, got -5" in done.stderr
+
+
 class Scale(tf.Module):
     """x [b] float32 -> y [b] float32 = x * factor (a variable: loading restores it)."""
 
