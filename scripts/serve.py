@@ -128,6 +128,10 @@ def parse_args(argv):
                                  ("num_batch_threads", 0, batching)):
         if checked and getattr(args, flag) < least:
             parser.error(f"--{flag} must be at least {least}, got {getattr(args, flag)}")
+    for flag in ("http_header_timeout_seconds", "http_body_timeout_seconds",
+                 "http_body_stall_seconds", "http_write_stall_seconds"):
+        if not getattr(args, flag) > 0:          # 0 would cut every connection off at once
+            parser.error(f"--{flag} must be more than 0, got {getattr(args, flag):g}")
     return args
 
 
