@@ -112,6 +112,21 @@ def fail(message: str, code: int = 2) -> int:
     return code
 
 
+def server_hint(error: Exception, ranking_model: str) -> str:
+    """'; ...' saying what would answer: a server where none listens, the ranking stage of a
+    run served without one; '' for other errors."""
+    code, text = getattr(error, "code", None), str(error)
+    if code == "UNAVAILABLE" and any(words in text.lower() for words in ("connection refused",
+                                                                         "failed to connect")):
+        return ("; is a server running there? start one with python scripts/serve.py "
+                "--model_config_file RUN/export/models_scann.config")
+    if code == "NOT_FOUND" and f"({ranking_model})" in text:
+        return (f"; the server serves no {ranking_model!r} model (a run of retrieval alone?): "
+                "train its ranking with python scripts/train_ranking.py --retrieval-run RUN, "
+                "or write retrieval's lists with --all --export RUN/export/retrieval")
+    return ""
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     problem = mistake(args)
@@ -144,12 +159,7 @@ def recommend_one(args: argparse.Namespace, titles: dict[str, str]) -> int:
             except (OSError, ServingError):          # for a note only: the list stands
                 known = None
     except (OSError, ValueError, ServingError) as error:
-        unreachable = getattr(error, "code", None) == "UNAVAILABLE" and any(
-            words in str(error).lower() for words in ("connection refused",
-                                                      "failed to connect"))
-        hint = ("; is a server running there? start one with python scripts/serve.py "
-                "--model_config_file RUN/export/models_scann.config" if unreachable else "")
-        return fail(f"{error}{hint}", code=1)
+        return fail(f"{error}{server_hint(error, args.ranking_model or 'ranking')}", code=1)
     print(f"recommendations for user {args.user}:")
     items = [item.decode("utf-8") for item in result["item_ids"][0] if item != PAD_ID]
     for rank, (item, score) in enumerate(zip(items, result["scores"][0]), 1):

@@ -885,6 +885,20 @@ def test_recommend_says_how_to_start_a_server_when_none_answers(unused_port, cap
                                    "RUN/export/models_scann.config"), error
 
 
+def test_recommend_says_what_would_serve_a_ranking_model_the_server_lacks(embedded, capsys):
+    """A run of retrieval alone serves no ranking model: the NOT_FOUND line says how to train
+    one, or to write retrieval's lists instead."""
+    recommend = _script("recommend")
+    assert recommend.main(["--user", "u1", "--url", embedded[0], "--ranking_model",
+                           "reranker"]) == 1
+    error = capsys.readouterr().err
+    assert error.startswith("error: NOT_FOUND: ") and len(error.splitlines()) == 1, error
+    assert error.rstrip().endswith(
+        "; the server serves no 'reranker' model (a run of retrieval alone?): train its ranking "
+        "with python scripts/train_ranking.py --retrieval-run RUN, or write retrieval's lists "
+        "with --all --export RUN/export/retrieval"), error
+
+
 @pytest.fixture
 def unused_port() -> int:
     import socket
