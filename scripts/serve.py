@@ -29,6 +29,10 @@ from tworec.console import exit_without_finalizing
 from tworec.serving.errors import ServingError
 from tworec.serving.layout import list_versions
 from tworec.serving.limits import default_max_elements, default_max_rows
+
+# What makes a run's config file: RUN/export/models.config and models_scann.config.
+RUN_ADVICE = ("; a run writes it (make demo, or python scripts/pipeline.py --out RUN), and make "
+              "serve RUN=FOLDER serves another run's")
 from tworec.pipeline import cli
 
 
@@ -105,7 +109,7 @@ def parse_args(argv):
     if args.model_config_file and not os.path.isfile(args.model_config_file):
         parser.error(f"--model_config_file {args.model_config_file}: "
                      + ("a folder, not a file" if os.path.isdir(args.model_config_file)
-                        else "no such file"))
+                        else "no such file" + RUN_ADVICE * is_run_config(args.model_config_file)))
     for flag, zero in (("port", "a free one"), ("rest_api_port", "REST off")):
         if not 0 <= getattr(args, flag) <= 65535:
             parser.error(f"--{flag} must be a port from 0 to 65535 (0: {zero}), got "
@@ -152,6 +156,29 @@ def batcher(args):
                    args.enable_large_batch_splitting)
 
 
+def is_run_config(path: str) -> bool:
+    """Whether `path` is named as a run writes its configs (RUN/export/models*.config)."""
+    return (os.path.basename(os.path.dirname(os.path.abspath(path))) == "export"
+            and os.path.basename(path).startswith("models") and path.endswith(".config"))
+
+
+def moved_run(path: str, configs: list) -> str | None:
+    """What is wrong with a run's config file whose models live in another folder than the
+    one it is in (the run folder was moved or copied, and its absolute base paths name the
+    old place), or None."""
+    here = os.path.dirname(os.path.abspath(path))
+    for config in configs:
+        beside = os.path.join(here, os.path.basename(os.path.normpath(config.base_path)))
+        if not os.path.isdir(beside) or (os.path.exists(config.base_path)
+                                         and os.path.samefile(beside, config.base_path)):
+            continue
+        old = os.path.dirname(os.path.normpath(config.base_path))
+        return (f"model {config.name} is served from {config.base_path}, not from {beside} "
+                "beside the file: the run folder was moved or copied; name its own exports "
+                f"with sed -i 's#{old}/#{here}/#' {path}")
+    return None
+
+
 def model_configs(args) -> list:
     """The `ModelConfig`s of --model_config_file, or of --model_name and --model_base_path."""
     from tworec.serving.manager import ModelConfig, parse_config
@@ -190,6 +217,11 @@ def main(argv=None) -> int:
                   if isinstance(error, UnicodeDecodeError) else getattr(error, "strerror", None)
                   or error)
         print(f"error: --model_config_file {args.model_config_file}: {reason}", file=sys.stderr)
+        return 2
+    moved = args.model_config_file and is_run_config(args.model_config_file) and \
+        moved_run(args.model_config_file, configs)
+    if moved:
+        print(f"error: --model_config_file {args.model_config_file}: {moved}", file=sys.stderr)
         return 2
     manager = ModelManager(configs, args.file_system_poll_wait_seconds,
                            max_load_retries=args.max_num_load_retries,

@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import shutil
+import subprocess
 import threading
 import time
 import types
@@ -1453,7 +1454,12 @@ def test_serve_names_the_config_file_it_cannot_read_or_parse(tmp_path, capsys):
     missing = tmp_path / "nope" / "models.config"
     with pytest.raises(SystemExit):
         serve.parse_args([f"--model_config_file={missing}"])
-    assert f"--model_config_file {missing}: no such file" in capsys.readouterr().err
+    assert f"--model_config_file {missing}: no such file (see" in capsys.readouterr().err
+    no_run = tmp_path / "runs" / "demo" / "export" / "models_scann.config"     # make serve's
+    with pytest.raises(SystemExit):
+        serve.parse_args([f"--model_config_file={no_run}"])
+    assert f"--model_config_file {no_run}: no such file{serve.RUN_ADVICE}" in \
+        capsys.readouterr().err
     with pytest.raises(SystemExit):
         serve.parse_args([f"--model_config_file={tmp_path}"])
     assert f"--model_config_file {tmp_path}: a folder, not a file" in capsys.readouterr().err
@@ -1467,6 +1473,32 @@ def test_serve_names_the_config_file_it_cannot_read_or_parse(tmp_path, capsys):
     assert serve.main([f"--model_config_file={binary}"]) == 2
     assert capsys.readouterr().err == (f"error: --model_config_file {binary}: not text; give a "
                                        "text ModelServerConfig\n")
+
+
+def test_serve_refuses_a_run_config_whose_models_are_another_folders(tmp_path, capsys):
+    """A run folder moved or copied keeps absolute base paths naming the old place: served,
+    its models.config would serve the old place's models (another run's, once one is made
+    there). Refused, with the one line that points it at its own exports; a run's config in
+    place, or one whose old place is gone, as the same."""
+    serve = _script("serve")
+    for run in ("demo", "v1"):
+        os.makedirs(tmp_path / run / "export" / "retrieval" / "1")
+    config = tmp_path / "v1" / "export" / "models.config"
+    config.write_text(f"model_config_list {{ config {{ name: 'retrieval' base_path: "
+                      f"'{tmp_path}/demo/export/retrieval' model_platform: 'tensorflow' }} }}")
+    message = (f"error: --model_config_file {config}: model retrieval is served from "
+               f"{tmp_path}/demo/export/retrieval, not from {tmp_path}/v1/export/retrieval "
+               f"beside the file: the run folder was moved or copied; name its own exports "
+               f"with sed -i 's#{tmp_path}/demo/export/#{tmp_path}/v1/export/#' {config}\n")
+    for old_place_gone in (False, True):
+        if old_place_gone:
+            shutil.rmtree(tmp_path / "demo")
+        assert serve.main([f"--model_config_file={config}"]) == 2
+        assert capsys.readouterr().err == message
+    subprocess.run(["sed", "-i", f"s#{tmp_path}/demo/export/#{tmp_path}/v1/export/#",
+                    str(config)], check=True)
+    configs = serve.model_configs(serve.parse_args([f"--model_config_file={config}"]))
+    assert serve.moved_run(str(config), configs) is None
 
 
 @pytest.mark.parametrize("flags, message", [
