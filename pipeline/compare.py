@@ -468,7 +468,8 @@ def _ranking_runs(arms: list[Arm], seed: int, configs: Configs, inputs: ModelInp
                                    (ranking.score_lists(ranker, inputs, signals, "validation",
                                                         reordered), None))
             positions, _ = ranking.reranked_ranks(scores, reordered,
-                                                  inputs.examples["validation"]["item"])
+                                                  inputs.examples["validation"]["item"],
+                                                  in_order=~inputs.known_in("validation"))
         yield arm.name, {"epochs": summary["epochs"], "best_epoch": summary["best_epoch"],
                          "calibration": calibration,
                          "seconds": round(time.perf_counter() - start, 1)}, \

@@ -326,10 +326,10 @@ def metrics_section(report: dict, plots: list[str]) -> list[str]:
                 if report["data"].get("exclude_seen", True) else
                 "nothing excluded (repeats allowed)")
     lines = ["", "## Test Recall@10 and NDCG@10", "",
-             f"Full catalogue, {excluded}. Over the full catalogue a tie counts against the "
-             "held-out item; where the order is the one served (the candidates "
-             "re-ranked, the popular order for users the exports do not know) ties keep the "
-             "served order. The models' lists are the ones their exports serve"
+             f"Full catalogue, {excluded}. Over the full catalogue and among the re-ranked "
+             "candidates a tie counts against the held-out item; the popular list of users "
+             "the exports do not know is ranked in its strict served order, by both stages. "
+             "The models' lists are the ones their exports serve"
              + served_lengths(report) + ": a held-out item past them is a miss. The baselines "
              "are fit on the same training rows (popular now counts the training and "
              "validation rows, as the exports do); item transitions score an item by how often "

@@ -516,13 +516,15 @@ class Run:
 
     def offline_two_stage(self) -> served.Offline:
         """Every test row's rank in its candidates (`served_candidates`) re-ranked by the
-        ranker (ties counting against the target: `ranking.reranked_ranks`), and the target's
+        ranker (ties counting against the target but for users the models do not know, whose
+        popular list is a strict order: `ranking.reranked_ranks`), and the target's
         score; a target missing from the candidates or past the `top_n` items served is a miss
         at every K."""
         scores = ranking.score_lists(self.ranking_model, self.inputs, self.signals, "test",
                                      self.test_candidates)                        # [m, C]
         ranks, target_scores = ranking.reranked_ranks(scores, self.test_candidates,
-                                                      self.inputs.examples["test"]["item"])
+                                                      self.inputs.examples["test"]["item"],
+                                                      in_order=~self.inputs.known_in("test"))
         return served.Offline(ranks=served.beyond_list_missed(ranks, self.configs.run.top_n),
                               target_scores=target_scores)
 

@@ -320,23 +320,29 @@ def rerank(model: RankingModel, data: ModelInputs, signals: RankingSignals, part
     return np.take_along_axis(candidates, order, axis=1)
 
 
-def reranked_ranks(scores: np.ndarray, candidates: np.ndarray, targets: np.ndarray
-                   ) -> tuple[np.ndarray, np.ndarray]:
+def reranked_ranks(scores: np.ndarray, candidates: np.ndarray, targets: np.ndarray,
+                   in_order: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Where each row's target lands when its candidates [m, C] are ordered by the ranker's
     scores [m, C]: how many other candidates score at least as high, ties counting against
     the target as in `evaluation.target_ranks` (served, ties keep the candidates' order, so
     a served position is at most this rank; the served check allows the difference at a
-    float tie alone).
+    float tie alone). Rows `in_order` ([m] bool: users the models do not know, whose
+    candidates are the popular items in their strict served order and whose scores, the
+    items' shares, tie) rank by that order on ties, as retrieval's `popular_order` ranks them.
 
     Returns:
         ([m] 0-based ranks, `MISS` for a target not among the candidates; [m] the target's
         score, -inf where it is missing).
     """
     found = candidates == targets[:, None]                                           # [m, C]
-    present = found.any(1)
-    target_scores = np.where(present, scores[np.arange(len(scores)), found.argmax(1)],
-                             -np.inf)                                                # [m]
+    present, position = found.any(1), found.argmax(1)
+    target_scores = np.where(present, scores[np.arange(len(scores)), position], -np.inf)
     ahead = (scores >= target_scores[:, None]).sum(1) - 1                # the target itself
+    if in_order is not None:
+        listed_before = np.arange(candidates.shape[1])[None, :] < position[:, None]  # [m, C]
+        tied_before = (scores == target_scores[:, None]) & listed_before
+        ahead = np.where(in_order, (scores > target_scores[:, None]).sum(1)
+                         + tied_before.sum(1), ahead)
     return np.where(present, ahead, MISS), target_scores
 
 
@@ -345,5 +351,6 @@ def two_stage_metrics(model: RankingModel, data: ModelInputs, signals: RankingSi
     """Recall@K and NDCG@K of the re-ranked candidate lists; a target missing from the
     candidates is a miss."""
     scores = score_lists(model, data, signals, part, candidates)
-    ranks, _ = reranked_ranks(scores, candidates, data.examples[part]["item"])
+    ranks, _ = reranked_ranks(scores, candidates, data.examples[part]["item"],
+                              in_order=~data.known_in(part))
     return rank_metrics(ranks, ks)

@@ -276,7 +276,7 @@ def test_ranking_arms_rerank_one_retrieval_model_per_seed_calibrated_out_of_fold
                 ranking.calibrate(ranker, inputs, signals, "validation", hidden)
             positions, _ = ranking.reranked_ranks(
                 ranking.score_lists(ranker, inputs, signals, "validation", served), served,
-                targets)
+                targets, in_order=~inputs.known_in("validation"))
             expected[folds == fold] = np.where(positions < 5, positions, MISS)[folds == fold]
             ranker.set_weights(trained)
         assert np.array_equal(ranks[f"{name}/2"], expected), name
@@ -435,7 +435,8 @@ def test_ranking_arms_with_their_own_retrieval_rerank_its_lists_and_gain_over_it
         scores = (comparison.cross_fitted_scores(ranker, inputs, signals, served,
                                                  evalset.users)[0] if calibrated else
                   ranking.score_lists(ranker, inputs, signals, "validation", served))
-        positions, _ = ranking.reranked_ranks(scores, served, targets)
+        positions, _ = ranking.reranked_ranks(scores, served, targets,
+                                              in_order=~inputs.known_in("validation"))
         assert np.array_equal(ranks[f"{name}/2"], np.where(positions < 5, positions, MISS)), name
     assert not np.array_equal(ranks["retrieval:two/2"], ranks["retrieval/2"])
 

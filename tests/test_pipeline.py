@@ -639,26 +639,55 @@ def test_an_approximate_index_is_scored_as_served_and_against_the_exact_lists():
     assert figures["ndcg@10"] == pytest.approx(0.5 / np.log2(2 + 2))        # a at rank 2
 
 
-def test_scann_is_tuned_and_tested_on_the_queries_the_export_searches(tmp_path, monkeypatch):
-    """Under `global` most held-out users have no rows before their part: the exports serve
-    them the popular list without searching, and their queries (the unknown user's, alike
-    when histories are) would flatter ScaNN's recall. The tuning sample and the test recall
-    hold the queries of the users known before each part alone."""
+@pytest.fixture(scope="module")
+def global_run(tmp_path_factory):
+    """A tiny `global` run through ranking (no export), with the sizes of the ScaNN tuning
+    sample and of the test queries its recall is measured on."""
     from tworec.pipeline import execute, prepare_run, resolve
     from tworec.pipeline import run as run_module
     sampled, tested = [], []
     tune, exact = run_module.tune_scann, run_module.exact_top_k
-    monkeypatch.setattr(run_module, "tune_scann", lambda candidates, sample, **kwargs: (
-        sampled.append(len(sample)) or tune(candidates, sample, **kwargs)))
-    monkeypatch.setattr(run_module, "exact_top_k", lambda candidates, queries, k: (
-        tested.append(len(queries)) or exact(candidates, queries, k)))
-    run = prepare_run(str(tmp_path / "run"), {"data": "synthetic:tiny"},
-                      resolve("tiny", data={"split": "global"}), verbose=0)
-    execute(run, ("train retrieval", "tune index"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(run_module, "tune_scann", lambda candidates, sample, **kwargs: (
+            sampled.append(len(sample)) or tune(candidates, sample, **kwargs)))
+        patch.setattr(run_module, "exact_top_k", lambda candidates, queries, k: (
+            tested.append(len(queries)) or exact(candidates, queries, k)))
+        run = prepare_run(str(tmp_path_factory.mktemp("global") / "run"),
+                          {"data": "synthetic:tiny"}, resolve("tiny", data={"split": "global"}),
+                          verbose=0)
+        execute(run, ("train retrieval", "tune index", "train ranking"))
+    return run, sampled, tested
+
+
+def test_scann_is_tuned_and_tested_on_the_queries_the_export_searches(global_run):
+    """Under `global` most held-out users have no rows before their part: the exports serve
+    them the popular list without searching, and their queries (the unknown user's, alike
+    when histories are) would flatter ScaNN's recall. The tuning sample and the test recall
+    hold the queries of the users known before each part alone."""
+    run, sampled, tested = global_run
     known = {part: run.inputs.known_in(part) for part in ("validation", "test")}
     assert all(0 < rows.sum() < min(len(rows), 200) for rows in known.values())
     assert sampled == [known["validation"].sum()] and tested == [known["test"].sum()]
     assert run.report["index"]["tuned_on"] == "validation"
+
+
+def test_both_stages_rank_a_users_popular_list_alike(global_run):
+    """Users the models do not know get the popular list from both stages, a strict order
+    whose scores (the items' shares) tie: the two stages rank it alike (the gain pairs them),
+    where counting those ties against the target would lower the two-stage figures alone."""
+    from tworec.evaluation import MISS
+    from tworec.ranking import train as ranking
+    run, _, _ = global_run
+    unknown, top_n = ~run.inputs.known_in("test"), run.configs.run.top_n
+    retrieval, two_stage = (run.offline(name).ranks[unknown]
+                            for name in ("retrieval", "recommender"))
+    assert unknown.sum() > 100 and (two_stage < top_n).sum() > 10
+    assert np.array_equal(two_stage, np.where(retrieval < top_n, retrieval, MISS))
+    scores = ranking.score_lists(run.ranking_model, run.inputs, run.signals, "test",
+                                 run.test_candidates)
+    ties_against, _ = ranking.reranked_ranks(scores, run.test_candidates,
+                                             run.inputs.examples["test"]["item"])
+    assert (ties_against[unknown] > two_stage).any()          # the shares do tie there
 
 
 @pytest.mark.parametrize("protocol, rows_per_user", [("latest", 2), ("temporal", 3)])

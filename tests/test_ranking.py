@@ -459,13 +459,18 @@ def test_ranking_learns_and_reranks(inputs, transitions_only):
 
 def test_a_reranked_target_ranks_below_every_candidate_scoring_as_high():
     """Ties count against the target, as over the full catalogue (`target_ranks`), whatever
-    the candidates' order: retrieval's and the two stages' ranks pair under one rule."""
+    the candidates' order: retrieval's and the two stages' ranks pair under one rule. Users
+    the models do not know are served the popular list, a strict order whose scores (shares)
+    tie: their ties rank in that order, as retrieval's `popular_order` does."""
     from tworec.evaluation import MISS
     candidates = np.array([[5, 6, 7, 8]] * 5)
     scores = np.array([[1.0, 2.0, 2.0, 0.0]] * 5, np.float32)
     ranks, target_scores = reranked_ranks(scores, candidates, np.array([6, 7, 5, 8, 9]))
     assert ranks.tolist() == [1, 1, 2, 3, MISS]     # 6 is listed before 7, its tie: still 1
     assert target_scores.tolist() == [2.0, 2.0, 1.0, 0.0, -np.inf]
+    popular = np.array([True, True, False, True, True])     # a strict served order: its place
+    ranks, _ = reranked_ranks(scores, candidates, np.array([6, 7, 5, 8, 9]), in_order=popular)
+    assert ranks.tolist() == [0, 1, 2, 3, MISS]
 
 
 def test_empty_slots_score_below_their_list_as_the_export(inputs, transitions_only):
