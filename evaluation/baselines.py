@@ -150,20 +150,22 @@ def prepared_baseline_ranks(prepared: PreparedLog, part: str = "test",
     """`baseline_ranks` of a prepared log: popularity and item transitions fit on its
     training rows, counted by DuckDB (`PreparedLog.item_counts`, `transition_counts`), scored
     batch by batch in one read of the held-out rows (`prepared_ranks`); a held-out row's last
-    item is its `previous` item, whatever the history length. EASE, a dense inverse over the
-    catalogue, is None. Memory holds the counts, one pass of held-out rows with their users'
+    item is its `previous` item, whatever the history length (item transitions are None for
+    a folder an earlier version prepared without history, whose shards do not tell it). EASE,
+    a dense inverse over the catalogue, is None. Memory holds the counts, one pass of held-out rows with their users'
     known items, and one batch's scores. A held-out item without training rows is a miss (in
     memory it ranks below every trained item the user has not seen)."""
-    transitions = transition_scores(prepared.transition_counts(memory_limit),
-                                    prepared.item_counts)
     counts = prepared.item_counts.astype(np.float32)
     scorers = {"popularity": lambda rows: np.broadcast_to(counts, (len(rows["user"]),
-                                                                   len(counts))),
-               "item_transition": lambda rows: transitions(
-                   rows["previous"].astype(np.int64) - FIRST)}
+                                                                   len(counts)))}
+    if prepared.knows_previous_items:
+        transitions = transition_scores(prepared.transition_counts(memory_limit),
+                                        prepared.item_counts)
+        scorers["item_transition"] = lambda rows: transitions(
+            rows["previous"].astype(np.int64) - FIRST)
     ranks = prepared_ranks(scorers, prepared, part, memory_limit)
     return {"popularity": ranks["popularity"], "ease": None,
-            "item_transition": ranks["item_transition"]}
+            "item_transition": ranks.get("item_transition")}
 
 
 def prepared_baselines(prepared: PreparedLog, part: str = "test", ks=KS,

@@ -204,19 +204,23 @@ class PreparedLog:
         return read_parquet_sql([os.path.join(self.folder, shard["path"])
                                  for shard in self.manifest["shards"]])
 
-    def _previous_sql(self) -> str:
+    def _previous_sql(self) -> str | None:
         """SQL for a shard row's previous item index (`prepare_shards`' `previous` column, 0
         for none). A folder prepared before shards held it has it as its last history slot,
         unless it was prepared without history (L = 0, or an L of 1 recorded before the slots
-        were told apart from it): a DataError saying to prepare it again."""
+        were told apart from it): None."""
         first = os.path.join(self.folder, self.manifest["shards"][0]["path"])
         if "previous" in pq.read_schema(first).names:
             return "previous"
         if self.history_length >= (1 if "history_slots" in self.manifest else 2):
             return f"history[{self.history_slots}]"
-        raise DataError(f"{self.folder}: prepared by an earlier version without history, so its "
-                        "shards do not hold each row's previous item, which the item-transition "
-                        "baseline reads; prepare the log again into a new folder")
+        return None
+
+    @property
+    def knows_previous_items(self) -> bool:
+        """Whether the shards tell each row's previous item (all but those an earlier version
+        prepared without history), which the item-transition baseline reads."""
+        return self._previous_sql() is not None
 
     def transition_counts(self, memory_limit: str = "1GB") -> sp.csr_matrix:
         """[num_items, num_items] float32 CSR: how often catalogue item j directly followed
@@ -226,6 +230,10 @@ class PreparedLog:
         per distinct pair (about 20 while read), read sorted and laid out as CSR without a
         copy in between."""
         previous = self._previous_sql()
+        if previous is None:
+            raise DataError(f"{self.folder}: prepared by an earlier version without history, so "
+                            "its shards do not hold each row's previous item; prepare the log "
+                            "again into a new folder")
         with duckdb_session(self.folder, memory_limit) as connection:
             pairs = connection.sql(
                 f"SELECT {previous} - {FIRST} AS previous, "
@@ -260,7 +268,7 @@ class PreparedLog:
             raise DataError(f"unknown evaluation part {part!r}; use 'test' or 'validation'")
         code = SPLIT_CODES[part]
         passes = max(1, -(-self.manifest["rows"] // rows_per_pass))
-        length, previous = self.history_slots, self._previous_sql()
+        length, previous = self.history_slots, self._previous_sql() or "0"    # 0: unknown
         with duckdb_session(self.folder, memory_limit) as connection:
             for number in range(passes):
                 where = f"FROM {self._shards_sql()} WHERE user % {passes} = {number}"

@@ -257,24 +257,29 @@ def test_baselines_of_a_prepared_log_equal_the_in_memory_baselines(tmp_path, len
 def test_shards_prepared_without_the_previous_item_use_the_history_or_are_refused(tmp_path,
                                                                                  length):
     """Shards of an earlier version have no `previous` column: their last history slot is
-    the previous item, unless they hold no history (a one-line DataError, not popularity)."""
+    the previous item, unless they hold no history. Then they are still evaluated, popularity
+    as before, but the item-transition baseline is None (not popularity), and asking for its
+    counts is a one-line DataError."""
     pq.write_table(_log_table(), tmp_path / "log.parquet")
     prepare_shards(str(tmp_path / "log.parquet"), str(tmp_path / "prepared"),
                    history_length=length, memory_limit="256MiB")
     prepared = PreparedLog.load(str(tmp_path / "prepared"))
-    current = prepared.transition_counts()
+    current, ranks = prepared.transition_counts(), prepared_baseline_ranks(prepared)
     for shard in prepared.manifest["shards"]:
         path = os.path.join(prepared.folder, shard["path"])
         pq.write_table(pq.read_table(path).drop_columns(["previous"]), path)
+    earlier = prepared_baseline_ranks(prepared)
+    assert np.array_equal(earlier["popularity"], ranks["popularity"])
     if length:
         assert (prepared.transition_counts() != current).nnz == 0 and current.nnz
+        assert np.array_equal(earlier["item_transition"], ranks["item_transition"])
         return
+    assert earlier["item_transition"] is None and ranks["item_transition"] is not None
     with pytest.raises(DataError) as error:
         prepared.transition_counts()
     assert str(error.value) == (
         f"{prepared.folder}: prepared by an earlier version without history, so its shards do "
-        "not hold each row's previous item, which the item-transition baseline reads; prepare "
-        "the log again into a new folder")
+        "not hold each row's previous item; prepare the log again into a new folder")
 
 
 @pytest.mark.parametrize("members", [1, 2])
