@@ -141,9 +141,11 @@ def continued_advice(out: str) -> str:
 
 def resume_advice(out: str, overwrite: bool) -> str:
     """'; rerun ... to resume ...' for a run folder a rerun resumes, else ''."""
-    from tworec.pipeline.folder import interrupted_retrieval, stopped_after_retrieval
+    from tworec.pipeline.folder import CLEARING, interrupted_retrieval, stopped_after_retrieval
     if not (os.path.isdir(out) and os.listdir(out)):
         return ""
+    if os.path.isdir(os.path.join(out, CLEARING)):
+        return "; rerun it with --overwrite to finish replacing the folder's run"
     again = "rerun it without --overwrite" if overwrite else "rerun the same command"
     if interrupted_retrieval(out):
         return f"; {again} to resume the retrieval training"

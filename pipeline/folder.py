@@ -36,8 +36,9 @@ RUN_ENTRIES = ("config.json", "config.json.tmp", "report.json", "report.json.tmp
 # What makes a run folder that cannot be continued usable again.
 TRAIN_AGAIN = ("train a run into it again (scripts/pipeline.py or scripts/train_retrieval.py with "
                "--overwrite)")
-# Where `clear` moves a run's entries before deleting them; a later run deletes what is left.
-CLEARING = ".clearing"
+# Where `clear` moves a run's entries before deleting them: while it exists, replacing the
+# folder's run was stopped midway, and only --overwrite finishes it.
+CLEARING = ".tworec-clearing"
 # What a retrieval training that was interrupted leaves, and nothing else: a rerun of the
 # command that started it resumes it from its checkpoint.
 INTERRUPTED_RETRIEVAL = {"config.json", "config.json.tmp", "retrieval_config.json", "checkpoints",
@@ -287,7 +288,10 @@ def check_fresh(out: str, overwrite: bool) -> str | None:
     returns what the run resumes (TRAINING, AFTER_RETRIEVAL), None for a fresh one."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise RunFolderError(f"--out {out} is a file; name a folder for the run")
-    if os.path.isdir(os.path.join(out, CLEARING)):      # a `clear` that was stopped: finished
+    if os.path.isdir(os.path.join(out, CLEARING)):       # a `clear` that was stopped midway
+        if not overwrite:
+            raise RunFolderError(f"--out {out}: replacing its run (--overwrite) was stopped "
+                                 "midway; rerun with --overwrite to finish, or name a new folder")
         shutil.rmtree(os.path.join(out, CLEARING))
     if not os.path.isdir(out) or not os.listdir(out):
         return None
@@ -456,9 +460,9 @@ def check_fingerprint_format(out: str, saved_source: dict, advice: str) -> None:
 
 def clear(out: str) -> None:
     """Removes what a run wrote in `out` (a folder `check_fresh` accepted with overwrite): each
-    entry is moved into `out/CLEARING` (config.json last: until then the folder is the old run),
-    which is then deleted; a stop while it is deleted leaves that folder alone, which the next
-    run's `check_fresh` deletes."""
+    entry is moved into `out/CLEARING` (config.json last), which is then deleted; a stop before
+    it is gone leaves that folder, and `check_fresh` takes the folder for nothing but another
+    --overwrite, which deletes it first."""
     aside = os.path.join(out, CLEARING)
     os.makedirs(aside, exist_ok=True)
     for name in sorted(RUN_ENTRIES, key=lambda name: name == "config.json"):

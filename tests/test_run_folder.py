@@ -668,34 +668,46 @@ def test_an_out_that_cannot_be_made_leaves_no_folder_it_made(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_a_stopped_overwrite_leaves_a_folder_the_next_run_finishes_clearing(tmp_path,
-                                                                            monkeypatch):
-    """--overwrite moves every entry of the old run aside (config.json last) before deleting
-    them: a Ctrl-C while they are deleted leaves that aside folder alone, with no advice to
-    resume the old run, and the next run deletes it and starts afresh."""
+@pytest.mark.parametrize("stop_at", ["retrieval_config.json", "deleting"])
+def test_a_stopped_overwrite_is_finished_by_overwrite_alone(tmp_path, monkeypatch, stop_at):
+    """--overwrite moves every entry of the old run aside (config.json last) and deletes them.
+    Stopped midway, while moving or deleting, the folder is neither resumed nor replaced
+    without --overwrite (it may hold half the old run: no advice to resume it); another
+    --overwrite deletes what was moved aside and starts afresh."""
     from tworec.pipeline import cli
     out = tmp_path / "run"
-    for name in ("export/retrieval/1", "checkpoints/retrieval", "tensorboard", "plots"):
+    for name in ("export/retrieval/1", "checkpoints/retrieval", "tensorboard", "plots",
+                 "retrieval"):
         os.makedirs(out / name)
-    for name in ("config.json", "retrieval_config.json", "report.json", "report.md",
-                 "report.html"):
+    for name in ("config.json", "retrieval_config.json", "retrieval_report.json",
+                 "report.json", "report.md", "report.html"):
         (out / name).write_text("{}")
-    moved = []
-    replace, rmtree = os.replace, folder.shutil.rmtree
-    monkeypatch.setattr(folder.os, "replace", lambda src, dst: moved.append(
-        os.path.basename(src)) or replace(src, dst))
+    moved, replace = [], os.replace
+
+    def moving(source, target):
+        if os.path.basename(source) == stop_at:
+            raise KeyboardInterrupt
+        moved.append(os.path.basename(source))
+        replace(source, target)
 
     def stopped(path, *args, **kwargs):
         raise KeyboardInterrupt
+    monkeypatch.setattr(folder.os, "replace", moving)
     monkeypatch.setattr(folder.shutil, "rmtree", stopped)
     with pytest.raises(KeyboardInterrupt):
         folder.clear(str(out))
     monkeypatch.undo()
-    assert moved[-1] == "config.json" and len(moved) == 9
-    assert os.listdir(out) == [folder.CLEARING]
-    assert cli.resume_advice(str(out), overwrite=True) == ""
-    assert folder.check_fresh(str(out), overwrite=False) is None and os.listdir(out) == []
-    assert rmtree is folder.shutil.rmtree
+    if stop_at == "deleting":
+        assert moved[-1] == "config.json" and len(moved) == 11
+        assert os.listdir(out) == [folder.CLEARING]
+    assert cli.resume_advice(str(out), overwrite=True) == (
+        "; rerun it with --overwrite to finish replacing the folder's run")
+    with pytest.raises(folder.RunFolderError, match="stopped midway; rerun with --overwrite"):
+        folder.check_fresh(str(out), overwrite=False)
+    assert folder.check_fresh(str(out), overwrite=True) is None
+    assert folder.CLEARING not in os.listdir(out)
+    folder.clear(str(out))
+    assert os.listdir(out) == []
 
 
 def test_a_report_stopped_while_written_leaves_no_report_json(tmp_path, monkeypatch):
