@@ -152,9 +152,10 @@ def prepared_baseline_ranks(prepared: PreparedLog, part: str = "test",
     batch by batch in one read of the held-out rows (`prepared_ranks`); a held-out row's last
     item is its `previous` item, whatever the history length (item transitions are None for
     a folder an earlier version prepared without history, whose shards do not tell it). EASE,
-    a dense inverse over the catalogue, is None. Memory holds the counts, one pass of held-out rows with their users'
-    known items, and one batch's scores. A held-out item without training rows is a miss (in
-    memory it ranks below every trained item the user has not seen)."""
+    a dense inverse over the catalogue, is None. Memory holds the counts, one pass of held-out
+    rows with their users' known items, and one batch's scores. A held-out item without
+    training rows is a miss (in memory it ranks below every trained item the user has not
+    seen)."""
     counts = prepared.item_counts.astype(np.float32)
     scorers = {"popularity": lambda rows: np.broadcast_to(counts, (len(rows["user"]),
                                                                    len(counts)))}

@@ -30,7 +30,8 @@ class RunFolderError(ValueError):
 
 # What a run folder holds (and `clear` removes before a run replaces it).
 RUN_ENTRIES = ("config.json", "config.json.tmp", "report.json", "report.json.tmp", "report.md",
-               "report.md.tmp", "report.html", "report.html.tmp", "plots", "export", "vocab", "retrieval", "checkpoints", "tensorboard", "retrieval_config.json",
+               "report.md.tmp", "report.html", "report.html.tmp", "plots", "export", "vocab",
+               "retrieval", "checkpoints", "tensorboard", "retrieval_config.json",
                "retrieval_train.json", "retrieval_report.json", "retrieval_report.json.tmp",
                "ranking_config.json", "ranking_train.json")
 # What makes a run folder that cannot be continued usable again.
