@@ -22,6 +22,8 @@ import argparse
 import errno
 import logging
 import os
+import re
+import shlex
 import sys
 
 import tworec
@@ -29,11 +31,11 @@ from tworec.console import exit_without_finalizing
 from tworec.serving.errors import ServingError
 from tworec.serving.layout import list_versions
 from tworec.serving.limits import default_max_elements, default_max_rows
+from tworec.pipeline import cli
 
 # What makes a run's config file: RUN/export/models.config and models_scann.config.
 RUN_ADVICE = ("; a run writes it (make demo, or python scripts/pipeline.py --out RUN), and make "
               "serve RUN=FOLDER serves another run's")
-from tworec.pipeline import cli
 
 
 def parse_args(argv):
@@ -157,26 +159,38 @@ def batcher(args):
 
 
 def is_run_config(path: str) -> bool:
-    """Whether `path` is named as a run writes its configs (RUN/export/models*.config)."""
+    """Whether `path` is named as a run writes the configs it serves from its own folder
+    (RUN/export/models.config, models_scann.config; not models.docker.config, whose paths
+    are a container's)."""
     return (os.path.basename(os.path.dirname(os.path.abspath(path))) == "export"
-            and os.path.basename(path).startswith("models") and path.endswith(".config"))
+            and os.path.basename(path) in ("models.config", "models_scann.config"))
 
 
 def moved_run(path: str, configs: list) -> str | None:
-    """What is wrong with a run's config file whose models live in another folder than the
-    one it is in (the run folder was moved or copied, and its absolute base paths name the
-    old place), or None."""
+    """What is wrong with a run's config file none of whose models is served from the folder
+    beside it of its name, though that folder is there (the run folder was moved or copied,
+    and its absolute base paths name the old place), or None (a config that serves some
+    models of another folder on purpose included)."""
     here = os.path.dirname(os.path.abspath(path))
-    for config in configs:
-        beside = os.path.join(here, os.path.basename(os.path.normpath(config.base_path)))
-        if not os.path.isdir(beside) or (os.path.exists(config.base_path)
-                                         and os.path.samefile(beside, config.base_path)):
-            continue
-        old = os.path.dirname(os.path.normpath(config.base_path))
-        return (f"model {config.name} is served from {config.base_path}, not from {beside} "
-                "beside the file: the run folder was moved or copied; name its own exports "
-                f"with sed -i 's#{old}/#{here}/#' {path}")
-    return None
+    beside = {config.name: os.path.join(here, os.path.basename(os.path.normpath(
+        config.base_path))) for config in configs}
+    if not configs or any(not os.path.isdir(beside[config.name]) or (
+            os.path.exists(config.base_path) and os.path.samefile(beside[config.name],
+                                                                  config.base_path))
+            for config in configs):
+        return None
+    first = configs[0]
+    old = os.path.dirname(os.path.normpath(first.base_path))
+    return (f"model {first.name} is served from {first.base_path}, not from "
+            f"{beside[first.name]} beside the file: the run folder was moved or copied; name "
+            f"its own exports with {sed_line(old, here, path)}")
+
+
+def sed_line(old: str, new: str, path: str) -> str:
+    """The shell command that replaces the folder `old` by `new` in the file `path`."""
+    pattern = re.sub(r"([\\.*\[\]^$#])", r"\\\1", old)
+    replacement = re.sub(r"([\\&#])", r"\\\1", new)
+    return f"sed -i {shlex.quote(f's#{pattern}/#{replacement}/#')} {shlex.quote(path)}"
 
 
 def model_configs(args) -> list:

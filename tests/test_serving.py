@@ -1499,6 +1499,17 @@ def test_serve_refuses_a_run_config_whose_models_are_another_folders(tmp_path, c
                     str(config)], check=True)
     configs = serve.model_configs(serve.parse_args([f"--model_config_file={config}"]))
     assert serve.moved_run(str(config), configs) is None
+    os.makedirs(tmp_path / "other run" / "export" / "ranking" / "1")      # on purpose: served
+    os.makedirs(tmp_path / "v1" / "export" / "ranking" / "1")
+    mixed = configs + [ModelConfig("ranking", f"{tmp_path}/other run/export/ranking")]
+    assert serve.moved_run(str(config), mixed) is None
+    assert not serve.is_run_config(str(tmp_path / "v1" / "export" / "models.docker.config"))
+    moved = tmp_path / "a run & co #2" / "export"                  # sed's and the shell's own
+    shutil.copytree(tmp_path / "v1" / "export", moved)
+    command = serve.moved_run(str(moved / "models.config"), configs).split(" with ")[-1]
+    subprocess.run(command, shell=True, check=True)
+    assert serve.moved_run(str(moved / "models.config"), serve.model_configs(serve.parse_args(
+        [f"--model_config_file={moved / 'models.config'}"]))) is None
 
 
 @pytest.mark.parametrize("flags, message", [
