@@ -1265,14 +1265,15 @@ class ColumnMapping(dict):
                      if name not in self.values() and not INDEX_COLUMN.fullmatch(name))
 
 
-def _header_mistake(names: list[str]) -> str:
+def _header_mistake(names: list[str], wanted) -> str:
     """What a header that no mapping can read needs ("" for none): one column holding another
-    delimiter, or names with spaces around them (after ", "), which --columns cannot give."""
+    delimiter, or `wanted` names with spaces around them (after ", "), which --columns cannot
+    give."""
     if len(names) == 1:
         delimiter = next((d for d in ",;|\t" if d in names[0]), None)
         if delimiter is not None:
             return f"the header is one column: pass --delimiter {delimiter!r}"
-    spaced = [name for name in names if name != name.strip()]
+    spaced = [name for name in names if name != name.strip() and name.strip() in wanted]
     if spaced:
         return (f"the header names {spaced[:3]} have spaces around them, which --columns "
                 "cannot name: write the file without them")
@@ -1293,7 +1294,8 @@ def _resolve_columns(path: str, names: list[str], columns: dict[str, str]) -> Co
         elif role != "rating":
             raise DataError(f"{path}: missing required column for {role!r}: none of "
                             f"{list(candidates)} is present (columns: {names}); "
-                            + (_header_mistake(names) or f"map it with --columns {role}=NAME"))
+                            + (_header_mistake(names, candidates)
+                               or f"map it with --columns {role}=NAME"))
     for role, name in columns.items():
         mapping[role] = name
     mapping.unrated = mapping.get("rating") == NO_RATING
@@ -1301,9 +1303,9 @@ def _resolve_columns(path: str, names: list[str], columns: dict[str, str]) -> Co
         del mapping["rating"]
     for role, name in mapping.items():
         if name not in names:
+            mistake = _header_mistake(names, [name])
             raise DataError(f"{path}: missing required column {name!r} (for {role}); "
-                            f"columns: {names}" + (f"; {_header_mistake(names)}"
-                                                   if _header_mistake(names) else ""))
+                            f"columns: {names}" + (f"; {mistake}" if mistake else ""))
     counts = collections.Counter(names)
     for role, name in mapping.items():
         if counts[name] > 1:
