@@ -306,17 +306,20 @@ def id_codes(source: str, name: str, ids) -> tuple[np.ndarray, np.ndarray]:
 
 
 BYTES_LIKE = (bytes, bytearray, memoryview)    # ids as bytes, decoded as UTF-8
-ID_TABLE_BYTES = 1 << 30       # at most, a column's distinct ids as fixed-width NumPy text
+ID_TABLE_BYTES = 1 << 30       # a column's distinct ids as fixed-width NumPy text: past it,
+ID_WIDTH_WASTE = 16            # refused when the longest id makes them this many times the text
 
 
 def _refuse_wide_ids(source: str, name: str, distinct: pa.Array, codes: np.ndarray) -> None:
     """A DataError naming the longest of `distinct` ([d] Arrow text) and its first row (of
     `codes` [n]) when the ids as fixed-width NumPy text (4 bytes a character of the longest,
-    each) would take more than ID_TABLE_BYTES."""
+    each) would take more than ID_TABLE_BYTES and ID_WIDTH_WASTE times their own characters:
+    a few long ids among short ones (many ids of one width, UUIDs, take what they hold)."""
     lengths = pc.utf8_length(distinct)
     longest = pc.max(lengths).as_py() or 0
     size = 4 * longest * len(distinct)
-    if size <= ID_TABLE_BYTES:
+    held = max(pc.sum(lengths).as_py() or 0, len(distinct))               # characters
+    if size <= ID_TABLE_BYTES or longest * len(distinct) <= ID_WIDTH_WASTE * held:
         return
     row = int(np.flatnonzero(codes == pc.index(lengths, longest).as_py())[0])
     raise DataError(f"{source}: column {name!r} has an id of {longest:,} characters (first at "
@@ -833,24 +836,26 @@ def _year_from_title(titles: pa.ChunkedArray) -> np.ndarray:
     return pc.cast(years, pa.int32()).to_numpy(zero_copy_only=False)
 
 
-GENRES_MAX = 1000      # distinct genre names of a multi-hot item.genres (MovieLens has 20)
+GENRES_TABLE_BYTES = 1 << 30    # at most, the dense multi-hot table of item.genres
 
 
 def _multi_hot(genre_lists: pa.ChunkedArray, source: str,
                name: str) -> tuple[np.ndarray, tuple[str, ...]]:
     """[n, g] float32 multi-hot of `|`-joined genre strings, and the g genre names; a
-    DataError naming the column `name` of `source` past GENRES_MAX names (the table is
-    dense)."""
+    DataError naming the column `name` of `source` when the dense table would take more than
+    GENRES_TABLE_BYTES."""
     lists = pc.split_pattern(genre_lists, "|").combine_chunks()
     flat = pc.utf8_trim_whitespace(lists.flatten())                    # "Action | Comedy"
     rows = pc.list_parent_indices(lists).to_numpy()
     names, codes = np.unique(flat.to_numpy(zero_copy_only=False).astype(str), return_inverse=True)
     listed = (names != "(no genres listed)") & (names != "")            # "", "Action|"
-    if listed.sum() > GENRES_MAX:
+    size = 4 * len(lists) * int(listed.sum())                           # [n, g] float32
+    if size > GENRES_TABLE_BYTES:
         raise DataError(f"{source}: column {name!r} (item.genres) has {int(listed.sum()):,} "
-                        f"distinct genre names, more than {GENRES_MAX:,}: its multi-hot table "
-                        "is dense ([items, genres]); map item.genres to a column of a few "
-                        "genres joined by '|' (MovieLens has 20), or leave it out")
+                        f"distinct genre names over {len(lists):,} items: its dense multi-hot "
+                        f"table would take {size / 2**30:.1f} GiB (at most "
+                        f"{GENRES_TABLE_BYTES / 2**30:g} GiB); map item.genres to a column of a "
+                        "few genres joined by '|' (MovieLens has 20), or leave it out")
     matrix = np.zeros((len(lists), len(names)), dtype=np.float32)
     matrix[rows, codes] = 1.0
     return matrix[:, listed], tuple(names[listed])

@@ -533,17 +533,19 @@ def test_item_years_that_are_not_whole_are_refused(tmp_path):
 
 def test_item_genres_of_too_many_names_are_refused_before_the_dense_table(tmp_path,
                                                                           monkeypatch):
-    """item.genres mapped to free-text tags made a dense [items, tags] table (10,000 tags:
-    400 MB); past GENRES_MAX names the log is refused naming the column and the count."""
-    monkeypatch.setattr(sources, "GENRES_MAX", 2)
+    """item.genres mapped to free-text tags made a dense [items, tags] table (10,000 tags
+    of 10,000 items: 400 MB); past GENRES_TABLE_BYTES the log is refused naming the column
+    and the counts."""
+    monkeypatch.setattr(sources, "GENRES_TABLE_BYTES", 4 * 5 * 3 - 1)   # 5 items, 3 genres
     (tmp_path / "log.csv").write_text(SIDE)
     with pytest.raises(DataError) as error:
         load(str(tmp_path / "log.csv"), {**SIDE_COLUMNS, "item.genres": "genre"})
-    assert str(error.value) == (
-        f"{tmp_path / 'log.csv'}: column 'genre' (item.genres) has 3 distinct genre names, more "
-        "than 2: its multi-hot table is dense ([items, genres]); map item.genres to a column "
-        "of a few genres joined by '|' (MovieLens has 20), or leave it out")
-    monkeypatch.setattr(sources, "GENRES_MAX", 3)
+    assert str(error.value).startswith(
+        f"{tmp_path / 'log.csv'}: column 'genre' (item.genres) has 3 distinct genre names over "
+        "5 items: its dense multi-hot table would take ")
+    assert str(error.value).endswith("; map item.genres to a column of a few genres joined by "
+                                     "'|' (MovieLens has 20), or leave it out")
+    monkeypatch.setattr(sources, "GENRES_TABLE_BYTES", 4 * 5 * 3)
     assert load(str(tmp_path / "log.csv"), {**SIDE_COLUMNS, "item.genres": "genre"}
                 ).item_features["genres"].shape == (5, 3)
 
@@ -606,8 +608,10 @@ def test_one_long_id_costs_its_length_once_not_once_a_row(tmp_path):
 
 def test_ids_too_wide_as_fixed_width_text_are_refused_naming_the_longest(tmp_path, monkeypatch):
     """One 4,000-character id among 100,000 made a 1.6 GiB table (peak 6 GiB): past
-    ID_TABLE_BYTES the log is refused in one line, before the table is built."""
+    ID_TABLE_BYTES, and ID_WIDTH_WASTE times the ids' own characters, the log is refused in
+    one line, before the table is built; as many ids all that long (UUIDs) are read."""
     monkeypatch.setattr(sources, "ID_TABLE_BYTES", 4 * 100 * 10)        # 10 ids of 100 chars
+    monkeypatch.setattr(sources, "ID_WIDTH_WASTE", 4)
     items = [f"i{row}" for row in range(20)]
     items[7] = "x" * 60                                            # 4 * 60 * 20 = 4,800 bytes
     pq.write_table(pa.table({"user_id": ["u"] * 20, "item_id": items,
@@ -624,6 +628,10 @@ def test_ids_too_wide_as_fixed_width_text_are_refused_naming_the_longest(tmp_pat
     pq.write_table(pa.table({"user_id": ["u"] * 20, "item_id": items,
                              "timestamp": np.arange(20)}), tmp_path / "log.parquet")
     assert load(str(tmp_path / "log.parquet")).item_ids.dtype == np.dtype("<U40")
+    items = [f"{row:060d}" for row in range(20)]               # 4,800 bytes, all of them ids
+    pq.write_table(pa.table({"user_id": ["u"] * 20, "item_id": items,
+                             "timestamp": np.arange(20)}), tmp_path / "log.parquet")
+    assert load(str(tmp_path / "log.parquet")).item_ids.dtype == np.dtype("<U60")
 
 
 def test_binary_ids_are_read_as_utf8_text(tmp_path):
