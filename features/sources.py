@@ -213,14 +213,14 @@ def from_columns(source: str, user, item, timestamp, rating=None, *, catalogue=N
     if feature_rows:
         user_table = _last_per_id((user_text, user[kept]), _taken(user_rows, kept))
     if item_rows:                                    # as the users': of the kept rows only
-        item_features = {**(item_features or {}), **_align_user_features(
+        item_features = {**(item_features or {}), **_align_features(
             item_ids, _last_per_id((item_text, item[kept]), _taken(item_rows, kept)))}
     changing = {name: values for name, values in feature_rows.items()
                 if _changes_within(user_codes, values)}
     return Interactions(user_ids=user_ids, item_ids=item_ids, user=user_codes, item=item_codes,
                         timestamp=seconds[rows], rating=None if rating is None else rating[rows],
                         item_features=dict(item_features or {}),
-                        user_features=_align_user_features(user_ids, user_table),
+                        user_features=_align_features(user_ids, user_table),
                         user_feature_rows=changing, genre_names=tuple(genre_names),
                         dropped=dropped, source=source)
 
@@ -597,7 +597,7 @@ def _numeric(source: str, name: str, values, wrong: str = "not numeric") -> np.n
     if values.dtype.kind not in "iuf":
         try:
             text = _arrow_text(values)
-            if text is not None and not pc.all(pc.string_is_ascii(text)).as_py():
+            if text is not None and pc.all(pc.string_is_ascii(text)).as_py() is False:
                 raise ValueError("not ASCII")                        # '١', '０', '1\xa0'
             values = values.astype(np.float64)
         except (TypeError, ValueError):
@@ -628,12 +628,13 @@ def _parses(value) -> bool:
         return False
 
 
-def _align_user_features(user_ids: np.ndarray, user_table) -> dict[str, np.ndarray]:
-    """Features of `user_table` reordered to `user_ids`; unknown users get '' or 0."""
-    if user_table is None:
+def _align_features(ids: np.ndarray, table) -> dict[str, np.ndarray]:
+    """Features of a (table ids, name -> values) `table` of users or items reordered to
+    `ids`; ids the table lacks get '' or 0."""
+    if table is None:
         return {}
-    table_ids, features = user_table
-    position, found = _positions(np.asarray(table_ids).astype(str), user_ids)
+    table_ids, features = table
+    position, found = _positions(np.asarray(table_ids).astype(str), ids)
     aligned = {}
     for name, values in features.items():
         values = np.asarray(values)[position]
