@@ -82,6 +82,10 @@ def parse_args(argv):
     parser.add_argument("--http_write_stall_seconds", type=float, default=5.0,
                         help="a REST connection whose client reads none of its answer for this "
                         "long is aborted, its unsent answer dropped")
+    parser.add_argument("--http_write_timeout_seconds", type=float, default=60.0,
+                        help="a REST connection whose client has not read all but the last 64 "
+                        "KiB of its answer within this long is aborted, its unsent answer "
+                        "dropped (60 s is 480 MB at 64 Mbit/s)")
     parser.add_argument("--shutdown_grace_seconds", type=float, default=10.0,
                         help="on SIGTERM or Ctrl-C, how long requests in flight may finish")
     parser.add_argument("--max_num_load_retries", type=int, default=5,
@@ -135,7 +139,8 @@ def parse_args(argv):
         if checked and getattr(args, flag) < least:
             parser.error(f"--{flag} must be at least {least}, got {getattr(args, flag)}")
     for flag in ("http_header_timeout_seconds", "http_body_timeout_seconds",
-                 "http_body_stall_seconds", "http_write_stall_seconds"):
+                 "http_body_stall_seconds", "http_write_stall_seconds",
+                 "http_write_timeout_seconds"):
         if not getattr(args, flag) > 0:          # 0 would cut every connection off at once
             parser.error(f"--{flag} must be more than 0, got {getattr(args, flag):g}")
     return args
@@ -253,6 +258,7 @@ def main(argv=None) -> int:
                          body_timeout_seconds=args.http_body_timeout_seconds,
                          body_stall_seconds=args.http_body_stall_seconds,
                          write_stall_seconds=args.http_write_stall_seconds,
+                         write_timeout_seconds=args.http_write_timeout_seconds,
                          grace_seconds=args.shutdown_grace_seconds,
                          max_elements=args.max_elements_per_request,
                          max_request_bytes_in_flight=args.max_request_bytes_in_flight)

@@ -13,15 +13,20 @@ its deadline (`--rest_api_timeout_in_ms`, 504); a request whose client has gone,
 deadline passed, is dropped if its run has not started. An answer's bytes count in flight until
 at most 64 KiB of it is left unsent (the transport's write buffer is under its high-water mark,
 or has drained to its low-water mark), and a connection whose client reads none of its answer
-for `write_stall_seconds` is aborted, its unsent bytes dropped (uvicorn has no write timeout: an
-unread answer stayed in memory for as long as its client kept the connection open).
+for `write_stall_seconds`, or has not read all but those 64 KiB of it within
+`write_timeout_seconds`, is aborted, its unsent bytes dropped (uvicorn has no write timeout: an
+unread answer stayed in memory for as long as its client kept the connection open, and one read
+a byte at a time for as long as its client kept reading).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
+import socket
+import struct
 import time
 import urllib.parse
 
@@ -315,9 +320,10 @@ class HeaderTimeoutProtocol(H11Protocol):
     and under `extensions[OVER_LIMIT]` whether it is beyond `config.max_concurrent_requests`
     requests in flight, itself counted (uvicorn's `limit_concurrency` would also count idle
     connections, so a client's pool of kept-alive ones could refuse every other client; its
-    503 answer is not JSON either), and under `extensions[DRAINED]` uvicorn's wait for its
-    write buffer to drain. While writes are paused (the buffer over its high-water mark), a
-    connection whose client reads nothing for `config.write_stall_seconds` is aborted.
+    503 answer is not JSON either), and under `extensions[DRAINED]` a wait for its write
+    buffer to drain, which aborts the connection when it has not drained within
+    `config.write_timeout_seconds`. While writes are paused (the buffer over its high-water
+    mark), a connection whose client reads nothing for `config.write_stall_seconds` is aborted.
     """
 
     _header_timer: asyncio.TimerHandle | None = None
@@ -341,7 +347,7 @@ class HeaderTimeoutProtocol(H11Protocol):
             self._disarm()
             extensions = self.scope.setdefault("extensions", {})
             extensions[DISCONNECTED] = self._disconnected
-            extensions[DRAINED] = self.flow.drain
+            extensions[DRAINED] = self._drain
             limit = self.config.max_concurrent_requests   # its own task counted
             extensions[OVER_LIMIT] = limit is not None and len(self.tasks) > limit
 
@@ -360,6 +366,19 @@ class HeaderTimeoutProtocol(H11Protocol):
         super().resume_writing()
         self._stop_watching_writes()
 
+    async def _drain(self) -> None:
+        """Returns once the write buffer is below its low-water mark, or the connection is
+        lost; aborts the connection, dropping what is unsent, when its client has not read
+        that much within `config.write_timeout_seconds` (a client reading a byte now and then
+        is never stalled, yet would hold its answer for as long as it liked)."""
+        try:
+            async with asyncio.timeout(self.config.write_timeout_seconds):
+                await self.flow.drain()
+        except TimeoutError:
+            log.info("aborting a connection whose client did not read its answer within %g s",
+                     self.config.write_timeout_seconds)
+            self._abort()
+
     def _watch_writes(self, left_before: int | None) -> None:
         """Aborts the connection when none of its write buffer has been sent since the last
         look, `config.write_stall_seconds` ago; otherwise looks again that much later."""
@@ -368,10 +387,20 @@ class HeaderTimeoutProtocol(H11Protocol):
             log.info("aborting a connection whose client read none of its %d unsent bytes for "
                      "%g s", left, self.config.write_stall_seconds)
             self._write_timer = None
-            self.transport.abort()
+            self._abort()
             return
         self._write_timer = self.loop.call_later(self.config.write_stall_seconds,
                                                  self._watch_writes, left)
+
+    def _abort(self) -> None:
+        """Closes the connection with a reset, dropping what is unsent in the server's buffer
+        and in the kernel's (a plain close goes on sending the kernel's megabytes to a client
+        that reads them slowly)."""
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):                 # a socket already closed
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()
 
     def _stop_watching_writes(self) -> None:
         if self._write_timer is not None:

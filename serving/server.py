@@ -7,9 +7,10 @@ their threads only wait for answers: status and metadata are never queued behind
 At most `max_concurrent_requests` requests are served at a time on each API (REST answers 503
 beyond, gRPC RESOURCE_EXHAUSTED); a REST connection must send its request head within
 `header_timeout_seconds` and its body within `body_timeout_seconds`, never pausing longer than
-`body_stall_seconds`; a REST client that reads none of its answer for `write_stall_seconds` has
-its connection aborted. `stop` (and SIGTERM or SIGINT during `wait`) stops accepting, lets
-requests in flight finish for `grace_seconds`, then closes everything.
+`body_stall_seconds`; a REST client that reads none of its answer for `write_stall_seconds`, or
+not all but its last 64 KiB within `write_timeout_seconds`, has its connection aborted. `stop`
+(and SIGTERM or SIGINT during `wait`) stops accepting, lets requests in flight finish for
+`grace_seconds`, then closes everything.
 """
 from __future__ import annotations
 
@@ -61,6 +62,8 @@ class ModelServer:
             refused, its bytes released.
         write_stall_seconds: a REST connection whose client reads none of its answer for this
             long is aborted, its unsent bytes dropped.
+        write_timeout_seconds: a REST connection whose client has not read all but the last
+            64 KiB of its answer within this long is aborted, its unsent bytes dropped.
     """
 
     def __init__(self, manager: ModelManager, host: str = "127.0.0.1",
@@ -71,7 +74,8 @@ class ModelServer:
                  header_timeout_seconds: float = 10.0, body_timeout_seconds: float = 30.0,
                  grace_seconds: float = 10.0, max_elements: int | None = None,
                  max_request_bytes_in_flight: int | None = None,
-                 body_stall_seconds: float = 5.0, write_stall_seconds: float = 5.0):
+                 body_stall_seconds: float = 5.0, write_stall_seconds: float = 5.0,
+                 write_timeout_seconds: float = 60.0):
         self.manager = manager
         self.host = host
         self.grpc_port, self.rest_port = grpc_port, rest_port
@@ -88,6 +92,7 @@ class ModelServer:
         self._max_concurrent = max_concurrent_requests
         self._header_timeout_seconds = header_timeout_seconds
         self._write_stall_seconds = write_stall_seconds
+        self._write_timeout_seconds = write_timeout_seconds
         self.grace_seconds = grace_seconds
         self._signals = None
 
@@ -206,6 +211,7 @@ class ModelServer:
                                 timeout_graceful_shutdown=self.grace_seconds)
         config.header_timeout_seconds = self._header_timeout_seconds
         config.write_stall_seconds = self._write_stall_seconds
+        config.write_timeout_seconds = self._write_timeout_seconds
         config.max_concurrent_requests = self._max_concurrent   # answered in JSON by RestApp
         self._rest = uvicorn.Server(config)
         self._rest_thread = threading.Thread(target=self._rest.run, kwargs={"sockets": [sock]},

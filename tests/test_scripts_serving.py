@@ -76,7 +76,8 @@ def test_serve_refuses_a_negative_request_limit(flag):
     assert f"error: {flag} must be at least 0, got -5" in done.stderr
 
 
-@pytest.mark.parametrize("flag", ["--http_body_stall_seconds", "--http_write_stall_seconds"])
+@pytest.mark.parametrize("flag", ["--http_body_stall_seconds", "--http_write_stall_seconds",
+                                  "--http_write_timeout_seconds"])
 def test_serve_refuses_a_timeout_that_is_not_positive(flag):
     """A stall timeout of 0 would cut every REST connection off as soon as it waits."""
     done, _ = probe("serve.py", "--model_name=x", "--model_base_path=/nowhere", f"{flag}=0")

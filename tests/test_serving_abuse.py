@@ -764,6 +764,33 @@ def test_an_unread_answer_is_counted_until_read_and_its_stalled_connection_abort
         assert _closed_within(unread, 10)
 
 
+def test_a_slowly_read_answer_is_aborted_at_the_write_timeout(tmp_path):
+    """A client reading a little of its answer now and then never stalled, so it held the
+    answer's bytes in flight and a request slot for as long as it kept reading. Its
+    connection is now reset once the answer is not read within `write_timeout_seconds`,
+    which frees both: the next request is served though only one may run at a time."""
+    save(LongAnswer(), str(tmp_path / "long"))
+    manager = ModelManager([ModelConfig("long", str(tmp_path / "long"))], poll_seconds=0)
+    with ModelServer(manager, grpc_port=None, rest_port=0, max_concurrent_requests=1,
+                     write_stall_seconds=60.0, write_timeout_seconds=1.0) as server:
+        slow = socket.socket()
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        slow.connect(("127.0.0.1", server.rest_port))
+        slow.sendall((_HEAD.replace("scale", "long") + f"Content-Length: {len(_BODY)}\r\n\r\n"
+                      ).encode() + _BODY)
+        _wait_for(lambda: server._in_flight.held > 8 << 20, seconds=60)
+        received = 0                       # the 8 MiB take 13 s at most 64 KiB a 0.1 s
+        slow.settimeout(60)
+        with pytest.raises(ConnectionResetError):       # a reset: nothing more is sent
+            while chunk := slow.recv(65536):
+                received += len(chunk)
+                time.sleep(0.1)
+        assert received < 8 << 20
+        _wait_for(lambda: server._in_flight.held == 0, seconds=30)
+        url = f"http://127.0.0.1:{server.rest_port}/v1/models/long:predict"
+        assert requests.post(url, data=_BODY, timeout=60).json() == {"outputs": ["a" * (8 << 20)]}
+
+
 def test_a_run_its_client_left_holds_its_request_bytes_until_it_ends(models):
     """The ~3 s spin run goes on after its REST client leaves; its inputs stay in memory, so
     its bytes stay counted in flight until the run ends, then are free."""
