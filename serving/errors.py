@@ -59,6 +59,12 @@ def truncate(message: str, limit: int = MAX_GRPC_MESSAGE) -> str:
     return message[:limit] + "...TRUNCATED"
 
 
+def echo(value) -> str:
+    """A client's value (a model name, a label, a URL path) as an error repeats it: cut to
+    `MAX_ECHOED` characters."""
+    return truncate(str(value), MAX_ECHOED)
+
+
 def redact(message: str) -> str:
     """`message` with absolute paths replaced by "<path>"."""
     return _PATH.sub("<path>", message)

@@ -30,7 +30,7 @@ from tensorflow.core.protobuf import error_codes_pb2
 from tensorflow_serving.apis import get_model_status_pb2
 from tensorflow_serving.config import model_server_config_pb2
 
-from tworec.serving.errors import ServingError, from_tf_error
+from tworec.serving.errors import ServingError, echo, from_tf_error
 from tworec.serving.layout import list_versions
 from tworec.serving.model import LoadedModel
 
@@ -108,7 +108,7 @@ def _config_of_proto(config: model_server_config_pb2.ModelConfig) -> ModelConfig
         if platform:
             raise ServingError("INVALID_ARGUMENT", "Illegal setting both ModelServerConfig::"
                                "model_type (deprecated) and ModelServerConfig::model_platform, "
-                               f"model name is {config.name}")
+                               f"model name is {echo(config.name)}")
         if config.model_type != model_server_config_pb2.TENSORFLOW:
             raise ServingError("INVALID_ARGUMENT", "ModelServerConfig::model_type choice "
                                f"{config.model_type} not supported.")
@@ -116,10 +116,11 @@ def _config_of_proto(config: model_server_config_pb2.ModelConfig) -> ModelConfig
     if not platform:
         raise ServingError("INVALID_ARGUMENT", "Illegal setting neither ModelServerConfig::"
                            "model_type (deprecated) nor ModelServerConfig::model_platform, model "
-                           f'name is {config.name}; set model_platform: "tensorflow"')
+                           f'name is {echo(config.name)}; set model_platform: "tensorflow"')
     if platform != "tensorflow":
-        raise ServingError("INVALID_ARGUMENT", f"Model {config.name} requests unsupported "
-                           f'platform {platform}; this server serves model_platform "tensorflow"')
+        raise ServingError("INVALID_ARGUMENT", f"Model {echo(config.name)} requests unsupported "
+                           f"platform {echo(platform)}; this server serves model_platform "
+                           '"tensorflow"')
     policy = config.model_version_policy
     choice = policy.WhichOneof("policy_choice") or "latest"
     return ModelConfig(
@@ -262,11 +263,11 @@ class ModelManager:
             served = {os.path.realpath(m.config.base_path) for m in self._models.values()}
         for config in configs:
             if not os.path.isabs(config.base_path):
-                raise ServingError("INVALID_ARGUMENT", f"Model {config.name}: base_path must "
+                raise ServingError("INVALID_ARGUMENT", f"Model {echo(config.name)}: base_path must "
                                    "be an absolute path")
             path = os.path.realpath(config.base_path)
             if path not in served and not any(_under(path, root) for root in self.allowed_roots):
-                raise ServingError("PERMISSION_DENIED", f"Model {config.name}: base_path is "
+                raise ServingError("PERMISSION_DENIED", f"Model {echo(config.name)}: base_path is "
                                    "outside the folders this server may load models from "
                                    "(--allowed_model_roots)")
 
@@ -327,7 +328,7 @@ class ModelManager:
                 if version not in versions or versions[version].state != "AVAILABLE":
                     raise ServingError(
                         "FAILED_PRECONDITION", f"Request to assign label to version {version} "
-                        f"of model {config.name}, which is not currently available for "
+                        f"of model {echo(config.name)}, which is not currently available for "
                         "inference")
         self._labels = {config.name: dict(config.labels) for config in configs}
 
@@ -379,10 +380,11 @@ class ModelManager:
             versions = {**self._removed_versions.get(name, {}),
                         **(self._models[name].versions if name in self._models else {})}
             if not versions:
-                raise ServingError("NOT_FOUND", f"Could not find any versions of model {name}")
+                raise ServingError("NOT_FOUND",
+                                   f"Could not find any versions of model {echo(name)}")
             if version is not None and version not in versions:
                 raise ServingError("NOT_FOUND",
-                                   f"Could not find version {version} of model {name}")
+                                   f"Could not find version {version} of model {echo(name)}")
             response = get_model_status_pb2.GetModelStatusResponse()
             for number in sorted(versions, reverse=True):
                 if version is None or number == version:
@@ -597,18 +599,19 @@ class ModelManager:
         available = {v: e for v, e in versions.items() if e.state == "AVAILABLE"}
         if version is None:
             if not available:
-                raise ServingError("NOT_FOUND", f"Servable not found for request: Latest({name})")
+                raise ServingError("NOT_FOUND",
+                                   f"Servable not found for request: Latest({echo(name)})")
             version = max(available)
         if version not in available:
             raise ServingError("NOT_FOUND",
-                               f"Servable not found for request: Specific({name}, {version})")
+                               f"Servable not found for request: Specific({echo(name)}, {version})")
         return version, available[version]
 
     def _label_version(self, name: str, label: str) -> int:
         labels = self._labels.get(name, {}) if name in self._models else {}
         if label not in labels:
             raise ServingError("INVALID_ARGUMENT",
-                               f"Unrecognized servable version label: {label}")
+                               f"Unrecognized servable version label: {echo(label)}")
         return labels[label]
 
 
@@ -625,7 +628,7 @@ def _check_unique(configs: list[ModelConfig]) -> None:
     names = set()
     for config in configs:
         if config.name in names:
-            raise ServingError("INVALID_ARGUMENT", f"Illegal to list model {config.name} "
+            raise ServingError("INVALID_ARGUMENT", f"Illegal to list model {echo(config.name)} "
                                "multiple times in config list")
         names.add(config.name)
 

@@ -16,7 +16,7 @@ import tensorflow as tf
 from tensorflow.core.protobuf import meta_graph_pb2
 from tensorflow_serving.apis import get_model_metadata_pb2, prediction_log_pb2
 
-from tworec.serving.errors import ServingError, from_tf_error, redact
+from tworec.serving.errors import ServingError, echo, from_tf_error, redact
 from tworec.serving.layout import MAX_WARMUP_RECORDS, WARMUP_FILE
 from tworec.serving.protocol import DEFAULT_SIGNATURE
 
@@ -112,7 +112,8 @@ class LoadedModel:
         name = name or DEFAULT_SIGNATURE
         if name not in self.signature_defs or not callable_signature(
                 name, self.signature_defs[name]):
-            raise ServingError("FAILED_PRECONDITION", f'Serving signature key "{name}" not found.')
+            raise ServingError("FAILED_PRECONDITION",
+                               f'Serving signature key "{echo(name)}" not found.')
         return self.signature_defs[name]
 
     def check_inputs(self, inputs: dict[str, np.ndarray],

@@ -33,7 +33,7 @@ import urllib.parse
 from google.protobuf import json_format
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from tworec.serving.errors import MAX_ECHOED, ServingError, truncate
+from tworec.serving.errors import MAX_ECHOED, ServingError, echo, truncate
 from tworec.serving.json_tensor import format_predict, parse_json, parse_predict, signature_name
 from tworec.serving.limits import (BytesInFlight, Reservation, default_max_elements,
                                    default_max_request_bytes_in_flight, default_max_rows)
@@ -136,7 +136,7 @@ class RestApp:
         method = scope["method"]
         path = scope["raw_path"].decode("latin-1") if scope.get("raw_path") else scope["path"]
         if not path.lower().startswith("/v1/"):
-            raise ServingError("NOT_FOUND", f"Not found: {path}; the API is under /v1/")
+            raise ServingError("NOT_FOUND", f"Not found: {echo(path)}; the API is under /v1/")
         predict, status = _PREDICT.fullmatch(path), _STATUS.fullmatch(path)
         if method == "POST" and predict:
             deadline = (None if self.timeout_seconds is None else
@@ -151,7 +151,7 @@ class RestApp:
             return 200, _json_bytes(handler(*_model_spec(status)))
         if method == "GET" and _NO_NAME.fullmatch(path):
             raise ServingError("INVALID_ARGUMENT", "Missing model name in request.")
-        raise ServingError("INVALID_ARGUMENT", f"Malformed request: {method} {path}")
+        raise ServingError("INVALID_ARGUMENT", f"Malformed request: {echo(method)} {echo(path)}")
 
     def _refuse_declared_too_large(self, scope) -> None:
         """Refuses unread a body whose Content-Length is over the limit."""
@@ -280,7 +280,7 @@ def _version(digits: str) -> int:
     significant = digits.lstrip("0") or "0"         # int() refuses over 4300 digits
     if len(significant) > len(str(_INT64_MAX)) or int(significant) > _INT64_MAX:
         raise ServingError("INVALID_ARGUMENT",
-                           f"Failed to convert version: {digits} to numeric.")
+                           f"Failed to convert version: {echo(digits)} to numeric.")
     return int(significant)
 
 

@@ -998,6 +998,27 @@ def test_rest_errors_repeat_at_most_100_characters_of_a_clients_value(models):
             assert "@...TRUNCATED" in error and len(error) < 400, error[:400]
 
 
+def test_errors_repeat_at_most_100_characters_of_a_path_name_label_or_version(models):
+    """A 5,000-character model name came back whole in a 5 KB error, as did a URL path, a
+    label and a version's digits: they are cut as the body's values are."""
+    long = "@" * 5000
+    model = "/v1/models/scale"
+    asked = [("GET", f"/{long}"), ("GET", f"/v1/{long}"), ("GET", f"/v1/models/{long}"),
+             ("GET", f"/v1/models/{long}/metadata"), ("POST", f"/v1/models/{long}:predict"),
+             ("GET", f"{model}/versions/9{'0' * 5000}"),
+             ("GET", f"{model}/labels/{long}/metadata"), ("POST", f"{model}/labels/{long}:predict")]
+    with _serve(models) as server:
+        for method, path in asked:
+            answer = requests.request(method, f"http://127.0.0.1:{server.rest_port}{path}",
+                                      json={"inputs": [1.0]}, timeout=10)
+            error = answer.json()["error"]
+            assert answer.status_code in (400, 404), (path[:30], error[:400])
+            assert "...TRUNCATED" in error and len(error) < 400, (path[:30], error[:400])
+        error = _grpc_error(_stub(server).Predict,
+                            _request(long, {"x": np.ones(1, np.float32)})).details()
+        assert "@...TRUNCATED" in error and len(error) < 400, error[:400]
+
+
 def test_grpc_init_op_and_missing_saved_model_are_client_facing(models, tmp_path):
     base = str(tmp_path / "empty")
     manager = ModelManager([ModelConfig("scale", os.path.join(models, "scale")),
