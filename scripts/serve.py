@@ -65,8 +65,9 @@ def parse_args(argv):
                         "element")
     parser.add_argument("--max_request_bytes_in_flight", type=int, default=None,
                         help="request bytes held at once over both APIs; a request beyond is "
-                        "refused (503 / UNAVAILABLE: retry later) unless it is alone; the "
-                        "default is 1/64 of physical memory, at least --max_request_bytes")
+                        "refused (503 / UNAVAILABLE: retry later) unless nothing else, not "
+                        "even an unread answer, is held; the default is 1/64 of physical "
+                        "memory, at least --max_request_bytes")
     parser.add_argument("--allowed_model_roots", default="",
                         help="comma-separated folders under which HandleReloadConfigRequest may "
                         "load models, besides the base paths the server starts with")

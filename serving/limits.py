@@ -102,8 +102,10 @@ class BytesInFlight:
     under batching, or a request split into parts, releases its bytes when it returns; then
     a REST answer's bytes until at most 64 KiB of it waits in the server for its client to
     read it), bounded by `limit`: a request that would pass it is refused
-    UNAVAILABLE (retry later; HTTP 503), unless no other request is held, so a lone request of
-    up to --max_request_bytes always runs. A request costs a multiple of its bytes while it is
+    UNAVAILABLE (retry later; HTTP 503), unless nothing else is held: a lone request of up to
+    --max_request_bytes runs once the answers not yet read are read or given up (within
+    --http_write_timeout_seconds); it is not let past them, or a client reading slowly could
+    hold answer after answer. A request costs a multiple of its bytes while it is
     parsed and run (a 63 MB REST ranking request of 8M short ids raised the server's peak
     memory by 1.5 GB, ~24 times, on the tiny preset's export), so the limit bounds the
     server's memory where --max_request_bytes bounds one request's.
@@ -163,7 +165,8 @@ class Reservation:
                 return
             if refuse and others and others + size > self.budget.limit:
                 raise ServingError("UNAVAILABLE", f"The server holds {others} bytes of other "
-                                   f"requests; with this one's {size} they would pass "
+                                   f"requests and unread answers; with this one's {size} "
+                                   "they would pass "
                                    f"{self.budget.limit} (--max_request_bytes_in_flight); "
                                    "retry later")
             self.budget._held += more

@@ -56,8 +56,8 @@ class ModelServer:
         max_elements: the most elements the inputs of one request may have together (None:
             from memory, see `limits.default_max_elements`).
         max_request_bytes_in_flight: the request bytes held at once over both APIs, beyond
-            which a request is refused UNAVAILABLE unless it is alone (None: from memory, see
-            `limits.BytesInFlight`).
+            which a request is refused UNAVAILABLE unless nothing else, not even an unread
+            answer, is held (None: from memory, see `limits.BytesInFlight`).
         body_stall_seconds: a REST request body that makes no progress for this long is
             refused, its bytes released.
         write_stall_seconds: a REST connection whose client reads none of its answer for this

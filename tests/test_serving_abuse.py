@@ -678,8 +678,8 @@ def test_request_bytes_in_flight_are_capped_over_both_apis(models):
         _wait_for(lambda: server._in_flight.held == 90, seconds=30)
         refused = requests.post(url, data=_BODY, timeout=5)        # read whole: kept open
         assert refused.status_code == 503 and refused.headers.get("connection") != "close"
-        assert refused.json() == {"error": "The server holds 90 bytes of other requests; with "
-                                  "this one's 17 they would pass 100 "
+        assert refused.json() == {"error": "The server holds 90 bytes of other requests and "
+                                  "unread answers; with this one's 17 they would pass 100 "
                                   "(--max_request_bytes_in_flight); retry later"}
         unsent = _connect(port)                 # refused mid-body: the rest is never read,
         unsent.sendall((_HEAD + "Content-Length: 50\r\n\r\n" + " " * 20).encode())
@@ -789,6 +789,30 @@ def test_a_slowly_read_answer_is_aborted_at_the_write_timeout(tmp_path):
         _wait_for(lambda: server._in_flight.held == 0, seconds=30)
         url = f"http://127.0.0.1:{server.rest_port}/v1/models/long:predict"
         assert requests.post(url, data=_BODY, timeout=60).json() == {"outputs": ["a" * (8 << 20)]}
+
+
+def test_a_lone_request_waits_for_an_unread_answer(models, tmp_path):
+    """The limits said a lone request always runs, and its 503 blamed "other requests", while
+    an answer not yet read held the bytes in flight: the request is refused until that answer
+    is read or given up (here its client leaves), and the 503 says what holds them."""
+    save(LongAnswer(), str(tmp_path / "long"))
+    manager = ModelManager([ModelConfig("long", str(tmp_path / "long")),
+                            ModelConfig("scale", os.path.join(models, "scale"))], poll_seconds=0)
+    with ModelServer(manager, grpc_port=None, rest_port=0, max_request_bytes_in_flight=1 << 20,
+                     write_stall_seconds=60.0, write_timeout_seconds=60.0) as server:
+        unread = socket.socket()
+        unread.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        unread.connect(("127.0.0.1", server.rest_port))
+        unread.sendall((_HEAD.replace("scale", "long") + f"Content-Length: {len(_BODY)}\r\n\r\n"
+                        ).encode() + _BODY)
+        _wait_for(lambda: server._in_flight.held > 8 << 20, seconds=60)
+        url = f"http://127.0.0.1:{server.rest_port}/v1/models/scale:predict"
+        refused = requests.post(url, data=_BODY, timeout=10)
+        assert refused.status_code == 503
+        assert "bytes of other requests and unread answers" in refused.json()["error"]
+        unread.close()
+        _wait_for(lambda: server._in_flight.held == 0, seconds=30)
+        assert requests.post(url, data=_BODY, timeout=10).json() == {"outputs": [3.0]}
 
 
 def test_a_run_its_client_left_holds_its_request_bytes_until_it_ends(models):
