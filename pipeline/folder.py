@@ -289,12 +289,10 @@ def check_fresh(out: str, overwrite: bool) -> str | None:
     returns what the run resumes (TRAINING, AFTER_RETRIEVAL), None for a fresh one."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise RunFolderError(f"--out {out} is a file; name a folder for the run")
-    if os.path.isdir(os.path.join(out, CLEARING)):       # a `clear` that was stopped midway
-        if not overwrite:
-            raise RunFolderError(f"--out {out}: replacing its run (--overwrite) was stopped "
-                                 "midway; rerun with --overwrite to finish, or name a new folder")
-        shutil.rmtree(os.path.join(out, CLEARING))
-    if not os.path.isdir(out) or not os.listdir(out):
+    if os.path.isdir(os.path.join(out, CLEARING)) and not overwrite:      # a stopped `clear`
+        raise RunFolderError(f"--out {out}: replacing its run (--overwrite) was stopped midway; "
+                             "rerun with --overwrite to finish, or name a new folder")
+    if not os.path.isdir(out) or not set(os.listdir(out)) - {CLEARING}:   # `clear` deletes it
         return None
     if not os.path.exists(os.path.join(out, "config.json")):
         raise RunFolderError(f"--out {out} is a folder with other files in it; name a new or "
@@ -463,7 +461,7 @@ def clear(out: str) -> None:
     """Removes what a run wrote in `out` (a folder `check_fresh` accepted with overwrite): each
     entry is moved into `out/CLEARING` (config.json last), which is then deleted; a stop before
     it is gone leaves that folder, and `check_fresh` takes the folder for nothing but another
-    --overwrite, which deletes it first."""
+    --overwrite, whose `clear` deletes it with the rest."""
     aside = os.path.join(out, CLEARING)
     os.makedirs(aside, exist_ok=True)
     for name in sorted(RUN_ENTRIES, key=lambda name: name == "config.json"):

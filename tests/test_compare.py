@@ -748,3 +748,23 @@ def test_the_table_gives_the_seeds_gains_and_warns_when_arms_choose_epochs_diffe
 def test_arms_that_stop_early_differently_are_told_apart_by_their_resolved_configs(
         preset, arms, expected):
     assert stopping_of([parse_arm(text) for text in arms], resolve(preset)) == expected
+
+
+def test_a_ranking_arm_ranks_the_popular_list_of_unknown_users_as_retrieval_does():
+    """Under `global` most validation users are unknown: both stages serve them the popular
+    list, a strict order whose scores (shares) tie; a ranking arm ranks it as retrieval's row
+    does, within the lists it serves."""
+    from tworec.evaluation import MISS
+    from tworec.features.inputs import prepare
+    log = load("synthetic:tiny")
+    configs = resolve("tiny", epochs=1, data={"split": "global"},
+                      steps=("train retrieval", "train ranking"),
+                      run={"top_n": 5, "candidates": 20})
+    arms = [parse_arm("one", "ranking")]
+    parts = validation_split(log, configs, arms)
+    result, ranks = compare(log, parts, configs, arms, [2], verbose=0)
+    unknown = ~prepare(log, parts, configs.data.history_length,
+                       cold_start_window=result["cold_start_window"]).known_in("validation")
+    retrieval, two_stage = ranks["retrieval/2"][unknown], ranks["one/2"][unknown]
+    assert unknown.sum() > 100 and (two_stage < 5).sum() > 10
+    assert np.array_equal(two_stage, np.where(retrieval < 5, retrieval, MISS))
