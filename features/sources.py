@@ -307,7 +307,7 @@ def id_codes(source: str, name: str, ids) -> tuple[np.ndarray, np.ndarray]:
 
 BYTES_LIKE = (bytes, bytearray, memoryview)    # ids as bytes, decoded as UTF-8
 ID_TABLE_BYTES = 1 << 30       # a column's distinct ids as fixed-width NumPy text: past it,
-ID_WIDTH_WASTE = 16            # refused when the longest id makes them this many times the text
+ID_WIDTH_WASTE = 4             # refused when the longest id makes them this many times the text
 
 
 def _refuse_wide_ids(source: str, name: str, distinct: pa.Array, codes: np.ndarray) -> None:

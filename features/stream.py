@@ -259,7 +259,8 @@ class PreparedLog:
 
         Yields:
             dicts of "user" [b] int32 and "history" [b, L] int32 (the query features),
-            "previous" [b] int32 the vocabulary index of the user's row before (0 for none),
+            "previous" [b] int32 the vocabulary index of the user's row before (0 for none,
+            or unknown in a folder an earlier version prepared without history),
             "target" [b] int64 catalogue code (-1 when the item is not in the catalogue, a
             miss), "known" [b] bool (the user is in the vocabulary) and "excluded", a
             [b, num_items] CSR of the user's known items.

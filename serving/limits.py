@@ -103,9 +103,9 @@ class BytesInFlight:
     a REST answer's bytes until at most 64 KiB of it waits in the server for its client to
     read it), bounded by `limit`: a request that would pass it is refused
     UNAVAILABLE (retry later; HTTP 503), unless nothing else is held: a lone request of up to
-    --max_request_bytes runs once the answers not yet read are read or given up (within
-    --http_write_timeout_seconds); it is not let past them, or a client reading slowly could
-    hold answer after answer. A request costs a multiple of its bytes while it is
+    --max_request_bytes is refused while an answer not yet read holds bytes (it is read or
+    given up within --http_write_timeout_seconds), not let past it, or a client reading
+    slowly could hold answer after answer. A request costs a multiple of its bytes while it is
     parsed and run (a 63 MB REST ranking request of 8M short ids raised the server's peak
     memory by 1.5 GB, ~24 times, on the tiny preset's export), so the limit bounds the
     server's memory where --max_request_bytes bounds one request's.

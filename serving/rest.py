@@ -13,7 +13,7 @@ its deadline (`--rest_api_timeout_in_ms`, 504); a request whose client has gone,
 deadline passed, is dropped if its run has not started. An answer's bytes count in flight until
 at most 64 KiB of it is left unsent (the transport's write buffer is under its high-water mark,
 or has drained to its low-water mark), and a connection whose client reads none of its answer
-for `write_stall_seconds`, or has not read all but those 64 KiB of it within
+for `write_stall_seconds`, or has not taken all but those 64 KiB of it out of the server within
 `write_timeout_seconds`, is aborted, its unsent bytes dropped (uvicorn has no write timeout: an
 unread answer stayed in memory for as long as its client kept the connection open, and one read
 a byte at a time for as long as its client kept reading).

@@ -62,8 +62,9 @@ class ModelServer:
             refused, its bytes released.
         write_stall_seconds: a REST connection whose client reads none of its answer for this
             long is aborted, its unsent bytes dropped.
-        write_timeout_seconds: a REST connection whose client has not read all but the last
-            64 KiB of its answer within this long is aborted, its unsent bytes dropped.
+        write_timeout_seconds: a REST connection whose client has not taken all but the last
+            64 KiB of its answer out of the server within this long is aborted, its unsent
+            bytes dropped.
     """
 
     def __init__(self, manager: ModelManager, host: str = "127.0.0.1",

@@ -743,6 +743,17 @@ class LongAnswer(tf.Module):
         return {"y": tf.fill(tf.shape(x), row)}
 
 
+def _ask_long_without_reading(port: int) -> socket.socket:
+    """A connection that asks the `long` model and reads nothing yet, with a small receive
+    buffer, so that its 8 MiB answer waits in the server."""
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    client.connect(("127.0.0.1", port))
+    client.sendall((_HEAD.replace("scale", "long") + f"Content-Length: {len(_BODY)}\r\n\r\n"
+                    ).encode() + _BODY)
+    return client
+
+
 def test_an_unread_answer_is_counted_until_read_and_its_stalled_connection_aborted(tmp_path):
     """A client that never read its answer pinned it in the server's write buffer for as long
     as it kept the connection open, uncounted (40 such clients took 0.9 GB). The answer's
@@ -750,16 +761,12 @@ def test_an_unread_answer_is_counted_until_read_and_its_stalled_connection_abort
     reads none of it for `write_stall_seconds`, which frees them; a reading client is served."""
     save(LongAnswer(), str(tmp_path / "long"))
     manager = ModelManager([ModelConfig("long", str(tmp_path / "long"))], poll_seconds=0)
-    with ModelServer(manager, grpc_port=None, rest_port=0, write_stall_seconds=1.0) as server:
+    with ModelServer(manager, grpc_port=None, rest_port=0, write_stall_seconds=3.0) as server:
         url = f"http://127.0.0.1:{server.rest_port}/v1/models/long:predict"
         assert requests.post(url, data=_BODY, timeout=60).json() == {"outputs": ["a" * (8 << 20)]}
         _wait_for(lambda: server._in_flight.held == 0, seconds=30)
-        unread = socket.socket()
-        unread.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        unread.connect(("127.0.0.1", server.rest_port))
-        unread.sendall((_HEAD.replace("scale", "long") + f"Content-Length: {len(_BODY)}\r\n\r\n"
-                        ).encode() + _BODY)
-        _wait_for(lambda: server._in_flight.held > 8 << 20, seconds=60)
+        unread = _ask_long_without_reading(server.rest_port)
+        _wait_for(lambda: server._in_flight.held > 8 << 20, seconds=60)   # 3 s to see it
         _wait_for(lambda: server._in_flight.held == 0, seconds=60)
         assert _closed_within(unread, 10)
 
@@ -772,13 +779,8 @@ def test_a_slowly_read_answer_is_aborted_at_the_write_timeout(tmp_path):
     save(LongAnswer(), str(tmp_path / "long"))
     manager = ModelManager([ModelConfig("long", str(tmp_path / "long"))], poll_seconds=0)
     with ModelServer(manager, grpc_port=None, rest_port=0, max_concurrent_requests=1,
-                     write_stall_seconds=60.0, write_timeout_seconds=1.0) as server:
-        slow = socket.socket()
-        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        slow.connect(("127.0.0.1", server.rest_port))
-        slow.sendall((_HEAD.replace("scale", "long") + f"Content-Length: {len(_BODY)}\r\n\r\n"
-                      ).encode() + _BODY)
-        _wait_for(lambda: server._in_flight.held > 8 << 20, seconds=60)
+                     write_stall_seconds=60.0, write_timeout_seconds=3.0) as server:
+        slow = _ask_long_without_reading(server.rest_port)
         received = 0                       # the 8 MiB take 13 s at most 64 KiB a 0.1 s
         slow.settimeout(60)
         with pytest.raises(ConnectionResetError):       # a reset: nothing more is sent
@@ -791,7 +793,7 @@ def test_a_slowly_read_answer_is_aborted_at_the_write_timeout(tmp_path):
         assert requests.post(url, data=_BODY, timeout=60).json() == {"outputs": ["a" * (8 << 20)]}
 
 
-def test_a_lone_request_waits_for_an_unread_answer(models, tmp_path):
+def test_a_lone_request_is_refused_while_an_answer_is_unread(models, tmp_path):
     """The limits said a lone request always runs, and its 503 blamed "other requests", while
     an answer not yet read held the bytes in flight: the request is refused until that answer
     is read or given up (here its client leaves), and the 503 says what holds them."""
@@ -800,11 +802,7 @@ def test_a_lone_request_waits_for_an_unread_answer(models, tmp_path):
                             ModelConfig("scale", os.path.join(models, "scale"))], poll_seconds=0)
     with ModelServer(manager, grpc_port=None, rest_port=0, max_request_bytes_in_flight=1 << 20,
                      write_stall_seconds=60.0, write_timeout_seconds=60.0) as server:
-        unread = socket.socket()
-        unread.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        unread.connect(("127.0.0.1", server.rest_port))
-        unread.sendall((_HEAD.replace("scale", "long") + f"Content-Length: {len(_BODY)}\r\n\r\n"
-                        ).encode() + _BODY)
+        unread = _ask_long_without_reading(server.rest_port)
         _wait_for(lambda: server._in_flight.held > 8 << 20, seconds=60)
         url = f"http://127.0.0.1:{server.rest_port}/v1/models/scale:predict"
         refused = requests.post(url, data=_BODY, timeout=10)

@@ -550,6 +550,16 @@ def test_item_genres_of_too_many_names_are_refused_before_the_dense_table(tmp_pa
                 ).item_features["genres"].shape == (5, 3)
 
 
+def test_text_numbers_are_ascii_and_an_empty_text_column_passes():
+    """Non-ASCII digits are refused (out of core refuses them too); a text column without a
+    value (Arrow's check of no value gives None, not True) is no error of its own."""
+    from tworec.features.sources import _numeric
+    assert _numeric("log", "t", np.array([], dtype=object)).size == 0
+    assert _numeric("log", "t", np.array(["1", " 2.5"], dtype=object)).tolist() == [1.0, 2.5]
+    with pytest.raises(DataError, match="'t'"):
+        _numeric("log", "t", np.array(["1", "\u0661"], dtype=object))
+
+
 def test_item_and_user_features_come_from_the_rows_kept_alike(tmp_path):
     """A row repeating another but for its side features is a duplicate, dropped: the user's
     plan came from the kept row, the item's year from the dropped one."""
