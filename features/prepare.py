@@ -202,8 +202,11 @@ def _check_out_folder(source: str, out_folder: str) -> None:
     read = os.path.abspath(source) if os.path.isdir(source) else None
     if read is None and wild is not None and wild < len(parts) - 1:     # wildcard folders
         read = os.path.join(*parts[:wild])
-    if read is not None and os.path.commonpath(
-            [os.path.realpath(out_folder), os.path.realpath(read)]) == os.path.realpath(read):
+    inside = read is not None and os.path.commonpath(
+        [os.path.realpath(out_folder), os.path.realpath(read)]) == os.path.realpath(read)
+    hidden = inside and any(part.startswith(("_", ".")) for part in pathlib.PurePath(
+        os.path.relpath(os.path.realpath(out_folder), os.path.realpath(read))).parts)
+    if inside and not hidden:                    # a `_` or `.` folder is never read as shards
         raise DataError(f"--out {out_folder}: inside the log's folder {read}, where the "
                         "prepared shards would be read as the log's; pass a folder outside it")
 

@@ -633,8 +633,8 @@ def dropped_counts(rows: int, distinct_rows: int, kept: int) -> dict[str, int]:
         if number}
 
 
-UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50}
 
 
 MEMORY_MAX = 1 << 50        # 1PiB: DuckDB refuses sizes from 2^63 bytes in its own words
@@ -740,7 +740,9 @@ def check_values(connection, source: str, shards: ShardSet, shard_rows: list[int
             raise nul_ids_error(source, name, count, first)
         if wrong in COUNTED:
             raise DataError(f"{source}: column {name!r} has {count} {COUNTED[wrong]} "
-                            f"(first at row {first})")
+                            f"(first at row {first})" + ("; fill them, or leave the feature out "
+                                                         "of --columns" if wrong == "missing side"
+                                                         else ""))
         if wrong == "beyond 2^53":
             raise DataError(f"{source}: column {name!r} holds a time beyond 2^53 as text "
                             f"({value!r} at row {first}), which out of core is read through "

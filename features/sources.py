@@ -1286,6 +1286,14 @@ def _header_mistake(names: list[str], wanted) -> str:
     return ""
 
 
+def _spaced_note(names: list[str]) -> str:
+    """' (...)' naming the header names with spaces around them, which --columns cannot name
+    (the column of a role may be one of them), or ''."""
+    spaced = [name for name in names if name != name.strip()]
+    return (f" (the header names {spaced[:3]} have spaces around them, which --columns cannot "
+            "name: write the file without them to map one)" if spaced else "")
+
+
 def _resolve_columns(path: str, names: list[str], columns: dict[str, str]) -> ColumnMapping:
     for role in columns:                      # a misspelt role first, not the role it missed
         if role not in DEFAULT_COLUMNS and not role.startswith(("user.", "item.")):
@@ -1301,7 +1309,7 @@ def _resolve_columns(path: str, names: list[str], columns: dict[str, str]) -> Co
             raise DataError(f"{path}: missing required column for {role!r}: none of "
                             f"{list(candidates)} is present (columns: {names}); "
                             + (_header_mistake(names, candidates)
-                               or f"map it with --columns {role}=NAME"))
+                               or f"map it with --columns {role}=NAME" + _spaced_note(names)))
     for role, name in columns.items():
         mapping[role] = name
     mapping.unrated = mapping.get("rating") == NO_RATING

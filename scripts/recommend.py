@@ -123,7 +123,8 @@ def server_hint(error: Exception, ranking_model: str) -> str:
     if code == "NOT_FOUND" and f"({ranking_model})" in text:
         return (f"; the server serves no {ranking_model!r} model (a run of retrieval alone?): "
                 "train its ranking with python scripts/train_ranking.py --retrieval-run RUN, "
-                "or write retrieval's lists with --all --export RUN/export/retrieval")
+                "or write retrieval's lists with --all --export RUN/export/retrieval --out "
+                "recs.parquet")
     return ""
 
 

@@ -193,7 +193,10 @@ def moved_run(path: str, configs: list) -> str | None:
 
 
 def sed_line(old: str, new: str, path: str) -> str:
-    """The shell command that replaces the folder `old` by `new` in the file `path`."""
+    """The shell command that replaces the folder `old` by `new` in the config file `path`
+    (whose strings text_format wrote C-escaped: `it's` as `it\\'s`)."""
+    from google.protobuf import text_encoding
+    old, new = (text_encoding.CEscape(folder, as_utf8=True) for folder in (old, new))
     pattern = re.sub(r"([\\.*\[\]^$#])", r"\\\1", old)
     replacement = re.sub(r"([\\&#])", r"\\\1", new)
     return f"sed -i {shlex.quote(f's#{pattern}/#{replacement}/#')} {shlex.quote(path)}"

@@ -326,6 +326,8 @@ def test_an_out_folder_inside_the_log_or_under_a_file_is_refused_before_any_work
             prepare_shards(data, out)
         assert str(error.value) == expected
     assert not os.path.exists(f"{source}/prepared")
+    for hidden in ("_prepared", ".cache/prepared"):     # never read as shards: allowed there
+        assert prepare_module._check_out_folder(source, f"{source}/{hidden}") is None
 
 
 def test_sizes_out_of_range_are_refused_naming_them_before_any_work(tmp_path, capsys):
@@ -344,7 +346,8 @@ def test_sizes_out_of_range_are_refused_naming_them_before_any_work(tmp_path, ca
                               (["--memory-limit", "1e20"], "--memory-limit: '1e20' is not a "
                                "memory size of at least 1MiB and at most 1PiB, such as 1GB or "
                                "512MiB"),
-                              (["--memory-limit", "1e400"], "'1e400' is not a memory size")):
+                              (["--memory-limit", "1e400"], "'1e400' is not a memory size"),
+                              (["--memory-limit", "1.5PiB"], "at most 1PiB")):
         with pytest.raises(SystemExit):
             main(["--data", source, "--out", str(tmp_path / "out"), *options])
         error = capsys.readouterr().err
@@ -744,3 +747,10 @@ def test_a_duckdb_query_stopped_by_ctrl_c_is_a_keyboard_interrupt(how):
     done = subprocess.run([sys.executable, "-c", CTRL_C, how], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and done.stdout, done.stderr[-2000:]
+
+
+def test_memory_sizes_read_up_to_the_limit_they_name():
+    """The refusal named 1PiB as the largest size, and refused it: no unit read it."""
+    from tworec.features.shards import memory_bytes
+    assert memory_bytes("1PiB") == 2 ** 50 and memory_bytes("1PB") == 10 ** 15
+    assert memory_bytes("512MiB") == 512 << 20

@@ -898,7 +898,7 @@ def test_recommend_says_what_would_serve_a_ranking_model_the_server_lacks(embedd
     assert error.rstrip().endswith(
         "; the server serves no 'reranker' model (a run of retrieval alone?): train its ranking "
         "with python scripts/train_ranking.py --retrieval-run RUN, or write retrieval's lists "
-        "with --all --export RUN/export/retrieval"), error
+        "with --all --export RUN/export/retrieval --out recs.parquet"), error
 
 
 @pytest.fixture
@@ -1487,10 +1487,11 @@ def test_serve_refuses_a_run_config_whose_models_are_another_folders(tmp_path, c
     config = tmp_path / "v1" / "export" / "models.config"
     config.write_text(f"model_config_list {{ config {{ name: 'retrieval' base_path: "
                       f"'{tmp_path}/demo/export/retrieval' model_platform: 'tensorflow' }} }}")
+    fix = serve.sed_line(f"{tmp_path}/demo/export", f"{tmp_path}/v1/export", str(config))
     message = (f"error: --model_config_file {config}: model retrieval is served from "
                f"{tmp_path}/demo/export/retrieval, not from {tmp_path}/v1/export/retrieval "
                f"beside the file: the run folder was moved or copied; name its own exports "
-               f"with sed -i 's#{tmp_path}/demo/export/#{tmp_path}/v1/export/#' {config}\n")
+               f"with {fix}\n")
     for old_place_gone in (False, True):
         if old_place_gone:
             shutil.rmtree(tmp_path / "demo")
@@ -1505,7 +1506,7 @@ def test_serve_refuses_a_run_config_whose_models_are_another_folders(tmp_path, c
     mixed = configs + [ModelConfig("ranking", f"{tmp_path}/other run/export/ranking")]
     assert serve.moved_run(str(config), mixed) is None
     assert not serve.is_run_config(str(tmp_path / "v1" / "export" / "models.docker.config"))
-    moved = tmp_path / "a run & co #2" / "export"                  # sed's and the shell's own
+    moved = tmp_path / "a run & co's #2" / "export"      # sed's, the shell's, text_format's
     shutil.copytree(tmp_path / "v1" / "export", moved)
     command = serve.moved_run(str(moved / "models.config"), configs).split(" with ")[-1]
     subprocess.run(command, shell=True, check=True)
