@@ -318,13 +318,23 @@ def _start(tasks: list[_Task]) -> list[_Task]:
             task.future.cancel()
         if not task.future.set_running_or_notify_cancel():
             continue
-        left = remaining(task.deadline)
-        if left is not None and left <= 0:
-            task.future.set_exception(ServingError(
-                "DEADLINE_EXCEEDED", "the request's deadline passed while it was queued"))
-        else:
+        error = _unwanted(task, "while it was queued")
+        if error is None:
             started.append(task)
+        else:
+            task.future.set_exception(error)
     return started
+
+
+def _unwanted(task: _Task, when: str) -> ServingError | None:
+    """Why `task` is not to run (its client has gone, or its deadline passed `when`), or
+    None."""
+    if task.cancelled():
+        return ServingError("CANCELLED", "the client has gone")
+    left = remaining(task.deadline)
+    if left is not None and left <= 0:
+        return ServingError("DEADLINE_EXCEEDED", f"the request's deadline passed {when}")
+    return None
 
 
 # Failures of a merged run that say nothing about its data: every request gets the same one
@@ -370,14 +380,11 @@ def _still_wanted(tasks: list[_Task]) -> list[_Task]:
     passed are answered instead."""
     wanted = []
     for task in tasks:
-        left = remaining(task.deadline)
-        if task.cancelled():
-            task.future.set_exception(ServingError("CANCELLED", "the client has gone"))
-        elif left is not None and left <= 0:
-            task.future.set_exception(ServingError(
-                "DEADLINE_EXCEEDED", "the request's deadline passed before the model answered"))
-        else:
+        error = _unwanted(task, "before the model answered")
+        if error is None:
             wanted.append(task)
+        else:
+            task.future.set_exception(error)
     return wanted
 
 
