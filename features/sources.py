@@ -1469,6 +1469,8 @@ def load_tfds(name: str, data_dir: str | None = None) -> Interactions:
         ratings = _tfds_columns(tfds.load(name, split="train", data_dir=data_dir))
         movies = _tfds_columns(tfds.load(name.replace("-ratings", "-movies"), split="train",
                                          data_dir=data_dir))
+        genre_labels = tfds.builder(name.replace("-ratings", "-movies"), data_dir=data_dir
+                                    ).info.features["movie_genres"].feature.names
     except DataError:
         raise
     except ModuleNotFoundError as error:          # a package TFDS imports only when it downloads
@@ -1479,21 +1481,41 @@ def load_tfds(name: str, data_dir: str | None = None) -> Interactions:
             f"tfds:{name}: could not load it ({type(error).__name__}: {_one_line(error)}). "
             f"TFDS downloads a data set the first time; without network access, "
             f"{OFFLINE_ADVICE}") from None
-    genre_names = tuple(f"genre_{i}" for i in range(int(movies["movie_genres"].max(initial=0)) + 1))
-    genres = np.zeros((len(movies["movie_id"]), len(genre_names)), dtype=np.float32)
-    genres[movies["movie_genres_rows"], movies["movie_genres"]] = 1.0
-    titles = movies["movie_title"].astype(str)
+    genres, genre_names = _tfds_genres(movies, genre_labels, f"tfds:{name}")
+    titles = _tfds_text(movies["movie_title"])
     item_features = {"genres": genres, "title": titles,
                      "year": _year_from_title(pa.chunked_array([pa.array(titles)]))}
     user_columns = {"user_gender": "gender", "bucketized_user_age": "age",
                     "user_occupation_label": "occupation"}
-    user_rows = {name: ratings[column].astype(str)
+    user_rows = {name: _tfds_text(ratings[column])
                  for column, name in user_columns.items() if column in ratings}
-    return from_columns(f"tfds:{name}", ratings["user_id"].astype(str),
-                        ratings["movie_id"].astype(str), ratings["timestamp"],
-                        ratings["user_rating"], catalogue=movies["movie_id"].astype(str),
+    return from_columns(f"tfds:{name}", _tfds_text(ratings["user_id"]),
+                        _tfds_text(ratings["movie_id"]), ratings["timestamp"],
+                        ratings["user_rating"], catalogue=_tfds_text(movies["movie_id"]),
                         item_features=item_features, genre_names=genre_names,
                         user_rows=user_rows)
+
+
+def _tfds_text(values: np.ndarray) -> np.ndarray:
+    """[n] a TFDS column -> [n] str: bytes decoded as UTF-8 (TFDS stores MovieLens titles so,
+    and real ones hold letters such as é), numbers and booleans as NumPy writes them."""
+    if values.dtype == object:
+        return pa.array(values, pa.binary()).cast(pa.string()).to_numpy(
+            zero_copy_only=False).astype(str)
+    return values.astype(str)
+
+
+def _tfds_genres(movies: dict, labels: list[str], source: str
+                 ) -> tuple[np.ndarray, tuple[str, ...]]:
+    """[n, g] multi-hot of the movies' genre labels (`movie_genres`, indexes into TFDS's
+    ClassLabel `labels`) and the g genre names, as the same release's GroupLens files give
+    them (`_multi_hot`: the genres that occur, by name, "(no genres listed)" none)."""
+    lists = pa.ListArray.from_arrays(
+        np.searchsorted(movies["movie_genres_rows"], np.arange(len(movies["movie_id"]) + 1)
+                        ).astype(np.int32),
+        pa.array(np.asarray(labels, dtype=object)[movies["movie_genres"]], pa.string()))
+    joined = pc.binary_join(lists, "|")
+    return _multi_hot(pa.chunked_array([joined]), source, "movie_genres")
 
 
 OFFLINE_ADVICE = ("prepare it elsewhere and pass its data directory with --data-dir, or pass "

@@ -1,5 +1,6 @@
 """The data layer: sources, validation, splits, vocabularies, history and batches."""
 import collections
+import csv
 import dataclasses
 import os
 import subprocess
@@ -280,6 +281,56 @@ def test_tfds_with_mock_data(offline):
     assert len(log) + sum(log.dropped.values()) == 40
     assert log.rating is not None and "genres" in log.item_features
     assert set(log.user_features) == {"gender", "age", "occupation"}
+
+
+def tfds_movielens(movies: dict, ratings: dict):
+    """`tfds.testing.mock_data` answering the -movies config with `movies` and the -ratings
+    one with `ratings` (columns as TFDS's MovieLens features; genres by name)."""
+    import tensorflow as tf
+    import tensorflow_datasets as tfds
+
+    def as_dataset(builder, *args, **kwargs):
+        labels = builder.info.features["movie_genres"].feature.names
+        genres = [[labels.index(genre) for genre in listed] for listed in movies["genres"]]
+        columns = {"movie_id": movies["movie_id"], "movie_title": movies["movie_title"],
+                   "movie_genres": tf.ragged.constant(genres, tf.int64, ragged_rank=1)}
+        if builder.builder_config.table_option != "movies":
+            columns = {**ratings, "timestamp": tf.constant(ratings["timestamp"], tf.int64)}
+        return tf.data.Dataset.from_tensor_slices(columns)
+    return tfds.testing.mock_data(as_dataset_fn=as_dataset)
+
+
+def test_tfds_reads_what_the_grouplens_files_of_the_release_hold(tmp_path, offline):
+    """TFDS's MovieLens and the same release's GroupLens files give the same log: titles with
+    letters outside ASCII (TFDS stores them as UTF-8 bytes), genres by name, and a film of
+    "(no genres listed)" without any."""
+    movies = {"movie_id": ["1", "2", "3"],
+              "movie_title": ["Amélie (2001)", "Toy Story (1995)", "Untitled (2015)"],
+              "genres": [["Comedy", "Romance"], ["Animation", "Comedy"], ["(no genres listed)"]]}
+    ratings = {"user_id": ["7", "7", "8", "8"], "movie_id": ["1", "2", "2", "3"],
+               "user_rating": [4.0, 3.5, 5.0, 2.0], "timestamp": [10, 20, 30, 40]}
+    with tfds_movielens(movies, ratings):
+        from_tfds = load("tfds:movielens/latest-small-ratings")
+    release = tmp_path / "ml-latest-small"
+    release.mkdir()
+    for name, columns in (("movies.csv", {"movieId": movies["movie_id"],
+                                          "title": movies["movie_title"],
+                                          "genres": ["|".join(g) for g in movies["genres"]]}),
+                          ("ratings.csv", {"userId": ratings["user_id"],
+                                           "movieId": ratings["movie_id"],
+                                           "rating": ratings["user_rating"],
+                                           "timestamp": ratings["timestamp"]})):
+        with open(release / name, "w", newline="", encoding="utf-8") as f:
+            csv.writer(f).writerows([list(columns), *zip(*columns.values())])
+    from_files = load(str(release))
+    assert from_tfds.genre_names == from_files.genre_names == ("Animation", "Comedy", "Romance")
+    for name in ("genres", "title", "year"):
+        np.testing.assert_array_equal(from_tfds.item_features[name],
+                                      from_files.item_features[name])
+    assert list(from_tfds.item_features["title"]) == movies["movie_title"]
+    np.testing.assert_array_equal(from_tfds.item_features["genres"],
+                                  [[0, 1, 1], [1, 1, 0], [0, 0, 0]])
+    assert offline == []
 
 
 def test_tfds_names_a_missing_package_not_the_network(monkeypatch, download_host_reachable):
