@@ -58,17 +58,32 @@ def cold_start_window(interactions: Interactions, parts: Split, windows=COLD_STA
     return {**choice, "window": best, "validation": table}
 
 
+def order_scores(order: np.ndarray) -> np.ndarray:
+    """[n] float32 scores, strictly decreasing along `order` [n] (a permutation of the item
+    codes, best first): a list ranked in a served order, which ties nothing."""
+    scores = np.empty(len(order), np.float32)
+    scores[order] = -np.arange(len(order))
+    return scores
+
+
+def count_order(counts: np.ndarray) -> np.ndarray:
+    """[n] item codes by decreasing `counts` [n], ties to the lower code: the order a served
+    list of counts takes (`tf.math.top_k`'s, and the popular list's), so that a baseline of
+    counts is scored as it would be served, not with every tie against its held-out item."""
+    return np.lexsort((np.arange(len(counts)), -np.asarray(counts)))
+
+
 def popular_list_scorer(popular: PopularItems):
     """Every row scored by the order of `popular` (strictly decreasing: no ties)."""
-    scores = np.empty(len(popular.order), np.float32)
-    scores[popular.order] = -np.arange(len(popular.order))
+    scores = order_scores(popular.order)
     return lambda positions: np.broadcast_to(scores, (len(positions), len(scores)))
 
 
 def popularity_scorer(interactions: Interactions, train: np.ndarray, evalset: EvalSet):
+    """Every row scored by the items' training counts, in their served order (`count_order`)."""
     counts = np.bincount(interactions.item[train], minlength=interactions.num_items)
-    counts = counts.astype(np.float32)
-    return lambda positions: np.broadcast_to(counts, (len(positions), len(counts)))
+    scores = order_scores(count_order(counts))
+    return lambda positions: np.broadcast_to(scores, (len(positions), len(scores)))
 
 
 def ease_scorer(interactions: Interactions, train: np.ndarray, evalset: EvalSet,
@@ -107,9 +122,13 @@ def transition_scorer(interactions: Interactions, train: np.ndarray, evalset: Ev
 
 def transition_scores(transitions: sp.csr_matrix, popularity: np.ndarray):
     """last items [b] (-1: none) -> scores [b, num_items]: how often each item followed the
-    last item ([num_items, num_items] `transitions`), plus its share of the most popular
-    item's count (< 1, breaking ties)."""
-    tie_break = (popularity / (popularity.max() + 1.0)).astype(np.float32)
+    last item ([num_items, num_items] `transitions`), plus a share below 1 that orders equal
+    counts by `popularity` [num_items], then the lower code (`count_order`; distinct to
+    float32 precision)."""
+    size = len(popularity)
+    position = np.empty(size, np.int64)
+    position[count_order(popularity)] = np.arange(size)
+    tie_break = ((size - position) / (size + 1.0)).astype(np.float32)
 
     def score(last: np.ndarray) -> np.ndarray:
         scores = np.zeros((len(last), len(popularity)), dtype=np.float32)
@@ -156,9 +175,9 @@ def prepared_baseline_ranks(prepared: PreparedLog, part: str = "test",
     rows with their users' known items, and one batch's scores. A held-out item without
     training rows is a miss (in memory it ranks below every trained item the user has not
     seen)."""
-    counts = prepared.item_counts.astype(np.float32)
-    scorers = {"popularity": lambda rows: np.broadcast_to(counts, (len(rows["user"]),
-                                                                   len(counts)))}
+    popular = order_scores(count_order(prepared.item_counts))
+    scorers = {"popularity": lambda rows: np.broadcast_to(popular, (len(rows["user"]),
+                                                                    len(popular)))}
     if prepared.knows_previous_items:
         transitions = transition_scores(prepared.transition_counts(memory_limit),
                                         prepared.item_counts)

@@ -326,15 +326,19 @@ def metrics_section(report: dict, plots: list[str]) -> list[str]:
                 if report["data"].get("exclude_seen", True) else
                 "nothing excluded (repeats allowed)")
     lines = ["", "## Test Recall@10 and NDCG@10", "",
-             f"Full catalogue, {excluded}. Over the full catalogue and among the re-ranked "
+             f"Full catalogue, {excluded}; each figure is a mean over the held-out rows (a "
+             "user with several counts once for each). Over the full catalogue and among the "
+             "re-ranked "
              "candidates a tie counts against the held-out item; the popular list of users "
              "the exports do not know is ranked in its strict served order, by both stages. "
              "The models' lists are the ones their exports serve"
              + served_lengths(report) + ": a held-out item past them is a miss. The baselines "
              "are fit on the same training rows (popular now counts the training and "
-             "validation rows, as the exports do); item transitions score an item by how often "
-             "it followed the user's last item, its popularity breaking their ties (to float32 "
-             "precision).", "",
+             "validation rows, as the exports do) and rank as a list of them is served: equal "
+             "scores in a strict order, not against the held-out item; popularity and popular "
+             "now by their counts, then the lower item code; item transitions by how often an "
+             "item followed the user's last item, then by popularity (to float32 precision).",
+             "",
              "| model | Recall@10 | NDCG@10 |", "| --- | --- | --- |"]
     lines += [row(name, metrics) for name, metrics in models]
     gain = (report.get("two_stage") or {}).get("gain_over_retrieval") or {}

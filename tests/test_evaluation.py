@@ -108,6 +108,25 @@ def test_transitions_and_popularity_by_hand(log):
     assert results["ease"] is not None
 
 
+def test_baselines_of_counts_rank_ties_as_served_not_against_the_target(log):
+    """a: x y | z | w; b: x | y | z; c: y | z | x (train | validation | test). Training counts
+    x 2, y 2, z 0, w 0: a served popularity list is x y z w (ties to the lower code), which
+    ranks b's z third and c's x first; counting ties against them gave 3 and 1. Item
+    transitions (no training transition leaves y or z) fall back on that order."""
+    from tworec.evaluation import baseline_ranks
+    ordered = Interactions(user_ids=log.user_ids, item_ids=log.item_ids,
+                           user=np.array([0, 0, 0, 0, 1, 1, 1, 2, 2, 2]),
+                           item=np.array([0, 1, 2, 3, 0, 1, 2, 1, 2, 0]), timestamp=np.arange(10))
+    parts = split(ordered, "temporal")
+    assert parts.test.tolist() == [3, 6, 9]
+    everything = baseline_ranks(ordered, parts,
+                                eval_set(ordered, parts, "test", exclude_seen=False))
+    assert everything["popularity"].tolist() == [3, 2, 0]
+    assert everything["item_transition"].tolist() == [3, 2, 0]
+    unseen = baseline_ranks(ordered, parts, eval_set(ordered, parts, "test"))
+    assert unseen["popularity"].tolist() == unseen["item_transition"].tolist() == [0, 0, 0]
+
+
 def test_popular_now_ranks_by_the_list_users_never_seen_get(log):
     """Fit rows (a: x y z; b: x y; c: y z); the latest two are c's y and z, which lead (y
     first: 3 rows in all against 2), then x and w by their counts in all. b's held-out z is
