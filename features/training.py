@@ -59,10 +59,32 @@ class TFRSModel(tfrs.Model):
         return super().metrics + list(self.loss_trackers.values())
 
     def train_step(self, inputs):
+        rows = self._loss_scale_rows(inputs)
         with tf.GradientTape() as tape:
             losses = self._batch_losses(inputs, training=True)
-        self.optimizer.minimize(losses["total_loss"], self.trainable_variables, tape=tape)
+            loss = losses["total_loss"] if rows is None else losses["total_loss"] / rows
+        if rows is None:
+            self.optimizer.minimize(loss, self.trainable_variables, tape=tape)
+        else:                       # the summed loss's own gradients, scaled as a mean's
+            gradients = self.optimizer.compute_gradients(loss, self.trainable_variables, tape)
+            self.optimizer.apply_gradients([(_times(gradient, rows), variable)
+                                            for gradient, variable in gradients])
         return self._logs(inputs, losses)
+
+    def _loss_scale_rows(self, inputs) -> tf.Tensor | None:
+        """The global batch's rows when a `LossScaleOptimizer` scales a loss summed over them
+        (`summed_loss`), else None. Its float16 gradients grow with the batch, and from the
+        default scale (2^15) they overflowed: each such step is skipped and the scale halved,
+        the first 12 to 16 steps at batch 512 to 4096. `train_step` scales the loss over these
+        rows, as a mean, and multiplies the unscaled gradients back: the optimizer takes the
+        summed loss's gradients, while the float16 ones keep a mean's size, whatever the batch
+        and the number of replicas."""
+        if not (self.summed_loss
+                and isinstance(self.optimizer, tf.keras.mixed_precision.LossScaleOptimizer)):
+            return None
+        context = tf.distribute.get_replica_context()
+        replicas = context.num_replicas_in_sync if context is not None else 1
+        return tf.cast(tf.shape(tf.nest.flatten(inputs)[0])[0] * replicas, tf.float32)
 
     def test_step(self, inputs):
         return self._logs(inputs, self._batch_losses(inputs, training=False))
@@ -87,6 +109,13 @@ class TFRSModel(tfrs.Model):
             tracker.update_state(losses[name] * scale, sample_weight=weight)
             logs[name] = tracker.result()
         return logs
+
+
+def _times(gradient, factor: tf.Tensor):
+    """A gradient (dense or `tf.IndexedSlices`, or None) times a float32 scalar."""
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(gradient.values * factor, gradient.indices, gradient.dense_shape)
+    return None if gradient is None else gradient * factor
 
 
 class LazyAdam(tf.keras.optimizers.Adam):
@@ -139,7 +168,10 @@ def make_strategy(name: str, partitioner: str = "min_size",
     `variable_partitioner(partitioner, num_ps)`). `jit_compile` (XLA) is refused with
     `mirrored` over several CPU devices, where XLA's step, run on one device, cannot reach the
     other replicas' variables ("Trying to access resource ... located in device CPU:1 from
-    device CPU:0", keras-team/keras#19005; one CPU device trains, GPUs are not refused)."""
+    device CPU:0", keras-team/keras#19005; one CPU device trains, GPUs are not refused), and
+    with `multi_worker` on workers without a GPU, whose XLA has no kernel for the candidates'
+    all-gather ("unsupported operations ... on XLA_CPU_JIT: CollectiveGatherV2");
+    `RetrievalConfig.validate` refuses it with `parameter_server`."""
     if name == "mirrored":
         strategy = _mirrored_strategy()
         cpus = [d for d in strategy.extended.worker_devices if ":CPU:" in d.upper()]
@@ -149,6 +181,10 @@ def make_strategy(name: str, partitioner: str = "min_size",
                              "jit_compile on one device, or strategy 'mirrored' without it")
         return strategy
     if name == "multi_worker":
+        if jit_compile and not tf.config.list_physical_devices("GPU"):
+            raise ValueError("jit_compile with strategy 'multi_worker' on workers without a "
+                             "GPU: XLA on CPUs cannot compile the all-gather of the workers' "
+                             "candidates; use strategy 'multi_worker' without it")
         return tf.distribute.MultiWorkerMirroredStrategy()
     if name == "parameter_server":
         os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")   # a lost task fails its RPCs

@@ -65,6 +65,9 @@ class RetrievalConfig:
             raise ValueError("mixed_precision with strategy 'parameter_server': Keras's loss "
                              "scaling does not support it; use mirrored or multi_worker, or "
                              "float32")
+        if self.jit_compile and self.strategy == "parameter_server":
+            raise ValueError("jit_compile with strategy 'parameter_server': XLA's step cannot "
+                             "read variables the ps tasks hold; use the strategy without it")
         for name in ("embedding_dim", "members", "batch_size", "epochs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

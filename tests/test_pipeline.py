@@ -297,6 +297,8 @@ def test_train_ranking_reuses_a_retrieval_run_and_matches_the_pipeline(run, retr
      "(TF_CONFIG: unset)"),
     ("train_retrieval.py", ["--strategy", "parameter_server", "--mixed-precision", "--out",
                             "OUT/new"], "mixed_precision with strategy 'parameter_server'"),
+    ("train_retrieval.py", ["--strategy", "parameter_server", "--jit-compile", "--out",
+                            "OUT/new"], "jit_compile with strategy 'parameter_server': XLA"),
     ("pipeline.py", ["--data", "OUT/semicolons.csv", "--delimiter", ",", "--out", "OUT/new"],
      "does not split the header"),
     ("pipeline.py", ["--data", "OUT/pairs.csv", "--out", "OUT/new"],

@@ -191,6 +191,39 @@ def test_xla_with_a_mirrored_strategy_over_cpu_devices_is_refused_before_trainin
         assert training.make_strategy("mirrored", jit_compile=jit_compile) is strategy
 
 
+def test_jit_compile_with_multi_worker_is_refused_on_workers_without_a_gpu(monkeypatch):
+    """Refused before the strategy is made (it would wait for its cluster): every worker's
+    first XLA step would fail on the candidates' all-gather."""
+    from tworec.features import training
+    monkeypatch.setattr(tf.distribute, "MultiWorkerMirroredStrategy", lambda: "strategy")
+    assert not tf.config.list_physical_devices("GPU")
+    with pytest.raises(ValueError, match="jit_compile with strategy 'multi_worker' on workers "
+                                         "without a GPU"):
+        training.make_strategy("multi_worker", jit_compile=True)
+    assert training.make_strategy("multi_worker") == "strategy"
+    monkeypatch.setattr(tf.config, "list_physical_devices", lambda kind: ["GPU:0"])
+    assert training.make_strategy("multi_worker", jit_compile=True) == "strategy"
+
+
+def test_mixed_precision_skips_the_same_few_first_steps_at_any_batch_size(monkeypatch):
+    """The retrieval loss sums over the batch: loss-scaled as it is, its float16 gradients
+    overflowed from Keras's initial scale (2^15), so each step was skipped and the scale
+    halved, more the larger the batch (at 1024 every step of this epoch, scale 2^15 → 2^12
+    after three). Scaled as a mean, both batch sizes skip the same three."""
+    from tworec.features import training
+    scales = []
+
+    class LossScale(tf.keras.callbacks.Callback):
+        def on_train_end(self, logs=None):
+            scales.append(float(self.model.optimizer.loss_scale.numpy()))
+    monkeypatch.setattr(training, "run_callbacks", lambda *args, **kwargs: [LossScale()])
+    log = generate(PRESETS["tiny"], seed=0)
+    for batch_size in (256, 1024):
+        train(log, split(log), preset("tiny", epochs=1, batch_size=batch_size,
+                                      mixed_precision=True, history_encoder="mean"))
+    assert scales == [2.0 ** 12, 2.0 ** 12]
+
+
 def test_a_mixed_precision_model_is_evaluated_exported_and_reloaded_in_float32(tmp_path):
     """Mixed precision speeds training alone: float16 layers round otherwise run eagerly (the
     offline evaluation) than traced (the export), here by up to 2e-4, and a served list can

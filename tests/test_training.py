@@ -151,6 +151,38 @@ def test_mixed_precision_steps_scale_the_loss():
     assert float(model.w.numpy()) == pytest.approx(-1e-8, rel=1e-2)
 
 
+class SummedFloat16(TFRSModel):
+    """loss = the sum over the batch's rows of 0.01 * float16(table[item] * w): its float16
+    gradients grow with the batch, as retrieval's summed loss's do."""
+    summed_loss = True
+
+    def __init__(self):
+        super().__init__()
+        self.table = tf.keras.layers.Embedding(10, 4, embeddings_initializer="ones")
+        self.w = tf.Variable(1.0)
+
+    def compute_loss(self, inputs, training=False):
+        rows = tf.cast(self.table(inputs["item"]), tf.float16) * tf.cast(self.w, tf.float16)
+        return 0.01 * tf.reduce_sum(tf.cast(rows, tf.float32))
+
+
+def test_a_summed_loss_is_scaled_as_a_mean_and_takes_its_own_gradients():
+    """A batch of 2048 rows: scaled by 2^15 as a sum, the float16 gradient of w (0.04 * 2048)
+    overflows and the step is skipped. Scaled as a mean it does not, and the optimizer takes
+    the summed loss's gradients, dense and sparse: w moves by 0.04 * 2048, and each table row
+    by 0.01 * w for each of its rows (205 or 204)."""
+    items = np.arange(2048) % 10
+    model = SummedFloat16()
+    model.compile(tf.keras.mixed_precision.LossScaleOptimizer(tf.keras.optimizers.SGD(1.0)))
+    model.fit(tf.data.Dataset.from_tensor_slices({"item": items}).batch(2048), epochs=1,
+              verbose=0)
+    assert float(model.optimizer.loss_scale.numpy()) == 2.0 ** 15            # not skipped
+    assert float(model.w.numpy()) == pytest.approx(1.0 - 0.04 * 2048, rel=1e-3)
+    counts = np.bincount(items)
+    np.testing.assert_allclose(model.table.embeddings.numpy(),
+                               np.repeat(1.0 - 0.01 * counts, 4).reshape(10, 4), rtol=1e-3)
+
+
 class EmbeddingLoss(TFRSModel):
     """A regularized embedding table and a dense layer: sparse and dense gradients."""
 
