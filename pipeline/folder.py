@@ -177,9 +177,12 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
                        f"{' and '.join(MODEL_ITEM_FEATURES)}, and the ranker title")
     if log.user_feature_rows:
         notices.append(f"user features {sorted(log.user_feature_rows)} change within a user: "
-                       "training and validation read each user's value of their last training "
-                       "row, the test rows and the exports that of their last training or "
-                       "validation row, never a later one")
+                       + ("every row reads its user's value of their last training row, which "
+                          "under `random` can be later than a test row"
+                          if configs.data.split == "random" else
+                          "training and validation read each user's value of their last "
+                          "training row, the test rows and the exports that of their last "
+                          "training or validation row, never a later one"))
     configs, source = dataclasses.replace(configs, run=run), {**source,
                                                               "fingerprint": log_fingerprint}
     parts = split(log, configs.data.split)

@@ -193,8 +193,10 @@ PROTOCOLS = {
     "temporal": "per user, the last interaction is held out (test) and the one before it is "
                 "validation. It leaks: other users' later rows train the models and the "
                 "baselines",
-    "random": "an 80/20 shuffle of the rows (seed 42), as in the TFRS tutorials; several "
-              "held-out rows per user, each scored from the user's training rows. It leaks "
+    "random": "an 80/20 shuffle of the rows (seed 42), the TFRS tutorials' protocol; several "
+              "held-out rows per user, each scored from the user's training rows. Without "
+              "validation, training runs its epochs without early stopping, the ranker's "
+              "signals are not calibrated and ScaNN is tuned on training queries. It leaks "
               "the future most: training rows can be later than held-out ones",
     "global": "every row after the {quantile} quantile of time is held out (test), and the "
               "rows after the same quantile of the earlier rows are validation; each user is "
@@ -262,7 +264,9 @@ def data_section(report: dict) -> list[str]:
     if split in ("none", "latest"):
         held_out = "nothing held out" if split == "none" else "nothing tested"
         known = (f"The exports know all {state.get('rows', 0):,} rows of "
-                 f"{state.get('users', 0):,} users.")
+                 f"{state.get('users', 0):,} users as their state (each user's latest and seen "
+                 "items, the popular list); the models, their vocabularies and counts are fit "
+                 "on the training rows.")
     else:
         rows = data.get("test_rows", data["test_users"])
         held_out = (f"{data['test_users']:,} test users" if rows == data["test_users"] else
@@ -293,6 +297,8 @@ def cold_start_sentence(cold_start: dict | None, split: str = "temporal") -> str
         why = " (set in the run's config)"
     elif split == "none":
         why = " (nothing is held out to choose on)"
+    elif split == "random":
+        why = " (the split has no validation to choose on)"
     elif not cold_start["rows"]:
         why = " (validation holds no rows of users never seen)"
     elif not table:
@@ -325,6 +331,7 @@ def metrics_section(report: dict, plots: list[str]) -> list[str]:
     excluded = ("each user's known items excluded, as the exports serve"
                 if report["data"].get("exclude_seen", True) else
                 "nothing excluded (repeats allowed)")
+    known_rows = "training" if report["data"]["split"] == "random" else "training and validation"
     lines = ["", "## Test Recall@10 and NDCG@10", "",
              f"Full catalogue, {excluded}; each figure is a mean over the held-out rows (a "
              "user with several counts once for each). Over the full catalogue and among the "
@@ -333,8 +340,8 @@ def metrics_section(report: dict, plots: list[str]) -> list[str]:
              "the exports do not know is ranked in its strict served order, by both stages. "
              "The models' lists are the ones their exports serve"
              + served_lengths(report) + ": a held-out item past them is a miss. The baselines "
-             "are fit on the same training rows (popular now counts the training and "
-             "validation rows, as the exports do) and rank as a list of them is served: equal "
+             f"are fit on the same training rows (popular now counts the {known_rows} "
+             "rows, as the exports do) and rank as a list of them is served: equal "
              "scores in a strict order, not against the held-out item; popularity and popular "
              "now by their counts, then the lower item code; item transitions by how often an "
              "item followed the user's last item, then by popularity (to float32 precision).",
@@ -618,10 +625,14 @@ def serve_section(report: dict, out: str) -> list[str]:
     if "exports" not in report:
         return []
     root = os.path.abspath(out)
-    return ["", "## Serve", "",
-            "With the embedded server (every model, `retrieval_scann` included):", "",
+    scann = "retrieval_scann" in report["exports"]
+    embedded = ("With the embedded server (every model, `retrieval_scann` included):" if scann
+                else "With the embedded server (every model):")
+    stock = ("With TF Serving (every model but `retrieval_scann`, which needs ScaNN's ops):"
+             if scann else "With TF Serving:")
+    return ["", "## Serve", "", embedded, "",
             f"    python scripts/serve.py --model_config_file={root}/export/models_scann.config",
-            "", "With TF Serving (every model but `retrieval_scann`, which needs ScaNN's ops):",
+            "", stock,
             "", f"    tensorflow_model_server --port=8500 --rest_api_port=8501 "
             f"--model_config_file={root}/export/models.config", "",
             "or its Docker image, with the config written for the container's `/models`:",

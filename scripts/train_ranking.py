@@ -11,12 +11,13 @@ stage over retrieval's top-K, and exports `ranking` and the composed `recommende
 
 With --retrieval-run, the retrieval model trained in RUN (by train_retrieval.py or the
 pipeline) is reloaded, with RUN's own data source and configs, and ranking is trained into RUN;
-otherwise retrieval is trained first, into the same new run folder.
+otherwise retrieval is trained first, into the same new run folder, and its ScaNN index
+tuned: the whole pipeline.
 """
 import sys
 
 from tworec.pipeline import cli
-from tworec.pipeline.config import MODELS, RANKING_ONLY, TASKS, RunConfig
+from tworec.pipeline.config import MODELS, PIPELINE, RANKING_ONLY, TASKS, RunConfig
 
 
 def main(argv=None) -> int:
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
     if args.retrieval_run:
         return cli.run(args, RANKING_ONLY, continue_run=True, ranking=ranking)
     top_k = RunConfig.candidates if args.top_k is None else args.top_k
-    return cli.run(args, ("train retrieval",) + RANKING_ONLY, ranking=ranking,
+    return cli.run(args, PIPELINE, ranking=ranking,
                    retrieval=cli.members_given(args), run=cli.candidates_run(top_k))
 
 

@@ -383,6 +383,7 @@ def test_train_ranking_script_on_the_random_protocol(tmp_path):
     assert "calibration" not in report["ranking"]["train"]      # regression: nothing to rebalance
     assert report["serving"]["served"]["recommender"]["rows"] == report["data"]["test_rows"]
     assert "period_popularity" not in op_scopes(report["exports"]["ranking"])
+    assert report["index"]["kind"] == "scann"           # the index step ran, as the pipeline's
 
 
 def op_scopes(export: str) -> set[str]:

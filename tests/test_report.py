@@ -108,6 +108,10 @@ def test_report_md_states_the_protocol_of_its_split(split, says):
                 "temporal": "600 test users"}.get(
         split, "9,000 held-out rows of 600 users")
     assert f"45,678 interactions; split `{split}`, {held_out};" in text
+    if split in ("none", "latest"):
+        assert ("know all 36,000 rows of 1,100 users as their state (each user's latest and "
+                "seen items, the popular list); the models, their vocabularies and counts are "
+                "fit on the training rows.") in text
     assert "{" not in text and "0.123" not in text and "| report | 0.1 |" in text
 
 
@@ -213,6 +217,17 @@ def test_the_cold_start_sentence_says_what_users_never_seen_get_and_why():
     from tworec.pipeline.report import cold_start_sentence
     assert cold_start_sentence({"window": 1.0, "rows": 0, "users": 0}, "none").endswith(
         "counted over all of them (nothing is held out to choose on).")
+    assert cold_start_sentence({"window": 1.0, "rows": 0, "users": 0}, "random").endswith(
+        "counted over all of them (the split has no validation to choose on).")
+
+
+@pytest.mark.parametrize("split, known", [("random", "training"),
+                                          ("temporal", "training and validation")])
+def test_popular_now_counts_the_rows_the_exports_know(split, known):
+    from tworec.pipeline.report import markdown
+    metrics = {"recall@10": 0.1, "ndcg@10": 0.05}
+    text = markdown(report_of(split, retrieval={"test": metrics}), "RUN", [])
+    assert f"(popular now counts the {known} rows, as the exports do)" in text
 
 
 def test_the_calibration_sentence_says_what_was_refitted_or_why_not():
@@ -454,3 +469,15 @@ def test_a_model_below_a_baseline_is_warned_with_the_interval_of_the_difference(
         "retrieval does worse than item transitions on test ndcg@10: 0.4071 against 0.4075 "
         "(difference -0.0004, 95% interval -0.0121 to +0.0113)",
         "two-stage does worse than retrieval alone on test recall@10: 0.5900 against 0.6000"]
+
+
+def test_the_serve_section_names_retrieval_scann_only_when_it_was_exported():
+    from tworec.pipeline.report import markdown
+    exports = {"retrieval": "RUN/export/retrieval/1", "ranking": "RUN/export/ranking/1"}
+    without = markdown(report_of("random", exports=exports), "RUN", [])
+    assert "With the embedded server (every model):" in without
+    assert "With TF Serving:" in without and "retrieval_scann" not in without
+    exports["retrieval_scann"] = "RUN/export/retrieval_scann/1"
+    with_scann = markdown(report_of("random", exports=exports), "RUN", [])
+    assert "With the embedded server (every model, `retrieval_scann` included):" in with_scann
+    assert "every model but `retrieval_scann`, which needs ScaNN's ops" in with_scann

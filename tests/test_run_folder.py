@@ -116,6 +116,12 @@ def test_a_batch_larger_than_the_training_rows_is_lowered_with_a_notice(tmp_path
             "their last training or validation row, never a later one") in checked.notices
     assert not any("batch_size" in notice for notice in checked.notices[:-1])
     assert not (tmp_path / "run").exists()
+    random = dataclasses.replace(configs, data=dataclasses.replace(configs.data, split="random"))
+    checked = folder.check_run(str(tmp_path / "run"), {"data": write_log(tmp_path / "log.csv"),
+                                                       "columns": COLUMNS}, random)
+    assert ("user features ['age'] change within a user: every row reads its user's value of "
+            "their last training row, which under `random` can be later than a test row"
+            ) in checked.notices
 
 
 def test_gpu_settings_on_a_machine_without_one_are_noticed(tmp_path, monkeypatch):
