@@ -5,7 +5,8 @@ and exports `retrieval` (brute force) and `retrieval_scann` SavedModels.
         [--split temporal|random|global[:Q]|latest|none] [--preset tiny|default]
         [--epochs N] [--members M]
         [--strategy default|mirrored|multi_worker|parameter_server] [--partitioner min_size]
-        [--optimizer adam|lazy_adam|adagrad|sgd]
+        [--optimizer adam|lazy_adam|adagrad|sgd] [--batch-size B] [--mixed-precision]
+        [--jit-compile]
 
 The run folder can then be given to `train_ranking.py --retrieval-run RUN`.
 """
@@ -21,17 +22,24 @@ def main(argv=None) -> int:
     parser.add_argument("--top-k", type=int, default=RunConfig.candidates,
                         help="items the exports return")
     cli.add_members_argument(parser)
-    parser.add_argument("--batch-size", type=int)
-    parser.add_argument("--history-encoder", choices=ENCODERS)
-    parser.add_argument("--strategy", choices=STRATEGIES)
+    parser.add_argument("--batch-size", type=int,
+                        help="the global batch, split across the replicas (preset's default)")
+    parser.add_argument("--history-encoder", choices=ENCODERS,
+                        help="how the query tower reads the user's latest items")
+    parser.add_argument("--strategy", choices=STRATEGIES,
+                        help="default (one device); mirrored: every local GPU or CPU device; "
+                             "multi_worker and parameter_server read TF_CONFIG")
     parser.add_argument("--optimizer", choices=OPTIMIZERS,
                         help="adam (default); lazy_adam updates only the embedding rows a batch "
                              "touches, for tables of millions of rows")
     parser.add_argument("--partitioner",
                         help="--strategy parameter_server: how the embedding tables split "
                              "across the ps tasks: min_size (default), min_size:BYTES, fixed:N")
-    parser.add_argument("--mixed-precision", action="store_true", default=None)
-    parser.add_argument("--jit-compile", action="store_true", default=None)
+    parser.add_argument("--mixed-precision", action="store_true", default=None,
+                        help="train in float16 (weights float32; evaluated and exported in "
+                             "float32), for a GPU")
+    parser.add_argument("--jit-compile", action="store_true", default=None,
+                        help="compile the training steps with XLA, for a GPU")
     args = parser.parse_args(argv)
     if args.partitioner and args.strategy != "parameter_server":
         return cli.fail("--partitioner splits tables across parameter servers: it goes with "
