@@ -19,13 +19,15 @@ from tensorflow_serving.apis import (get_model_metadata_pb2, model_management_pb
                                      prediction_service_pb2_grpc)
 
 from tworec.serving.errors import ServingError, truncate
-from tworec.serving.limits import (BytesInFlight, check_elements, default_max_elements,
-                                   default_max_request_bytes_in_flight, default_max_rows)
+from tworec.serving.limits import (BytesInFlight, Reservation, check_elements,
+                                   default_max_elements, default_max_request_bytes_in_flight,
+                                   default_max_rows)
 from tworec.serving.manager import ModelManager, reload_configs
 from tworec.serving.protocol import DEFAULT_SIGNATURE
 from tworec.serving.tensor_proto import to_array
 
 log = logging.getLogger(__name__)
+NO_DEADLINE_SECONDS = 1e9         # gRPC's time left beyond this (31 years): the call has none
 
 
 def _aborts_on_error(method):
@@ -86,8 +88,8 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
     @_aborts_on_error
     def Predict(self, request: predict_pb2.PredictRequest, context) -> predict_pb2.PredictResponse:
         signature = request.model_spec.signature_name
-        left = context.time_remaining()
-        deadline = None if left is None else time.monotonic() + left
+        left = context.time_remaining()      # ~2^63 ns when the client set no deadline
+        deadline = None if left is None or left > NO_DEADLINE_SECONDS else time.monotonic() + left
         with self.in_flight.reserve(request.ByteSize()), \
                 self.manager.lease(*version_of(request.model_spec)) as (number, model):
             model.check_input_names(request.inputs, signature)     # before any is converted
@@ -103,7 +105,17 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
         response.model_spec.signature_name = signature or DEFAULT_SIGNATURE
         for name, value in outputs.items():
             response.outputs[name].CopyFrom(tf.make_tensor_proto(value))
+        self._hold_until_sent(response.ByteSize(), context)
         return response
+
+    def _hold_until_sent(self, size: int, context) -> None:
+        """Counts an answer's `size` bytes in flight until its RPC ends: gRPC sends it after
+        the handler returns, and keeps it while its client reads none of it (a client that
+        never read its answers pinned them all, uncounted)."""
+        answer = Reservation(self.in_flight)
+        answer.cover(size, refuse=False)
+        if not context.add_callback(answer.release):                  # it has ended already
+            answer.release()
 
     @_aborts_on_error
     def GetModelMetadata(self, request: get_model_metadata_pb2.GetModelMetadataRequest,

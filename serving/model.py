@@ -158,7 +158,8 @@ class LoadedModel:
             if timeout_seconds <= 0:
                 raise ServingError("DEADLINE_EXCEEDED", "the request's deadline passed before "
                                    "its model run started")
-            options = tf.compat.v1.RunOptions(timeout_in_ms=max(1, int(timeout_seconds * 1e3)))
+            options = tf.compat.v1.RunOptions(                     # an int64 of milliseconds
+                timeout_in_ms=max(1, int(min(timeout_seconds, 1e15) * 1e3)))
         try:
             values = self.session.run([signature.outputs[n].name for n in outputs], feeds,
                                       options=options)

@@ -771,6 +771,68 @@ def test_an_unread_answer_is_counted_until_read_and_its_stalled_connection_abort
         assert _closed_within(unread, 10)
 
 
+def test_a_grpc_predict_without_a_deadline_is_answered(models):
+    """A client that sets no deadline (the stubs' default) gets ~2^63 ns from
+    `time_remaining`, which overflowed the run's int64 timeout: every such Predict failed
+    INTERNAL. It now runs without one; a deadline beyond int64 milliseconds is capped."""
+    with _serve(models) as server:
+        answer = _stub(server).Predict(_request("scale", {"x": np.array([1.0], np.float32)}))
+        assert tf.make_ndarray(answer.outputs["y"]).tolist() == [3.0]
+        with server.manager.lease("scale") as (_, model):
+            ran = model.run({"x": np.array([2.0], np.float32)}, timeout_seconds=1e20)
+        assert ran["y"].tolist() == [6.0]
+
+
+def _http2_frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") \
+        + payload
+
+
+def _grpc_predict_never_reading(port: int, request) -> socket.socket:
+    """A gRPC Predict over a raw HTTP/2 connection whose streams' receive window is 0: the
+    server can send the answer's headers but none of its data, as to a client that reads
+    nothing (HPACK literals without indexing; the server's frames are left unread)."""
+    headers = b"".join(b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
+                       for name, value in ((b":method", b"POST"), (b":scheme", b"http"),
+                                           (b":path", b"/tensorflow.serving.PredictionService/"
+                                                      b"Predict"),
+                                           (b":authority", b"127.0.0.1"),
+                                           (b"content-type", b"application/grpc"),
+                                           (b"te", b"trailers")))
+    message = request.SerializeToString()
+    client = socket.create_connection(("127.0.0.1", port))
+    client.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+                   + _http2_frame(4, 0, 0, (4).to_bytes(2, "big") + (0).to_bytes(4, "big"))
+                   + _http2_frame(4, 1, 0, b"")           # the server's settings, acknowledged
+                   + _http2_frame(1, 4, 1, headers)
+                   + _http2_frame(0, 1, 1, b"\x00" + len(message).to_bytes(4, "big") + message))
+    return client
+
+
+def test_an_unread_grpc_answer_is_counted_until_its_rpc_ends(tmp_path):
+    """gRPC sends an answer after its handler returns: a client reading none of it held it in
+    the server uncounted, and a few such clients pinned any memory. Its bytes now count in
+    flight until the RPC ends (here its client leaves); a reading client is served."""
+    save(LongAnswer(), str(tmp_path / "long"))
+    manager = ModelManager([ModelConfig("long", str(tmp_path / "long"))], poll_seconds=0)
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = "long"
+    request.inputs["x"].CopyFrom(tf.make_tensor_proto(np.array([1.0], np.float32)))
+    with ModelServer(manager, grpc_port=0, rest_port=None) as server:
+        unread = _grpc_predict_never_reading(server.grpc_port, request)
+        _wait_for(lambda: server._in_flight.held > 8 << 20, seconds=60)
+        time.sleep(1.0)
+        assert server._in_flight.held > 8 << 20                  # held while it is not read
+        unread.close()
+        _wait_for(lambda: server._in_flight.held == 0, seconds=30)
+        with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=[
+                ("grpc.max_receive_message_length", 64 << 20)]) as channel:
+            answer = prediction_service_pb2_grpc.PredictionServiceStub(channel).Predict(
+                request, timeout=60)
+        assert len(tf.make_ndarray(answer.outputs["y"])[0]) == 8 << 20
+        _wait_for(lambda: server._in_flight.held == 0, seconds=30)
+
+
 def test_a_slowly_read_answer_is_aborted_at_the_write_timeout(tmp_path):
     """A client reading a little of its answer now and then never stalled, so it held the
     answer's bytes in flight and a request slot for as long as it kept reading. Its
