@@ -66,11 +66,12 @@ def order_scores(order: np.ndarray) -> np.ndarray:
     return scores
 
 
-def count_order(counts: np.ndarray) -> np.ndarray:
-    """[n] item codes by decreasing `counts` [n], ties to the lower code: the order a served
-    list of counts takes (`tf.math.top_k`'s, and the popular list's), so that a baseline of
-    counts is scored as it would be served, not with every tie against its held-out item."""
-    return np.lexsort((np.arange(len(counts)), -np.asarray(counts)))
+def count_order(counts: np.ndarray, item_ids: np.ndarray) -> np.ndarray:
+    """[n] item codes by decreasing `counts` [n], ties by `item_ids` [n]: a baseline of counts
+    is scored as a list of them is served, in one strict order, not with every tie against
+    its held-out item; by id, so that a log's in-memory and prepared baselines, whose codes
+    differ, rank alike."""
+    return np.lexsort((np.asarray(item_ids), -np.asarray(counts)))
 
 
 def popular_list_scorer(popular: PopularItems):
@@ -80,9 +81,9 @@ def popular_list_scorer(popular: PopularItems):
 
 
 def popularity_scorer(interactions: Interactions, train: np.ndarray, evalset: EvalSet):
-    """Every row scored by the items' training counts, in their served order (`count_order`)."""
+    """Every row scored by the items' training counts, in one strict order (`count_order`)."""
     counts = np.bincount(interactions.item[train], minlength=interactions.num_items)
-    scores = order_scores(count_order(counts))
+    scores = order_scores(count_order(counts, interactions.item_ids))
     return lambda positions: np.broadcast_to(scores, (len(positions), len(scores)))
 
 
@@ -116,18 +117,20 @@ def transition_scorer(interactions: Interactions, train: np.ndarray, evalset: Ev
     """Score of item j = how often j followed the user's last item; popularity breaks ties."""
     score = transition_scores(transition_counts(interactions, train),
                               np.bincount(interactions.item[train],
-                                          minlength=interactions.num_items))
+                                          minlength=interactions.num_items),
+                              interactions.item_ids)
     return lambda positions: score(evalset.last_item[positions])
 
 
-def transition_scores(transitions: sp.csr_matrix, popularity: np.ndarray):
+def transition_scores(transitions: sp.csr_matrix, popularity: np.ndarray,
+                      item_ids: np.ndarray):
     """last items [b] (-1: none) -> scores [b, num_items]: how often each item followed the
     last item ([num_items, num_items] `transitions`), plus a share below 1 that orders equal
-    counts by `popularity` [num_items], then the lower code (`count_order`; distinct to
+    counts by `popularity` [num_items], then by `item_ids` (`count_order`; distinct to
     float32 precision)."""
     size = len(popularity)
     position = np.empty(size, np.int64)
-    position[count_order(popularity)] = np.arange(size)
+    position[count_order(popularity, item_ids)] = np.arange(size)
     tie_break = ((size - position) / (size + 1.0)).astype(np.float32)
 
     def score(last: np.ndarray) -> np.ndarray:
@@ -175,12 +178,13 @@ def prepared_baseline_ranks(prepared: PreparedLog, part: str = "test",
     rows with their users' known items, and one batch's scores. A held-out item without
     training rows is a miss (in memory it ranks below every trained item the user has not
     seen)."""
-    popular = order_scores(count_order(prepared.item_counts))
+    item_ids = prepared.item_ids()
+    popular = order_scores(count_order(prepared.item_counts, item_ids))
     scorers = {"popularity": lambda rows: np.broadcast_to(popular, (len(rows["user"]),
                                                                     len(popular)))}
     if prepared.knows_previous_items:
         transitions = transition_scores(prepared.transition_counts(memory_limit),
-                                        prepared.item_counts)
+                                        prepared.item_counts, item_ids)
         scorers["item_transition"] = lambda rows: transitions(
             rows["previous"].astype(np.int64) - FIRST)
     ranks = prepared_ranks(scorers, prepared, part, memory_limit)

@@ -153,6 +153,11 @@ class PreparedLog:
     def train_rows(self) -> int:
         return self.manifest["split"]["train"]
 
+    def item_ids(self) -> np.ndarray:
+        """[num_items] str, the id of every catalogue code."""
+        return pq.read_table(os.path.join(self.folder, "items.parquet"), columns=["id"]
+                             ).column("id").to_numpy(zero_copy_only=False).astype(str)
+
     def item_index(self) -> np.ndarray:
         """[num_items] vocabulary index of every catalogue code."""
         return np.arange(self.num_items) + FIRST

@@ -341,10 +341,10 @@ def metrics_section(report: dict, plots: list[str]) -> list[str]:
              "The models' lists are the ones their exports serve"
              + served_lengths(report) + ": a held-out item past them is a miss. The baselines "
              f"are fit on the same training rows (popular now counts the {known_rows} "
-             "rows, as the exports do) and rank as a list of them is served: equal "
-             "scores in a strict order, not against the held-out item; popularity and popular "
-             "now by their counts, then the lower item code; item transitions by how often an "
-             "item followed the user's last item, then by popularity (to float32 precision).",
+             "rows, as the exports do) and rank as a list of them is served, in one strict "
+             "order, not with ties against the held-out item: popularity by training counts, "
+             "then item id; popular now in its served order; item transitions by how often an "
+             "item followed the user's last item, then as popularity (to float32 precision).",
              "",
              "| model | Recall@10 | NDCG@10 |", "| --- | --- | --- |"]
     lines += [row(name, metrics) for name, metrics in models]

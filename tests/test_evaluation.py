@@ -110,9 +110,9 @@ def test_transitions_and_popularity_by_hand(log):
 
 def test_baselines_of_counts_rank_ties_as_served_not_against_the_target(log):
     """a: x y | z | w; b: x | y | z; c: y | z | x (train | validation | test). Training counts
-    x 2, y 2, z 0, w 0: a served popularity list is x y z w (ties to the lower code), which
-    ranks b's z third and c's x first; counting ties against them gave 3 and 1. Item
-    transitions (no training transition leaves y or z) fall back on that order."""
+    x 2, y 2, z 0, w 0: popularity lists x y w z (ties by item id, not by code: x y z w),
+    which ranks a's w third and c's x first; counting ties against them gave 4th and 2nd.
+    Item transitions (no training transition leaves y or z) fall back on that order."""
     from tworec.evaluation import baseline_ranks
     ordered = Interactions(user_ids=log.user_ids, item_ids=log.item_ids,
                            user=np.array([0, 0, 0, 0, 1, 1, 1, 2, 2, 2]),
@@ -121,10 +121,10 @@ def test_baselines_of_counts_rank_ties_as_served_not_against_the_target(log):
     assert parts.test.tolist() == [3, 6, 9]
     everything = baseline_ranks(ordered, parts,
                                 eval_set(ordered, parts, "test", exclude_seen=False))
-    assert everything["popularity"].tolist() == [3, 2, 0]
-    assert everything["item_transition"].tolist() == [3, 2, 0]
+    assert everything["popularity"].tolist() == [2, 3, 0]
+    assert everything["item_transition"].tolist() == [2, 3, 0]
     unseen = baseline_ranks(ordered, parts, eval_set(ordered, parts, "test"))
-    assert unseen["popularity"].tolist() == unseen["item_transition"].tolist() == [0, 0, 0]
+    assert unseen["popularity"].tolist() == unseen["item_transition"].tolist() == [0, 1, 0]
 
 
 def test_popular_now_ranks_by_the_list_users_never_seen_get(log):
