@@ -122,7 +122,8 @@ def evaluate_prepared(model: RetrievalModel, prepared: PreparedLog, part: str = 
     """`evaluate_model` for a prepared log, in bounded memory: held-out rows arrive in batches
     with their users' known items (`PreparedLog.heldout_batches`), and each batch is scored
     against the whole catalogue ([b, num_items], at most SCORES_BYTES) as the export scores
-    it; memory holds the candidates' embeddings, one batch and one rank per row.
+    it; memory holds the candidates' embeddings, one batch, one rank per row and one pass of
+    held-out users' known items (at most `SEEN_ROWS_PER_PASS` log rows).
 
     The catalogue is the prepared log's (the items with training rows): a held-out item
     outside it is a miss. Users it does not know get the training popularity order (not
