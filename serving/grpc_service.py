@@ -111,7 +111,9 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
     def _hold_until_sent(self, size: int, context) -> None:
         """Counts an answer's `size` bytes in flight until its RPC ends: gRPC sends it after
         the handler returns, and keeps it while its client reads none of it (a client that
-        never read its answers pinned them all, uncounted)."""
+        never read its answers pinned them all, uncounted). Unlike REST's, a gRPC answer
+        has no write deadline: one its client never reads is held until the client leaves,
+        and meanwhile counts against the others' requests."""
         answer = Reservation(self.in_flight)
         answer.cover(size, refuse=False)
         if not context.add_callback(answer.release):                  # it has ended already
