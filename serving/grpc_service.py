@@ -24,7 +24,7 @@ from tworec.serving.limits import (BytesInFlight, Reservation, check_elements,
                                    default_max_rows)
 from tworec.serving.manager import ModelManager, reload_configs
 from tworec.serving.protocol import DEFAULT_SIGNATURE
-from tworec.serving.tensor_proto import to_array
+from tworec.serving.tensor_proto import to_array, to_proto
 
 log = logging.getLogger(__name__)
 NO_DEADLINE_SECONDS = 1e9         # gRPC's time left beyond this (31 years): the call has none
@@ -52,13 +52,20 @@ def version_of(spec) -> tuple[str, int | None, str | None]:
             spec.version_label if choice == "version_label" else None)
 
 
+def requested(request) -> tuple[str, int | None, str | None]:
+    """`version_of` the request's ModelSpec; INVALID_ARGUMENT without one, as TF Serving."""
+    if not request.HasField("model_spec"):
+        raise ServingError("INVALID_ARGUMENT", "Missing ModelSpec")
+    return version_of(request.model_spec)
+
+
 def _unimplemented(name: str, finds_the_model: bool = True):
     """A method this server does not run: UNIMPLEMENTED, once the model the request names is
     found (NOT_FOUND first, as TF Serving looks the servable up before anything else)."""
     @_aborts_on_error
     def method(self, request, context):
         if finds_the_model:
-            with self.manager.lease(*version_of(request.model_spec)):
+            with self.manager.lease(*requested(request)):
                 pass
         raise ServingError("UNIMPLEMENTED", f"{name} is not supported by this server; use "
                            "Predict with a predict signature")
@@ -91,7 +98,7 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
         left = context.time_remaining()      # ~2^63 ns when the client set no deadline
         deadline = None if left is None or left > NO_DEADLINE_SECONDS else time.monotonic() + left
         with self.in_flight.reserve(request.ByteSize()), \
-                self.manager.lease(*version_of(request.model_spec)) as (number, model):
+                self.manager.lease(*requested(request)) as (number, model):
             model.check_input_names(request.inputs, signature)     # before any is converted
             check_elements({name: [dim.size for dim in proto.tensor_shape.dim]
                             for name, proto in request.inputs.items()}, self.max_elements)
@@ -104,7 +111,7 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
         response.model_spec.version.value = number
         response.model_spec.signature_name = signature or DEFAULT_SIGNATURE
         for name, value in outputs.items():
-            response.outputs[name].CopyFrom(tf.make_tensor_proto(value))
+            response.outputs[name].CopyFrom(to_proto(value))
         self._hold_until_sent(response.ByteSize(), context)
         return response
 
@@ -129,7 +136,7 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
         for field in fields:
             if field != "signature_def":
                 raise ServingError("INVALID_ARGUMENT", f"Metadata field {field} is not supported")
-        with self.manager.lease(*version_of(request.model_spec)) as (number, model):
+        with self.manager.lease(*requested(request)) as (number, model):
             signatures = model.signature_def_map()
         response = get_model_metadata_pb2.GetModelMetadataResponse()
         response.model_spec.name = request.model_spec.name
@@ -150,18 +157,22 @@ class ModelService(model_service_pb2_grpc.ModelServiceServicer):
 
     @_aborts_on_error
     def GetModelStatus(self, request, context):
-        if not request.HasField("model_spec"):
-            raise ServingError("INVALID_ARGUMENT", "Missing ModelSpec")
-        name, version, _ = version_of(request.model_spec)      # a label: every version
+        name, version, _ = requested(request)      # a label: every version
         return self.manager.status(name, version)
 
     @_aborts_on_error
     def HandleReloadConfigRequest(self, request: model_management_pb2.ReloadConfigRequest,
                                   context) -> model_management_pb2.ReloadConfigResponse:
+        if request.config.WhichOneof("config") != "model_config_list":
+            raise ServingError("INVALID_ARGUMENT", "ServerModelConfig type not supported by "
+                               "HandleReloadConfigRequest. Only ModelConfigList is currently "
+                               "supported")
         configs = reload_configs(request.config)
         self.manager.check_allowed(configs)
         self.manager.reload(configs)
-        return model_management_pb2.ReloadConfigResponse()
+        response = model_management_pb2.ReloadConfigResponse()
+        response.status.SetInParent()                       # OK, set as TF Serving sets it
+        return response
 
 
 def add_services(server: grpc.Server, manager: ModelManager, scheduler,

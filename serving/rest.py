@@ -47,6 +47,7 @@ _PREDICT = re.compile(_MODEL + r":(?P<verb>classify|regress|predict)", re.IGNORE
 _STATUS = re.compile(_MODEL + r"(?P<metadata>/metadata)?", re.IGNORECASE)
 _NO_NAME = re.compile(r"/v1/models/?(?:/metadata)?", re.IGNORECASE)
 _INT64_MAX = 2**63 - 1
+VERBS = ("classify", "regress", "predict")
 # Bodies and answers larger than this are parsed and formatted off the event loop.
 _INLINE_BYTES = 64 << 10
 # The scope extension holding a future that is done once the client's connection is lost.
@@ -135,10 +136,14 @@ class RestApp:
         cannot be written is an error answer too."""
         method = scope["method"]
         path = scope["raw_path"].decode("latin-1") if scope.get("raw_path") else scope["path"]
+        if scope.get("query_string"):          # TF Serving matches the path with its query
+            path += "?" + scope["query_string"].decode("latin-1")
         if not path.lower().startswith("/v1/"):
             raise ServingError("NOT_FOUND", f"Not found: {echo(path)}; the API is under /v1/")
         predict, status = _PREDICT.fullmatch(path), _STATUS.fullmatch(path)
-        if method == "POST" and predict:
+        # The paths match in any case, the verb and "metadata" only as written (TF Serving's
+        # handler compares them so: ":PREDICT" is malformed, "/METADATA" asks the status).
+        if method == "POST" and predict and predict["verb"] in VERBS:
             deadline = (None if self.timeout_seconds is None else
                         time.monotonic() + self.timeout_seconds)
             self._refuse_declared_too_large(scope)
@@ -147,7 +152,7 @@ class RestApp:
                 return 200, await self._predict(predict["verb"], *_model_spec(predict), body,
                                                 scope, deadline, held)
         if method == "GET" and status:
-            handler = self._metadata if status["metadata"] else self._status
+            handler = self._metadata if status["metadata"] == "/metadata" else self._status
             return 200, _json_bytes(handler(*_model_spec(status)))
         if method == "GET" and _NO_NAME.fullmatch(path):
             raise ServingError("INVALID_ARGUMENT", "Missing model name in request.")

@@ -65,6 +65,25 @@ def to_array(name: str, proto: tensor_pb2.TensorProto, max_rows: int) -> np.ndar
     return tf.make_ndarray(proto)
 
 
+def to_proto(value: np.ndarray) -> tensor_pb2.TensorProto:
+    """An answer's array as TF Serving writes it (`Tensor::AsProtoField`): its values in the
+    dtype's typed repeated field (`float_val`, `int64_val`, `string_val`...), where
+    `tf.make_tensor_proto` packs any array of more than one number into `tensor_content`,
+    in which a client reading `outputs[name].float_val` finds nothing."""
+    proto = tf.make_tensor_proto(value)
+    if not proto.tensor_content or proto.dtype not in _FIELDS:
+        return proto
+    array = np.asarray(value).ravel()
+    if proto.dtype in (types_pb2.DT_HALF, types_pb2.DT_BFLOAT16):
+        array = array.view(np.uint16)                                    # the bits, as int32s
+    elif proto.dtype in (types_pb2.DT_COMPLEX64, types_pb2.DT_COMPLEX128):
+        array = np.stack([array.real, array.imag], axis=-1).ravel()     # (real, imag) pairs
+    field, _ = _FIELDS[proto.dtype]
+    proto.tensor_content = b""
+    getattr(proto, field).extend(array.tolist())
+    return proto
+
+
 def _dtype_name(dtype: int) -> str:
     """The DataType's name, or what the number is when it names none (a proto3 enum field
     keeps any int32 it is sent)."""

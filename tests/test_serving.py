@@ -651,9 +651,23 @@ def test_rest_floats_take_any_json_number_within_a_double(server):
 
 
 def test_rest_paths_are_case_insensitive_and_malformed_paths_refused(server):
+    """TF Serving matches a path in any case, then compares the verb and "metadata" as
+    written (`http_rest_api_handler.cc`): ":PREDICT" is malformed, "/METADATA" is the status;
+    a query string is part of the path it matches."""
     kind, rest, _ = server
-    answer = requests.post(f"{rest}/V1/MODELS/scale:PREDICT", json={"inputs": [1.0]}, timeout=10)
+    answer = requests.post(f"{rest}/V1/MODELS/scale:predict", json={"inputs": [1.0]}, timeout=10)
     assert answer.json() == {"outputs": [3.0]}
+    shouted = requests.post(f"{rest}/v1/models/scale:PREDICT", json={"inputs": [1.0]},
+                            timeout=10)
+    assert shouted.status_code == 400
+    assert shouted.json()["error"].startswith("Malformed request: POST /v1/models/scale:PREDICT")
+    status = requests.get(f"{rest}/v1/models/scale", timeout=10).json()
+    assert requests.get(f"{rest}/v1/models/scale/METADATA", timeout=10).json() == status
+    queried = requests.post(f"{rest}/v1/models/scale:predict?x=1", json={"inputs": [1.0]},
+                            timeout=10)
+    assert queried.status_code == 400 and "Malformed request" in queried.json()["error"]
+    unknown = requests.get(f"{rest}/v1/models/scale?x=1", timeout=10)
+    assert unknown.status_code == 404 and "scale?x=1" in unknown.json()["error"]
     if kind == "embedded":
         bad = requests.get(f"{rest}/v1/models/scale:predict", timeout=10)
         assert bad.status_code == 400 and "Malformed request: GET" in bad.json()["error"]
@@ -738,6 +752,46 @@ def test_grpc_predict_and_output_filter(stubs, local):
     filtered = prediction.Predict(_predict_request("retrieval", {"user_id": users},
                                                    output_filter=["scores"]), timeout=10)
     assert list(filtered.outputs) == ["scores"]
+
+
+def test_grpc_answers_carry_their_values_in_the_typed_fields(stubs):
+    """TF Serving writes an answer with `Tensor::AsProtoField`: a client reading
+    `outputs["y"].float_val`, as the tutorials do, found nothing for two rows or more when
+    the values came in `tensor_content`."""
+    prediction, _ = stubs
+    response = prediction.Predict(_predict_request(
+        "scale", {"x": np.array([1.0, 2.0], np.float32)}), timeout=10)
+    assert list(response.outputs["y"].float_val) == [3.0, 6.0]
+    assert not response.outputs["y"].tensor_content
+    users = np.array([b"u2", b"u5"], dtype=object)
+    answer = prediction.Predict(_predict_request("retrieval", {"user_id": users}), timeout=10)
+    scores = answer.outputs["scores"]
+    assert len(scores.float_val) == 2 * scores.tensor_shape.dim[1].size > 2
+    assert len(answer.outputs["item_ids"].string_val) == len(scores.float_val)
+
+
+def test_to_proto_fills_the_field_of_every_dtype_and_reads_back():
+    from tworec.serving.tensor_proto import to_proto
+    for value in (np.arange(6, dtype=np.float32).reshape(2, 3), np.array([1.5, -2.0]),
+                  np.array([1, -2], np.int8), np.array([7, 2**40], np.int64),
+                  np.array([True, False]), np.array([1.5, 2.25], np.float16),
+                  np.array([1 + 2j, 3 - 4j], np.complex64), np.array([3, 2**32 - 1], np.uint32),
+                  np.array([b"a", b"bc"], dtype=object)):
+        proto = to_proto(value)
+        assert not proto.tensor_content, value.dtype
+        np.testing.assert_array_equal(tf.make_ndarray(proto), value)
+
+
+def test_grpc_requests_without_a_model_spec_are_invalid(stubs):
+    prediction, _ = stubs
+    for call, request in ((prediction.Predict, predict_pb2.PredictRequest()),
+                          (prediction.GetModelMetadata,
+                           get_model_metadata_pb2.GetModelMetadataRequest(
+                               metadata_field=["signature_def"]))):
+        with pytest.raises(grpc.RpcError) as error:
+            call(request, timeout=10)
+        assert (error.value.code(), error.value.details()) == (
+            grpc.StatusCode.INVALID_ARGUMENT, "Missing ModelSpec")
 
 
 GRPC_ERRORS = {
@@ -1579,7 +1633,7 @@ def test_reload_config_replaces_the_models_and_labels_resolve(swap_server):
     with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
         response = model_service_pb2_grpc.ModelServiceStub(channel).HandleReloadConfigRequest(
             model_management_pb2.ReloadConfigRequest(config=config), timeout=30)
-    assert response.status.error_code == 0
+    assert response.HasField("status") and response.status.error_code == 0   # as TF Serving
     rest = f"http://127.0.0.1:{server.rest_port}"
     removed = requests.get(f"{rest}/v1/models/scale", timeout=10)   # TF Serving's monitor
     assert [(v["version"], v["state"]) for v in removed.json()["model_version_status"]] == [
@@ -1609,8 +1663,8 @@ def _reload_config(server: ModelServer, text: str) -> None:
 
 
 @pytest.mark.parametrize("text, code, message", [
-    ("", grpc.StatusCode.FAILED_PRECONDITION, "Cannot transition to requested config. It is "
-     "only legal to transition from one ModelConfigList to another."),
+    ("", grpc.StatusCode.INVALID_ARGUMENT, "ServerModelConfig type not supported by "
+     "HandleReloadConfigRequest. Only ModelConfigList is currently supported"),
     ('config { name: "other" base_path: "/other" }', grpc.StatusCode.INVALID_ARGUMENT,
      "Illegal setting neither ModelServerConfig::model_type (deprecated) nor ModelServerConfig::"
      'model_platform, model name is other; set model_platform: "tensorflow"'),
