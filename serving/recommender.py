@@ -63,8 +63,9 @@ class Recommender:
             seen: per user, item ids to leave out (e.g. what they rated already), or None.
 
         Returns:
-            {"item_ids": [b, n] bytes, "scores": [b, n] float32} from the ranking model, best
-            first. A slot without a candidate holds `PAD_ID`: scored -inf where `seen`
+            {"item_ids": [b, w] bytes, "scores": [b, w] float32} from the ranking model, best
+            first, w = min(n, the candidates a user can have: retrieval's k and the title
+            candidates; the composed `recommender` export always answers its `top_n`). A slot without a candidate holds `PAD_ID`: scored -inf where `seen`
             removed the candidate, and below the row's every real score where retrieval found
             fewer than k items or the ranking model fewer title candidates than it adds (the
             ranking export scores its padding so).

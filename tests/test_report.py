@@ -481,3 +481,16 @@ def test_the_serve_section_names_retrieval_scann_only_when_it_was_exported():
     with_scann = markdown(report_of("random", exports=exports), "RUN", [])
     assert "With the embedded server (every model, `retrieval_scann` included):" in with_scann
     assert "every model but `retrieval_scann`, which needs ScaNN's ops" in with_scann
+
+
+def test_the_data_section_says_how_many_catalogue_items_have_no_fit_rows():
+    """Without an item table the catalogue is every item of the log, items first seen in
+    held-out rows too: the exports can serve them, which the report says."""
+    from tworec.pipeline.report import markdown
+    report = report_of("temporal")
+    assert "without fit rows" not in markdown(report, "RUN", [])
+    report["data"]["state"]["items"] = 290
+    assert ("never the test rows. Their catalogue holds every item, 10 without fit rows "
+            "(without an item table, items first seen in held-out rows): they can be served, "
+            "scored by their features and the untrained out-of-vocabulary id.") in markdown(
+                report, "RUN", [])
