@@ -15,7 +15,7 @@ import scipy.sparse as sp
 from tworec.features.history import build_history, latest_history
 from tworec.features.interactions import DataError, Interactions, interaction_matrix
 from tworec.features.splits import Split, global_quantile
-from tworec.features.vocab import PAD, Vocabulary
+from tworec.features.vocab import FIRST, PAD, Vocabulary
 
 PROTOCOLS = ("temporal", "random", "global[:Q]", "latest", "none")   # the splits a run can use
 EMPTY_SLOT = -1          # the code of a candidate slot left empty (fewer unseen items than k)
@@ -152,6 +152,12 @@ class ModelInputs:
         before = self.split.train if part == "validation" else self.split.fit
         return (np.bincount(self.interactions.user[before],
                             minlength=self.interactions.num_users) > 0)[users]
+
+    @property
+    def untrained_items(self) -> int:
+        """Catalogue items without training rows, which the models score by their features
+        and the untrained out-of-vocabulary id."""
+        return int((self.item_index < FIRST).sum())
 
     def state(self) -> dict:
         """What an export knows: the fit rows, their users and items, the last timestamp."""

@@ -1508,8 +1508,10 @@ def _tfds_text(values: np.ndarray) -> np.ndarray:
 def _tfds_genres(movies: dict, labels: list[str], source: str
                  ) -> tuple[np.ndarray, tuple[str, ...]]:
     """[n, g] multi-hot of the movies' genre labels (`movie_genres`, indexes into TFDS's
-    ClassLabel `labels`) and the g genre names, as the same release's GroupLens files give
-    them (`_multi_hot`: the genres that occur, by name, "(no genres listed)" none)."""
+    ClassLabel `labels`) and the g genre names, as `_multi_hot` reads a `|`-joined genres
+    column (the genres that occur, by name, "(no genres listed)" none): what the latest
+    releases' GroupLens files give. For 100k and 1m, TFDS names two genres otherwise than
+    their files ("Children" for "Children's", "Unknown" for ml-100k's "unknown")."""
     lists = pa.ListArray.from_arrays(
         np.searchsorted(movies["movie_genres_rows"], np.arange(len(movies["movie_id"]) + 1)
                         ).astype(np.int32),

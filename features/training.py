@@ -41,10 +41,11 @@ class TFRSModel(tfrs.Model):
     trackers are reset by Keras with the other metrics (every epoch, and before `evaluate`)
     and held outside the model's checkpoints and SavedModels.
 
-    Loss scaling: the step goes through `optimizer.minimize`, as Keras's own does, so that a
-    `LossScaleOptimizer` (mixed precision) scales the loss and unscales the gradients. TFRS's
-    step calls `apply_gradients` on unscaled gradients, which float16 loses below its smallest
-    subnormal, about 6e-8.
+    Loss scaling: the step goes through `optimizer.minimize` (a summed loss through its
+    `compute_gradients` and `apply_gradients`, `_loss_scale_rows`), as Keras's own does, so
+    that a `LossScaleOptimizer` (mixed precision) scales the loss and unscales the gradients.
+    TFRS's step calls `apply_gradients` on unscaled gradients, which float16 loses below its
+    smallest subnormal, about 6e-8.
     """
 
     summed_loss = False     # `compute_loss` sums over the global batch (class docstring)
@@ -72,19 +73,17 @@ class TFRSModel(tfrs.Model):
         return self._logs(inputs, losses)
 
     def _loss_scale_rows(self, inputs) -> tf.Tensor | None:
-        """The global batch's rows when a `LossScaleOptimizer` scales a loss summed over them
-        (`summed_loss`), else None. Its float16 gradients grow with the batch, and from the
-        default scale (2^15) they overflowed: each such step is skipped and the scale halved,
-        the first 12 to 16 steps at batch 512 to 4096. `train_step` scales the loss over these
-        rows, as a mean, and multiplies the unscaled gradients back: the optimizer takes the
-        summed loss's gradients, while the float16 ones keep a mean's size, whatever the batch
-        and the number of replicas."""
+        """The replica's rows when a `LossScaleOptimizer` scales a loss summed over them
+        (`summed_loss`: a replica's share of the global batch's), else None. Its float16
+        gradients grow with the rows, and from the default scale (2^15) they overflowed: each
+        such step is skipped and the scale halved, the first 12 to 16 steps at batch 512 to
+        4096. `train_step` scales the loss over these rows, as a mean, and multiplies the
+        unscaled gradients back: the optimizer takes the summed loss's gradients, while the
+        float16 ones keep a mean's size, whatever the batch and the number of replicas."""
         if not (self.summed_loss
                 and isinstance(self.optimizer, tf.keras.mixed_precision.LossScaleOptimizer)):
             return None
-        context = tf.distribute.get_replica_context()
-        replicas = context.num_replicas_in_sync if context is not None else 1
-        return tf.cast(tf.shape(tf.nest.flatten(inputs)[0])[0] * replicas, tf.float32)
+        return tf.cast(tf.shape(tf.nest.flatten(inputs)[0])[0], tf.float32)
 
     def test_step(self, inputs):
         return self._logs(inputs, self._batch_losses(inputs, training=False))

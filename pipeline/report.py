@@ -274,11 +274,12 @@ def data_section(report: dict) -> list[str]:
         fit = "training" if split == "random" else "training and validation"
         known = (f"The exports know the {state.get('rows', 0):,} {fit} rows of "
                  f"{state.get('users', 0):,} users, never the test rows.")
-    unfit = data["items"] - state.get("items", data["items"])
-    if unfit > 0:
-        known += (f" Their catalogue holds every item, {unfit:,} without fit rows (without an "
-                  "item table, items first seen in held-out rows): they can be served, scored "
-                  "by their features and the untrained out-of-vocabulary id.")
+    untrained = data.get("untrained_items", 0)
+    if untrained:
+        known += (f" Their catalogue holds every item, {untrained:,} without training rows "
+                  "(without an item table, items first seen in validation or held-out rows): "
+                  "they can be served, scored by their features and the untrained "
+                  "out-of-vocabulary id.")
     return [f"# Run report: {data['source']}", "",
             f"{data['users']:,} users, {data['items']:,} items, {data['interactions']:,} "
             f"interactions; split `{split}`, {held_out}; dropped rows: {dropped}.", "",

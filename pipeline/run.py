@@ -129,7 +129,8 @@ class Run:
                                "cold_start": {**cold_start, "validation": {
                                    str(share): row for share, row in
                                    cold_start.get("validation", {}).items()}},
-                               "state": self.inputs.state()}
+                               "state": self.inputs.state(),
+                               "untrained_items": self.inputs.untrained_items}
         self.timings = self.report.setdefault("timings", {})
         self.retrieval_model, self.retrieval_trained = None, False
         self.retrieval_resumed = False   # trained by this run's command before it stopped

@@ -86,7 +86,8 @@ def parse_args(argv):
     parser.add_argument("--http_write_timeout_seconds", type=float, default=60.0,
                         help="a REST connection whose client has not taken all but the last 64 "
                         "KiB of its answer out of the server within this long is aborted, its "
-                        "unsent answer dropped (60 s is 480 MB at 64 Mbit/s)")
+                        "unsent answer dropped (60 s is 480 MB at 64 Mbit/s); a gRPC Predict "
+                        "whose answer is not sent within it is cancelled")
     parser.add_argument("--shutdown_grace_seconds", type=float, default=10.0,
                         help="on SIGTERM or Ctrl-C, how long requests in flight may finish")
     parser.add_argument("--max_num_load_retries", type=int, default=5,

@@ -9,11 +9,13 @@ paths under the manager's allowed roots (PERMISSION_DENIED otherwise).
 from __future__ import annotations
 
 import functools
+import heapq
+import itertools
 import logging
+import threading
 import time
 
 import grpc
-import tensorflow as tf
 from tensorflow_serving.apis import (get_model_metadata_pb2, model_management_pb2,
                                      model_service_pb2_grpc, predict_pb2,
                                      prediction_service_pb2_grpc)
@@ -59,6 +61,50 @@ def requested(request) -> tuple[str, int | None, str | None]:
     return version_of(request.model_spec)
 
 
+class Alarms:
+    """Calls each `action` `seconds` after `set` unless it is `clear`ed first: one daemon
+    thread for them all (a timer thread per answer would cost a thread per RPC)."""
+
+    def __init__(self):
+        self._due: list = []                        # [time, order, action or None] heap
+        self._order = itertools.count()
+        self._cleared = 0
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def set(self, seconds: float, action) -> list:
+        alarm = [time.monotonic() + seconds, next(self._order), action]
+        with self._changed:
+            heapq.heappush(self._due, alarm)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._ring, name="grpc-answer-alarms",
+                                                daemon=True)
+                self._thread.start()
+            self._changed.notify()
+        return alarm
+
+    def clear(self, alarm: list) -> None:
+        """Drops `alarm`; the heap sheds cleared alarms once they are most of it."""
+        with self._changed:
+            alarm[2] = None
+            self._cleared += 1
+            if self._cleared > 1024 and 2 * self._cleared > len(self._due):
+                self._due = [due for due in self._due if due[2] is not None]
+                heapq.heapify(self._due)
+                self._cleared = 0
+
+    def _ring(self) -> None:
+        while True:
+            with self._changed:
+                while not self._due or self._due[0][0] > time.monotonic():
+                    self._changed.wait(self._due[0][0] - time.monotonic() if self._due
+                                       else None)
+                action = heapq.heappop(self._due)[2]
+                self._cleared -= action is None
+            if action is not None:
+                action()
+
+
 def _unimplemented(name: str, finds_the_model: bool = True):
     """A method this server does not run: UNIMPLEMENTED, once the model the request names is
     found (NOT_FOUND first, as TF Serving looks the servable up before anything else)."""
@@ -82,10 +128,15 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
         max_elements: the most elements the inputs of one request may have together.
         in_flight: the request bytes the server holds at once (shared with REST; None: one of
             its own, of `limits.default_max_request_bytes_in_flight` for 64 MiB requests).
+        write_timeout_seconds: a Predict whose answer has not been sent within this long of
+            being made is cancelled, its bytes released (REST's `write_timeout_seconds`).
     """
 
     def __init__(self, manager: ModelManager, scheduler, max_rows: int | None = None,
-                 max_elements: int | None = None, in_flight: BytesInFlight | None = None):
+                 max_elements: int | None = None, in_flight: BytesInFlight | None = None,
+                 write_timeout_seconds: float = 60.0):
+        self.write_timeout_seconds = write_timeout_seconds
+        self.alarms = Alarms()
         self.manager = manager
         self.scheduler = scheduler
         self.max_rows = max_rows or default_max_rows()
@@ -118,17 +169,23 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
     def _hold_until_sent(self, size: int, context) -> None:
         """Counts an answer's `size` bytes in flight until its RPC ends: gRPC sends it after
         the handler returns, and keeps it while its client reads none of it (a client that
-        never read its answers pinned them all, uncounted). Unlike REST's, a gRPC answer
-        has no write deadline: one its client never reads is held until the client leaves,
-        and meanwhile counts against the others' requests."""
+        never read its answers pinned them all, uncounted). An answer not sent within
+        `write_timeout_seconds` has its RPC cancelled, as REST aborts an unread answer's
+        connection: a client reading nothing holds the others' budget that long at most."""
         answer = Reservation(self.in_flight)
         answer.cover(size, refuse=False)
-        if not context.add_callback(answer.release):                  # it has ended already
+        alarm = self.alarms.set(self.write_timeout_seconds, context.cancel)
+
+        def ended() -> None:
+            self.alarms.clear(alarm)
             answer.release()
+        if not context.add_callback(ended):                           # it has ended already
+            ended()
 
     @_aborts_on_error
     def GetModelMetadata(self, request: get_model_metadata_pb2.GetModelMetadataRequest,
                          context) -> get_model_metadata_pb2.GetModelMetadataResponse:
+        spec = requested(request)                  # before the fields, as TF Serving checks
         fields = list(request.metadata_field)
         if not fields:
             raise ServingError("INVALID_ARGUMENT",
@@ -136,7 +193,7 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
         for field in fields:
             if field != "signature_def":
                 raise ServingError("INVALID_ARGUMENT", f"Metadata field {field} is not supported")
-        with self.manager.lease(*requested(request)) as (number, model):
+        with self.manager.lease(*spec) as (number, model):
             signatures = model.signature_def_map()
         response = get_model_metadata_pb2.GetModelMetadataResponse()
         response.model_spec.name = request.model_spec.name
@@ -177,7 +234,9 @@ class ModelService(model_service_pb2_grpc.ModelServiceServicer):
 
 def add_services(server: grpc.Server, manager: ModelManager, scheduler,
                  max_rows: int | None = None, max_elements: int | None = None,
-                 in_flight: BytesInFlight | None = None) -> None:
+                 in_flight: BytesInFlight | None = None,
+                 write_timeout_seconds: float = 60.0) -> None:
     prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(
-        PredictionService(manager, scheduler, max_rows, max_elements, in_flight), server)
+        PredictionService(manager, scheduler, max_rows, max_elements, in_flight,
+                          write_timeout_seconds), server)
     model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelService(manager), server)

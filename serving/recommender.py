@@ -65,10 +65,11 @@ class Recommender:
         Returns:
             {"item_ids": [b, w] bytes, "scores": [b, w] float32} from the ranking model, best
             first, w = min(n, the candidates a user can have: retrieval's k and the title
-            candidates; the composed `recommender` export always answers its `top_n`). A slot without a candidate holds `PAD_ID`: scored -inf where `seen`
-            removed the candidate, and below the row's every real score where retrieval found
-            fewer than k items or the ranking model fewer title candidates than it adds (the
-            ranking export scores its padding so).
+            candidates; the composed `recommender` export always answers its `top_n`). A slot
+            without a candidate holds `PAD_ID`: scored -inf where `seen` removed the candidate,
+            and below the row's every real score where retrieval found fewer than k items or
+            the ranking model fewer title candidates than it adds (the ranking export scores
+            its padding so).
         """
         if np.ndim(user_ids) != 1:
             raise ValueError(f"user_ids must be a flat list of ids, got shape "

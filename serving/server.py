@@ -64,7 +64,7 @@ class ModelServer:
             long is aborted, its unsent bytes dropped.
         write_timeout_seconds: a REST connection whose client has not taken all but the last
             64 KiB of its answer out of the server within this long is aborted, its unsent
-            bytes dropped.
+            bytes dropped; a gRPC Predict whose answer is not sent by then is cancelled.
     """
 
     def __init__(self, manager: ModelManager, host: str = "127.0.0.1",
@@ -188,7 +188,7 @@ class ModelServer:
         self._grpc = grpc.server(futures.ThreadPoolExecutor(self._max_concurrent),
                                  options=options, maximum_concurrent_rpcs=self._max_concurrent)
         add_services(self._grpc, self.manager, self._scheduler, self._max_rows,
-                     self._max_elements, self._in_flight)
+                     self._max_elements, self._in_flight, self._write_timeout_seconds)
         self.grpc_port = self._grpc.add_insecure_port(f"{self.host}:{self.grpc_port}")
         if not self.grpc_port:
             raise OSError(f"cannot bind the gRPC port on {self.host}")

@@ -73,15 +73,32 @@ def to_proto(value: np.ndarray) -> tensor_pb2.TensorProto:
     proto = tf.make_tensor_proto(value)
     if not proto.tensor_content or proto.dtype not in _FIELDS:
         return proto
+    field, _ = _FIELDS[proto.dtype]
+    content, proto.tensor_content = proto.tensor_content, b""
+    if proto.dtype in _PACKED_BYTES:        # fixed-width fields: their packed encoding is the
+        number = tensor_pb2.TensorProto.DESCRIPTOR.fields_by_name[field].number   # bytes
+        proto.MergeFromString(_varint(number << 3 | 2) + _varint(len(content)) + content)
+        return proto
     array = np.asarray(value).ravel()
     if proto.dtype in (types_pb2.DT_HALF, types_pb2.DT_BFLOAT16):
         array = array.view(np.uint16)                                    # the bits, as int32s
-    elif proto.dtype in (types_pb2.DT_COMPLEX64, types_pb2.DT_COMPLEX128):
-        array = np.stack([array.real, array.imag], axis=-1).ravel()     # (real, imag) pairs
-    field, _ = _FIELDS[proto.dtype]
-    proto.tensor_content = b""
     getattr(proto, field).extend(array.tolist())
     return proto
+
+
+# Dtypes whose typed field holds fixed-width little-endian values, as `tensor_content` does:
+# float_val, double_val, and (real, imag) pairs in scomplex_val and dcomplex_val.
+_PACKED_BYTES = {types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE, types_pb2.DT_COMPLEX64,
+                 types_pb2.DT_COMPLEX128}
+
+
+def _varint(number: int) -> bytes:
+    """`number` as a protobuf base-128 varint."""
+    out = bytearray()
+    while number > 0x7F:
+        out.append(number & 0x7F | 0x80)
+        number >>= 7
+    return bytes(out + bytes([number]))
 
 
 def _dtype_name(dtype: int) -> str:

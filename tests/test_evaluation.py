@@ -76,6 +76,14 @@ def test_eval_set_history(log):
     assert eval_set(log, parts, "test", exclude_seen=False).excluded.nnz == 0
 
 
+def test_untrained_items_are_those_without_training_rows(log):
+    """a: x y | z | w; b: x | y | z; c: y z (train | validation | test): w has no training
+    row, so the models score it by the out-of-vocabulary id (the report says how many)."""
+    from tworec.features.inputs import prepare
+    assert prepare(log, split(log, "temporal"), 2).untrained_items == 1
+    assert prepare(log, split(log, "none"), 2).untrained_items == 0
+
+
 def test_repeated_targets_are_rows_whose_item_their_user_already_had(log):
     """a: x y z w, then x again; b: x y z, then w twice. The test rows (a's x, b's second w)
     repeat an item known before them: a's from training, b's from validation, which the test

@@ -418,6 +418,10 @@ def test_the_report_says_its_protocol_and_rounds_its_numbers(global_run):
             "known before validation holding their positive): the ranker's own logit × "
             f"{calibration['scale']:.2f}") in text
     assert (report["retrieval"]["serves"], report["two_stage"]["serves"]) == (100, 10)
+    log, parts = split_log("global:0.8")
+    untrained = log.num_items - len(np.unique(log.item[parts.train]))
+    assert report["data"]["untrained_items"] == untrained      # 0: every item has trained
+    assert "without training rows" not in text
     assert ("The models' lists are the ones their exports serve (retrieval's top 100, "
             "two-stage's top 10): a held-out item past them is a miss.") in text
     page = (out / "report.html").read_text()
@@ -489,8 +493,8 @@ def test_the_data_section_says_how_many_catalogue_items_have_no_fit_rows():
     from tworec.pipeline.report import markdown
     report = report_of("temporal")
     assert "without fit rows" not in markdown(report, "RUN", [])
-    report["data"]["state"]["items"] = 290
-    assert ("never the test rows. Their catalogue holds every item, 10 without fit rows "
-            "(without an item table, items first seen in held-out rows): they can be served, "
-            "scored by their features and the untrained out-of-vocabulary id.") in markdown(
-                report, "RUN", [])
+    report["data"]["untrained_items"] = 10
+    assert ("never the test rows. Their catalogue holds every item, 10 without training rows "
+            "(without an item table, items first seen in validation or held-out rows): they "
+            "can be served, scored by their features and the untrained out-of-vocabulary "
+            "id.") in markdown(report, "RUN", [])

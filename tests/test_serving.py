@@ -787,7 +787,9 @@ def test_grpc_requests_without_a_model_spec_are_invalid(stubs):
     for call, request in ((prediction.Predict, predict_pb2.PredictRequest()),
                           (prediction.GetModelMetadata,
                            get_model_metadata_pb2.GetModelMetadataRequest(
-                               metadata_field=["signature_def"]))):
+                               metadata_field=["signature_def"])),
+                          (prediction.GetModelMetadata,           # checked before the fields
+                           get_model_metadata_pb2.GetModelMetadataRequest())):
         with pytest.raises(grpc.RpcError) as error:
             call(request, timeout=10)
         assert (error.value.code(), error.value.details()) == (

@@ -774,13 +774,33 @@ def test_an_unread_answer_is_counted_until_read_and_its_stalled_connection_abort
 def test_a_grpc_predict_without_a_deadline_is_answered(models):
     """A client that sets no deadline (the stubs' default) gets ~2^63 ns from
     `time_remaining`, which overflowed the run's int64 timeout: every such Predict failed
-    INTERNAL. It now runs without one; a deadline beyond int64 milliseconds is capped."""
-    with _serve(models) as server:
+    INTERNAL, and one waiting for a run thread overflowed that wait. It now has no deadline;
+    a model run's timeout beyond int64 milliseconds is capped."""
+    with _serve(models, names=("scale", "spin"), predict_threads=1) as server:
+        busy = threading.Thread(target=requests.post, kwargs=dict(
+            url=f"http://127.0.0.1:{server.rest_port}/v1/models/spin:predict", data=_BODY,
+            timeout=60))
+        busy.start()               # the one run thread taken: the Predict waits for it
+        _wait_for(lambda: server._in_flight.held > 0, seconds=30)
         answer = _stub(server).Predict(_request("scale", {"x": np.array([1.0], np.float32)}))
         assert tf.make_ndarray(answer.outputs["y"]).tolist() == [3.0]
+        busy.join()
         with server.manager.lease("scale") as (_, model):
             ran = model.run({"x": np.array([2.0], np.float32)}, timeout_seconds=1e20)
         assert ran["y"].tolist() == [6.0]
+
+
+def test_alarms_ring_once_unless_cleared_and_shed_the_cleared():
+    from tworec.serving.grpc_service import Alarms
+    alarms, rung = Alarms(), []
+    alarms.set(0.2, lambda: rung.append("kept"))
+    alarms.clear(alarms.set(0.1, lambda: rung.append("cleared")))
+    for _ in range(3000):                               # answers sent well before their alarm
+        alarms.clear(alarms.set(60.0, lambda: rung.append("late")))
+    assert len(alarms._due) <= 1026
+    _wait_for(lambda: rung == ["kept"], seconds=10)
+    time.sleep(0.3)
+    assert rung == ["kept"]
 
 
 def _http2_frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
@@ -809,21 +829,26 @@ def _grpc_predict_never_reading(port: int, request) -> socket.socket:
     return client
 
 
-def test_an_unread_grpc_answer_is_counted_until_its_rpc_ends(tmp_path):
+@pytest.mark.parametrize("leaves", [True, False], ids=["client_leaves", "write_timeout"])
+def test_an_unread_grpc_answer_is_counted_until_its_rpc_ends(tmp_path, leaves):
     """gRPC sends an answer after its handler returns: a client reading none of it held it in
     the server uncounted, and a few such clients pinned any memory. Its bytes now count in
-    flight until the RPC ends (here its client leaves); a reading client is served."""
+    flight until the RPC ends: its client leaves, or the answer is not sent within the write
+    timeout (3 s here), which cancels it, so that it cannot hold the others' budget; then a
+    reading client is served."""
     save(LongAnswer(), str(tmp_path / "long"))
     manager = ModelManager([ModelConfig("long", str(tmp_path / "long"))], poll_seconds=0)
     request = predict_pb2.PredictRequest()
     request.model_spec.name = "long"
     request.inputs["x"].CopyFrom(tf.make_tensor_proto(np.array([1.0], np.float32)))
-    with ModelServer(manager, grpc_port=0, rest_port=None) as server:
+    with ModelServer(manager, grpc_port=0, rest_port=None,
+                     write_timeout_seconds=60.0 if leaves else 3.0) as server:
         unread = _grpc_predict_never_reading(server.grpc_port, request)
         _wait_for(lambda: server._in_flight.held > 8 << 20, seconds=60)
         time.sleep(1.0)
         assert server._in_flight.held > 8 << 20                  # held while it is not read
-        unread.close()
+        if leaves:
+            unread.close()
         _wait_for(lambda: server._in_flight.held == 0, seconds=30)
         with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=[
                 ("grpc.max_receive_message_length", 64 << 20)]) as channel:
@@ -831,6 +856,7 @@ def test_an_unread_grpc_answer_is_counted_until_its_rpc_ends(tmp_path):
                 request, timeout=60)
         assert len(tf.make_ndarray(answer.outputs["y"])[0]) == 8 << 20
         _wait_for(lambda: server._in_flight.held == 0, seconds=30)
+        unread.close()
 
 
 def test_a_slowly_read_answer_is_aborted_at_the_write_timeout(tmp_path):
