@@ -63,12 +63,13 @@ def requested(request) -> tuple[str, int | None, str | None]:
 
 class Alarms:
     """Calls each `action` `seconds` after `set` unless it is `clear`ed first: one daemon
-    thread for them all (a timer thread per answer would cost a thread per RPC)."""
+    thread for them all (a timer thread per answer would cost a thread per RPC). An action
+    that raises is logged; the thread goes on."""
 
     def __init__(self):
         self._due: list = []                        # [time, order, action or None] heap
         self._order = itertools.count()
-        self._cleared = 0
+        self._cleared = 0                           # entries of `_due` cleared, not yet popped
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
 
@@ -80,12 +81,16 @@ class Alarms:
                 self._thread = threading.Thread(target=self._ring, name="grpc-answer-alarms",
                                                 daemon=True)
                 self._thread.start()
-            self._changed.notify()
+            if self._due[0] is alarm:               # the next one due: the wait is too long
+                self._changed.notify()
         return alarm
 
     def clear(self, alarm: list) -> None:
-        """Drops `alarm`; the heap sheds cleared alarms once they are most of it."""
+        """Drops `alarm` (nothing once it has rung); the heap sheds cleared alarms once they
+        are most of it."""
         with self._changed:
+            if alarm[2] is None:
+                return
             alarm[2] = None
             self._cleared += 1
             if self._cleared > 1024 and 2 * self._cleared > len(self._due):
@@ -97,12 +102,20 @@ class Alarms:
         while True:
             with self._changed:
                 while not self._due or self._due[0][0] > time.monotonic():
-                    self._changed.wait(self._due[0][0] - time.monotonic() if self._due
-                                       else None)
-                action = heapq.heappop(self._due)[2]
-                self._cleared -= action is None
+                    self._changed.wait(min(self._due[0][0] - time.monotonic(),
+                                           threading.TIMEOUT_MAX) if self._due else None)
+                alarm = heapq.heappop(self._due)
+                action, alarm[2] = alarm[2], None   # held no longer than its call: a
+                self._cleared -= action is None     # cancelled RPC's answer is then freed
             if action is not None:
-                action()
+                try:
+                    action()
+                except Exception:  # a failing action must not stop the others' alarms
+                    log.exception("a gRPC answer's alarm failed")
+                action = None
+
+
+ALARMS = Alarms()        # the process's one alarm thread, shared by every server in it
 
 
 def _unimplemented(name: str, finds_the_model: bool = True):
@@ -136,7 +149,7 @@ class PredictionService(prediction_service_pb2_grpc.PredictionServiceServicer):
                  max_elements: int | None = None, in_flight: BytesInFlight | None = None,
                  write_timeout_seconds: float = 60.0):
         self.write_timeout_seconds = write_timeout_seconds
-        self.alarms = Alarms()
+        self.alarms = ALARMS
         self.manager = manager
         self.scheduler = scheduler
         self.max_rows = max_rows or default_max_rows()

@@ -100,7 +100,8 @@ class BytesInFlight:
     their answer is made or, for a REST run its client left, the run ends; a gRPC request
     under batching, or a request split into parts, releases its bytes when it returns; then
     a REST answer's bytes until at most 64 KiB of it waits in the server for its client to
-    read it, and a gRPC answer's until its RPC ends: sent, or its client gone), bounded by
+    read it, and a gRPC answer's until its RPC ends: sent, its client gone, or cancelled at
+    the write timeout), bounded by
     `limit`: a request that would pass it is refused
     UNAVAILABLE (retry later; HTTP 503), unless nothing else is held: a lone request of up to
     --max_request_bytes is refused while an answer not yet read holds bytes (it is read or

@@ -86,7 +86,8 @@ def to_proto(value: np.ndarray) -> tensor_pb2.TensorProto:
     return proto
 
 
-# Dtypes whose typed field holds fixed-width little-endian values, as `tensor_content` does:
+# Dtypes whose typed field holds fixed-width little-endian values, as `tensor_content` does on
+# a little-endian host (x86, ARM):
 # float_val, double_val, and (real, imag) pairs in scomplex_val and dcomplex_val.
 _PACKED_BYTES = {types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE, types_pb2.DT_COMPLEX64,
                  types_pb2.DT_COMPLEX128}

@@ -492,7 +492,7 @@ def test_the_data_section_says_how_many_catalogue_items_have_no_fit_rows():
     held-out rows too: the exports can serve them, which the report says."""
     from tworec.pipeline.report import markdown
     report = report_of("temporal")
-    assert "without fit rows" not in markdown(report, "RUN", [])
+    assert "without training rows" not in markdown(report, "RUN", [])
     report["data"]["untrained_items"] = 10
     assert ("never the test rows. Their catalogue holds every item, 10 without training rows "
             "(without an item table, items first seen in validation or held-out rows): they "

@@ -781,7 +781,7 @@ def test_a_grpc_predict_without_a_deadline_is_answered(models):
             url=f"http://127.0.0.1:{server.rest_port}/v1/models/spin:predict", data=_BODY,
             timeout=60))
         busy.start()               # the one run thread taken: the Predict waits for it
-        _wait_for(lambda: server._in_flight.held > 0, seconds=30)
+        _wait_for(lambda: server._scheduler._slots._value == 0, seconds=30)
         answer = _stub(server).Predict(_request("scale", {"x": np.array([1.0], np.float32)}))
         assert tf.make_ndarray(answer.outputs["y"]).tolist() == [3.0]
         busy.join()
@@ -791,16 +791,37 @@ def test_a_grpc_predict_without_a_deadline_is_answered(models):
 
 
 def test_alarms_ring_once_unless_cleared_and_shed_the_cleared():
+    """Each alarm rings once, a cleared one never; cleared ones do not pile up; one set past
+    the longest wait threads allow, or one that raises, stops no other; a rung action is
+    not kept (a cancelled gRPC answer stayed in memory until the next alarm)."""
+    import gc
+    import weakref
     from tworec.serving.grpc_service import Alarms
+
+    class Action:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self):
+            rung.append(self.name)
+            if self.name == "raises":
+                raise RuntimeError("an action that fails")
     alarms, rung = Alarms(), []
-    alarms.set(0.2, lambda: rung.append("kept"))
-    alarms.clear(alarms.set(0.1, lambda: rung.append("cleared")))
+    alarms.set(1e10, Action("far"))
+    time.sleep(0.2)                                  # the thread waits for the far one first
+    alarms.set(0.1, Action("raises"))
+    kept = Action("kept")
+    alarms.set(0.2, kept)
+    alarms.clear(alarms.set(0.1, Action("cleared")))
     for _ in range(3000):                               # answers sent well before their alarm
-        alarms.clear(alarms.set(60.0, lambda: rung.append("late")))
-    assert len(alarms._due) <= 1026
-    _wait_for(lambda: rung == ["kept"], seconds=10)
+        alarms.clear(alarms.set(60.0, Action("late")))
+    assert len(alarms._due) <= 1027
+    _wait_for(lambda: rung == ["raises", "kept"], seconds=10)
     time.sleep(0.3)
-    assert rung == ["kept"]
+    assert rung == ["raises", "kept"]
+    kept = weakref.ref(kept)
+    gc.collect()
+    assert kept() is None
 
 
 def _http2_frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
