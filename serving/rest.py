@@ -43,11 +43,11 @@ from tworec.serving.protocol import DEFAULT_SIGNATURE
 log = logging.getLogger(__name__)
 
 _MODEL = r"/v1/models/(?P<name>[^/:]+)(?:/versions/(?P<version>[0-9]+)|/labels/(?P<label>[^/:]+))?"
-_PREDICT = re.compile(_MODEL + r":(?P<verb>classify|regress|predict)", re.IGNORECASE)
+VERBS = ("classify", "regress", "predict")
+_PREDICT = re.compile(_MODEL + r":(?P<verb>%s)" % "|".join(VERBS), re.IGNORECASE)
 _STATUS = re.compile(_MODEL + r"(?P<metadata>/metadata)?", re.IGNORECASE)
 _NO_NAME = re.compile(r"/v1/models/?(?:/metadata)?", re.IGNORECASE)
 _INT64_MAX = 2**63 - 1
-VERBS = ("classify", "regress", "predict")
 # Bodies and answers larger than this are parsed and formatted off the event loop.
 _INLINE_BYTES = 64 << 10
 # The scope extension holding a future that is done once the client's connection is lost.
