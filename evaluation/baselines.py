@@ -9,8 +9,8 @@ import numpy as np
 
 import scipy.sparse as sp
 
-from tworec.evaluation.metrics import (KS, evaluate_ranks, paired_bootstrap, prepared_ranks,
-                                       rank_metrics, row_metrics)
+from tworec.evaluation.metrics import (KS, MISS, evaluate_ranks, paired_bootstrap,
+                                       prepared_ranks, rank_metrics, row_metrics)
 from tworec.evaluation.sets import EvalSet
 from tworec.features.history import transition_counts
 from tworec.features.inputs import COLD_START_WINDOWS, PopularItems, popular_items
@@ -46,9 +46,9 @@ def cold_start_window(interactions: Interactions, parts: Split, windows=COLD_STA
         return choice
     per_row = {}
     for window in sorted(set(windows) | {1.0}, reverse=True):
-        order = popular_items(interactions, parts.train, window).order
-        position = np.empty_like(order)
-        position[order] = np.arange(len(order))
+        popular = popular_items(interactions, parts.train, window)
+        position = np.full(len(popular.order), MISS)          # outside the catalogue: a miss
+        position[popular.order[:popular.size]] = np.arange(popular.size)
         per_row[window] = row_metrics(position[interactions.item[cold]], 10)["ndcg@10"]
     table = {window: {"ndcg@10": float(ndcg.mean()), "ci95": None if window == 1.0 else
                       paired_bootstrap(ndcg, per_row[1.0], groups=users)["ci95"]}

@@ -1,7 +1,8 @@
 """Ranks over the full catalogue, the metrics computed from them, and paired bootstrap
 intervals for the difference between two models on the same rows.
 
-Both stages rank the whole catalogue for each held-out interaction, excluding the items the
+Both stages rank the whole catalogue (the items with rows known before the held-out part, what
+an export of those rows serves) for each held-out interaction, excluding the items the
 user had before it as the exports do (a held-out item the user already had is never served, so
 it is a miss), and report Recall@K (the hit rate of the held-out item) and NDCG@K =
 1 / log2(rank + 2) when rank < K, averaged over held-out rows. Ranks cannot flatter: an item
@@ -34,7 +35,7 @@ def entries(matrix: sp.csr_matrix, rows: np.ndarray, columns: np.ndarray) -> np.
 
 
 def target_ranks(scores: np.ndarray, targets: np.ndarray, excluded: sp.csr_matrix,
-                 name: str = "model") -> np.ndarray:
+                 name: str = "model", catalogue: np.ndarray | None = None) -> np.ndarray:
     """Rank of each target among the items not excluded (0 is best), ties counting against it.
 
     Args:
@@ -43,6 +44,8 @@ def target_ranks(scores: np.ndarray, targets: np.ndarray, excluded: sp.csr_matri
             target is never served, so it is a miss at every K (rank `MISS`), even a K larger
             than the catalogue.
         name: the scorer, named in errors.
+        catalogue: [num_items] bool, the items served (None: all); the others are not ranked,
+            and a target among them is a miss, as an excluded one.
 
     Returns:
         [b] int64: how many other ranked items score at least as high as the target.
@@ -60,6 +63,9 @@ def target_ranks(scores: np.ndarray, targets: np.ndarray, excluded: sp.csr_matri
     target_excluded = entries(excluded, rows, targets) > 0
     excluded_rows, excluded_cols = excluded.nonzero()
     scores[excluded_rows, excluded_cols] = -np.inf
+    if catalogue is not None:
+        scores[:, ~catalogue] = -np.inf
+        target_excluded |= ~catalogue[targets]
     ranks = (scores >= target_scores[:, None]).sum(1) - 1                 # the target itself
     return np.where(target_excluded, MISS, ranks)
 
@@ -151,7 +157,7 @@ def evaluate_ranks(score_rows: Callable[[np.ndarray], np.ndarray], evalset: Eval
     positions [b] into `evalset` to scores [b, num_items]."""
     batches = np.array_split(np.arange(len(evalset)), max(1, -(-len(evalset) // batch_size)))
     return np.concatenate([target_ranks(score_rows(positions), evalset.targets[positions],
-                                        evalset.excluded[positions], name)
+                                        evalset.excluded[positions], name, evalset.catalogue)
                            for positions in batches]).astype(np.int64)
 
 

@@ -29,6 +29,8 @@ class EvalSet:
         known: [m] bool, whether the user has known rows (an export knows them; others are
             served the popular items).
         exclude_seen: whether `history` is excluded from the ranking (as the exports do).
+        catalogue: [num_items] bool, the items ranked: those with known rows (what an export
+            of them serves); a row whose target is outside is a miss. None: every item.
     """
 
     rows: np.ndarray
@@ -38,6 +40,7 @@ class EvalSet:
     last_item: np.ndarray
     known: np.ndarray
     exclude_seen: bool = True
+    catalogue: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -70,6 +73,13 @@ def repeated_targets(interactions: Interactions, parts: Split, part: str) -> np.
     return np.isin(keys(getattr(parts, part)), keys(known_rows(parts, part)))
 
 
+def part_catalogue(interactions: Interactions, parts: Split, part: str) -> np.ndarray:
+    """[num_items] bool: the items of the rows known before `part` (`known_rows`), the
+    catalogue an export of those rows serves and its held-out rows are ranked among."""
+    return np.bincount(interactions.item[known_rows(parts, part)],
+                       minlength=interactions.num_items) > 0
+
+
 def eval_set(interactions: Interactions, parts: Split, part: str = "test",
              exclude_seen: bool = True) -> EvalSet:
     """The rows of `part` with each user's state as of the rows known before it."""
@@ -83,4 +93,5 @@ def eval_set(interactions: Interactions, parts: Split, part: str = "test",
     history = interaction_matrix(interactions, before)[users]  # [m, I] the user's known items
     has_rows = np.bincount(known.user, minlength=interactions.num_users) > 0
     return EvalSet(rows=rows, users=users, targets=interactions.item[rows], history=history,
-                   last_item=last[users], known=has_rows[users], exclude_seen=exclude_seen)
+                   last_item=last[users], known=has_rows[users], exclude_seen=exclude_seen,
+                   catalogue=part_catalogue(interactions, parts, part))

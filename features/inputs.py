@@ -62,13 +62,16 @@ class PopularItems:
 
     Attributes:
         window: the share of the known rows, latest first, that is counted (1: all).
-        order: [num_items] int64 catalogue codes, best first (the served order).
+        order: [num_items] int64 catalogue codes, best first (the served order); the items
+            without a known row come last, past `size`.
         share: [num_items] float32 each item's share of the counted rows (the served score).
+        size: the items with known rows (the part's catalogue): only `order[:size]` is served.
     """
 
     window: float
     order: np.ndarray
     share: np.ndarray
+    size: int
 
 
 def popular_items(interactions: Interactions, rows: np.ndarray, window: float) -> PopularItems:
@@ -81,7 +84,8 @@ def popular_items(interactions: Interactions, rows: np.ndarray, window: float) -
     recent = np.bincount(interactions.item[latest], minlength=num_items)
     overall = np.bincount(interactions.item[rows], minlength=num_items)
     order = np.lexsort((np.arange(num_items), -overall, -recent))
-    return PopularItems(window, order, (recent / max(len(latest), 1)).astype(np.float32))
+    return PopularItems(window, order, (recent / max(len(latest), 1)).astype(np.float32),
+                        int((overall > 0).sum()))
 
 
 @dataclasses.dataclass
@@ -154,10 +158,18 @@ class ModelInputs:
                             minlength=self.interactions.num_users) > 0)[users]
 
     @property
+    def catalogue(self) -> np.ndarray:
+        """[num_items] bool: the items an export serves and a test row is ranked among, those
+        with fit rows. Any other item (of the item table alone, or first seen in held-out rows)
+        is never served: a held-out row of one is a miss (`evaluation.EvalSet.catalogue`)."""
+        return np.bincount(self.interactions.item[self.split.fit],
+                           minlength=self.num_items) > 0
+
+    @property
     def untrained_items(self) -> int:
-        """Catalogue items without training rows, which the models score by their features
-        and the untrained out-of-vocabulary id."""
-        return int((self.item_index < FIRST).sum())
+        """Catalogue items without training rows (only validation rows), which the models
+        score by their features and the untrained out-of-vocabulary id."""
+        return int((self.catalogue & (self.item_index < FIRST)).sum())
 
     def state(self) -> dict:
         """What an export knows: the fit rows, their users and items, the last timestamp."""

@@ -434,7 +434,7 @@ def _ranking_runs(arms: list[Arm], seed: int, configs: Configs, inputs: ModelInp
     from tworec.ranking import features as ranking_features        # TensorFlow from here
     from tworec.ranking import train as ranking
     from tworec.retrieval import train as retrieval
-    run_config, _ = configs.run.for_catalogue(inputs.num_items)
+    run_config, _ = configs.run.for_catalogue(int(inputs.catalogue.sum()))
     retrieval_of, lists = retrieval_rows(arms, configs), {}
     for at, arm in enumerate(arms):
         row = retrieval_of[arm.name]

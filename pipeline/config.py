@@ -58,15 +58,16 @@ class RunConfig:
                              f"--top-n at most {self.candidates} or --top-k at least {self.top_n}")
 
     def for_catalogue(self, num_items: int) -> tuple[RunConfig, list[str]]:
-        """The config with every item count clamped to a catalogue of `num_items`, and a notice
-        for each count it lowered."""
+        """The config with every item count clamped to a catalogue of `num_items` (the items
+        of the fit rows, what the exports serve), and a notice for each count it lowered."""
         clamped, notices = {}, []
         for name in ("candidates", "hard_negative_pool", "tuning_k", "top_n"):
             value = getattr(self, name)
             if value > num_items:
                 clamped[name] = num_items
                 flag = {"candidates": " (--top-k)", "top_n": " (--top-n)"}.get(name, "")
-                notices.append(f"{name}{flag} {value} lowered to the catalogue size, {num_items}")
+                notices.append(f"{name}{flag} {value} lowered to the catalogue size, "
+                               f"{num_items} (the items the exports know)")
         return dataclasses.replace(self, **clamped), notices
 
 

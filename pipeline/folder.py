@@ -154,7 +154,9 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
                              + (", or the run was made before a release's ratings of one second "
                                 "were read in a random order" if is_release(source["data"]) else "")
                              + "); train a new run")
-    run, notices = configs.run.for_catalogue(log.num_items)
+    parts = split(log, configs.data.split)
+    run, notices = configs.run.for_catalogue(   # the items of the fit rows, what is served
+        len(np.unique(log.item[parts.fit])))
     notices = cluster + notices
     if continue_run:                     # what no flag said: the folder's, not the preset's
         ranking = configs.ranking
@@ -185,7 +187,6 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
                           "training or validation row, never a later one"))
     configs, source = dataclasses.replace(configs, run=run), {**source,
                                                               "fingerprint": log_fingerprint}
-    parts = split(log, configs.data.split)
     require_held_out(parts)
     if not continue_run:                                   # a continued run keeps its model
         retrieval, lowered = configs.retrieval.for_training_rows(len(parts.train))

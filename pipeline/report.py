@@ -202,9 +202,10 @@ PROTOCOLS = {
               "rows after the same quantile of the earlier rows are validation; each user is "
               "scored from their "
               "state frozen at the cut, users first seen after it get the popular items, and "
-              "nothing after the cut reaches any fitted statistic; the catalogue is the item "
-              "table's, or without one every item of the log: one first seen after the cut is "
-              "ranked by its features and the untrained out-of-vocabulary id",
+              "nothing after the cut reaches any fitted statistic; the catalogue is the items "
+              "of the rows before the cut: one first seen after it is never served (its "
+              "held-out rows are misses), one first seen in validation is scored by its "
+              "features and the untrained out-of-vocabulary id",
     "latest": "each user's last row is validation (early stopping, calibration), the rest "
               "train; nothing is tested, so no test metric is reported (the deployment run of "
               "what `temporal` evaluates)",
@@ -274,12 +275,15 @@ def data_section(report: dict) -> list[str]:
         fit = "training" if split == "random" else "training and validation"
         known = (f"The exports know the {state.get('rows', 0):,} {fit} rows of "
                  f"{state.get('users', 0):,} users, never the test rows.")
-    untrained = data.get("untrained_items", 0)
+    outside, untrained = data.get("outside_catalogue", 0), data.get("untrained_items", 0)
+    if outside:
+        known += (f" They serve the {state.get('items', 0):,} items of those rows, the "
+                  f"catalogue every figure ranks: the {outside:,} others (of the item table "
+                  "alone, or first seen in held-out rows) are never served, and a held-out row "
+                  "of one is a miss.")
     if untrained:
-        known += (f" Their catalogue holds every item, {untrained:,} without training rows "
-                  "(without an item table, items first seen in validation or held-out rows): "
-                  "they can be served, scored by their features and the untrained "
-                  "out-of-vocabulary id.")
+        known += (f" {untrained:,} served items have validation rows alone: the models score "
+                  "them by their features and the untrained out-of-vocabulary id.")
     return [f"# Run report: {data['source']}", "",
             f"{data['users']:,} users, {data['items']:,} items, {data['interactions']:,} "
             f"interactions; split `{split}`, {held_out}; dropped rows: {dropped}.", "",

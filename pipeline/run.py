@@ -23,7 +23,7 @@ from tworec.console import one_line
 from tworec.evaluation import (EvalSet, baseline_ranks, cold_start_window, eval_set,
                                evaluate_ranks, rank_metrics)
 from tworec.evaluation.metrics import paired_bootstrap, row_metrics
-from tworec.evaluation.sets import repeated_targets
+from tworec.evaluation.sets import part_catalogue, repeated_targets
 from tworec.features import Interactions, Split, split
 from tworec.features.history import latest_history
 from tworec.features.inputs import EMPTY_SLOT, ModelInputs, prepare
@@ -130,7 +130,8 @@ class Run:
                                    str(share): row for share, row in
                                    cold_start.get("validation", {}).items()}},
                                "state": self.inputs.state(),
-                               "untrained_items": self.inputs.untrained_items}
+                               "untrained_items": self.inputs.untrained_items,
+                               "outside_catalogue": int((~self.inputs.catalogue).sum())}
         self.timings = self.report.setdefault("timings", {})
         self.retrieval_model, self.retrieval_trained = None, False
         self.retrieval_resumed = False   # trained by this run's command before it stopped
@@ -191,8 +192,18 @@ class Run:
     def repeat_notices(self) -> list[str]:
         """How many of each held-out part's rows hold an item already among their user's known
         rows (`repeated_targets`): with seen items excluded no model can serve it, so each is
-        a miss. Empty when there are none, or seen items are kept."""
+        a miss; and how many an item without known rows, outside the catalogue, a miss too.
+        Empty when there are none."""
         notices = []
+        for part in ("validation", "test"):
+            outside = ~part_catalogue(self.log, self.parts, part)[
+                self.log.item[getattr(self.parts, part)]]
+            if outside.any():
+                notices.append(
+                    f"{int(outside.sum()):,} of {len(outside):,} {part} rows "
+                    f"({outside.mean():.1%}) hold an item without rows known before them "
+                    "(first seen in held-out rows): it is outside the catalogue an export of "
+                    "those rows serves, so every model and baseline misses them")
         for part in ("validation", "test") if self.inputs.exclude_seen else ():
             repeats = repeated_targets(self.log, self.parts, part)
             if repeats.any():
@@ -247,7 +258,8 @@ class Run:
         queries with fewer items than it fetches); a catalogue ScaNN cannot index is noticed,
         and only brute force exported."""
         run, model = self.configs.run, self.retrieval_model
-        candidates = retrieval.candidate_embeddings(model, self.inputs.num_items)
+        candidates = retrieval.candidate_embeddings(   # [C, d] the catalogue's, as exported
+            model, self.inputs.num_items)[self.inputs.catalogue]
         part = "validation" if self.inputs.known_in("validation").any() else "train"
         queries = self.searched_queries(part)
         sample = queries[np.sort(np.random.default_rng(0).permutation(len(queries))[
@@ -447,6 +459,11 @@ class Run:
                                       self.inputs.seen[users])
             if seen and self.inputs.exclude_seen:
                 raise served.ServedMismatch(f"{name}: {seen} served items were already seen")
+            outside = served.outside_served(rest_lists["item_ids"], self.log.item_ids,
+                                            self.inputs.catalogue)
+            if outside:
+                raise served.ServedMismatch(f"{name}: {outside} served items are outside the "
+                                            "catalogue (no fit rows)")
             if name in with_history and not np.array_equal(
                     rest_lists["item_ids"], with_history[name]["item_ids"]):
                 raise served.ServedMismatch(

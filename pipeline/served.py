@@ -148,3 +148,11 @@ def seen_served(item_ids: np.ndarray, catalogue: np.ndarray, seen: sp.csr_matrix
     real = codes >= 0                     # none in the empty lists of users who saw every item
     rows = np.repeat(np.arange(len(item_ids)), item_ids.shape[1]).reshape(item_ids.shape)
     return int((entries(seen, rows[real], codes[real]) > 0).sum())
+
+
+def outside_served(item_ids: np.ndarray, catalogue_ids: np.ndarray,
+                   catalogue: np.ndarray) -> int:
+    """How many served items [u, n] (ids; "" for an empty slot) are not in the catalogue
+    (`catalogue` [num_items] bool over the ids [num_items]; an id the ids lack counts too)."""
+    codes = catalogue_codes(item_ids, catalogue_ids)
+    return int(((item_ids != "") & ((codes < 0) | ~catalogue[np.maximum(codes, 0)])).sum())

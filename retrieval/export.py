@@ -3,7 +3,9 @@
 `retrieval` (brute force, stock TF ops only) and `retrieval_scann` (ScaNN ops) share one
 module: string ids at the boundary, the users' state baked in (their latest items and seen
 items of the rows the model was fit on), the popular items for users it does not know
-(`ModelInputs.popular`: the most frequent in the latest share of the fit rows). A known
+(`ModelInputs.popular`: the most frequent in the latest share of the fit rows). It serves the
+catalogue of the fit rows (`ModelInputs.catalogue`): an item they do not hold (of the item
+table alone, or of held-out rows) is never served. A known
 user is never served an item of their state, nor a `with_history` request the items it
 passed (a known user's: neither), unless the export is made with `exclude_seen=False`; the top
 k of what remains come back (ScaNN over-fetches k plus the most items any user has seen or a
@@ -18,8 +20,8 @@ Signatures (batch is dimension 0):
         items hold none with training rows (any user, when the towers read no history) gets
         the popular items, the given ones skipped
     embed_user: user_id [b] string -> embedding [b, d] float32
-    embed_items: item_ids [n] string -> embedding [n, d] float32 (an id outside the catalogue:
-        the out-of-vocabulary id row, no features)
+    embed_items: item_ids [n] string -> embedding [n, d] float32 (an id neither the log nor
+        the item table has: the out-of-vocabulary id row, no features)
     known_users: user_id [b] string -> known [b] bool (fit rows of the user: else popular items)
 d is the model's query and candidate width: `embedding_dim` times its members; a user's
 embedding dotted with an item's is the score served (with several members, the mean of
@@ -58,7 +60,7 @@ def scann_fetch(data: ModelInputs, k: int, exclude_seen: bool = True) -> int:
     `with_history` request of a known user skips both; beyond what the fetch leaves room for,
     the export refuses it in one line (the brute-force export serves it)."""
     most_seen = int(np.diff(data.seen.indptr).max(initial=0))
-    return min(data.num_items, k + max(most_seen, data.history_length) * exclude_seen)
+    return min(int(data.catalogue.sum()), k + max(most_seen, data.history_length) * exclude_seen)
 
 
 def usable_top_k(scores: tf.Tensor, codes: tf.Tensor, excluded: tf.Tensor, k: int
@@ -124,11 +126,15 @@ class RetrievalModule(tf.Module):
         self.popular_share = tf.constant(popular.share)                                 # [I]
         self.block_rows = max(SCORES_PER_BLOCK // self.num_items, 1)
         candidates = candidate_embeddings(model, interactions.num_items)                # [I, d]
+        catalogue = data.catalogue
+        self.catalogue_size = int(catalogue.sum())
+        self.outside = tf.constant(~catalogue)                                          # [I]
         if scann is None:
             self.candidates, self.index = tf.constant(candidates), None
         else:
             self.fetch = scann_fetch(data, k, exclude_seen)
-            self.index = build_index(candidates, self.fetch, scann)
+            codes = np.flatnonzero(catalogue)                                           # [C]
+            self.index = build_index(candidates[codes], self.fetch, scann, codes=codes)
 
     def _top_k(self, features, known, excluded=None):
         """Top k codes of the query tower's scores, `excluded` ((row [n], code [n]) pairs,
@@ -168,7 +174,8 @@ class RetrievalModule(tf.Module):
         `with_history`), it costs [b, k + the request's width] at most."""
         pairs = tf.math.bincount(tf.cast(rows, tf.int32), minlength=batch, maxlength=batch,
                                  dtype=tf.int64)                                          # [b]
-        width = tf.minimum(self.k + tf.reduce_max(tf.concat([pairs, [0]], 0)), self.num_items)
+        width = tf.minimum(self.k + tf.reduce_max(tf.concat([pairs, [0]], 0)),
+                           self.catalogue_size)            # the fit rows' items come first
         places = tf.gather(self.popular_place, items)                                   # [n]
         near = places < width
         taken = tf.scatter_nd(
@@ -182,12 +189,14 @@ class RetrievalModule(tf.Module):
 
     def _search(self, query, mask):
         """([r, k] scores, [r, k] int64 codes) of queries [r, d], the items `mask` ([r, I]
-        bool) marks skipped; -inf scores where fewer than k remain."""
+        bool) marks and those outside the catalogue skipped; -inf scores where fewer than k
+        remain."""
         if self.index is None:
-            scores, codes = tf.math.top_k(tf.where(mask, -np.inf, tf.matmul(
+            skipped = tf.logical_or(mask, self.outside[None, :])                        # [r, I]
+            scores, codes = tf.math.top_k(tf.where(skipped, -np.inf, tf.matmul(
                 query, self.candidates, transpose_b=True)), k=self.k)                  # [r, k]
-        else:
-            if self.fetch < self.num_items:                   # k must remain of those fetched
+        else:                                 # the index holds the catalogue's items alone
+            if self.fetch < self.catalogue_size:              # k must remain of those fetched
                 most = self.fetch - self.k
                 tf.debugging.assert_less_equal(
                     tf.reduce_sum(tf.cast(mask, tf.int32), 1), most,
@@ -235,8 +244,8 @@ class RetrievalModule(tf.Module):
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="item_ids")])
     def embed_items(self, item_ids):
-        """item_ids [b] -> embedding [b, d]; an id outside the catalogue gets the embedding of
-        an item without training rows or features (the out-of-vocabulary row)."""
+        """item_ids [b] -> embedding [b, d]; an id neither the log nor the item table has
+        gets the embedding of an item without training rows or features (the out-of-vocabulary row)."""
         return {"embedding": self.model.candidate(self.item_codes.lookup(item_ids))}
 
 
@@ -252,9 +261,10 @@ def export(model: RetrievalModel, data: ModelInputs, base_path: str, k: int,
     Raises:
         ValueError: k exceeds the catalogue.
     """
-    if not 1 <= k <= data.num_items:
-        raise ValueError(f"k={k}: the export answers 1 to {data.num_items} items a user (the "
-                         f"catalogue); pass a k in that range")
+    size = int(data.catalogue.sum())
+    if not 1 <= k <= size:
+        raise ValueError(f"k={k}: the export answers 1 to {size} items a user (the catalogue: "
+                         f"the items of the fit rows); pass a k in that range")
     module = RetrievalModule(model, data, k, scann, exclude_seen=data.exclude_seen)
     signatures = {"serving_default": module.serve, "with_history": module.with_history,
                   "embed_user": module.embed_user, "embed_items": module.embed_items,

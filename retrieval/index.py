@@ -73,8 +73,10 @@ class SeededScaNN(tfrs.layers.factorized_top_k.ScaNN):
         self._build_searcher = build_searcher
 
 
-def build_index(candidates: np.ndarray, k: int, scann: ScannParams | None = None):
-    """A top-k layer over [num_items, d] candidates whose identifiers are catalogue codes.
+def build_index(candidates: np.ndarray, k: int, scann: ScannParams | None = None,
+                codes: np.ndarray | None = None):
+    """A top-k layer over [n, d] candidates whose identifiers are their catalogue `codes` ([n]
+    int; None: 0..n-1, the whole catalogue).
 
     Returns:
         A `tfrs.layers.factorized_top_k` layer: queries [b, d] -> (scores [b, k], codes [b, k]).
@@ -86,7 +88,8 @@ def build_index(candidates: np.ndarray, k: int, scann: ScannParams | None = None
     """
     if k > len(candidates):
         raise ValueError(f"k={k} is larger than the catalogue ({len(candidates)} items)")
-    codes = tf.range(len(candidates), dtype=tf.int64)
+    codes = tf.range(len(candidates), dtype=tf.int64) if codes is None else \
+        tf.constant(codes, tf.int64)
     if scann is None:
         layer = tfrs.layers.factorized_top_k.BruteForce(k=k)
     elif len(candidates) < SCANN_MIN_ITEMS:

@@ -111,7 +111,8 @@ def catalogue_scorer(model: RetrievalModel, data: ModelInputs, part: str, evalse
 def evaluate_model(model: RetrievalModel, data: ModelInputs, part: str = "test", ks=KS,
                    evalset: EvalSet | None = None) -> dict[str, float]:
     """Recall@K (the hit rate of the held-out item) and NDCG@K over the full catalogue, each
-    user's known items excluded (unless `data.exclude_seen` is off), as the export serves."""
+    user's known items excluded (unless `data.exclude_seen` is off) and the items without
+    rows known before the part never ranked, as the export serves."""
     evalset = evalset or eval_set(data.interactions, data.split, part,
                                   exclude_seen=data.exclude_seen)
     return evaluate(catalogue_scorer(model, data, part, evalset), evalset, ks, name="retrieval")
@@ -129,8 +130,8 @@ def evaluate_prepared(model: RetrievalModel, prepared: PreparedLog, part: str = 
     outside it is a miss. Users it does not know get the training popularity order (not
     `ModelInputs.popular`). On a log whose every item has training rows and every held-out
     user training rows (a temporal split) this equals `evaluate_model`; otherwise
-    `evaluate_model` also ranks the untrained items (all on the OOV embedding) and can rank a
-    held-out untrained item."""
+    `evaluate_model` also ranks the test part's items with validation rows alone (on the OOV
+    embedding)."""
     # every item of a prepared log is an input of its own (its own id, no item features)
     catalogue = exact_scorer(embed_items(model, np.arange(prepared.num_items)))
     popular = popular_order(prepared, part)
@@ -149,7 +150,8 @@ def top_candidates(model: RetrievalModel, data: ModelInputs, part: str, k: int,
                    evalset: EvalSet | None = None, batch_size: int = 2048) -> np.ndarray:
     """[m, k] catalogue codes of the best k items for every row of `part`, best first (ties to
     the lower code, as the export). With `evalset` (of that part) rows are scored as
-    `catalogue_scorer` does and its excluded items skipped: the export's candidates, with
+    `catalogue_scorer` does, its excluded items and those outside its catalogue skipped:
+    the export's candidates, with
     `EMPTY_SLOT` where fewer than k items remain (the export's empty id)."""
     if evalset is None:
         catalogue = exact_scorer(candidate_embeddings(model, data.num_items))
@@ -164,6 +166,7 @@ def top_candidates(model: RetrievalModel, data: ModelInputs, part: str, k: int,
         if evalset is not None:
             rows, cols = evalset.excluded[positions].nonzero()
             scores[rows, cols] = -np.inf
+            scores[:, ~evalset.catalogue] = -np.inf
         best = top_k_rows(scores, k)
         best[np.isneginf(np.take_along_axis(scores, best, 1))] = EMPTY_SLOT
         result.append(best)

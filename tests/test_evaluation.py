@@ -4,8 +4,8 @@ import pytest
 import scipy.sparse as sp
 
 from tworec.features import Interactions, split
-from tworec.evaluation import (baselines, eval_set, evaluate, rank_metrics, target_ranks,
-                               top_k_rows)
+from tworec.evaluation import (MISS, baselines, eval_set, evaluate, rank_metrics,
+                               target_ranks, top_k_rows)
 from tworec.evaluation.baselines import ease_scorer
 from tworec.features.history import transition_counts
 
@@ -76,12 +76,30 @@ def test_eval_set_history(log):
     assert eval_set(log, parts, "test", exclude_seen=False).excluded.nnz == 0
 
 
-def test_untrained_items_are_those_without_training_rows(log):
-    """a: x y | z | w; b: x | y | z; c: y z (train | validation | test): w has no training
-    row, so the models score it by the out-of-vocabulary id (the report says how many)."""
+def test_the_catalogue_is_the_items_of_the_rows_known_before_a_part(log):
+    """a: x y | z | w; b: x | y | z; c: y z (train | validation | test): w appears in a test
+    row alone, so no export of the fit rows serves it and a's test row is a miss at every K;
+    under `none` every item is served. d's validation row adds v, which training lacks: the
+    test part serves it (the models score it by the out-of-vocabulary id), validation not."""
     from tworec.features.inputs import prepare
-    assert prepare(log, split(log, "temporal"), 2).untrained_items == 1
-    assert prepare(log, split(log, "none"), 2).untrained_items == 0
+    inputs = prepare(log, split(log, "temporal"), 2)
+    assert inputs.catalogue.tolist() == [True, True, True, False]
+    assert inputs.untrained_items == 0 and prepare(log, split(log, "none"), 2).catalogue.all()
+    parts = split(log, "temporal")
+    test = eval_set(log, parts, "test")
+    assert test.catalogue.tolist() == [True, True, True, False]
+    scores = np.tile([0.1, 0.2, 0.3, 0.9], (2, 1))                 # w would rank first
+    assert target_ranks(scores, test.targets, test.excluded, catalogue=test.catalogue
+                        ).tolist() == [MISS, 0]
+    assert evaluate(lambda positions: scores[positions], test, ks=(1,))["recall@1"] == 0.5
+    added = Interactions(user_ids=np.array(["a", "b", "c", "d"]),
+                         item_ids=np.array(["x", "y", "z", "w", "v"]),
+                         user=np.append(log.user, [3, 3, 3]), item=np.append(log.item, [0, 4, 1]),
+                         timestamp=np.arange(12))
+    parts = split(added, "temporal")
+    assert prepare(added, parts, 2).untrained_items == 1
+    assert eval_set(added, parts, "test").catalogue.tolist() == [True] * 3 + [False, True]
+    assert eval_set(added, parts, "validation").catalogue.tolist() == [True] * 3 + [False] * 2
 
 
 def test_repeated_targets_are_rows_whose_item_their_user_already_had(log):
@@ -108,23 +126,23 @@ def test_transitions_and_popularity_by_hand(log):
     assert counts[0, 1] == 1 and counts[1, 2] == 1 and counts.sum() == 2   # a: x>y, c: y>z
     test = eval_set(log, parts, "test")
     results = baselines(log, parts, test, ks=(1,))
-    # popularity on train rows (a: x y; b: x; c: y z): x=2, y=2, z=1, w=0.
-    # a has seen x y z -> only w left: rank 0. b target z, unseen z, w: z(1) > w(0): rank 0.
-    assert results["popularity"]["recall@1"] == 1.0
-    # transitions: a's last item z never led anywhere -> popularity breaks the tie; b: y>z
-    assert results["item_transition"]["recall@1"] == 1.0
+    # popularity on train rows (a: x y; b: x; c: y z): x=2, y=2, z=1, w=0. a's w is in no
+    # fit row, outside the catalogue: a miss. b target z, unseen z only (w is not served).
+    assert results["popularity"]["recall@1"] == 0.5
+    # transitions: b's last item y led to z
+    assert results["item_transition"]["recall@1"] == 0.5
     assert results["ease"] is not None
 
 
 def test_baselines_of_counts_rank_ties_as_served_not_against_the_target(log):
-    """a: x y | z | w; b: x | y | z; c: y | z | x (train | validation | test). Training counts
+    """a: x y | z | w; b: x | w | z; c: y | z | x (train | validation | test). Training counts
     x 2, y 2, z 0, w 0: popularity lists x y w z (ties by item id, not by code: x y z w),
     which ranks a's w third and c's x first; counting ties against them gave 4th and 2nd.
-    Item transitions (no training transition leaves y or z) fall back on that order."""
+    Item transitions (no training transition leaves z or w) fall back on that order."""
     from tworec.evaluation import baseline_ranks
     ordered = Interactions(user_ids=log.user_ids, item_ids=log.item_ids,
                            user=np.array([0, 0, 0, 0, 1, 1, 1, 2, 2, 2]),
-                           item=np.array([0, 1, 2, 3, 0, 1, 2, 1, 2, 0]), timestamp=np.arange(10))
+                           item=np.array([0, 1, 2, 3, 0, 3, 2, 1, 2, 0]), timestamp=np.arange(10))
     parts = split(ordered, "temporal")
     assert parts.test.tolist() == [3, 6, 9]
     everything = baseline_ranks(ordered, parts,
@@ -137,17 +155,18 @@ def test_baselines_of_counts_rank_ties_as_served_not_against_the_target(log):
 
 def test_popular_now_ranks_by_the_list_users_never_seen_get(log):
     """Fit rows (a: x y z; b: x y; c: y z); the latest two are c's y and z, which lead (y
-    first: 3 rows in all against 2), then x and w by their counts in all. b's held-out z is
-    second without exclusions, first once b's x and y are excluded; a's w is last, or alone."""
+    first: 3 rows in all against 2), then x by its count in all; w, in no fit row, is never
+    served. b's held-out z is second without exclusions, first once b's x and y are
+    excluded; a's w is a miss."""
     from tworec.evaluation import baseline_ranks
     from tworec.features.inputs import popular_items
     parts = split(log, "temporal")
     popular = popular_items(log, parts.fit, 2 / 7)
-    assert log.item_ids[popular.order].tolist() == ["y", "z", "x", "w"]
+    assert log.item_ids[popular.order].tolist() == ["y", "z", "x", "w"] and popular.size == 3
     everything = eval_set(log, parts, "test", exclude_seen=False)
-    assert baseline_ranks(log, parts, everything, popular)["popular_now"].tolist() == [3, 1]
+    assert baseline_ranks(log, parts, everything, popular)["popular_now"].tolist() == [MISS, 1]
     unseen = eval_set(log, parts, "test")
-    assert baseline_ranks(log, parts, unseen, popular)["popular_now"].tolist() == [0, 0]
+    assert baseline_ranks(log, parts, unseen, popular)["popular_now"].tolist() == [MISS, 0]
     assert "popular_now" not in baseline_ranks(log, parts, unseen)
 
 

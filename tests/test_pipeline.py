@@ -462,8 +462,8 @@ def test_run_configs_resolve_validate_and_round_trip(tmp_path):
     assert config.read(str(tmp_path / "config.json")) == ({"data": "synthetic"}, configs)
     run, notices = configs.run.for_catalogue(30)
     assert (run.candidates, run.hard_negative_pool, run.top_n) == (30, 30, 10)
-    assert notices == ["candidates (--top-k) 100 lowered to the catalogue size, 30",
-                       "hard_negative_pool 50 lowered to the catalogue size, 30"]
+    assert notices == [f"{name} lowered to the catalogue size, 30 (the items the exports know)"
+                       for name in ("candidates (--top-k) 100", "hard_negative_pool 50")]
     for bad, message in (({"data": {"history_length": 0}, "ranking": {"model": "bst"}},
                           "needs history_length > 0"),
                          ({"run": {"top_n": 0}}, r"--top-n \(top_n\) must be positive"),
@@ -621,6 +621,28 @@ def test_a_run_says_how_many_held_out_rows_repeat_an_item_their_user_had(tmp_pat
         for count, part in ((4, "validation"), (3, "test"))])
 
 
+def test_a_run_says_how_many_held_out_rows_hold_an_item_outside_the_catalogue(tmp_path):
+    """u0 a b c | d | n, u1 a b c | n | d, u2 and u3 a b d | c | e (train | validation |
+    test): n is no training row's item, so u1's validation row is outside validation's
+    catalogue, but in the fit rows u0's test row's; e, in test rows alone, is outside the
+    exports' catalogue. The run says so before it trains, and counts n as served untrained."""
+    from tworec.pipeline import prepare_run, resolve
+    rows = [f"u{user},{item},{10 * user + at}"
+            for user, items in enumerate(["abcdn", "abcnd", "abdce", "abdce"])
+            for at, item in enumerate(items)]
+    (tmp_path / "log.csv").write_text("\n".join(["user_id,item_id,timestamp", *rows]) + "\n")
+    run = prepare_run(str(tmp_path / "run"), {"data": str(tmp_path / "log.csv")},
+                      resolve("tiny"), verbose=0)
+    outside = [notice for notice in run.report["notices"] if "outside the catalogue" in notice]
+    assert outside == [
+        f"{count} of 4 {part} rows ({count / 4:.1%}) hold an item without rows known before "
+        "them (first seen in held-out rows): it is outside the catalogue an export of those "
+        "rows serves, so every model and baseline misses them"
+        for count, part in ((1, "validation"), (2, "test"))]
+    data = run.report["data"]
+    assert (data["outside_catalogue"], data["untrained_items"], data["state"]["items"]) == (1, 1, 5)
+
+
 def test_seen_items_served_are_counted():
     import scipy.sparse as sp
     from tworec.pipeline import served
@@ -630,6 +652,15 @@ def test_seen_items_served_are_counted():
     assert served.seen_served(np.array([["x", "z"], ["w", "z"]]), catalogue, seen) == 3
     # Users who have seen every item are served empty lists: nothing of theirs is counted.
     assert served.seen_served(np.array([["", ""], ["", ""]]), catalogue, seen) == 0
+
+
+def test_items_served_outside_the_catalogue_are_counted():
+    """w has no fit rows (outside the catalogue); an id the catalogue lacks counts too; an
+    empty slot does not."""
+    from tworec.pipeline import served
+    ids, catalogue = np.array(["x", "y", "z", "w"]), np.array([True, True, True, False])
+    assert served.outside_served(np.array([["y", "z"], ["x", ""]]), ids, catalogue) == 0
+    assert served.outside_served(np.array([["w", "z"], ["v", "w"]]), ids, catalogue) == 3
 
 
 def test_an_approximate_index_is_scored_as_served_and_against_the_exact_lists():

@@ -419,9 +419,10 @@ def test_the_report_says_its_protocol_and_rounds_its_numbers(global_run):
             f"{calibration['scale']:.2f}") in text
     assert (report["retrieval"]["serves"], report["two_stage"]["serves"]) == (100, 10)
     log, parts = split_log("global:0.8")
-    untrained = log.num_items - len(np.unique(log.item[parts.train]))
-    assert report["data"]["untrained_items"] == untrained      # 0: every item has trained
-    assert "without training rows" not in text
+    fit, trained = (np.unique(log.item[rows]) for rows in (parts.fit, parts.train))
+    assert report["data"]["untrained_items"] == len(fit) - len(trained)
+    assert report["data"]["outside_catalogue"] == log.num_items - len(fit)
+    assert ("validation rows alone" in text) == (len(fit) > len(trained))
     assert ("The models' lists are the ones their exports serve (retrieval's top 100, "
             "two-stage's top 10): a held-out item past them is a miss.") in text
     page = (out / "report.html").read_text()
@@ -487,14 +488,17 @@ def test_the_serve_section_names_retrieval_scann_only_when_it_was_exported():
     assert "every model but `retrieval_scann`, which needs ScaNN's ops" in with_scann
 
 
-def test_the_data_section_says_how_many_catalogue_items_have_no_fit_rows():
-    """Without an item table the catalogue is every item of the log, items first seen in
-    held-out rows too: the exports can serve them, which the report says."""
+def test_the_data_section_says_how_many_items_are_not_served_or_untrained():
+    """The exports serve the items of their fit rows: the report says how many others the
+    catalogue leaves out, and how many served items have no training rows."""
     from tworec.pipeline.report import markdown
     report = report_of("temporal")
-    assert "without training rows" not in markdown(report, "RUN", [])
-    report["data"]["untrained_items"] = 10
-    assert ("never the test rows. Their catalogue holds every item, 10 without training rows "
-            "(without an item table, items first seen in validation or held-out rows): they "
-            "can be served, scored by their features and the untrained out-of-vocabulary "
-            "id.") in markdown(report, "RUN", [])
+    assert "never served" not in markdown(report, "RUN", [])
+    assert "validation rows alone" not in markdown(report, "RUN", [])
+    report["data"].update(outside_catalogue=10, untrained_items=3)
+    report["data"]["state"]["items"] = 140
+    assert ("never the test rows. They serve the 140 items of those rows, the catalogue every "
+            "figure ranks: the 10 others (of the item table alone, or first seen in held-out "
+            "rows) are never served, and a held-out row of one is a miss. 3 served items have "
+            "validation rows alone: the models score them by their features and the untrained "
+            "out-of-vocabulary id.") in markdown(report, "RUN", [])

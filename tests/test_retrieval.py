@@ -12,7 +12,7 @@ import scipy.sparse as sp
 import tensorflow as tf
 
 from tworec.evaluation import baselines, eval_set
-from tworec.evaluation.metrics import evaluate_ranks, target_ranks
+from tworec.evaluation.metrics import MISS, evaluate_ranks, target_ranks
 from tworec.features import Interactions, generate, split
 from tworec.features.inputs import prepare
 from tworec.features.synthetic import PRESETS
@@ -541,15 +541,18 @@ def log_with_unknown_items(num_plain: int = 20, num_featured: int = 5) -> Intera
                        for name, values in log.item_features.items()})
 
 
-def test_items_the_model_does_not_know_tie_in_the_evaluation():
-    """What the report ranks: every unknown item scores exactly alike, so a held-out unknown
-    item's rank counts every other unknown item its user is ranked over, and the candidates
-    list them by code, as the export does."""
+def test_items_the_model_does_not_know_tie_in_the_evaluation(tmp_path):
+    """What the report ranks: every served item without training rows (a new item some user
+    took in a validation row, before another's test row) scores exactly alike, so a held-out
+    one's rank counts every other such item its user is ranked over, and the candidates list
+    them by code, as the export does; its popular list holds the catalogue alone."""
+    from tworec.retrieval.export import export
     log = log_with_unknown_items()
-    parts = split(log, "global")
+    parts = split(log, "temporal")
     data = prepare(log, parts, 5)
-    assert (data.item_index == 1).sum() == 25                                    # the OOV id
-    unknown = np.isin(log.item_ids, [f"new{j}" for j in range(20)])        # one input, no genre
+    plain = np.isin(log.item_ids, [f"new{j}" for j in range(20)])         # one input, no genre
+    unknown = plain & data.catalogue & (data.item_index == 1)             # the OOV id, served
+    assert unknown.sum() >= 5 and data.untrained_items > unknown.sum()     # featured ones too
     model, _ = fit(data, preset("tiny", epochs=1), verbose=0, validate=False)
     candidates = candidate_embeddings(model, data.num_items)
     assert (candidates[unknown] == candidates[unknown][0]).all()
@@ -562,16 +565,63 @@ def test_items_the_model_does_not_know_tie_in_the_evaluation():
     scores = score(rows)                                                         # [r, I]
     assert (scores[:, unknown] == scores[:, unknown][:, :1]).all()
     ranks = evaluate_ranks(score, evalset, "retrieval")[rows]
-    ranked = evalset.excluded[rows].toarray() == 0                               # [r, I]
+    ranked = (evalset.excluded[rows].toarray() == 0) & data.catalogue            # [r, I]
     target_scores = scores[np.arange(len(rows)), evalset.targets[rows]][:, None]
     others_at_or_above = ((scores >= target_scores) & ranked & ~unknown).sum(1)
     twins = (ranked & unknown).sum(1) - 1                    # the other plain unknown items
     assert np.array_equal(ranks, others_at_or_above + twins)
-    best = top_candidates(model, data, "test", data.num_items, evalset=evalset)[rows]
+    best = top_candidates(model, data, "test", 100, evalset=evalset)[rows]
     listed = np.where(np.isin(best, np.flatnonzero(unknown)), best, -1)
+    assert (listed >= 0).sum() > 0
     for row in listed:                                       # ties to the lower code, as served
         row = row[row >= 0]
         assert (np.diff(row) > 0).all()
+    size = int(data.catalogue.sum())                    # an unknown user given such an item:
+    run, _ = load_like_tf_serving(export(model, data, str(tmp_path / "retrieval"), k=size))
+    given = log.item_ids[np.flatnonzero(unknown)[:1]]   # the popular catalogue but that item
+    served = run("with_history", user_id=np.array(["nobody"]), history=given[None, :].astype(
+        object))["item_ids"][0].astype(str)
+    order = data.popular["test"].order[:size]
+    others = order[order != np.flatnonzero(unknown)[0]]
+    assert served.tolist() == log.item_ids[others].tolist() + [""]
+
+
+@pytest.mark.parametrize("scann", [False, True], ids=["brute-force", "scann"])
+def test_items_of_no_fit_row_are_never_ranked_nor_served(tmp_path, scann):
+    """Under `global` the new items are held out whole: the catalogue an export of the fit
+    rows serves lacks them. The evaluation never ranks them (a held-out row of one is a miss
+    at every K), the candidates never list them, and the export never serves them: asked for
+    the whole catalogue, a user gets exactly the catalogue's items they have not seen."""
+    from tworec.retrieval.export import export
+    log = log_with_unknown_items()
+    parts = split(log, "global")
+    data = prepare(log, parts, 5)
+    new = np.isin(log.item_ids, [f"new{j}" for j in range(25)])
+    assert np.array_equal(data.catalogue, ~new) and data.untrained_items == 0
+    model, _ = fit(data, preset("tiny", epochs=1), verbose=0, validate=False)
+    evalset = eval_set(log, parts, "test")
+    score = catalogue_scorer(model, data, "test", evalset)
+    ranks = evaluate_ranks(score, evalset, "retrieval")
+    on_new = new[evalset.targets]
+    assert on_new.sum() == 100 and (ranks[on_new] == MISS).all()
+    scores = score(np.flatnonzero(~on_new))
+    scores[evalset.excluded[~on_new].nonzero()] = -np.inf
+    target_scores = scores[np.arange(len(scores)), evalset.targets[~on_new]][:, None]
+    assert np.array_equal(ranks[~on_new], ((scores >= target_scores) & ~new).sum(1) - 1)
+    size = int(data.catalogue.sum())
+    best = top_candidates(model, data, "test", size, evalset=evalset)
+    assert not np.isin(best, np.flatnonzero(new)).any()
+    params = ScannParams(4, 4, size) if scann else None
+    run, _ = load_like_tf_serving(export(model, data, str(tmp_path / "retrieval"), k=size,
+                                         scann=params))
+    users = np.flatnonzero(data.known)[:6]
+    served = run("serving_default", user_id=log.user_ids[users])["item_ids"].astype(str)
+    for user, items in zip(users, served):
+        unseen = ~new & (data.seen[user].toarray()[0] == 0)
+        assert sorted(items[items != ""]) == sorted(log.item_ids[unseen]), user
+    with pytest.raises(ValueError, match=rf"the export answers 1 to {size} items a user \(the "
+                                         "catalogue: the items of the fit rows\)"):
+        export(model, data, str(tmp_path / "more"), k=size + 1)
 
 
 # ------------------------------------------------------------------ exports
