@@ -149,14 +149,20 @@ def evaluate_prepared(model: RetrievalModel, prepared: PreparedLog, part: str = 
 def top_candidates(model: RetrievalModel, data: ModelInputs, part: str, k: int,
                    evalset: EvalSet | None = None, batch_size: int = 2048) -> np.ndarray:
     """[m, k] catalogue codes of the best k items for every row of `part`, best first (ties to
-    the lower code, as the export). With `evalset` (of that part) rows are scored as
-    `catalogue_scorer` does, its excluded items and those outside its catalogue skipped:
-    the export's candidates, with
-    `EMPTY_SLOT` where fewer than k items remain (the export's empty id)."""
+    the lower code, as the export), `EMPTY_SLOT` where fewer than k items remain (the export's
+    empty id). Without `evalset`, among the training rows' items (the lists a ranker trains
+    on know no other). With `evalset` (of that part) rows are scored as `catalogue_scorer`
+    does, its excluded items and those outside its catalogue skipped: the export's
+    candidates."""
     if evalset is None:
         catalogue = exact_scorer(candidate_embeddings(model, data.num_items))
         queries = query_embeddings(model, data.examples[part])
-        score = lambda positions: catalogue(queries[positions])              # noqa: E731
+        untrained = data.item_index < FIRST
+
+        def score(positions: np.ndarray) -> np.ndarray:
+            scores = catalogue(queries[positions])                                # [b, I]
+            scores[:, untrained] = -np.inf
+            return scores
     else:
         score = catalogue_scorer(model, data, part, evalset)
     result = []

@@ -590,7 +590,7 @@ def test_items_the_model_does_not_know_tie_in_the_evaluation(tmp_path):
 def test_items_of_no_fit_row_are_never_ranked_nor_served(tmp_path, scann):
     """Under `global` the new items are held out whole: the catalogue an export of the fit
     rows serves lacks them. The evaluation never ranks them (a held-out row of one is a miss
-    at every K), the candidates never list them, and the export never serves them: asked for
+    at every K), the candidates (and training lists) never list them, and the export never serves them: asked for
     the whole catalogue, a user gets exactly the catalogue's items they have not seen."""
     from tworec.retrieval.export import export
     log = log_with_unknown_items()
@@ -609,8 +609,9 @@ def test_items_of_no_fit_row_are_never_ranked_nor_served(tmp_path, scann):
     target_scores = scores[np.arange(len(scores)), evalset.targets[~on_new]][:, None]
     assert np.array_equal(ranks[~on_new], ((scores >= target_scores) & ~new).sum(1) - 1)
     size = int(data.catalogue.sum())
-    best = top_candidates(model, data, "test", size, evalset=evalset)
-    assert not np.isin(best, np.flatnonzero(new)).any()
+    for best in (top_candidates(model, data, "test", size, evalset=evalset),
+                 top_candidates(model, data, "train", size)):     # the lists a ranker trains on
+        assert not np.isin(best, np.flatnonzero(new)).any()
     params = ScannParams(4, 4, size) if scann else None
     run, _ = load_like_tf_serving(export(model, data, str(tmp_path / "retrieval"), k=size,
                                          scann=params))
