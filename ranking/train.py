@@ -41,6 +41,7 @@ def candidate_lists(data: ModelInputs, part: str, num_negatives: int, hard_share
         keys = rng.random(hard.shape)
         keys[np.asarray(own[users[:, None], hard].todense()) > 0] = 2.0       # the user's items late
         keys[hard == positives[:, None]] = np.inf                             # the positive never
+        keys[hard == EMPTY_SLOT] = np.inf             # nor a slot past the candidates there are
         order = np.argsort(keys, axis=1)[:, :num_hard]                        # [m, num_hard]
         retrieved = (hard == positives[:, None]).any(1, keepdims=True)          # [m, 1]
         usable = retrieved & np.isfinite(np.take_along_axis(keys, order, axis=1))

@@ -70,6 +70,9 @@ def test_hard_negatives_are_never_the_positive_even_when_the_pool_is_no_wider(in
     lists = candidate_lists(inputs, part, 5, 1.0, hard, seed=0)
     assert lists.shape == (len(positives), 6)
     assert not (lists[:, 1:] == positives[:, None]).any()
+    hard[:, 3:] = EMPTY_SLOT              # fewer candidates than the pool: never a negative
+    lists = candidate_lists(inputs, part, 5, 1.0, hard, seed=0)
+    assert (lists >= 0).all() and not (lists[:, 1:] == positives[:, None]).any()
 
 
 def test_sequence_transformer_equals_the_literal_layer_on_repeated_sequences():
