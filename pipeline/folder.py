@@ -125,6 +125,10 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
                 f"{out}: its retrieval stage did not finish (no report.json with retrieval's "
                 "results); " + ("rerun the command that started it to resume its training"
                                 if interrupted_retrieval(out) else TRAIN_AGAIN))
+        if "outside_catalogue" not in report.get("data", {}):
+            raise RunFolderError(f"{out}: made before a run's catalogue was the items of its fit "
+                                 "rows (its retrieval export may serve items only held-out rows "
+                                 f"have); {TRAIN_AGAIN}")
         if not list_versions(os.path.join(out, "export", "retrieval")):
             raise RunFolderError(f"{out}: holds no retrieval export (export/retrieval/N), which "
                                  f"a continued run serves and composes; {TRAIN_AGAIN}")

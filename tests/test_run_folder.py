@@ -61,7 +61,8 @@ def trained_run(out, log: str, report: bool = True, columns: dict = COLUMNS,
     os.makedirs(out)
     config.write(os.path.join(out, "config.json"), configs, {**checked.source, **(recorded or {})})
     if report:
-        (out / "report.json").write_text(json.dumps({"retrieval": {"test": None}}))
+        (out / "report.json").write_text(json.dumps({"data": {"outside_catalogue": 0},
+                                                     "retrieval": {"test": None}}))
         os.makedirs(out / "export" / "retrieval" / "1")
 
 
@@ -581,7 +582,7 @@ def test_a_continued_run_keeps_the_folders_notices_and_says_its_own_once(tmp_pat
                f"{folder.RANKING_CONFIG_NOTICE} an earlier continued run's",
                "resumes the interrupted retrieval training from its last finished epoch", shared]
     (tmp_path / "run" / "report.json").write_text(json.dumps(
-        {"retrieval": {"test": None}, "notices": earlier}))
+        {"data": {"outside_catalogue": 0}, "retrieval": {"test": None}, "notices": earlier}))
     started = start_run(continue_run(tmp_path / "run"))
     assert started.report["notices"] == [earlier[0], shared] + [
         notice for notice in continued.notices if notice != shared]
@@ -599,7 +600,8 @@ def test_a_continued_run_says_the_folders_repeat_notice_again_and_records_it_onc
                "2 of 60 validation rows (3.3%) hold an item already among their user's known rows"]
     monkeypatch.setattr(run_module.Run, "repeat_notices", lambda run: repeats)
     (tmp_path / "run" / "report.json").write_text(json.dumps(
-        {"retrieval": {"test": None}, "notices": repeats[:1]}))
+        {"data": {"outside_catalogue": 0}, "retrieval": {"test": None},
+         "notices": repeats[:1]}))
     started = run_module.start_run(continue_run(tmp_path / "run"))
     printed = capsys.readouterr().out
     assert [started.report["notices"].count(notice) for notice in repeats] == [1, 1]
@@ -749,7 +751,8 @@ def test_a_continued_run_shows_no_old_ranking_from_its_start(tmp_path, capsys):
     from tworec.pipeline import cli
     from tworec.pipeline.run import start_run
     trained_run(tmp_path / "run", write_log(tmp_path / "log.csv"))
-    old = {"retrieval": {"test": None}, "ranking": {"model": "dcn"}, "examples": {"users": []},
+    old = {"data": {"outside_catalogue": 0}, "retrieval": {"test": None},
+           "ranking": {"model": "dcn"}, "examples": {"users": []},
            "two_stage": {"test": {"recall@10": 0.715}}, "serving": {"served": {}}}
     (tmp_path / "run" / "report.json").write_text(json.dumps(old))
     assert cli.stopped(str(tmp_path / "run"), overwrite=False, continue_run=True) == 130
@@ -763,14 +766,19 @@ def test_a_continued_run_shows_no_old_ranking_from_its_start(tmp_path, capsys):
                                        "stage until the same command, rerun, trains one\n")
 
 
-@pytest.mark.parametrize("broken", ["report", "export"])
+@pytest.mark.parametrize("broken", ["report", "catalogue", "export"])
 def test_a_continued_run_refuses_a_report_or_export_it_cannot_use(tmp_path, broken):
-    """A report.json cut short, or no retrieval export to compose with, is refused before any
-    training, naming it, with advice that works for a continued run."""
+    """A report.json cut short, one of a run made before the catalogue was the fit rows'
+    items (its export may serve an item only held-out rows have), or no retrieval export to
+    compose with, is refused before any training, naming it, with advice that works for a
+    continued run."""
     trained_run(tmp_path / "run", write_log(tmp_path / "log.csv"))
     if broken == "report":
         (tmp_path / "run" / "report.json").write_text('{"retrieval": {"te')
         named = f"{tmp_path / 'run' / 'report.json'} cannot be read as a run's report ("
+    elif broken == "catalogue":
+        (tmp_path / "run" / "report.json").write_text('{"retrieval": {"test": null}}')
+        named = f"{tmp_path / 'run'}: made before a run's catalogue was the items of its fit rows"
     else:
         os.rmdir(tmp_path / "run" / "export" / "retrieval" / "1")
         named = f"{tmp_path / 'run'}: holds no retrieval export (export/retrieval/N)"
