@@ -26,8 +26,9 @@ class Interactions:
 
     Attributes:
         user_ids: [num_users] str, the distinct user ids.
-        item_ids: [num_items] str, the catalogue: every item of the item table, or of the log
-            when there is no item table.
+        item_ids: [num_items] str, every item of the item table, or of the log when there is
+            no item table (catalogue codes index it; what an export serves is the items of its
+            fit rows, `ModelInputs.catalogue`).
         user: [n] int32, index into `user_ids` per interaction.
         item: [n] int32, index into `item_ids` per interaction.
         timestamp: [n] int64, seconds (or any increasing integer clock).

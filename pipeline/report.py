@@ -276,7 +276,10 @@ def data_section(report: dict) -> list[str]:
         known = (f"The exports know the {state.get('rows', 0):,} {fit} rows of "
                  f"{state.get('users', 0):,} users, never the test rows.")
     outside, untrained = data.get("outside_catalogue", 0), data.get("untrained_items", 0)
-    if outside:
+    if outside and split in ("none", "latest"):
+        known += (f" They serve the {state.get('items', 0):,} items of those rows: the "
+                  f"{outside:,} others, of the item table alone, are never served.")
+    elif outside:
         known += (f" They serve the {state.get('items', 0):,} items of those rows, the "
                   f"catalogue every figure ranks: the {outside:,} others (of the item table "
                   "alone, or first seen in held-out rows) are never served, and a held-out row "

@@ -195,15 +195,18 @@ class Run:
         a miss; and how many an item without known rows, outside the catalogue, a miss too.
         Empty when there are none."""
         notices = []
+        consequence = {"validation": "validation ranks the training rows' items alone, so every "
+                                     "model misses them there",
+                       "test": "they are outside the catalogue the exports serve, so every "
+                               "model and baseline misses them"}
         for part in ("validation", "test"):
             outside = ~part_catalogue(self.log, self.parts, part)[
                 self.log.item[getattr(self.parts, part)]]
             if outside.any():
                 notices.append(
                     f"{int(outside.sum()):,} of {len(outside):,} {part} rows "
-                    f"({outside.mean():.1%}) hold an item without rows known before them "
-                    "(first seen in held-out rows): it is outside the catalogue an export of "
-                    "those rows serves, so every model and baseline misses them")
+                    f"({outside.mean():.1%}) hold an item no earlier part has (first seen "
+                    f"there): {consequence[part]}")
         for part in ("validation", "test") if self.inputs.exclude_seen else ():
             repeats = repeated_targets(self.log, self.parts, part)
             if repeats.any():

@@ -198,8 +198,9 @@ class RetrievalModule(tf.Module):
         else:                                 # the index holds the catalogue's items alone
             if self.fetch < self.catalogue_size:              # k must remain of those fetched
                 most = self.fetch - self.k
+                indexed = tf.logical_and(mask, tf.logical_not(self.outside)[None, :])  # [r, I]
                 tf.debugging.assert_less_equal(
-                    tf.reduce_sum(tf.cast(mask, tf.int32), 1), most,
+                    tf.reduce_sum(tf.cast(indexed, tf.int32), 1), most,
                     message=f"a request excludes more than {most} items, the most the ScaNN "
                             "export skips while still returning k; use the retrieval export")
             scores, codes = usable_top_k(*self.index(query, k=self.fetch), mask, self.k)

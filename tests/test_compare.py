@@ -251,7 +251,7 @@ def test_ranking_arms_rerank_one_retrieval_model_per_seed_calibrated_out_of_fold
                      cold_start_window=result["cold_start_window"])
     evalset = eval_set(log, parts, "validation", exclude_seen=True)
     model, _ = retrieval.fit(inputs, dataclasses.replace(configs.retrieval, seed=2), verbose=0)
-    run, _ = configs.run.for_catalogue(inputs.num_items)
+    run, _ = configs.run.for_catalogue(int(inputs.catalogue.sum()))
     alone = evaluate_ranks(retrieval.catalogue_scorer(model, inputs, "validation", evalset),
                            evalset, "retrieval")
     assert (alone >= 20).any() and np.array_equal(ranks["retrieval/2"], np.where(
@@ -416,7 +416,7 @@ def test_ranking_arms_with_their_own_retrieval_rerank_its_lists_and_gain_over_it
     inputs = prepare(log, parts, configs.data.history_length,
                      cold_start_window=result["cold_start_window"])
     evalset = eval_set(log, parts, "validation", exclude_seen=True)
-    run, _ = configs.run.for_catalogue(inputs.num_items)
+    run, _ = configs.run.for_catalogue(int(inputs.catalogue.sum()))
     targets = inputs.examples["validation"]["item"]
     for name, row, members, calibrated in (("two", "retrieval:two", 2, True),
                                            ("raw", "retrieval", 1, False)):

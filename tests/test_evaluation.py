@@ -291,7 +291,8 @@ def test_the_cold_start_window_is_chosen_on_the_validation_rows_of_users_never_s
     when all rows count. 100 cold rows taking item 1 gain 1 - 1 / log2(3) each in every shorter
     window (a tie: the larger window wins); the known user's rows do not count. With one cold
     row fewer, or the 100 rows from 19 users, nothing is chosen; with 51 rows taking item 1
-    and 49 item 0 the gain is not above zero: all rows."""
+    and 49 item 0 the gain is not above zero: all rows. Rows taking z, outside the catalogue of
+    the training rows, are misses in every window."""
     from tworec.evaluation import cold_start_window
     from tworec.features.inputs import COLD_START_WINDOWS
     log, parts = cold_start_log(np.ones(100))
@@ -315,3 +316,5 @@ def test_the_cold_start_window_is_chosen_on_the_validation_rows_of_users_never_s
     table = choice["validation"]
     assert table[0.5]["ndcg@10"] > table[1.0]["ndcg@10"] and table[0.5]["ci95"][0] < 0
     assert choice["window"] == 1.0
+    log, parts = cold_start_log(np.full(100, 2))       # z, of no training row: never served
+    assert {row["ndcg@10"] for row in cold_start_window(log, parts)["validation"].values()} == {0}

@@ -633,14 +633,16 @@ def test_a_run_says_how_many_held_out_rows_hold_an_item_outside_the_catalogue(tm
     (tmp_path / "log.csv").write_text("\n".join(["user_id,item_id,timestamp", *rows]) + "\n")
     run = prepare_run(str(tmp_path / "run"), {"data": str(tmp_path / "log.csv")},
                       resolve("tiny"), verbose=0)
-    outside = [notice for notice in run.report["notices"] if "outside the catalogue" in notice]
+    outside = [notice for notice in run.report["notices"] if "no earlier part has" in notice]
     assert outside == [
-        f"{count} of 4 {part} rows ({count / 4:.1%}) hold an item without rows known before "
-        "them (first seen in held-out rows): it is outside the catalogue an export of those "
-        "rows serves, so every model and baseline misses them"
-        for count, part in ((1, "validation"), (2, "test"))]
+        "1 of 4 validation rows (25.0%) hold an item no earlier part has (first seen there): "
+        "validation ranks the training rows' items alone, so every model misses them there",
+        "2 of 4 test rows (50.0%) hold an item no earlier part has (first seen there): they are "
+        "outside the catalogue the exports serve, so every model and baseline misses them"]
     data = run.report["data"]
     assert (data["outside_catalogue"], data["untrained_items"], data["state"]["items"]) == (1, 1, 5)
+    assert ("candidates (--top-k) 100 lowered to the catalogue size, 5 (the items the exports "
+            "know)") in run.report["notices"]
 
 
 def test_seen_items_served_are_counted():
@@ -726,10 +728,14 @@ def test_both_stages_rank_a_users_popular_list_alike(global_run):
 
 @pytest.mark.parametrize("protocol, rows_per_user", [("latest", 2), ("temporal", 3)])
 def test_a_run_whose_users_each_train_on_one_row_serves_the_keras_ranker(tmp_path, protocol,
-                                                                         rows_per_user):
+                                                                         rows_per_user,
+                                                                         monkeypatch):
     """Every user's training holds one row, so no item follows another there: the ranking
-    export's transition table has no entry, and still loads and serves the Keras scores."""
-    from tworec.pipeline import PIPELINE, execute, prepare_run, resolve
+    export's transition table has no entry, and still loads and serves the Keras scores.
+    Fewer items have training rows than the hard-negative pool asks for (30 for 50), and
+    under `temporal` some are first seen in test rows: outside the catalogue, never served
+    (the served check fails on one it is told was served)."""
+    from tworec.pipeline import PIPELINE, execute, prepare_run, resolve, served
     rng = np.random.default_rng(0)
     rows = [f"u{user},i{rng.integers(30)},{100 * user + at}"
             for user in range(40) for at in range(rows_per_user)]
@@ -740,6 +746,10 @@ def test_a_run_whose_users_each_train_on_one_row_serves_the_keras_ranker(tmp_pat
     report = execute(run, PIPELINE)
     assert run.signals.transitions.nnz == 0
     assert report["serving"]["ranking_export_max_abs_diff"] < 1e-4
+    assert (report["data"]["outside_catalogue"] > 0) == (protocol == "temporal")
+    monkeypatch.setattr(served, "outside_served", lambda *args: 2)
+    with pytest.raises(served.ServedMismatch, match="retrieval: 2 served items are outside"):
+        run.serve_and_check()
 
 
 @pytest.mark.parametrize("protocol", ["latest", "none"])

@@ -623,6 +623,13 @@ def test_items_of_no_fit_row_are_never_ranked_nor_served(tmp_path, scann):
     with pytest.raises(ValueError, match=rf"the export answers 1 to {size} items a user \(the "
                                          "catalogue: the items of the fit rows\)"):
         export(model, data, str(tmp_path / "more"), k=size + 1)
+    if scann:          # a history of items outside the index takes none of its fetched places
+        run, _ = load_like_tf_serving(export(model, data, str(tmp_path / "ten"), k=10,
+                                             scann=ScannParams(4, 4, size)))
+        history = log.item_ids[new][None, :].astype(object)                # [1, 25]
+        most = np.diff(data.seen.indptr).argmax()            # as many seen as the fetch skips
+        given = run("with_history", user_id=log.user_ids[[most]], history=history)
+        assert not np.isin(given["item_ids"].astype(str), log.item_ids[new]).any()
 
 
 # ------------------------------------------------------------------ exports
