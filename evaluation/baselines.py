@@ -177,7 +177,8 @@ def prepared_baseline_ranks(prepared: PreparedLog, part: str = "test",
     a dense inverse over the catalogue, is None. Memory holds the counts, one pass of held-out
     rows with their users' known items, and one batch's scores. A held-out item without
     training rows is a miss (in memory too, but for a test row's item that has validation rows,
-    which ranks below every trained item the user has not seen)."""
+    which the baselines of training counts rank below every trained item the user has not
+    seen)."""
     item_ids = prepared.item_ids()
     popular = order_scores(count_order(prepared.item_counts, item_ids))
     scorers = {"popularity": lambda rows: np.broadcast_to(popular, (len(rows["user"]),

@@ -277,13 +277,14 @@ def data_section(report: dict) -> list[str]:
                  f"{state.get('users', 0):,} users, never the test rows.")
     outside, untrained = data.get("outside_catalogue", 0), data.get("untrained_items", 0)
     if outside and split in ("none", "latest"):
-        known += (f" They serve the {state.get('items', 0):,} items of those rows: the "
+        known += (f" They serve the {state.get('items', 0):,} items of the rows they know: the "
                   f"{outside:,} others, of the item table alone, are never served.")
     elif outside:
+        validation = "" if split == "random" else " (validation ranks the training rows' items)"
         known += (f" They serve the {state.get('items', 0):,} items of those rows, the "
-                  f"catalogue every figure ranks: the {outside:,} others (of the item table "
-                  "alone, or first seen in held-out rows) are never served, and a held-out row "
-                  "of one is a miss.")
+                  f"catalogue every test figure ranks{validation}: the {outside:,} others (of "
+                  "the item table alone, or first seen in held-out rows) are never served, and "
+                  "a held-out row of one is a miss.")
     if untrained:
         known += (f" {untrained:,} served items have validation rows alone: the models score "
                   "them by their features and the untrained out-of-vocabulary id.")

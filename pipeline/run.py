@@ -195,8 +195,9 @@ class Run:
         a miss; and how many an item without known rows, outside the catalogue, a miss too.
         Empty when there are none."""
         notices = []
-        consequence = {"validation": "validation ranks the training rows' items alone, so every "
-                                     "model misses them there",
+        consequence = {"validation": "validation ranks the training rows' items alone "
+                                     "(retrieval's early stopping, the cold-start choice, the "
+                                     "lists calibration refits on), so none ranks them",
                        "test": "they are outside the catalogue the exports serve, so every "
                                "model and baseline misses them"}
         for part in ("validation", "test"):

@@ -636,7 +636,8 @@ def test_a_run_says_how_many_held_out_rows_hold_an_item_outside_the_catalogue(tm
     outside = [notice for notice in run.report["notices"] if "no earlier part has" in notice]
     assert outside == [
         "1 of 4 validation rows (25.0%) hold an item no earlier part has (first seen there): "
-        "validation ranks the training rows' items alone, so every model misses them there",
+        "validation ranks the training rows' items alone (retrieval's early stopping, the "
+        "cold-start choice, the lists calibration refits on), so none ranks them",
         "2 of 4 test rows (50.0%) hold an item no earlier part has (first seen there): they are "
         "outside the catalogue the exports serve, so every model and baseline misses them"]
     data = run.report["data"]
@@ -732,9 +733,9 @@ def test_a_run_whose_users_each_train_on_one_row_serves_the_keras_ranker(tmp_pat
                                                                          monkeypatch):
     """Every user's training holds one row, so no item follows another there: the ranking
     export's transition table has no entry, and still loads and serves the Keras scores.
-    Fewer items have training rows than the hard-negative pool asks for (30 for 50), and
-    under `temporal` some are first seen in test rows: outside the catalogue, never served
-    (the served check fails on one it is told was served)."""
+    Fewer items have training rows than the hard-negative pool asks for, and under
+    `temporal` some are first seen in test rows: outside the catalogue, never served (the
+    served check asks about the catalogue, and fails on an item it is told was served)."""
     from tworec.pipeline import PIPELINE, execute, prepare_run, resolve, served
     rng = np.random.default_rng(0)
     rows = [f"u{user},i{rng.integers(30)},{100 * user + at}"
@@ -747,9 +748,15 @@ def test_a_run_whose_users_each_train_on_one_row_serves_the_keras_ranker(tmp_pat
     assert run.signals.transitions.nnz == 0
     assert report["serving"]["ranking_export_max_abs_diff"] < 1e-4
     assert (report["data"]["outside_catalogue"] > 0) == (protocol == "temporal")
-    monkeypatch.setattr(served, "outside_served", lambda *args: 2)
+    asked, outside_served = [], served.outside_served
+
+    def two_more(item_ids, catalogue_ids, catalogue):
+        asked.append(catalogue)
+        return outside_served(item_ids, catalogue_ids, catalogue) + 2
+    monkeypatch.setattr(served, "outside_served", two_more)
     with pytest.raises(served.ServedMismatch, match="retrieval: 2 served items are outside"):
         run.serve_and_check()
+    assert np.array_equal(asked[0], run.inputs.catalogue)
 
 
 @pytest.mark.parametrize("protocol", ["latest", "none"])

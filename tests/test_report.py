@@ -497,16 +497,20 @@ def test_the_data_section_says_how_many_items_are_not_served_or_untrained():
     assert "validation rows alone" not in markdown(report, "RUN", [])
     report["data"].update(outside_catalogue=10, untrained_items=3)
     report["data"]["state"]["items"] = 140
+    random = report_of("random")
+    random["data"].update(outside_catalogue=10)
+    assert "catalogue every test figure ranks: the 10 others" in markdown(random, "RUN", [])
     assert ("never the test rows. They serve the 140 items of those rows, the catalogue every "
-            "figure ranks: the 10 others (of the item table alone, or first seen in held-out "
-            "rows) are never served, and a held-out row of one is a miss. 3 served items have "
-            "validation rows alone: the models score them by their features and the untrained "
-            "out-of-vocabulary id.") in markdown(report, "RUN", [])
+            "test figure ranks (validation ranks the training rows' items): the 10 others (of "
+            "the item table alone, or first seen in held-out rows) are never served, and a "
+            "held-out row of one is a miss. 3 served items have validation rows alone: the "
+            "models score them by their features and the untrained out-of-vocabulary id."
+            ) in markdown(report, "RUN", [])
     for split in ("none", "latest"):                         # nothing held out, nothing ranked
         report = report_of(split)
         report["data"].update(outside_catalogue=10)
         report["data"]["state"]["items"] = 140
         assert ("users as their state (each user's latest and seen items, the popular list); "
                 "the models, their vocabularies and counts are fit on the training rows. They "
-                "serve the 140 items of those rows: the 10 others, of the item table alone, are "
-                "never served.") in markdown(report, "RUN", [])
+                "serve the 140 items of the rows they know: the 10 others, of the item table "
+                "alone, are never served.") in markdown(report, "RUN", [])
