@@ -189,11 +189,11 @@ class Run:
     def test_set(self):
         return eval_set(self.log, self.parts, "test", exclude_seen=self.inputs.exclude_seen)
 
-    def repeat_notices(self) -> list[str]:
-        """How many of each held-out part's rows hold an item already among their user's known
-        rows (`repeated_targets`): with seen items excluded no model can serve it, so each is
-        a miss; and how many an item without known rows, outside the catalogue, a miss too.
-        Empty when there are none."""
+    def miss_notices(self) -> list[str]:
+        """The held-out rows no model can hit, per part: those whose item no earlier part has
+        (outside the catalogue ranked there), and, with seen items excluded, those whose item
+        is already among their user's known rows (`repeated_targets`: never served). Empty
+        when there are none."""
         notices = []
         consequence = {"validation": "validation ranks the training rows' items alone "
                                      "(retrieval's early stopping, the cold-start choice, the "
@@ -687,7 +687,7 @@ def prepare_run(out: str, source: dict, configs: Configs, verbose: int = 1,
 
 def start_run(checked: folder.CheckedRun, verbose: int = 1) -> Run:
     """The run of a checked folder: the log split and prepared, its notices recorded and
-    printed (with how many held-out rows repeat a known item, `Run.repeat_notices`), the folder
+    printed (with how many held-out rows no model can hit, `Run.miss_notices`), the folder
     cleared when it is replaced, and its config.json written; a continued run's folder gets a
     report without the ranking stage it replaces, so that one stopped midway (its new exports
     maybe served) shows no figure of the old ranker."""
@@ -702,7 +702,7 @@ def start_run(checked: folder.CheckedRun, verbose: int = 1) -> Run:
     result.report["notices"] = kept + [notice for notice in checked.notices if notice not in kept]
     for notice in checked.notices:
         result.say(f"note: {notice}")
-    for notice in result.repeat_notices():      # a continued run's are in the folder's report
+    for notice in result.miss_notices():      # a continued run's are in the folder's report
         if notice in kept:
             result.say(f"note: {notice}")
         else:

@@ -591,14 +591,14 @@ def test_a_continued_run_keeps_the_folders_notices_and_says_its_own_once(tmp_pat
 
 def test_a_continued_run_says_the_folders_repeat_notice_again_and_records_it_once(
         tmp_path, monkeypatch, capsys):
-    """A repeat notice (`Run.repeat_notices`) describes the log, not a command: a continued
-    run finds it in the folder's report, keeps it once and prints it again; a new one is added
-    and printed once."""
+    """A notice of held-out rows no model can hit (`Run.miss_notices`) describes the log, not
+    a command: a continued run finds it in the folder's report, keeps it once and prints it
+    again; a new one is added and printed once."""
     from tworec.pipeline import run as run_module
     trained_run(tmp_path / "run", write_log(tmp_path / "log.csv"))
     repeats = ["3 of 60 test rows (5.0%) hold an item already among their user's known rows",
                "2 of 60 validation rows (3.3%) hold an item already among their user's known rows"]
-    monkeypatch.setattr(run_module.Run, "repeat_notices", lambda run: repeats)
+    monkeypatch.setattr(run_module.Run, "miss_notices", lambda run: repeats)
     (tmp_path / "run" / "report.json").write_text(json.dumps(
         {"data": {"outside_catalogue": 0}, "retrieval": {"test": None},
          "notices": repeats[:1]}))
