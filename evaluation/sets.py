@@ -28,9 +28,9 @@ class EvalSet:
         last_item: [m] item code of the user's latest known interaction, -1 if none.
         known: [m] bool, whether the user has known rows (an export knows them; others are
             served the popular items).
-        exclude_seen: whether `history` is excluded from the ranking (as the exports do).
         catalogue: [num_items] bool, the items ranked: those with known rows (what an export
-            of them serves); a row whose target is outside is a miss. None: every item.
+            of them serves); a row whose target is outside is a miss.
+        exclude_seen: whether `history` is excluded from the ranking (as the exports do).
     """
 
     rows: np.ndarray
@@ -39,8 +39,8 @@ class EvalSet:
     history: sp.csr_matrix
     last_item: np.ndarray
     known: np.ndarray
+    catalogue: np.ndarray
     exclude_seen: bool = True
-    catalogue: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -76,8 +76,7 @@ def repeated_targets(interactions: Interactions, parts: Split, part: str) -> np.
 def part_catalogue(interactions: Interactions, parts: Split, part: str) -> np.ndarray:
     """[num_items] bool: the items of the rows known before `part` (`known_rows`), the
     catalogue an export of those rows serves and its held-out rows are ranked among."""
-    return np.bincount(interactions.item[known_rows(parts, part)],
-                       minlength=interactions.num_items) > 0
+    return interactions.items_of(known_rows(parts, part))
 
 
 def eval_set(interactions: Interactions, parts: Split, part: str = "test",

@@ -162,8 +162,7 @@ class ModelInputs:
         """[num_items] bool: the items an export serves and a test row is ranked among, those
         with fit rows. Any other item (of the item table alone, or first seen in held-out rows)
         is never served: a held-out row of one is a miss (`evaluation.EvalSet.catalogue`)."""
-        return np.bincount(self.interactions.item[self.split.fit],
-                           minlength=self.num_items) > 0
+        return self.interactions.items_of(self.split.fit)
 
     @property
     def untrained_items(self) -> int:

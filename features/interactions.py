@@ -111,6 +111,10 @@ class Interactions:
         known[part.user[last]] = part.user_feature_rows[name][last].astype(str)
         return known.astype(str)
 
+    def items_of(self, rows: np.ndarray) -> np.ndarray:
+        """[num_items] bool: whether each item is the item of one of `rows` ([m] int)."""
+        return np.bincount(self.item[rows], minlength=self.num_items) > 0
+
     def time_order(self) -> np.ndarray:
         """[n] int64 rows sorted by user, then timestamp, ties kept in log order."""
         return np.lexsort((np.arange(len(self)), self.timestamp, self.user))

@@ -160,7 +160,7 @@ def check_run(out: str, source: dict, configs: Configs, continue_run: bool = Fal
                              + "); train a new run")
     parts = split(log, configs.data.split)
     run, notices = configs.run.for_catalogue(   # the items of the fit rows, what is served
-        len(np.unique(log.item[parts.fit])))
+        int(log.items_of(parts.fit).sum()))
     notices = cluster + notices
     if continue_run:                     # what no flag said: the folder's, not the preset's
         ranking = configs.ranking
