@@ -4,10 +4,11 @@
     outputs = client.predict("retrieval", {"user_id": np.array([b"42"])})
     outputs["item_ids"]                                  # [1, k] bytes
 
-Both transports take and return dicts of NumPy arrays (strings as bytes), raise `ServingError`
-with the TF error code, and retry UNAVAILABLE (HTTP 503, refused connections) with exponential
-backoff. A predict with more rows than `max_rows_per_request` is sent in parts (servers bound
-the rows of one request) and the answers are joined along dimension 0.
+Both transports take and return dicts of NumPy arrays (strings as bytes), send numbers as the
+signature's dtype reads them (a float64 array to a float32 input, over gRPC too), raise
+`ServingError` with the TF error code, and retry UNAVAILABLE (HTTP 503, refused connections)
+with exponential backoff. A predict with more rows than `max_rows_per_request` is sent in
+parts (servers bound the rows of one request) and the answers are joined along dimension 0.
 
 TensorFlow and the TF Serving protos are imported by the calls that need them, so that
 importing the client (a script's `--help`) does not load TensorFlow.
@@ -28,6 +29,9 @@ from google.protobuf import json_format
 
 from tworec.serving.errors import CODE_OF_HTTP_STATUS, ServingError
 from tworec.serving.protocol import DEFAULT_SIGNATURE, INT32_MAX
+
+# NumPy kinds of the inputs gRPC sends in the dtype of the signature (REST sends JSON numbers).
+NUMERIC = "iuf"
 
 
 class Client:
@@ -129,11 +133,76 @@ class Client:
             time.sleep(self.backoff * 2**attempt)
 
 
-class GrpcTransport:
-    """`PredictionService` and `ModelService` stubs on one channel."""
+class Transport:
+    """What both transports share: the signature of the version a request goes to, read from
+    the metadata once per (model, version, signature), and the latest AVAILABLE version as its
+    status last said (read again when over `LATEST_SECONDS` old). Subclasses give `status`
+    and `metadata`."""
+
+    LATEST_SECONDS = 1.0       # how long a looked-up latest version is used before a new look
+
+    def __init__(self):
+        self._signatures: dict[tuple, object] = {}
+        self._latest_seen: dict[str, tuple[int, float]] = {}   # model -> (version, when)
+
+    def _at_version(self, model: str, version: int | None, signature_name: str, send):
+        """`send(number, signature)` for `version`, or for the latest AVAILABLE version when
+        None, with that version's signature; once more at a fresh look when the latest version
+        looked up was retired meanwhile (NOT_FOUND).
+
+        Returns:
+            (what `send` returned, the version it was sent to, that version's signature).
+        """
+        for attempt in range(2):
+            number = version if version is not None else self._latest(model, fresh=attempt > 0)
+            try:
+                signature = self._signature(model, number, signature_name)
+                return send(number, signature), number, signature
+            except ServingError as error:
+                if version is not None or error.code != "NOT_FOUND" or attempt == 1:
+                    raise
+
+    def _latest(self, model: str, fresh: bool = False) -> int:
+        """The latest AVAILABLE version of `model`, as its status said at most
+        `LATEST_SECONDS` ago (now, if `fresh`); NOT_FOUND as a predict answers it."""
+        from tensorflow_serving.apis import get_model_status_pb2
+        seen = self._latest_seen.get(model)
+        if seen and not fresh and time.monotonic() - seen[1] < self.LATEST_SECONDS:
+            return seen[0]
+        try:
+            states = self.status(model, None).model_version_status
+        except ServingError as error:
+            if error.code != "NOT_FOUND":
+                raise
+            states = []
+        available = [s.version for s in states
+                     if s.state == get_model_status_pb2.ModelVersionStatus.AVAILABLE]
+        if not available:
+            raise ServingError("NOT_FOUND", f"Servable not found for request: Latest({model})")
+        self._latest_seen[model] = (max(available), time.monotonic())
+        for key in [key for key in self._signatures if key[0] == model]:
+            del self._signatures[key]             # a moved model may reuse a version number
+        return max(available)
+
+    def _signature(self, model: str, version: int, name: str):
+        if (model, version, name) not in self._signatures:
+            signatures = self.metadata(model, version).signature_def
+            if name not in signatures:
+                raise ServingError("FAILED_PRECONDITION",
+                                   f'Serving signature key "{name}" not found.')
+            self._signatures[model, version, name] = signatures[name]
+        return self._signatures[model, version, name]
+
+
+class GrpcTransport(Transport):
+    """`PredictionService` and `ModelService` stubs on one channel. Tensors are typed, so a
+    predict with a numeric input sends each number in the dtype the signature declares for it
+    (`_typed_inputs`), as a REST server reads JSON numbers, and goes to the version whose
+    signature it read; a predict of text inputs alone is sent as it is."""
 
     def __init__(self, target: str, timeout: float):
         from tensorflow_serving.apis import model_service_pb2_grpc, prediction_service_pb2_grpc
+        super().__init__()
         self.timeout = timeout
         self.channel = grpc.insecure_channel(target, options=[
             ("grpc.max_receive_message_length", INT32_MAX),
@@ -144,6 +213,13 @@ class GrpcTransport:
     def predict(self, model: str, inputs: dict[str, np.ndarray], signature_name: str,
                 version: int | None) -> tuple[dict[str, np.ndarray], int | None]:
         """(the outputs, the version that answered)."""
+        if not any(value.dtype.kind in NUMERIC for value in inputs.values()):
+            return self._predict(model, inputs, signature_name, version)
+        return self._at_version(model, version, signature_name, lambda number, signature: (
+            self._predict(model, _typed_inputs(inputs, signature), signature_name, number)))[0]
+
+    def _predict(self, model: str, inputs: dict[str, np.ndarray], signature_name: str,
+                 version: int | None) -> tuple[dict[str, np.ndarray], int | None]:
         import tensorflow as tf
         from tensorflow_serving.apis import predict_pb2
         request = predict_pb2.PredictRequest()
@@ -180,49 +256,39 @@ class GrpcTransport:
             raise ServingError(error.code().name, error.details() or "") from error
 
 
-class RestTransport:
+class RestTransport(Transport):
     """The `/v1/models` REST API; predict sends the columnar form (`inputs`).
 
     A predict response does not name a single output nor carry dtypes, so the transport decodes
-    it with the signature of the version that answered, read from the metadata once per
-    (model, version, signature). A predict of the latest version is sent to the model's latest
-    AVAILABLE version as its status last said (read again when over `LATEST_SECONDS` old), so
-    a hot swap to a version with another signature never decodes an answer with the old one (a
-    version retired meanwhile is looked up again once). An answer that does not fit the cached
+    it with the signature of the version that answered. A predict of the latest version is
+    sent to the model's latest AVAILABLE version as its status last said, so a hot swap to a
+    version with another signature never decodes an answer with the old one (a version
+    retired meanwhile is looked up again once). An answer that does not fit the cached
     signature refetches it once, then is an INTERNAL `ServingError`, never a wrong answer.
     """
 
-    LATEST_SECONDS = 1.0       # how long a looked-up latest version is used before a new look
-
     def __init__(self, url: str, timeout: float):
+        super().__init__()
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.session = requests.Session()
         # One kept-alive connection per concurrent caller (requests keeps 10 by default).
         self.session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=64))
-        self._signatures: dict[tuple, object] = {}
-        self._latest_seen: dict[str, tuple[int, float]] = {}   # model -> (version, when)
 
     def predict(self, model: str, inputs: dict[str, np.ndarray], signature_name: str,
                 version: int | None) -> tuple[dict[str, np.ndarray], int]:
         """(the outputs, the version that answered)."""
         body = {"signature_name": signature_name,
                 "inputs": {name: _json_of_array(value) for name, value in inputs.items()}}
-        for attempt in range(2):
-            number = version if version is not None else self._latest(model, fresh=attempt > 0)
-            key = (model, number, signature_name)
-            try:
-                signature = self._signature(*key)
-                answer = self._request("POST", _model_path(model, number) + ":predict", body)
-                break
-            except ServingError as error:   # the latest version was retired since: once more
-                if version is not None or error.code != "NOT_FOUND" or attempt == 1:
-                    raise
+        answer, number, signature = self._at_version(
+            model, version, signature_name, lambda number, signature: self._request(
+                "POST", _model_path(model, number) + ":predict", body))
         try:
             return _outputs_of_json(answer, signature), number
         except ServingError:                 # the version's signature changed: refetch once
-            self._signatures.pop(key, None)
-            return _outputs_of_json(answer, self._signature(*key)), number
+            self._signatures.pop((model, number, signature_name), None)
+            return _outputs_of_json(answer, self._signature(model, number, signature_name)), \
+                number
 
     def status(self, model: str, version: int | None):
         from tensorflow_serving.apis import get_model_status_pb2
@@ -235,37 +301,6 @@ class RestTransport:
 
     def close(self) -> None:
         self.session.close()
-
-    def _latest(self, model: str, fresh: bool = False) -> int:
-        """The latest AVAILABLE version of `model`, as its status said at most
-        `LATEST_SECONDS` ago (now, if `fresh`); NOT_FOUND as a predict answers it."""
-        from tensorflow_serving.apis import get_model_status_pb2
-        seen = self._latest_seen.get(model)
-        if seen and not fresh and time.monotonic() - seen[1] < self.LATEST_SECONDS:
-            return seen[0]
-        try:
-            states = self.status(model, None).model_version_status
-        except ServingError as error:
-            if error.code != "NOT_FOUND":
-                raise
-            states = []
-        available = [s.version for s in states
-                     if s.state == get_model_status_pb2.ModelVersionStatus.AVAILABLE]
-        if not available:
-            raise ServingError("NOT_FOUND", f"Servable not found for request: Latest({model})")
-        self._latest_seen[model] = (max(available), time.monotonic())
-        for key in [key for key in self._signatures if key[0] == model]:
-            del self._signatures[key]             # a moved model may reuse a version number
-        return max(available)
-
-    def _signature(self, model: str, version: int, name: str):
-        if (model, version, name) not in self._signatures:
-            signatures = self.metadata(model, version).signature_def
-            if name not in signatures:
-                raise ServingError("FAILED_PRECONDITION",
-                                   f'Serving signature key "{name}" not found.')
-            self._signatures[model, version, name] = signatures[name]
-        return self._signatures[model, version, name]
 
     def _request(self, method: str, path: str, body: dict | None = None) -> dict:
         # json.dumps writes NaN and Infinity, which TF Serving parses (requests' json= refuses).
@@ -343,6 +378,31 @@ def _request_array(name: str, value) -> np.ndarray:
                              "give ids as str or bytes, or numbers as a numeric array")
         flat[index] = item
     return flat.reshape(array.shape)
+
+
+def _typed_inputs(inputs: dict[str, np.ndarray], signature) -> dict[str, np.ndarray]:
+    """`inputs` with each numeric one in the dtype `signature` declares for it, as a REST server
+    reads JSON numbers: any number into a floating input (a float64 array to float32), an
+    integer into an integer input of its range; any other input as given (the server refuses
+    a dtype that does not fit, a float for an integer input).
+
+    Raises:
+        ServingError: INVALID_ARGUMENT, an integer outside the range of its input's dtype.
+    """
+    import tensorflow as tf
+    typed = dict(inputs)
+    for name, value in inputs.items():
+        if name not in signature.inputs or value.dtype.kind not in NUMERIC:
+            continue
+        dtype = tf.as_dtype(signature.inputs[name].dtype)
+        if dtype.is_integer and value.dtype.kind in "iu":
+            if value.size and not dtype.min <= value.min() <= value.max() <= dtype.max:
+                raise ServingError("INVALID_ARGUMENT", f'Input "{name}": a value is outside '
+                                   f"the range of {dtype.name} ({dtype.min} to {dtype.max})")
+        elif not dtype.is_floating:
+            continue
+        typed[name] = value.astype(dtype.as_numpy_dtype)
+    return typed
 
 
 def _json_of_array(value: np.ndarray):

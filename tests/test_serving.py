@@ -1819,6 +1819,59 @@ def test_rest_client_looks_the_latest_version_up_at_most_once_a_second(embedded)
         assert len(looked_up) == 2
 
 
+class Typed(tf.Module):
+    """x [b] float32, n [b] int32 -> y [b] float32 = x * n."""
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32, name="x"),
+                                  tf.TensorSpec([None], tf.int32, name="n")])
+    def serve(self, x, n):
+        return {"y": x * tf.cast(n, tf.float32)}
+
+
+def test_both_transports_send_numbers_as_the_signature_reads_them(tmp_path):
+    """NumPy's default float64 and int64 arrays reach float32 and int32 inputs over gRPC as over
+    REST (gRPC sent them as DT_DOUBLE and DT_INT64, which servers refuse); an integer outside
+    the input's range, or a float for an integer, is INVALID_ARGUMENT on both."""
+    save(Typed(), str(tmp_path / "typed"))
+    manager = ModelManager([ModelConfig("typed", str(tmp_path / "typed"))], poll_seconds=0)
+    with ModelServer(manager, grpc_port=0, rest_port=0) as server:
+        for where in (dict(url=f"http://127.0.0.1:{server.rest_port}"),
+                      dict(grpc_target=f"127.0.0.1:{server.grpc_port}")):
+            with Client(**where, retries=0) as client:
+                answer = client.predict("typed", {"x": np.array([1.5, 2.0]), "n": np.array([2, 3])})
+                assert answer["y"].dtype == np.float32 and answer["y"].tolist() == [3.0, 6.0]
+                answer = client.predict("typed", {"x": np.array([1, 2]),
+                                                  "n": np.array([2, 3], np.uint8)}, version=1)
+                assert answer["y"].tolist() == [2.0, 6.0], where
+                for refused in (np.array([2 ** 31]), np.array([-2 ** 31 - 1]), np.array([2.0])):
+                    with pytest.raises(ServingError) as error:
+                        client.predict("typed", {"x": np.ones(1), "n": refused})
+                    assert error.value.code == "INVALID_ARGUMENT", (where, refused)
+
+
+class Double(tf.Module):
+    """x [b] float64 -> y [b] float64 = 2 x (a version whose input is another dtype)."""
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float64, name="x")])
+    def serve(self, x):
+        return {"y": x * 2.0}
+
+
+def test_grpc_client_types_numbers_by_the_signature_of_the_version_it_sends_to(swap_server):
+    """A latest version looked up before a hot swap is asked for by number, so an input typed by
+    its signature never reaches its successor; retired, it is looked up again once."""
+    base, server = swap_server
+    with Client(grpc_target=f"127.0.0.1:{server.grpc_port}", retries=0) as client:
+        client.transport.LATEST_SECONDS = 600.0                  # the looked-up version is kept
+        answer, version = client.predict_version("scale", {"x": np.array([2.0])})
+        assert (answer["y"].tolist(), answer["y"].dtype, version) == ([2.0], np.float32, 1)
+        save(Double(), base)
+        _wait_for(lambda: server.manager.status("scale", 1).model_version_status[0].state
+                  == get_model_status_pb2.ModelVersionStatus.END)
+        answer, version = client.predict_version("scale", {"x": np.array([2.0], np.float32)})
+    assert (answer["y"].tolist(), answer["y"].dtype, version) == ([4.0], np.float64, 2)
+
+
 def test_rest_client_sends_nan_and_infinity(embedded):
     with Client(url=embedded[0]) as client:
         answer = client.predict("scale", {"x": np.array([np.nan, np.inf, -1.0], np.float32)})
