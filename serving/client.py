@@ -19,6 +19,7 @@ import base64
 import binascii
 import json
 import re
+import threading
 import time
 import urllib.parse
 
@@ -40,7 +41,7 @@ class Client:
     Args:
         url: the REST base URL, e.g. "http://127.0.0.1:8501".
         grpc_target: the gRPC "HOST:PORT", e.g. "127.0.0.1:8500".
-        timeout: seconds per attempt.
+        timeout: seconds per call (a predict may first look up the version and its signature).
         retries: extra attempts after an UNAVAILABLE answer.
         backoff: seconds before the first retry, doubled for every further one.
         max_rows_per_request: larger predicts are split into requests of this many rows.
@@ -134,16 +135,18 @@ class Client:
 
 
 class Transport:
-    """What both transports share: the signature of the version a request goes to, read from
-    the metadata once per (model, version, signature), and the latest AVAILABLE version as its
-    status last said (read again when over `LATEST_SECONDS` old). Subclasses give `status`
-    and `metadata`."""
+    """What both transports share: the latest AVAILABLE version of a model as its status last
+    said (read again when over `LATEST_SECONDS` old), and the signature of the version a
+    request goes to, read from the metadata and kept until the model's next look (a moved
+    model may reuse a version number). One client may be shared by threads. Subclasses give
+    `status` and `metadata`."""
 
     LATEST_SECONDS = 1.0       # how long a looked-up latest version is used before a new look
 
     def __init__(self):
         self._signatures: dict[tuple, object] = {}
         self._latest_seen: dict[str, tuple[int, float]] = {}   # model -> (version, when)
+        self._lock = threading.Lock()                           # guards the two caches
 
     def _at_version(self, model: str, version: int | None, signature_name: str, send):
         """`send(number, signature)` for `version`, or for the latest AVAILABLE version when
@@ -166,7 +169,8 @@ class Transport:
         """The latest AVAILABLE version of `model`, as its status said at most
         `LATEST_SECONDS` ago (now, if `fresh`); NOT_FOUND as a predict answers it."""
         from tensorflow_serving.apis import get_model_status_pb2
-        seen = self._latest_seen.get(model)
+        with self._lock:
+            seen = self._latest_seen.get(model)
         if seen and not fresh and time.monotonic() - seen[1] < self.LATEST_SECONDS:
             return seen[0]
         try:
@@ -179,26 +183,38 @@ class Transport:
                      if s.state == get_model_status_pb2.ModelVersionStatus.AVAILABLE]
         if not available:
             raise ServingError("NOT_FOUND", f"Servable not found for request: Latest({model})")
-        self._latest_seen[model] = (max(available), time.monotonic())
-        for key in [key for key in self._signatures if key[0] == model]:
-            del self._signatures[key]             # a moved model may reuse a version number
+        with self._lock:
+            self._latest_seen[model] = (max(available), time.monotonic())
+            for key in [key for key in self._signatures if key[0] == model]:
+                del self._signatures[key]         # a moved model may reuse a version number
         return max(available)
 
     def _signature(self, model: str, version: int, name: str):
-        if (model, version, name) not in self._signatures:
+        with self._lock:
+            signature = self._signatures.get((model, version, name))
+        if signature is None:
             signatures = self.metadata(model, version).signature_def
             if name not in signatures:
                 raise ServingError("FAILED_PRECONDITION",
                                    f'Serving signature key "{name}" not found.')
-            self._signatures[model, version, name] = signatures[name]
-        return self._signatures[model, version, name]
+            signature = signatures[name]
+            with self._lock:
+                self._signatures[model, version, name] = signature
+        return signature
+
+    def _forget(self, model: str, version: int, name: str) -> None:
+        """Drops a cached signature that an answer showed stale."""
+        with self._lock:
+            self._signatures.pop((model, version, name), None)
 
 
 class GrpcTransport(Transport):
     """`PredictionService` and `ModelService` stubs on one channel. Tensors are typed, so a
-    predict with a numeric input sends each number in the dtype the signature declares for it
-    (`_typed_inputs`), as a REST server reads JSON numbers, and goes to the version whose
-    signature it read; a predict of text inputs alone is sent as it is."""
+    predict with a numeric input (NumPy kinds i, u, f) sends each input in the dtype the
+    signature declares for it (`_typed_inputs`), as a REST server reads JSON values, and goes
+    to the version whose signature it read (GetModelStatus and GetModelMetadata, cached as
+    `Transport` says; a server without them gets the inputs as given); a predict without a
+    numeric input is sent as it is."""
 
     def __init__(self, target: str, timeout: float):
         from tensorflow_serving.apis import model_service_pb2_grpc, prediction_service_pb2_grpc
@@ -215,8 +231,29 @@ class GrpcTransport(Transport):
         """(the outputs, the version that answered)."""
         if not any(value.dtype.kind in NUMERIC for value in inputs.values()):
             return self._predict(model, inputs, signature_name, version)
-        return self._at_version(model, version, signature_name, lambda number, signature: (
-            self._predict(model, _typed_inputs(inputs, signature), signature_name, number)))[0]
+        try:
+            return self._at_version(model, version, signature_name, lambda number, signature: (
+                self._typed_predict(model, inputs, signature_name, number, signature)))[0]
+        except ServingError as error:     # no ModelService or metadata to read the dtypes from
+            if error.code != "UNIMPLEMENTED":
+                raise
+            return self._predict(model, inputs, signature_name, version)
+
+    def _typed_predict(self, model: str, inputs: dict[str, np.ndarray], signature_name: str,
+                       version: int, signature) -> tuple[dict[str, np.ndarray], int | None]:
+        """A predict of `inputs` typed by `signature`; refused, once more with the signature
+        read again when the cached one was stale (a moved model reusing the version number)."""
+        try:
+            return self._predict(model, _typed_inputs(inputs, signature), signature_name,
+                                 version)
+        except ServingError as error:
+            if error.code != "INVALID_ARGUMENT":
+                raise
+            self._forget(model, version, signature_name)
+            fresh = self._signature(model, version, signature_name)
+            if fresh == signature:
+                raise
+            return self._predict(model, _typed_inputs(inputs, fresh), signature_name, version)
 
     def _predict(self, model: str, inputs: dict[str, np.ndarray], signature_name: str,
                  version: int | None) -> tuple[dict[str, np.ndarray], int | None]:
@@ -286,7 +323,7 @@ class RestTransport(Transport):
         try:
             return _outputs_of_json(answer, signature), number
         except ServingError:                 # the version's signature changed: refetch once
-            self._signatures.pop((model, number, signature_name), None)
+            self._forget(model, number, signature_name)
             return _outputs_of_json(answer, self._signature(model, number, signature_name)), \
                 number
 
@@ -382,26 +419,35 @@ def _request_array(name: str, value) -> np.ndarray:
 
 def _typed_inputs(inputs: dict[str, np.ndarray], signature) -> dict[str, np.ndarray]:
     """`inputs` with each numeric one in the dtype `signature` declares for it, as a REST server
-    reads JSON numbers: any number into a floating input (a float64 array to float32), an
-    integer into an integer input of its range; any other input as given (the server refuses
-    a dtype that does not fit, a float for an integer input).
+    reads JSON values (`json_tensor`): any number into a floating input (a float64 array to
+    float32; over gRPC to float16 and bfloat16 too, which REST does not read), an integer into
+    an integer input within what JSON may give it (int8, int16 and uint8 read as int32 and
+    wrapped), an empty array into any input; any other input as given (the server refuses a
+    dtype that does not fit, a float for an integer input).
 
     Raises:
-        ServingError: INVALID_ARGUMENT, an integer outside the range of its input's dtype.
+        ServingError: INVALID_ARGUMENT, an integer outside what its input's dtype reads.
     """
     import tensorflow as tf
+    from tworec.serving.json_tensor import JSON_INT_RANGES
     typed = dict(inputs)
     for name, value in inputs.items():
         if name not in signature.inputs or value.dtype.kind not in NUMERIC:
             continue
         dtype = tf.as_dtype(signature.inputs[name].dtype)
+        if not value.size:
+            typed[name] = np.empty(value.shape, object if dtype == tf.string
+                                   else dtype.as_numpy_dtype)
+            continue
         if dtype.is_integer and value.dtype.kind in "iu":
-            if value.size and not dtype.min <= value.min() <= value.max() <= dtype.max:
+            low, high = JSON_INT_RANGES.get(dtype, (dtype.min, dtype.max + 1))
+            if not low <= value.min() <= value.max() < high:
                 raise ServingError("INVALID_ARGUMENT", f'Input "{name}": a value is outside '
-                                   f"the range of {dtype.name} ({dtype.min} to {dtype.max})")
+                                   f"what an input of {dtype.name} reads ({low} to {high - 1})")
         elif not dtype.is_floating:
             continue
-        typed[name] = value.astype(dtype.as_numpy_dtype)
+        with np.errstate(over="ignore"):             # 1e39 is float32's inf, as over REST
+            typed[name] = value.astype(dtype.as_numpy_dtype)
     return typed
 
 

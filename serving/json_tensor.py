@@ -355,7 +355,9 @@ def _flatten(value, shape: list[int], depth: int, leaves: list, name: str) -> No
 
 # Read as JSON int32s and wrapped to their width, as TF Serving's `int_val` (and gRPC here).
 _NARROW_INTS = (tf.int8, tf.int16, tf.uint8)
-_INT_RANGES = {tf.int32: (-2 ** 31, 2 ** 31), tf.int64: (-2 ** 63, 2 ** 63),
+# The integers a JSON value may hold for each integer dtype, [low, high); the narrow ones are
+# read as int32 and wrapped, as TF Serving's `int_val` holds them.
+JSON_INT_RANGES = {tf.int32: (-2 ** 31, 2 ** 31), tf.int64: (-2 ** 63, 2 ** 63),
                tf.uint32: (0, 2 ** 32), tf.uint64: (0, 2 ** 64),
                **{narrow: (-2 ** 31, 2 ** 31) for narrow in _NARROW_INTS}}
 
@@ -371,8 +373,8 @@ def _leaf_converter(dtype: tf.DType):
         number = _typed_leaf(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
                              "Number", dtype)
         return lambda leaf, name: float(number(leaf, name))       # RapidJSON's GetDouble
-    if dtype in _INT_RANGES:
-        low, high = _INT_RANGES[dtype]
+    if dtype in JSON_INT_RANGES:
+        low, high = JSON_INT_RANGES[dtype]
         width = "int32" if dtype in _NARROW_INTS else dtype.name
         return _typed_leaf(lambda v: isinstance(v, int) and not isinstance(v, bool)
                            and low <= v < high, f"Integer within {width}", dtype)

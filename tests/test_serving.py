@@ -1820,33 +1820,64 @@ def test_rest_client_looks_the_latest_version_up_at_most_once_a_second(embedded)
 
 
 class Typed(tf.Module):
-    """x [b] float32, n [b] int32 -> y [b] float32 = x * n."""
+    """x [b] float32, n [b] int32, small [b] int8, id [b] string -> y [b] float32 = x * n,
+    small [b] int8, id [b] string (as given)."""
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.float32, name="x"),
-                                  tf.TensorSpec([None], tf.int32, name="n")])
-    def serve(self, x, n):
-        return {"y": x * tf.cast(n, tf.float32)}
+                                  tf.TensorSpec([None], tf.int32, name="n"),
+                                  tf.TensorSpec([None], tf.int8, name="small"),
+                                  tf.TensorSpec([None], tf.string, name="id")])
+    def serve(self, x, n, small, id):
+        return {"y": x * tf.cast(n, tf.float32), "small": small, "id": id}
 
 
-def test_both_transports_send_numbers_as_the_signature_reads_them(tmp_path):
+def test_both_transports_send_numbers_as_the_signature_reads_them(tmp_path, monkeypatch):
     """NumPy's default float64 and int64 arrays reach float32 and int32 inputs over gRPC as over
-    REST (gRPC sent them as DT_DOUBLE and DT_INT64, which servers refuse); an integer outside
-    the input's range, or a float for an integer, is INVALID_ARGUMENT on both."""
+    REST (gRPC sent them as DT_DOUBLE and DT_INT64, which servers refuse); an int8 input reads
+    an int32 and wraps it, as REST; empty arrays (NumPy's float64 `[]`) fit any input; an
+    integer outside what the input reads, or a float for an integer, is INVALID_ARGUMENT on
+    both. A gRPC server without GetModelStatus gets the inputs as given; a signature cached
+    stale is read again once."""
     save(Typed(), str(tmp_path / "typed"))
     manager = ModelManager([ModelConfig("typed", str(tmp_path / "typed"))], poll_seconds=0)
+
+    def inputs(x, n, small=(1, 1), ids=(b"a", b"b")):
+        return {"x": np.array(x), "n": np.array(n), "small": np.array(small),
+                "id": np.array(ids, dtype=object)}
     with ModelServer(manager, grpc_port=0, rest_port=0) as server:
         for where in (dict(url=f"http://127.0.0.1:{server.rest_port}"),
                       dict(grpc_target=f"127.0.0.1:{server.grpc_port}")):
             with Client(**where, retries=0) as client:
-                answer = client.predict("typed", {"x": np.array([1.5, 2.0]), "n": np.array([2, 3])})
+                answer = client.predict("typed", inputs([1.5, 2.0], [2, 3], [200, -1]))
                 assert answer["y"].dtype == np.float32 and answer["y"].tolist() == [3.0, 6.0]
-                answer = client.predict("typed", {"x": np.array([1, 2]),
-                                                  "n": np.array([2, 3], np.uint8)}, version=1)
+                assert answer["small"].tolist() == [-56, -1], where
+                answer = client.predict("typed", inputs([1, 2], np.array([2, 3], np.uint8)),
+                                        version=1)
                 assert answer["y"].tolist() == [2.0, 6.0], where
-                for refused in (np.array([2 ** 31]), np.array([-2 ** 31 - 1]), np.array([2.0])):
+                empty = client.predict("typed", inputs([], [], [], []))
+                assert [len(value) for value in empty.values()] == [0, 0, 0], where
+                for refused in ([2 ** 31], [-2 ** 31 - 1], [2.0]):
                     with pytest.raises(ServingError) as error:
-                        client.predict("typed", {"x": np.ones(1), "n": refused})
+                        client.predict("typed", inputs([1.0], refused, [1], [b"a"]))
                     assert error.value.code == "INVALID_ARGUMENT", (where, refused)
+                with pytest.raises(ServingError) as error:
+                    client.predict("typed", inputs([1.0], [1], [2 ** 31], [b"a"]))
+                assert error.value.code == "INVALID_ARGUMENT", where
+        with Client(grpc_target=f"127.0.0.1:{server.grpc_port}", retries=0) as client:
+            signature = client.metadata("typed", 1).signature_def["serving_default"]
+            signature.inputs["x"].dtype = tf.int32.as_datatype_enum       # a stale signature
+            client.transport._signatures["typed", 1, "serving_default"] = signature
+            answer = client.predict("typed", inputs([1.5], [2], [1], [b"a"]), version=1)
+            assert answer["y"].tolist() == [3.0]
+
+            def no_model_service(*args):
+                raise ServingError("UNIMPLEMENTED", "Method not found: GetModelStatus")
+            monkeypatch.setattr(client.transport, "status", no_model_service)
+            answer = client.predict("typed", {"x": np.array([1.5], np.float32),
+                                              "n": np.array([2], np.int32),
+                                              "small": np.array([1], np.int8),
+                                              "id": np.array([b"a"], dtype=object)})
+            assert answer["y"].tolist() == [3.0]
 
 
 class Double(tf.Module):
