@@ -41,7 +41,8 @@ class Client:
     Args:
         url: the REST base URL, e.g. "http://127.0.0.1:8501".
         grpc_target: the gRPC "HOST:PORT", e.g. "127.0.0.1:8500".
-        timeout: seconds per call (a predict may first look up the version and its signature).
+        timeout: seconds for each request to the server (a predict may first look up the
+            version and its signature).
         retries: extra attempts after an UNAVAILABLE answer.
         backoff: seconds before the first retry, doubled for every further one.
         max_rows_per_request: larger predicts are split into requests of this many rows.
@@ -134,6 +135,10 @@ class Client:
             time.sleep(self.backoff * 2**attempt)
 
 
+class _NoLookup(ServingError):
+    """The server does not answer GetModelStatus or GetModelMetadata (UNIMPLEMENTED)."""
+
+
 class Transport:
     """What both transports share: the latest AVAILABLE version of a model as its status last
     said (read again when over `LATEST_SECONDS` old), and the signature of the version a
@@ -176,6 +181,8 @@ class Transport:
         try:
             states = self.status(model, None).model_version_status
         except ServingError as error:
+            if error.code == "UNIMPLEMENTED":
+                raise _NoLookup(error.code, error.message) from error
             if error.code != "NOT_FOUND":
                 raise
             states = []
@@ -193,7 +200,12 @@ class Transport:
         with self._lock:
             signature = self._signatures.get((model, version, name))
         if signature is None:
-            signatures = self.metadata(model, version).signature_def
+            try:
+                signatures = self.metadata(model, version).signature_def
+            except ServingError as error:
+                if error.code == "UNIMPLEMENTED":
+                    raise _NoLookup(error.code, error.message) from error
+                raise
             if name not in signatures:
                 raise ServingError("FAILED_PRECONDITION",
                                    f'Serving signature key "{name}" not found.')
@@ -220,6 +232,7 @@ class GrpcTransport(Transport):
         from tensorflow_serving.apis import model_service_pb2_grpc, prediction_service_pb2_grpc
         super().__init__()
         self.timeout = timeout
+        self.typed = True             # False once the server says it has no lookups
         self.channel = grpc.insecure_channel(target, options=[
             ("grpc.max_receive_message_length", INT32_MAX),
             ("grpc.max_send_message_length", INT32_MAX)])
@@ -229,31 +242,33 @@ class GrpcTransport(Transport):
     def predict(self, model: str, inputs: dict[str, np.ndarray], signature_name: str,
                 version: int | None) -> tuple[dict[str, np.ndarray], int | None]:
         """(the outputs, the version that answered)."""
-        if not any(value.dtype.kind in NUMERIC for value in inputs.values()):
-            return self._predict(model, inputs, signature_name, version)
-        try:
-            return self._at_version(model, version, signature_name, lambda number, signature: (
-                self._typed_predict(model, inputs, signature_name, number, signature)))[0]
-        except ServingError as error:     # no ModelService or metadata to read the dtypes from
-            if error.code != "UNIMPLEMENTED":
-                raise
-            return self._predict(model, inputs, signature_name, version)
+        if self.typed and any(value.dtype.kind in NUMERIC for value in inputs.values()):
+            try:
+                return self._at_version(model, version, signature_name, lambda number, sig: (
+                    self._typed_predict(model, inputs, signature_name, number, sig)))[0]
+            except _NoLookup:             # no ModelService or metadata to read the dtypes from
+                self.typed = False
+        return self._predict(model, inputs, signature_name, version)
 
     def _typed_predict(self, model: str, inputs: dict[str, np.ndarray], signature_name: str,
                        version: int, signature) -> tuple[dict[str, np.ndarray], int | None]:
-        """A predict of `inputs` typed by `signature`; refused, once more with the signature
-        read again when the cached one was stale (a moved model reusing the version number)."""
+        """A predict of `inputs` typed by `signature`; refused (INVALID_ARGUMENT), sent once
+        more when the signature read again differs (a cached one was stale: a moved model
+        reusing the version number), else the refusal stands."""
+        typed = _typed_inputs(inputs, signature)
         try:
-            return self._predict(model, _typed_inputs(inputs, signature), signature_name,
-                                 version)
-        except ServingError as error:
-            if error.code != "INVALID_ARGUMENT":
+            return self._predict(model, typed, signature_name, version)
+        except ServingError as refused:
+            if refused.code != "INVALID_ARGUMENT":
                 raise
             self._forget(model, version, signature_name)
-            fresh = self._signature(model, version, signature_name)
+            try:
+                fresh = self._signature(model, version, signature_name)
+            except ServingError:
+                raise refused from None
             if fresh == signature:
                 raise
-            return self._predict(model, _typed_inputs(inputs, fresh), signature_name, version)
+        return self._predict(model, _typed_inputs(inputs, fresh), signature_name, version)
 
     def _predict(self, model: str, inputs: dict[str, np.ndarray], signature_name: str,
                  version: int | None) -> tuple[dict[str, np.ndarray], int | None]:
@@ -420,10 +435,11 @@ def _request_array(name: str, value) -> np.ndarray:
 def _typed_inputs(inputs: dict[str, np.ndarray], signature) -> dict[str, np.ndarray]:
     """`inputs` with each numeric one in the dtype `signature` declares for it, as a REST server
     reads JSON values (`json_tensor`): any number into a floating input (a float64 array to
-    float32; over gRPC to float16 and bfloat16 too, which REST does not read), an integer into
-    an integer input within what JSON may give it (int8, int16 and uint8 read as int32 and
-    wrapped), an empty array into any input; any other input as given (the server refuses a
-    dtype that does not fit, a float for an integer input).
+    float32; float16 and bfloat16 too, which REST does not read), an integer into an integer
+    input within what JSON may give it (int8, int16 and uint8 read as int32 and wrapped;
+    uint16, which REST does not read, within its range), an empty array into any input; any
+    other input as given (the server refuses a dtype that does not fit, a float for an
+    integer input).
 
     Raises:
         ServingError: INVALID_ARGUMENT, an integer outside what its input's dtype reads.
@@ -436,10 +452,8 @@ def _typed_inputs(inputs: dict[str, np.ndarray], signature) -> dict[str, np.ndar
             continue
         dtype = tf.as_dtype(signature.inputs[name].dtype)
         if not value.size:
-            typed[name] = np.empty(value.shape, object if dtype == tf.string
-                                   else dtype.as_numpy_dtype)
-            continue
-        if dtype.is_integer and value.dtype.kind in "iu":
+            pass                                     # an empty array fits any input
+        elif dtype.is_integer and value.dtype.kind in "iu":
             low, high = JSON_INT_RANGES.get(dtype, (dtype.min, dtype.max + 1))
             if not low <= value.min() <= value.max() < high:
                 raise ServingError("INVALID_ARGUMENT", f'Input "{name}": a value is outside '

@@ -355,11 +355,11 @@ def _flatten(value, shape: list[int], depth: int, leaves: list, name: str) -> No
 
 # Read as JSON int32s and wrapped to their width, as TF Serving's `int_val` (and gRPC here).
 _NARROW_INTS = (tf.int8, tf.int16, tf.uint8)
-# The integers a JSON value may hold for each integer dtype, [low, high); the narrow ones are
-# read as int32 and wrapped, as TF Serving's `int_val` holds them.
+# The integers a JSON value may hold for each integer dtype JSON reads, [low, high); the narrow
+# ones are read as int32 and wrapped, as TF Serving's `int_val` holds them.
 JSON_INT_RANGES = {tf.int32: (-2 ** 31, 2 ** 31), tf.int64: (-2 ** 63, 2 ** 63),
-               tf.uint32: (0, 2 ** 32), tf.uint64: (0, 2 ** 64),
-               **{narrow: (-2 ** 31, 2 ** 31) for narrow in _NARROW_INTS}}
+                   tf.uint32: (0, 2 ** 32), tf.uint64: (0, 2 ** 64),
+                   **{narrow: (-2 ** 31, 2 ** 31) for narrow in _NARROW_INTS}}
 
 
 def _leaf_converter(dtype: tf.DType):

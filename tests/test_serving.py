@@ -23,6 +23,7 @@ import subprocess
 import threading
 import time
 import types
+import warnings
 from fractions import Fraction
 
 import grpc
@@ -1854,8 +1855,13 @@ def test_both_transports_send_numbers_as_the_signature_reads_them(tmp_path, monk
                 answer = client.predict("typed", inputs([1, 2], np.array([2, 3], np.uint8)),
                                         version=1)
                 assert answer["y"].tolist() == [2.0, 6.0], where
-                empty = client.predict("typed", inputs([], [], [], []))
+                empty = client.predict("typed", dict.fromkeys(["x", "n", "small", "id"],
+                                                              np.array([])))     # float64
                 assert [len(value) for value in empty.values()] == [0, 0, 0], where
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")            # no overflow warning of a cast
+                    assert client.predict("typed", inputs([1e39], [1], [1], [b"a"]))["y"] == \
+                        np.float32(np.inf)
                 for refused in ([2 ** 31], [-2 ** 31 - 1], [2.0]):
                     with pytest.raises(ServingError) as error:
                         client.predict("typed", inputs([1.0], refused, [1], [b"a"]))
@@ -1888,19 +1894,34 @@ class Double(tf.Module):
         return {"y": x * 2.0}
 
 
-def test_grpc_client_types_numbers_by_the_signature_of_the_version_it_sends_to(swap_server):
+def test_grpc_client_types_numbers_by_the_signature_of_the_version_it_sends_to(tmp_path):
     """A latest version looked up before a hot swap is asked for by number, so an input typed by
-    its signature never reaches its successor; retired, it is looked up again once."""
-    base, server = swap_server
-    with Client(grpc_target=f"127.0.0.1:{server.grpc_port}", retries=0) as client:
+    its signature never reaches its successor (whose input is float64, here); retired, it is
+    looked up again once."""
+    base = str(tmp_path / "scale")
+    save(Scale(1.0), base)
+    manager = ModelManager([ModelConfig("scale", base, num_versions=2)], poll_seconds=0.05)
+    state = get_model_status_pb2.ModelVersionStatus
+
+    def asked(client, x):
+        answer, version = client.predict_version("scale", {"x": x})
+        return answer["y"].tolist(), answer["y"].dtype, version
+
+    def in_state(version, wanted):
+        try:
+            return server.manager.status("scale", version).model_version_status[0].state == wanted
+        except ServingError:                                      # not found yet
+            return False
+    with ModelServer(manager, grpc_port=0, rest_port=0) as server, \
+            Client(grpc_target=f"127.0.0.1:{server.grpc_port}", retries=0) as client:
         client.transport.LATEST_SECONDS = 600.0                  # the looked-up version is kept
-        answer, version = client.predict_version("scale", {"x": np.array([2.0])})
-        assert (answer["y"].tolist(), answer["y"].dtype, version) == ([2.0], np.float32, 1)
-        save(Double(), base)
-        _wait_for(lambda: server.manager.status("scale", 1).model_version_status[0].state
-                  == get_model_status_pb2.ModelVersionStatus.END)
-        answer, version = client.predict_version("scale", {"x": np.array([2.0], np.float32)})
-    assert (answer["y"].tolist(), answer["y"].dtype, version) == ([4.0], np.float64, 2)
+        assert asked(client, np.array([2.0])) == ([2.0], np.float32, 1)
+        save(Double(), base)                                      # version 2, beside 1
+        _wait_for(lambda: in_state(2, state.AVAILABLE))
+        assert asked(client, np.array([2.0], np.float32)) == ([2.0], np.float32, 1)
+        save(Double(), base)                                      # version 3 retires 1
+        _wait_for(lambda: in_state(1, state.END))
+        assert asked(client, np.array([2.0], np.float32)) == ([4.0], np.float64, 3)
 
 
 def test_rest_client_sends_nan_and_infinity(embedded):
