@@ -22,7 +22,8 @@ def candidate_lists(data: ModelInputs, part: str, num_negatives: int, hard_share
 
     Args:
         data: model inputs. part: train, validation or test.
-        hard: [m, H] retrieval candidates per row (hard negatives), or None for random only.
+        hard: [m, H] retrieval candidates per row (hard negatives; `EMPTY_SLOT` past the
+            catalogue's end, never drawn), or None for random only.
         hard_share: share of the negatives taken from `hard`: never the positive, and the
             user's other training items only when the pool holds too few others (they are
             picked last: a later item of the same session is a poor negative). What a pool

@@ -252,9 +252,10 @@ class GrpcTransport(Transport):
 
     def _typed_predict(self, model: str, inputs: dict[str, np.ndarray], signature_name: str,
                        version: int, signature) -> tuple[dict[str, np.ndarray], int | None]:
-        """A predict of `inputs` typed by `signature`; refused (INVALID_ARGUMENT), sent once
-        more when the signature read again differs (a cached one was stale: a moved model
-        reusing the version number), else the refusal stands."""
+        """A predict of `inputs` typed by `signature`; refused by the server (INVALID_ARGUMENT),
+        sent once more when the signature read again differs (a cached one was stale: a moved
+        model reusing the version number), else the refusal stands. An integer the cached
+        signature's dtype cannot hold is refused here, before any send."""
         typed = _typed_inputs(inputs, signature)
         try:
             return self._predict(model, typed, signature_name, version)

@@ -794,7 +794,7 @@ def test_a_run_without_test_rows_checks_the_ranking_export_on_each_users_latest_
     assert f"split `{protocol}`, {held_out};" in text
     calibration = report["ranking"]["train"].get("calibration")
     assert (calibration is not None) == (protocol == "latest")
-    if protocol == "none":       # the served check's comparisons are the protocols' own: once
+    if protocol == "none":       # the served check compares alike under both: checked once
         return
 
     adds = run_module.ranking_features.with_title_candidates
