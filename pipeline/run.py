@@ -415,6 +415,19 @@ class Run:
         users the exports know (in code order), with the same checks except the metrics: the
         ranking export is compared on each user's latest state and the list the retrieval
         export served them (`latest_lists`)."""
+        with open(self.export_dir("models_scann.config")) as f:
+            manager = ModelManager(parse_config(f.read()), poll_seconds=0)
+        settle_native_logs()             # a library caller's terminal gets no native banner
+        server = ModelServer(manager, grpc_port=0, rest_port=0).start()
+        try:
+            self.check_served(f"http://127.0.0.1:{server.rest_port}",
+                              f"127.0.0.1:{server.grpc_port}")
+        finally:
+            server.stop()
+
+    def check_served(self, rest_url: str, grpc_target: str) -> None:
+        """`serve_and_check`'s asks and checks against a server already serving this run's
+        exports (`models_scann.config`'s models) at `rest_url` and `grpc_target`."""
         users = self.checked_users() if self.evaluating else \
             np.flatnonzero(self.inputs.known)[:self.configs.run.checked_users]
         ids = self.log.user_ids[users]
@@ -422,28 +435,20 @@ class Run:
         rows = np.flatnonzero(np.isin(self.log.user[test], users))         # positions in test
         answer_of_row = np.searchsorted(users, self.log.user[test][rows])
         targets = self.log.item_ids[self.log.item[test][rows]]
-        with open(self.export_dir("models_scann.config")) as f:
-            manager = ModelManager(parse_config(f.read()), poll_seconds=0)
-        settle_native_logs()             # a library caller's terminal gets no native banner
-        server = ModelServer(manager, grpc_port=0, rest_port=0).start()
-        try:
-            with Client(url=f"http://127.0.0.1:{server.rest_port}") as rest, \
-                    Client(grpc_target=f"127.0.0.1:{server.grpc_port}") as grpc:
-                answers = {name: {"rest": served.ask(rest, name, ids),
-                                  "grpc": served.ask(grpc, name, ids)}
-                           for name in ("retrieval", "retrieval_scann", "recommender")
-                           if name != "retrieval_scann" or
-                           list_versions(self.export_dir("retrieval_scann"))}
-                with_history = {name: served.ask(rest, name, ids, self.fit_history(users))
-                                for name in answers if name != "recommender"}
-                checked = self.test_lists(rows) if self.evaluating else self.latest_lists(
-                    users, answers["retrieval"]["rest"]["item_ids"])
-                ranking_gap = self.ranking_export_gap(rest, checked, RANKING_GAP_ROWS)
-                self.check_added_candidates(grpc, checked)
-                sample = ids[:8]
-                client_side = Recommender(grpc).recommend(sample, n=self.configs.run.top_n)
-        finally:
-            server.stop()
+        with Client(url=rest_url) as rest, Client(grpc_target=grpc_target) as grpc:
+            answers = {name: {"rest": served.ask(rest, name, ids),
+                              "grpc": served.ask(grpc, name, ids)}
+                       for name in ("retrieval", "retrieval_scann", "recommender")
+                       if name != "retrieval_scann" or
+                       list_versions(self.export_dir("retrieval_scann"))}
+            with_history = {name: served.ask(rest, name, ids, self.fit_history(users))
+                            for name in answers if name != "recommender"}
+            checked = self.test_lists(rows) if self.evaluating else self.latest_lists(
+                users, answers["retrieval"]["rest"]["item_ids"])
+            ranking_gap = self.ranking_export_gap(rest, checked, RANKING_GAP_ROWS)
+            self.check_added_candidates(grpc, checked)
+            sample = ids[:8]
+            client_side = Recommender(grpc).recommend(sample, n=self.configs.run.top_n)
         result = {"users": int(len(users)), "rows": int(len(rows)),
                   "exclude_seen": self.inputs.exclude_seen, "ranking_export_max_abs_diff":
                   ranking_gap, "served": {}}

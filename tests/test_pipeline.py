@@ -1,4 +1,5 @@
 """End to end: the whole pipeline on the tiny synthetic preset."""
+import functools
 import json
 import os
 import shlex
@@ -797,33 +798,42 @@ def test_a_run_without_test_rows_checks_the_ranking_export_on_each_users_latest_
     if protocol == "none":       # the served check compares alike under both: checked once
         return
 
-    adds = run_module.ranking_features.with_title_candidates
+    from tworec.serving.manager import ModelManager, parse_config
+    from tworec.serving.server import ModelServer
+    with open(run.export_dir("models_scann.config")) as f:     # one server for every mutant
+        server = ModelServer(ModelManager(parse_config(f.read()), poll_seconds=0),
+                             grpc_port=0, rest_port=0).start()
+    try:
+        check = functools.partial(run.check_served, f"http://127.0.0.1:{server.rest_port}",
+                                  f"127.0.0.1:{server.grpc_port}")
+        check()                                                      # as it is: it passes
+        adds = run_module.ranking_features.with_title_candidates
 
-    def one_fewer(*args):                         # the last title candidate added, dropped
-        lists = adds(*args)
-        row, slot = np.argwhere(lists[:, 20:] >= 0)[-1]
-        lists[row, 20 + slot] = EMPTY_SLOT
-        return lists
-    monkeypatch.setattr(run_module.ranking_features, "with_title_candidates", one_fewer)
-    with pytest.raises(ServedMismatch, match="candidates signature adds other title cand"):
-        run.serve_and_check()
-    monkeypatch.undo()
-    latest = run.signals.retrieval_latest            # the Keras side reads a stale query
-    run.signals = dataclasses.replace(run.signals, retrieval_latest=latest[::-1].copy())
-    with pytest.raises(ServedMismatch, match="scores differ from the Keras ranker's"):
-        run.serve_and_check()
-    run.signals = dataclasses.replace(run.signals, retrieval_latest=latest)
-    assert min(abs(calibration["weights"][name]) for name in
-               ("recent_popularity", "user_time_popularity", "title_similarity")) > 0
-    periods = run.signals.popularity.user_period
-    right = periods["test"]
-    periods["test"] = np.where(right > 0, 0, run.configs.ranking.held_out_periods - 1)
-    with pytest.raises(ServedMismatch, match="scores differ from the Keras ranker's"):
-        run.serve_and_check()
-    periods["test"] = right
-    fit_history = run.fit_history               # each user's own items, in the reverse order
-    monkeypatch.setattr(run, "fit_history", lambda users: fit_history(users)[:, ::-1])
-    with pytest.raises(ServedMismatch, match="with_history, given each user's latest items"):
-        run.serve_and_check()
-    monkeypatch.undo()
-    run.serve_and_check()                                             # as it was: it passes
+        def one_fewer(*args):                     # the last title candidate added, dropped
+            lists = adds(*args)
+            row, slot = np.argwhere(lists[:, 20:] >= 0)[-1]
+            lists[row, 20 + slot] = EMPTY_SLOT
+            return lists
+        monkeypatch.setattr(run_module.ranking_features, "with_title_candidates", one_fewer)
+        with pytest.raises(ServedMismatch, match="candidates signature adds other title cand"):
+            check()
+        monkeypatch.undo()
+        latest = run.signals.retrieval_latest        # the Keras side reads a stale query
+        run.signals = dataclasses.replace(run.signals, retrieval_latest=latest[::-1].copy())
+        with pytest.raises(ServedMismatch, match="scores differ from the Keras ranker's"):
+            check()
+        run.signals = dataclasses.replace(run.signals, retrieval_latest=latest)
+        assert min(abs(calibration["weights"][name]) for name in
+                   ("recent_popularity", "user_time_popularity", "title_similarity")) > 0
+        periods = run.signals.popularity.user_period
+        right = periods["test"]
+        periods["test"] = np.where(right > 0, 0, run.configs.ranking.held_out_periods - 1)
+        with pytest.raises(ServedMismatch, match="scores differ from the Keras ranker's"):
+            check()
+        periods["test"] = right
+        fit_history = run.fit_history           # each user's own items, in the reverse order
+        monkeypatch.setattr(run, "fit_history", lambda users: fit_history(users)[:, ::-1])
+        with pytest.raises(ServedMismatch, match="with_history, given each user's latest ite"):
+            check()
+    finally:
+        server.stop()
