@@ -223,7 +223,7 @@ def export(model: RankingModel, data: ModelInputs, signals: RankingSignals, base
                                                       "candidates": module.candidates})
         write_state(path, data)
         if warmup is not None:
+            inputs = {k: np.asarray(v, dtype=object) for k, v in warmup.items()}
             write_warmup_requests(path, os.path.basename(os.path.normpath(base_path)),
-                                  {k: np.asarray(v, dtype=object) for k, v in warmup.items()},
-                                  ("serving_default", "candidates"))
+                                  {"serving_default": inputs, "candidates": inputs})
     return write_version(base_path, write, version=version)

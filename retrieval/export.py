@@ -250,6 +250,17 @@ class RetrievalModule(tf.Module):
         return {"embedding": self.model.candidate(self.item_codes.lookup(item_ids))}
 
 
+def warmup_requests(user_ids: np.ndarray, item_ids: np.ndarray) -> dict[str, dict]:
+    """Warmup inputs of every signature (`layout.write_warmup_requests`), a row per user: its
+    id, an empty `with_history` history (the user's own state), an item id each."""
+    users = np.asarray(user_ids, dtype=object)                                         # [w]
+    items = np.resize(np.asarray(item_ids, dtype=object), len(users))                  # [w]
+    return {"serving_default": {"user_id": users},
+            "with_history": {"user_id": users, "history": np.full((len(users), 1), "", object)},
+            "embed_user": {"user_id": users}, "embed_items": {"item_ids": items},
+            "known_users": {"user_id": users}}
+
+
 def export(model: RetrievalModel, data: ModelInputs, base_path: str, k: int,
            scann: ScannParams | None = None, version: int | None = None,
            warmup_users: np.ndarray | None = None) -> str:
@@ -257,7 +268,8 @@ def export(model: RetrievalModel, data: ModelInputs, base_path: str, k: int,
     `base_path`; returns its folder.
 
     With `scann` the index is ScaNN and the model needs ScaNN's ops to serve. With
-    `warmup_users` ([w] str) the version carries TF Serving warmup requests for them.
+    `warmup_users` ([w] str) the version carries TF Serving warmup requests of every
+    signature for them (`warmup_requests`).
 
     Raises:
         ValueError: k exceeds the catalogue.
@@ -277,5 +289,5 @@ def export(model: RetrievalModel, data: ModelInputs, base_path: str, k: int,
         write_state(path, data)
         if warmup_users is not None:
             write_warmup_requests(path, os.path.basename(os.path.normpath(base_path)),
-                                  {"user_id": np.asarray(warmup_users, dtype=object)})
+                                  warmup_requests(warmup_users, data.interactions.item_ids))
     return write_version(base_path, write, version=version)

@@ -53,7 +53,8 @@ def compose_recommender(retrieval_dir: str, ranking_dir: str, out_dir: str, top_
         ranking_dir: a ranking SavedModel version folder.
         out_dir: the folder to write.
         top_n: items per user.
-        warmup_user_ids: when given, a warmup request per user is written with the model.
+        warmup_user_ids: when given, a warmup request per user and signature is written with
+            the model.
         model_name: the served name recorded in the warmup requests.
 
     Returns:
@@ -65,6 +66,6 @@ def compose_recommender(retrieval_dir: str, ranking_dir: str, out_dir: str, top_
         signatures["known_users"] = module.known_users
     tf.saved_model.save(module, out_dir, signatures=signatures)
     if warmup_user_ids:
-        write_warmup_requests(out_dir, model_name,
-                              {"user_id": np.array(warmup_user_ids, dtype=object)})
+        users = {"user_id": np.array(warmup_user_ids, dtype=object)}
+        write_warmup_requests(out_dir, model_name, {name: users for name in signatures})
     return out_dir

@@ -89,34 +89,39 @@ MAX_WARMUP_RECORDS = 1000
 WARMUP_FILE = os.path.join("assets.extra", "tf_serving_warmup_requests")
 
 
-def write_warmup_requests(saved_model_dir: str, model_name: str, inputs: dict,
-                          signature_names: tuple[str, ...] = ("serving_default",)) -> str:
-    """Writes `assets.extra/tf_serving_warmup_requests`: one `PredictionLog` per row of `inputs`
-    and signature.
+def write_warmup_requests(saved_model_dir: str, model_name: str,
+                          requests: dict[str, dict]) -> str:
+    """Writes `assets.extra/tf_serving_warmup_requests`: one `PredictionLog` per row of each
+    signature's inputs. A session prepares a signature's graph on its first call (seconds for
+    a retrieval export): the records have TF Serving do it at load, not on a client's request.
 
     Args:
         saved_model_dir: a SavedModel folder (a version folder, or its staging folder).
         model_name: the name the model is served under.
-        inputs: signature input name -> array [batch, ...]; each row becomes one request of
-            batch 1 to each signature, at most 1000 requests in all (TF Serving's limit).
-        signature_names: the signatures the requests call, each with the same inputs.
+        requests: signature name -> its input name -> array [batch, ...]; each row becomes
+            one request of batch 1, the signatures' rows in turn, at most 1000 requests in all
+            (TF Serving's limit: each signature keeps an equal share of them).
 
     Returns:
         The path of the warmup file.
     """
-    if isinstance(signature_names, (str, bytes)) or \
-            not 0 < len(signature_names) <= MAX_WARMUP_RECORDS:
-        raise ValueError(f"signature_names must be a tuple of 1 to {MAX_WARMUP_RECORDS} "
-                         f"signature names, got {signature_names!r}")
+    if not isinstance(requests, dict) or not 0 < len(requests) <= MAX_WARMUP_RECORDS:
+        raise ValueError(f"requests must map 1 to {MAX_WARMUP_RECORDS} signature names to "
+                         f"their inputs, got {type(requests).__name__} of "
+                         f"{len(requests) if isinstance(requests, dict) else '?'}")
     import tensorflow as tf
     from tensorflow_serving.apis import predict_pb2, prediction_log_pb2
 
     path = os.path.join(saved_model_dir, WARMUP_FILE)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    rows = min(len(next(iter(inputs.values()))), MAX_WARMUP_RECORDS // len(signature_names))
+    share = MAX_WARMUP_RECORDS // len(requests)
+    rows = {name: min(len(next(iter(inputs.values()))), share)
+            for name, inputs in requests.items()}
     with tf.io.TFRecordWriter(path) as writer:
-        for row in range(rows):
-            for signature_name in signature_names:
+        for row in range(max(rows.values())):
+            for signature_name, inputs in requests.items():
+                if row >= rows[signature_name]:
+                    continue
                 request = predict_pb2.PredictRequest()
                 request.model_spec.name = model_name
                 request.model_spec.signature_name = signature_name

@@ -334,10 +334,10 @@ def test_scann_models_load_because_the_server_imports_scann(tmp_path):
 
 def test_warmup_runs_at_load_and_a_failing_one_fails_the_load(tmp_path):
     good = save(Scale(2.0), str(tmp_path / "good"))
-    write_warmup_requests(good, "good", {"x": np.arange(3, dtype=np.float32)})
+    write_warmup_requests(good, "good", {"serving_default": {"x": np.arange(3, dtype=np.float32)}})
     LoadedModel(good).close()
     bad = save(Scale(2.0), str(tmp_path / "bad"))
-    write_warmup_requests(bad, "bad", {"z": np.arange(3, dtype=np.float32)})
+    write_warmup_requests(bad, "bad", {"serving_default": {"z": np.arange(3, dtype=np.float32)}})
     with pytest.raises(ServingError, match="Sent extra: {z}"):
         LoadedModel(bad)
 
@@ -352,25 +352,33 @@ class Bounded(Scale):
 
 
 def test_warmup_requests_call_every_signature_given_within_the_record_limit(tmp_path):
-    """Each row warms every given signature (the second one's failure fails the load), and
-    rows are cut so that the records stay within TF Serving's 1000."""
+    """Each signature is called with its own rows (the second one's failure fails the load),
+    in turn, and rows are cut so that the records stay within TF Serving's 1000."""
     module = Bounded(2.0)
     path = write_version(str(tmp_path / "bounded"), lambda out: tf.saved_model.save(
         module, out, signatures={"serving_default": module.serve, "bounded": module.bounded}))
-    rows = {"x": np.arange(3, dtype=np.float32)}
-    write_warmup_requests(path, "bounded", rows)
+
+    def written(requests: dict) -> list[tuple[str, list[float]]]:
+        logs = map(prediction_log_pb2.PredictionLog.FromString, tf.compat.v1.io.
+                   tf_record_iterator(write_warmup_requests(path, "bounded", requests)))
+        return [(log.predict_log.request.model_spec.signature_name,
+                 tf.make_ndarray(log.predict_log.request.inputs["x"]).tolist()) for log in logs]
+    assert written({"serving_default": {"x": np.arange(3, dtype=np.float32)},
+                    "bounded": {"x": np.array([1], np.float32)}}) == [
+        ("serving_default", [0.0]), ("bounded", [1.0]), ("serving_default", [1.0]),
+        ("serving_default", [2.0])]
     LoadedModel(path).close()
-    for wrong in ("bounded", b"bounded", (), ("serving_default",) * 1001):
-        with pytest.raises(ValueError, match="signature_names must be a tuple"):
-            write_warmup_requests(path, "bounded", rows, wrong)
-    write_warmup_requests(path, "bounded", rows, ("serving_default", "bounded"))
+    for wrong in ({}, [("serving_default", {"x": np.ones(1, np.float32)})],
+                  {str(n): {"x": np.ones(1, np.float32)} for n in range(1001)}):
+        with pytest.raises(ValueError, match="requests must map 1 to 1000 signature names"):
+            write_warmup_requests(path, "bounded", wrong)
+    written({"serving_default": {"x": np.arange(3, dtype=np.float32)},
+             "bounded": {"x": np.arange(3, dtype=np.float32)}})
     with pytest.raises(ServingError, match="Condition x < y did not hold"):
         LoadedModel(path)
-    many = write_warmup_requests(path, "bounded", {"x": np.zeros(600, np.float32)},
-                                 ("serving_default", "bounded"))
-    names = [prediction_log_pb2.PredictionLog.FromString(record).predict_log.request
-             .model_spec.signature_name for record in tf.compat.v1.io.tf_record_iterator(many)]
-    assert names == ["serving_default", "bounded"] * 500
+    many = written({"serving_default": {"x": np.zeros(600, np.float32)},
+                    "bounded": {"x": np.zeros(700, np.float32)}})
+    assert [name for name, _ in many] == ["serving_default", "bounded"] * 500
     LoadedModel(path).close()
 
 
