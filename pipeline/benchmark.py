@@ -231,9 +231,9 @@ def bench_serving(smoke: bool = False) -> dict:
     from tworec.retrieval.train import embeddings_for_ranking, fit as fit_retrieval
     from tworec.serving.loadtest import CLIENTS
 
-    num_items, interactions, seconds, clients = ((5_000, 10_000, 0.2, (8,)) if smoke else
-                                                 (1_000_000, 60_000, 3.0, CLIENTS))
-    log = generate(SyntheticConfig(num_users=2_000, num_items=num_items,
+    num_users, num_items, interactions, seconds, clients = (
+        (500, 2_000, 3_000, 0.2, (8,)) if smoke else (2_000, 1_000_000, 60_000, 3.0, CLIENTS))
+    log = generate(SyntheticConfig(num_users=num_users, num_items=num_items,
                                    num_interactions=interactions), seed=0)
     inputs = prepare(log, split(log, "temporal"), history_length=5)
     retrieval_model, _ = fit_retrieval(inputs, retrieval_preset("tiny", epochs=1), verbose=0)
