@@ -252,7 +252,10 @@ class RetrievalModule(tf.Module):
 
 def warmup_requests(user_ids: np.ndarray, item_ids: np.ndarray) -> dict[str, dict]:
     """Warmup inputs of every signature (`layout.write_warmup_requests`), a row per user: its
-    id, an empty `with_history` history (the user's own state), an item id each."""
+    id, an empty `with_history` history (the user's own state), an item id each (of one or
+    more `item_ids`)."""
+    if not len(item_ids):
+        raise ValueError("warmup requests need an item id for embed_items; got none")
     users = np.asarray(user_ids, dtype=object)                                         # [w]
     items = np.resize(np.asarray(item_ids, dtype=object), len(users))                  # [w]
     return {"serving_default": {"user_id": users},

@@ -114,9 +114,13 @@ def write_warmup_requests(saved_model_dir: str, model_name: str,
 
     path = os.path.join(saved_model_dir, WARMUP_FILE)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    share = MAX_WARMUP_RECORDS // len(requests)
-    rows = {name: min(len(next(iter(inputs.values()))), share)
-            for name, inputs in requests.items()}
+    share, rows = MAX_WARMUP_RECORDS // len(requests), {}
+    for name, inputs in requests.items():
+        lengths = {len(values) for values in inputs.values()}
+        if len(lengths) != 1:
+            raise ValueError(f"the warmup inputs of {name!r} must be one or more arrays of "
+                             f"one batch size, got sizes {sorted(lengths)}")
+        rows[name] = min(lengths.pop(), share)
     with tf.io.TFRecordWriter(path) as writer:
         for row in range(max(rows.values())):
             for signature_name, inputs in requests.items():

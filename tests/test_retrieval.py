@@ -1071,3 +1071,18 @@ def test_in_batch_softmax_loss_of_a_batchs_slices_sums_to_the_batchs(logq, remov
                                                                             [query, candidate]))])
     for whole, sliced in zip(*results):
         np.testing.assert_allclose(sliced, whole, rtol=1e-5, atol=1e-6)
+
+
+def test_warmup_requests_give_each_signature_its_inputs_and_need_an_item():
+    """A row per user: its id, an empty history, an item id each (the ids given, in turn)."""
+    from tworec.retrieval.export import warmup_requests
+    requests = warmup_requests(np.array(["u1", "u2", "u3"]), np.array(["i1", "i2"]))
+    assert {name: {key: value.tolist() for key, value in inputs.items()}
+            for name, inputs in requests.items()} == {
+        "serving_default": {"user_id": ["u1", "u2", "u3"]},
+        "with_history": {"user_id": ["u1", "u2", "u3"], "history": [[""], [""], [""]]},
+        "embed_user": {"user_id": ["u1", "u2", "u3"]},
+        "embed_items": {"item_ids": ["i1", "i2", "i1"]},
+        "known_users": {"user_id": ["u1", "u2", "u3"]}}
+    with pytest.raises(ValueError, match="need an item id for embed_items; got none"):
+        warmup_requests(np.array(["u1"]), np.array([], dtype=str))

@@ -372,6 +372,9 @@ def test_warmup_requests_call_every_signature_given_within_the_record_limit(tmp_
                   {str(n): {"x": np.ones(1, np.float32)} for n in range(1001)}):
         with pytest.raises(ValueError, match="requests must map 1 to 1000 signature names"):
             write_warmup_requests(path, "bounded", wrong)
+    for inputs, sizes in (({}, r"\[\]"), ({"x": np.ones(2), "y": np.ones(3)}, r"\[2, 3\]")):
+        with pytest.raises(ValueError, match=f"of 'bounded' must be .* sizes {sizes}$"):
+            write_warmup_requests(path, "bounded", {"bounded": inputs})
     written({"serving_default": {"x": np.arange(3, dtype=np.float32)},
              "bounded": {"x": np.arange(3, dtype=np.float32)}})
     with pytest.raises(ServingError, match="Condition x < y did not hold"):
