@@ -105,11 +105,14 @@ def first_batch(examples: dict[str, np.ndarray], batch_size: int) -> tf.data.Dat
 
 
 def in_turn(sides: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
-    """Each side's rate (examples/s), measured once a round, the sides in turn: a machine whose
-    speed drifts moves both sides of a round alike, and `paired_ratios` compares them there."""
+    """Each side's rate (examples/s), measured once a round, the sides in turn, in the order
+    given and then reversed, round after round (no side always first in the process, or always
+    after another): a drift of the machine's speed slower than a round moves a round's sides
+    alike, and `paired_ratios` compares them there."""
     rates = {name: [] for name in sides}
-    for _ in range(rounds):
-        for name, measure in sides.items():
+    order = list(sides.items())
+    for round_number in range(rounds):
+        for name, measure in order if round_number % 2 == 0 else order[::-1]:
             rates[name].append(measure())
     return rates
 

@@ -195,7 +195,10 @@ def test_benchmark_script_runs_every_part_small():
     for name in ("input", "train_retrieval", "train_ranking", "index"):
         assert results[name]["ratio"] > 0, (name, results[name])
     for name in ("train_retrieval", "train_ranking"):              # smoke: one round
-        assert results[name]["rounds"] == len(results[name]["round_ratios"]) == 1, name
+        part = results[name]
+        assert part["rounds"] == len(part["round_ratios"]) == 1, name
+        assert part["ratio"] == pytest.approx(part["ours_examples_per_second"] / part[
+            "tutorial_examples_per_second"], abs=0.011), name                # ours over theirs
     for model in ("retrieval", "retrieval_scann", "recommender"):
         figures = results["serving"][model]
         assert all(run["errors"] == 0 and run["requests"] > 0 for run in figures.values()), model
@@ -213,16 +216,16 @@ def test_benchmark_script_runs_every_part_small():
 
 
 def test_training_benchmarks_time_their_sides_in_turn_and_pair_each_round():
-    """A round measures every side once, in the order given; the ratio is the median of the
-    rounds' own ratios, not the ratio of the medians."""
+    """A round measures every side once, in the order given and then reversed; the ratio is the
+    median of the rounds' own ratios (not the ratio of the medians, nor their mean)."""
     from tworec.pipeline.benchmark import in_turn, paired_ratios
     calls = []
     rates = in_turn({"ours": lambda: calls.append("ours") or 10.0 * len(calls),
                      "tutorial": lambda: calls.append("tutorial") or 5.0}, rounds=3)
-    assert calls == ["ours", "tutorial"] * 3
-    assert rates == {"ours": [10.0, 30.0, 50.0], "tutorial": [5.0, 5.0, 5.0]}
-    assert paired_ratios([2.0, 9.0, 4.0], [1.0, 3.0, 4.0]) == {   # rounds: 2, 3, 1
-        "ratio": 2.0, "round_ratios": [2.0, 3.0, 1.0]}             # medians' ratio: 4 / 3
+    assert calls == ["ours", "tutorial", "tutorial", "ours", "ours", "tutorial"]
+    assert rates == {"ours": [10.0, 40.0, 50.0], "tutorial": [5.0, 5.0, 5.0]}
+    assert paired_ratios([2.0, 9.0, 3.0, 1.0], [1.0, 3.0, 2.0, 3.0]) == {  # 2, 3, 1.5, 1/3
+        "ratio": 1.75, "round_ratios": [2.0, 3.0, 1.5, 0.33]}  # mean 1.71, medians' ratio 1
 
 
 @pytest.mark.parametrize("names, message", [
