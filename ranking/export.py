@@ -26,7 +26,7 @@ from tworec.features.layers import (UserInputs, hold_model, id_lookup, in_row_bl
                                     write_state)
 from tworec.ranking.features import TITLE_SIGNAL, RankingSignals, pair_keys, sum_in_order
 from tworec.ranking.model import RankingModel
-from tworec.serving.layout import write_version, write_warmup_requests
+from tworec.serving.layout import save_servable, write_version, write_warmup_requests
 
 
 # (user, item) pairs scored at once: the ranker's intermediates take a few KiB a pair (3.3 KiB
@@ -219,8 +219,8 @@ def export(model: RankingModel, data: ModelInputs, signals: RankingSignals, base
     module = RankingModule(model, data, signals)
 
     def write(path: str) -> None:
-        tf.saved_model.save(module, path, signatures={"serving_default": module.serve,
-                                                      "candidates": module.candidates})
+        save_servable(module, path, {"serving_default": module.serve,
+                                     "candidates": module.candidates})
         write_state(path, data)
         if warmup is not None:
             inputs = {k: np.asarray(v, dtype=object) for k, v in warmup.items()}

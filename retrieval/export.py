@@ -44,7 +44,7 @@ from tworec.features.vocab import FIRST, OOV, PAD
 from tworec.retrieval.index import ScannParams, build_index
 from tworec.retrieval.model import RetrievalModel
 from tworec.retrieval.train import candidate_embeddings
-from tworec.serving.layout import write_version, write_warmup_requests
+from tworec.serving.layout import save_servable, write_version, write_warmup_requests
 
 
 # Scores one search block may hold ([rows, I]: 64 MiB of float32; with the masked copy, the
@@ -288,7 +288,7 @@ def export(model: RetrievalModel, data: ModelInputs, base_path: str, k: int,
     options = tf.saved_model.SaveOptions(namespace_whitelist=["Scann"] if scann else None)
 
     def write(path: str) -> None:
-        tf.saved_model.save(module, path, signatures=signatures, options=options)
+        save_servable(module, path, signatures, options)
         write_state(path, data)
         if warmup_users is not None:
             write_warmup_requests(path, os.path.basename(os.path.normpath(base_path)),

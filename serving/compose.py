@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from tworec.serving.layout import write_warmup_requests
+from tworec.serving.layout import save_servable, write_warmup_requests
 
 USER_IDS = tf.TensorSpec([None], tf.string, name="user_id")
 
@@ -64,7 +64,7 @@ def compose_recommender(retrieval_dir: str, ranking_dir: str, out_dir: str, top_
     signatures = {"serving_default": module.serve}
     if hasattr(module, "known_users"):
         signatures["known_users"] = module.known_users
-    tf.saved_model.save(module, out_dir, signatures=signatures)
+    save_servable(module, out_dir, signatures)
     if warmup_user_ids:
         users = {"user_id": np.array(warmup_user_ids, dtype=object)}
         write_warmup_requests(out_dir, model_name, {name: users for name in signatures})

@@ -43,8 +43,9 @@ from tensorflow_serving.config import model_server_config_pb2
 from tworec.serving.client import Client
 from tworec.serving.compose import compose_recommender
 from tworec.serving.errors import ServingError, echo, truncate
-from tworec.serving.layout import (list_versions, next_version, write_models_config, write_version,
-                            write_warmup_requests)
+from tworec.serving.layout import (drop_unservable_functions, list_versions, next_version,
+                                  save_servable, write_models_config, write_version,
+                                  write_warmup_requests)
 from tworec.serving.manager import ModelConfig, ModelManager, parse_config
 from tworec.serving.model import LoadedModel
 from tworec.serving.recommender import PAD_ID, Recommender
@@ -383,6 +384,62 @@ def test_warmup_requests_call_every_signature_given_within_the_record_limit(tmp_
                     "bounded": {"x": np.zeros(700, np.float32)}})
     assert [name for name, _ in many] == ["serving_default", "bounded"] * 500
     LoadedModel(path).close()
+
+
+class Recurrent(tf.Module):
+    """x [b, 3] float32 -> y [b, 2] float32 through a Keras GRU, whose call registers its cuDNN
+    alternative and that alternative's gradient functions in the signature's graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.gru = tf.keras.layers.GRU(2)
+        self.gru(tf.zeros([1, 3, 1]))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32, name="x")])
+    def serve(self, x):
+        return {"y": self.gru(x[..., None])}
+
+
+def test_exports_keep_the_functions_a_session_can_run_and_a_matching_fingerprint(tmp_path):
+    """`drop_unservable_functions` drops the GRU's gradient functions alone, keeps its CPU and
+    GPU variants (Grappler picks one by device), answers as the whole SavedModel, in a session
+    and through `tf.saved_model.load`, and rewrites the fingerprint of the file it changed;
+    `save_servable` saves so."""
+    import shutil
+    from tensorflow.core.protobuf import saved_model_pb2
+    from tensorflow.core.protobuf.fingerprint_pb2 import FingerprintDef
+    from tensorflow.python.saved_model.pywrap_saved_model import fingerprinting
+    module, x = Recurrent(), np.arange(6, dtype=np.float32).reshape(2, 3) / 6
+    whole, pruned, saved = (str(tmp_path / name) for name in ("whole", "pruned", "saved"))
+    tf.saved_model.save(module, whole, signatures={"serving_default": module.serve})
+    shutil.copytree(whole, pruned)
+
+    def functions(path: str) -> dict:
+        model = saved_model_pb2.SavedModel.FromString(open(f"{path}/saved_model.pb", "rb").read())
+        return {f.signature.name: f.attr for f in model.meta_graphs[0].graph_def.library.function}
+    before = functions(whole)
+    gradients = {name for name, attr in before.items()
+                 if {"forward_function_name", "backward_function_name"} & set(attr)}
+    assert drop_unservable_functions(pruned) == len(gradients) > 0
+    assert set(functions(pruned)) == set(before) - gradients
+    save_servable(module, saved, {"serving_default": module.serve})
+    kept = functions(saved)
+    assert not any({"forward_function_name", "backward_function_name"} & set(attr)
+                   for attr in kept.values())
+    devices = {attr["api_preferred_device"].s for attr in kept.values()
+               if "api_preferred_device" in attr}
+    assert devices == {b"CPU", b"GPU"}, devices
+    answers = []
+    for path in (whole, pruned, saved):
+        model = LoadedModel(path, run_warmup=False)
+        answers.append(model.run({"x": x})["y"])
+        model.close()
+        answers.append(tf.saved_model.load(path).signatures["serving_default"](x=x)["y"].numpy())
+    assert all(np.array_equal(answers[0], answer) for answer in answers), answers
+    written, recomputed = (FingerprintDef.FromString(proto) for proto in (
+        open(f"{pruned}/fingerprint.pb", "rb").read(), fingerprinting.CreateFingerprintDef(pruned)))
+    written.ClearField("uuid"), recomputed.ClearField("uuid")                  # random each time
+    assert written == recomputed
 
 
 # ------------------------------------------------------------------ REST conformance
