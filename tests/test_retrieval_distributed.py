@@ -36,6 +36,8 @@ for members in (1, 2):
         results[f"{strategy}_{members}"] = evaluate_model(model, data, "test", ks=(10, 50))
         results[f"{strategy}_{members}_loss"] = summary["history"]["loss"]
         results[f"{strategy}_{members}_replicas"] = model.distribute_strategy.num_replicas_in_sync
+        results[f"{strategy}_{members}_traces"] = \
+            model.train_function.experimental_get_tracing_count()
 results["popularity"] = baselines(log, split(log), eval_set(log, split(log), "test"))["popularity"]
 batch = next(iter(batches(data.examples["train"], 128, shuffle=True, seed=0)))
 for name, rows, loss in (("plain", 128, {}), ("hits", 127, dict(
@@ -142,9 +144,11 @@ def test_mixed_precision_steps_under_mirrored_strategy_follow_one_device(
 @pytest.mark.parametrize("members", [1, 2])
 def test_mirrored_strategy_trains_as_one_device(one_device_and_mirrored, members):
     """Four epochs of Adam from the same initial weights on the same batches: the same
-    per-epoch losses (to float rounding, `LOSS_ROUNDING`) and metrics."""
+    per-epoch losses (to float rounding, `LOSS_ROUNDING`) and metrics, one trace of the step."""
     results = one_device_and_mirrored
     assert results[f"mirrored_{members}_replicas"] == 2
+    # the variables made before `fit`, in the replicas: the step traced once (twice if it made them)
+    assert results[f"mirrored_{members}_traces"] == results[f"default_{members}_traces"] == 1
     assert results[f"mirrored_{members}_loss"] == pytest.approx(
         results[f"default_{members}_loss"], rel=LOSS_ROUNDING), results
     assert results[f"mirrored_{members}"]["recall@10"] > \
