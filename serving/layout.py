@@ -147,15 +147,16 @@ def save_servable(module, path: str, signatures: dict, options=None) -> None:
 
 def drop_unservable_functions(saved_model_dir: str) -> int:
     """Rewrites the SavedModel's function library to what a session can run, and its
-    fingerprint to match; returns how many functions it dropped.
+    fingerprint to match; returns how many functions it dropped (0: the files are untouched).
 
     Kept: the functions the graph's nodes call, those the object graph names (what
-    `tf.saved_model.load` restores), the alternatives Grappler's implementation selector may
-    swap in for them (the same `api_implements`: a Keras GRU's cuDNN variant, for a GPU), and
-    all they call. Dropped: the rest, which is what Keras registers for an alternative's
-    gradient (`__forward_*` and `__inference___backward_*` pairs and their loops' gradients) in
-    every graph that calls a GRU or LSTM: on a two-member GRU model 60 of 136 functions, 1.5 of
-    2.5 MB, and about 2 s of graph preparation on each signature's first call."""
+    `tf.saved_model.load` restores, custom gradients included), those the library's gradient
+    lists name, the alternatives Grappler's implementation selector may swap in for them (the
+    same `api_implements`: a Keras GRU's cuDNN variant, for a GPU), and all they call. Dropped:
+    the rest, which is what Keras registers for an alternative's gradient (`__forward_*` and
+    `__inference___backward_*` pairs and their loops' gradients) in every graph that calls a
+    GRU or LSTM: on a two-member GRU model 60 of 136 functions, 1.5 of 2.5 MB, and about 2 s of
+    graph preparation on each signature's first call."""
     from tensorflow.core.protobuf import saved_model_pb2
     from tensorflow.python.saved_model import fingerprinting_utils
 
@@ -171,33 +172,37 @@ def drop_unservable_functions(saved_model_dir: str) -> int:
         dropped += len(library.function) - len(functions)
         del library.function[:]
         library.function.extend(functions)
-        gradients = [g for g in library.gradient if {g.function_name, g.gradient_func} <= kept]
-        del library.gradient[:]
-        library.gradient.extend(gradients)
-        registered = [g for g in library.registered_gradients if g.gradient_func in kept]
-        del library.registered_gradients[:]
-        library.registered_gradients.extend(registered)
-    if dropped:
-        with open(pb_path, "wb") as f:
-            f.write(saved_model.SerializeToString())
-        fingerprinting_utils.write_fingerprint(saved_model_dir)
+    if not dropped:
+        return 0
+    with open(pb_path + ".tmp", "wb") as f:                      # as TF writes it, then in place
+        f.write(saved_model.SerializeToString(deterministic=True))
+    os.replace(pb_path + ".tmp", pb_path)
+    fingerprinting_utils.write_fingerprint(saved_model_dir)
     return dropped
 
 
 def servable_functions(meta_graph) -> set[str]:
-    """The names of the library functions of a `MetaGraphDef` that a session can run
-    (`drop_unservable_functions`)."""
-    functions = {function.signature.name: function
-                 for function in meta_graph.graph_def.library.function}
+    """The names of the library functions of a `MetaGraphDef` that a session or
+    `tf.saved_model.load` can run (`drop_unservable_functions`)."""
+    library = meta_graph.graph_def.library
+    functions = {function.signature.name: function for function in library.function}
+
+    def named(value) -> set[str]:
+        """The functions an `AttrValue` names, nested ones included."""
+        funcs = ([value.func] if value.HasField("func") else []) + list(value.list.func)
+        names = set()
+        for func in funcs:
+            names.add(func.name)
+            for inner in func.attr.values():
+                names |= named(inner)
+        return names
 
     def called(nodes) -> set[str]:
         names = set()
         for node in nodes:
-            if node.op in functions:
-                names.add(node.op)
+            names.update([node.op] if node.op in functions else [])
             for value in node.attr.values():
-                names.update([value.func.name] if value.func.name else [])
-                names.update(function.name for function in value.list.func)
+                names |= named(value)
         return names
 
     def alternatives(name: str) -> set[str]:
@@ -208,13 +213,18 @@ def servable_functions(meta_graph) -> set[str]:
                 if function.attr.get("api_implements") == implements
                 and not {"forward_function_name", "backward_function_name"} & set(function.attr)}
 
-    waiting = called(meta_graph.graph_def.node)
-    for node in meta_graph.object_graph_def.nodes:
+    objects = meta_graph.object_graph_def
+    waiting = called(meta_graph.graph_def.node) | set(objects.concrete_functions) | {
+        name for g in library.gradient for name in (g.function_name, g.gradient_func)} | {
+        g.gradient_func for g in library.registered_gradients}
+    for node in objects.nodes:
         kind = node.WhichOneof("kind")
         if kind == "function":
             waiting.update(node.function.concrete_functions)
         elif kind == "bare_concrete_function":
             waiting.add(node.bare_concrete_function.concrete_function_name)
+        elif kind == "captured_tensor":
+            waiting.add(node.captured_tensor.concrete_function)
     kept = set()
     while waiting:
         name = waiting.pop()

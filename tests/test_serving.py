@@ -386,6 +386,12 @@ def test_warmup_requests_call_every_signature_given_within_the_record_limit(tmp_
     LoadedModel(path).close()
 
 
+@tf.custom_gradient
+def clipped_gradient(x):
+    """x, its gradient clipped to [-1, 1]: a custom gradient the SavedModel registers."""
+    return tf.identity(x), lambda upstream: tf.clip_by_value(upstream, -1.0, 1.0)
+
+
 class Recurrent(tf.Module):
     """x [b, 3] float32 -> y [b, 2] float32 through a Keras GRU, whose call registers its cuDNN
     alternative and that alternative's gradient functions in the signature's graph."""
@@ -397,14 +403,14 @@ class Recurrent(tf.Module):
 
     @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32, name="x")])
     def serve(self, x):
-        return {"y": self.gru(x[..., None])}
+        return {"y": self.gru(clipped_gradient(x)[..., None])}
 
 
 def test_exports_keep_the_functions_a_session_can_run_and_a_matching_fingerprint(tmp_path):
-    """`drop_unservable_functions` drops the GRU's gradient functions alone, keeps its CPU and
-    GPU variants (Grappler picks one by device), answers as the whole SavedModel, in a session
-    and through `tf.saved_model.load`, and rewrites the fingerprint of the file it changed;
-    `save_servable` saves so."""
+    """`drop_unservable_functions` drops the GRU's gradient functions and what only they call,
+    keeps its CPU and GPU variants (Grappler picks one by device) and the custom gradient,
+    answers as the whole SavedModel, in a session and through `tf.saved_model.load`, and
+    rewrites the fingerprint of the file it changed; `save_servable` saves so."""
     import shutil
     from tensorflow.core.protobuf import saved_model_pb2
     from tensorflow.core.protobuf.fingerprint_pb2 import FingerprintDef
@@ -414,32 +420,96 @@ def test_exports_keep_the_functions_a_session_can_run_and_a_matching_fingerprint
     tf.saved_model.save(module, whole, signatures={"serving_default": module.serve})
     shutil.copytree(whole, pruned)
 
+    def library(path: str):
+        model = saved_model_pb2.SavedModel.FromString((tmp_path / path / "saved_model.pb")
+                                                      .read_bytes())
+        return model.meta_graphs[0].graph_def.library
+
     def functions(path: str) -> dict:
-        model = saved_model_pb2.SavedModel.FromString(open(f"{path}/saved_model.pb", "rb").read())
-        return {f.signature.name: f.attr for f in model.meta_graphs[0].graph_def.library.function}
-    before = functions(whole)
-    gradients = {name for name, attr in before.items()
-                 if {"forward_function_name", "backward_function_name"} & set(attr)}
-    assert drop_unservable_functions(pruned) == len(gradients) > 0
-    assert set(functions(pruned)) == set(before) - gradients
+        return {f.signature.name: f for f in library(path).function}
+
+    def calls(function) -> set[str]:
+        return {node.op for node in function.node_def} | {
+            value.func.name for node in function.node_def for value in node.attr.values()}
+    before = functions("whole")
+
+    def closure(names: set[str]) -> set[str]:
+        found, waiting = set(), set(names)
+        while waiting:
+            name = waiting.pop()
+            if name in before and name not in found:
+                found.add(name)
+                waiting |= calls(before[name])
+        return found
+    gradients = {name for name, f in before.items()
+                 if {"forward_function_name", "backward_function_name"} & set(f.attr)}
+    assert gradients and library("whole").registered_gradients                # custom_gradient's
+    assert drop_unservable_functions(pruned) == len(before) - len(functions("pruned"))
+    assert gradients <= set(before) - set(functions("pruned")) <= closure(gradients)
+    assert closure(set(functions("pruned"))) == set(functions("pruned"))   # none it calls missing
     save_servable(module, saved, {"serving_default": module.serve})
-    kept = functions(saved)
-    assert not any({"forward_function_name", "backward_function_name"} & set(attr)
-                   for attr in kept.values())
-    devices = {attr["api_preferred_device"].s for attr in kept.values()
-               if "api_preferred_device" in attr}
-    assert devices == {b"CPU", b"GPU"}, devices
+    for path in ("pruned", "saved"):
+        kept = functions(path)
+        assert not any({"forward_function_name", "backward_function_name"} & set(f.attr)
+                       for f in kept.values())
+        devices = {f.attr["api_preferred_device"].s for f in kept.values()
+                   if "api_preferred_device" in f.attr}
+        assert devices == {b"CPU", b"GPU"}, devices
+        registered = library(path).registered_gradients
+        assert registered and all(g.gradient_func in kept for g in registered)
+        written, recomputed = (FingerprintDef.FromString(proto) for proto in (
+            (tmp_path / path / "fingerprint.pb").read_bytes(),
+            fingerprinting.CreateFingerprintDef(str(tmp_path / path))))
+        written.ClearField("uuid"), recomputed.ClearField("uuid")              # random each time
+        assert written == recomputed
     answers = []
     for path in (whole, pruned, saved):
         model = LoadedModel(path, run_warmup=False)
         answers.append(model.run({"x": x})["y"])
         model.close()
-        answers.append(tf.saved_model.load(path).signatures["serving_default"](x=x)["y"].numpy())
+        loaded = tf.saved_model.load(path)
+        answers.append(loaded.signatures["serving_default"](x=x)["y"].numpy())
     assert all(np.array_equal(answers[0], answer) for answer in answers), answers
-    written, recomputed = (FingerprintDef.FromString(proto) for proto in (
-        open(f"{pruned}/fingerprint.pb", "rb").read(), fingerprinting.CreateFingerprintDef(pruned)))
-    written.ClearField("uuid"), recomputed.ClearField("uuid")                  # random each time
-    assert written == recomputed
+
+
+def test_the_functions_kept_are_those_called_named_or_swapped_in():
+    """`servable_functions` on a hand-made MetaGraphDef: every way a function is reached (a
+    node's op or attr, nested or in a list; the object graph's functions, bare and captured
+    ones and its concrete functions; gradient lists; an implementation-selector alternative
+    and what it calls), and nothing else (a forward/backward alternative, an unreached one)."""
+    from tensorflow.core.protobuf import meta_graph_pb2
+    from tworec.serving.layout import servable_functions
+    meta = meta_graph_pb2.MetaGraphDef()
+    library = meta.graph_def.library
+    for name in ("op", "attr", "nested", "listed", "object", "bare", "captured", "concrete",
+                 "gradient_of", "gradient", "registered", "cpu", "gpu", "gpu_body", "forward",
+                 "backward", "unreached", "only_forward_calls"):
+        library.function.add().signature.name = name
+    functions = {f.signature.name: f for f in library.function}
+    meta.graph_def.node.add(name="a", op="op")
+    node = meta.graph_def.node.add(name="b", op="Identity")
+    node.attr["f"].func.name = "attr"
+    node.attr["f"].func.attr["inner"].func.name = "nested"
+    node.attr["fs"].list.func.add(name="listed")
+    functions["op"].node_def.add(name="c", op="cpu")
+    for name, device in (("cpu", b"CPU"), ("gpu", b"GPU"), ("forward", b"GPU"),
+                         ("backward", b"GPU")):
+        functions[name].attr["api_implements"].s = b"gru_1"
+        functions[name].attr["api_preferred_device"].s = device
+    functions["forward"].attr["backward_function_name"].s = b"backward"
+    functions["backward"].attr["forward_function_name"].s = b"forward"
+    functions["gpu"].node_def.add(name="d", op="gpu_body")
+    functions["forward"].node_def.add(name="e", op="only_forward_calls")
+    objects = meta.object_graph_def
+    objects.nodes.add().function.concrete_functions.append("object")
+    objects.nodes.add().bare_concrete_function.concrete_function_name = "bare"
+    objects.nodes.add().captured_tensor.concrete_function = "captured"
+    objects.concrete_functions["concrete"].SetInParent()
+    library.gradient.add(function_name="gradient_of", gradient_func="gradient")
+    library.registered_gradients.add(gradient_func="registered", registered_op_type="Custom")
+    assert servable_functions(meta) == {
+        "op", "attr", "nested", "listed", "object", "bare", "captured", "concrete",
+        "gradient_of", "gradient", "registered", "cpu", "gpu", "gpu_body"}
 
 
 # ------------------------------------------------------------------ REST conformance
