@@ -516,8 +516,8 @@ def create_variables(model: TFRSModel, dataset: tf.data.Dataset) -> None:
     variables twice: the second trace of a tiny two-tower model's step took 2 s of its 6 s
     `fit` on a CPU, 5 s of 15 s under `MirroredStrategy` over two CPU devices. Under that
     strategy the loss runs in its replicas (`strategy.run`, on the first batch as `fit`
-    distributes it); other distributed strategies create them in `fit`, as does a call made
-    inside a strategy's scope."""
+    distributes it); other distributed strategies leave them to `fit`, and so does a call made
+    inside a strategy's scope, which returns at once."""
     default, strategy = tf.distribute.get_strategy(), model.distribute_strategy
     if tf.distribute.has_strategy():
         return

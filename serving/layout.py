@@ -139,15 +139,16 @@ def write_warmup_requests(saved_model_dir: str, model_name: str,
 
 def save_servable(module, path: str, signatures: dict, options=None) -> None:
     """`tf.saved_model.save(module, path, signatures=..., options=...)` without the functions
-    no session can run (`drop_unservable_functions`)."""
+    neither a session nor `tf.saved_model.load` can run (`drop_unservable_functions`)."""
     import tensorflow as tf
     tf.saved_model.save(module, path, signatures=signatures, options=options)
     drop_unservable_functions(path)
 
 
 def drop_unservable_functions(saved_model_dir: str) -> int:
-    """Rewrites the SavedModel's function library to what a session can run, and its
-    fingerprint to match; returns how many functions it dropped (0: the files are untouched).
+    """Rewrites the SavedModel's function library to what a session or `tf.saved_model.load`
+    can run, and its fingerprint to match; returns how many functions it dropped (0: the files
+    are untouched).
 
     Kept: the functions the graph's nodes call, those the object graph names (what
     `tf.saved_model.load` restores, custom gradients included), those the library's gradient

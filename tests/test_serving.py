@@ -430,7 +430,8 @@ def test_exports_keep_the_functions_a_session_can_run_and_a_matching_fingerprint
 
     def calls(function) -> set[str]:
         return {node.op for node in function.node_def} | {
-            value.func.name for node in function.node_def for value in node.attr.values()}
+            name for node in function.node_def for value in node.attr.values()
+            for name in [value.func.name, *(f.name for f in value.list.func)]}
     before = functions("whole")
 
     def closure(names: set[str]) -> set[str]:
@@ -447,6 +448,13 @@ def test_exports_keep_the_functions_a_session_can_run_and_a_matching_fingerprint
     assert drop_unservable_functions(pruned) == len(before) - len(functions("pruned"))
     assert gradients <= set(before) - set(functions("pruned")) <= closure(gradients)
     assert closure(set(functions("pruned"))) == set(functions("pruned"))   # none it calls missing
+    files, again = sorted((tmp_path / "pruned").glob("*.pb")), tmp_path / "again"
+    written = [path.read_bytes() for path in files]          # saved_model.pb, fingerprint.pb
+    shutil.copytree(whole, again)
+    drop_unservable_functions(str(again))
+    assert (again / "saved_model.pb").read_bytes() == written[1]                   # deterministic
+    assert drop_unservable_functions(pruned) == 0 and not list((tmp_path / "pruned").glob("*.tmp"))
+    assert [path.read_bytes() for path in files] == written       # untouched (its uuid included)
     save_servable(module, saved, {"serving_default": module.serve})
     for path in ("pruned", "saved"):
         kept = functions(path)
