@@ -49,6 +49,7 @@ for name, rows, loss in (("plain", 128, {}), ("hits", 127, dict(
         with make_strategy(strategy).scope():
             model = build_model(config, data)
             model.compute_loss({key: value[:2] for key, value in rows.items()})   # builds it
+            model.optimizer.build(model.trainable_variables)     # so `fit` traces its step once
         start = start or [variable.numpy() for variable in model.trainable_variables]
         for variable, value in zip(model.trainable_variables, start):
             variable.assign(value)
@@ -68,6 +69,7 @@ for strategy in ("default", "mirrored"):                     # 20 mixed-precisio
     with make_strategy(strategy).scope():
         model = build_model(config, data)
         model.compute_loss({key: value[:2] for key, value in batch.items()})
+        model.optimizer.build(model.trainable_variables)
     tf.keras.mixed_precision.set_global_policy("float32")
     start = start or [variable.numpy() for variable in model.trainable_variables]
     for variable, value in zip(model.trainable_variables, start):
