@@ -515,15 +515,17 @@ def create_variables(model: TFRSModel, dataset: tf.data.Dataset) -> None:
     first trace of the training step, and `tf.function` traces a function that creates
     variables twice: the second trace of a tiny two-tower model's step took 2 s of its 6 s
     `fit` on a CPU, 5 s of 15 s under `MirroredStrategy` over two CPU devices. Under that
-    strategy the loss runs in its replicas (`strategy.run`, on the first batch as `fit`
-    distributes it); other distributed strategies leave them to `fit`, and so does a call made
-    inside a strategy's scope, which returns at once."""
+    strategy and `MultiWorkerMirroredStrategy` the loss runs in the replicas (`strategy.run`,
+    on the first batch as `fit` distributes it); other strategies (the parameter-server one)
+    leave them to `fit`, and so does a call made inside a strategy's scope, which returns at
+    once."""
     default, strategy = tf.distribute.get_strategy(), model.distribute_strategy
     if tf.distribute.has_strategy():
         return
     if strategy is default:
         model.compute_loss(next(iter(dataset)))
-    elif isinstance(strategy, tf.distribute.MirroredStrategy):
+    elif isinstance(strategy, (tf.distribute.MirroredStrategy,
+                               tf.distribute.MultiWorkerMirroredStrategy)):
         with strategy.scope():
             batch = next(iter(strategy.experimental_distribute_dataset(dataset.take(1))))
             strategy.run(model.compute_loss, args=(batch,))

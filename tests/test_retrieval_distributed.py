@@ -99,7 +99,8 @@ model, summary = fit(data, preset("tiny", epochs=4, strategy="multi_worker"),
                      run_dir=sys.argv[1], verbose=0)
 print("RESULT", json.dumps({"metrics": evaluate_model(model, data, "test", ks=(10, 50)),
                             "replicas": model.distribute_strategy.num_replicas_in_sync,
-                            "epochs": summary["epochs"], "loss": summary["history"]["loss"]}))
+                            "epochs": summary["epochs"], "loss": summary["history"]["loss"],
+                            "traces": model.train_function.experimental_get_tracing_count()}))
 """
 
 
@@ -189,6 +190,7 @@ def test_two_worker_processes_train_one_model_that_matches_one_device(one_device
         assert worker.returncode == 0, stderr[-3000:]
     chief, other = (result_of(stdout) for stdout, _ in outputs)
     assert chief["replicas"] == 2 and chief["epochs"] == 4
+    assert chief["traces"] == other["traces"] == 1        # the variables made before `fit`
     assert chief["metrics"] == other["metrics"]            # one model, kept in sync
     default = one_device_and_mirrored["default_1"]              # the same global batches
     assert chief["loss"] == pytest.approx(one_device_and_mirrored["default_1_loss"],
