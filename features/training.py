@@ -516,9 +516,9 @@ def create_variables(model: TFRSModel, dataset: tf.data.Dataset) -> None:
     variables twice: the second trace of a tiny two-tower model's step took 2 s of its 6 s
     `fit` on a CPU, 5 s of 15 s under `MirroredStrategy` over two CPU devices. Under that
     strategy and `MultiWorkerMirroredStrategy` the loss runs in the replicas (`strategy.run`,
-    on the first batch as `fit` distributes it); other strategies (the parameter-server one)
-    leave them to `fit`, and so does a call made inside a strategy's scope, which returns at
-    once."""
+    on `dataset`'s first batch, distributed as `fit` distributes it); other strategies (the
+    parameter-server one, for example) leave them to `fit`, and so does a call made inside a
+    strategy's scope, which returns at once."""
     default, strategy = tf.distribute.get_strategy(), model.distribute_strategy
     if tf.distribute.has_strategy():
         return

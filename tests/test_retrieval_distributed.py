@@ -150,7 +150,7 @@ def test_mirrored_strategy_trains_as_one_device(one_device_and_mirrored, members
     per-epoch losses (to float rounding, `LOSS_ROUNDING`) and metrics, one trace of the step."""
     results = one_device_and_mirrored
     assert results[f"mirrored_{members}_replicas"] == 2
-    # the variables made before `fit`, in the replicas: the step traced once (twice if it made them)
+    # the variables made before `fit`: the step traced once (twice if `fit` made them)
     assert results[f"mirrored_{members}_traces"] == results[f"default_{members}_traces"] == 1
     assert results[f"mirrored_{members}_loss"] == pytest.approx(
         results[f"default_{members}_loss"], rel=LOSS_ROUNDING), results
@@ -198,3 +198,17 @@ def test_two_worker_processes_train_one_model_that_matches_one_device(one_device
     for metric in ("recall@10", "recall@50"):
         assert abs(default[metric] - chief["metrics"][metric]) <= 0.01, (default, chief)
     assert (tmp_path / "run" / "retrieval_config.json").exists()
+
+
+def test_multi_worker_without_a_cluster_trains_on_this_machine_as_one_device(
+        one_device_and_mirrored, tmp_path):
+    """`--strategy multi_worker` without TF_CONFIG: one worker, one replica, its variables
+    made before `fit` (one trace), the one-device losses."""
+    env = {key: value for key, value in os.environ.items() if key != "TF_CONFIG"}
+    done = subprocess.run([sys.executable, "-c", WORKER, str(tmp_path / "run")], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    alone = result_of(done.stdout)
+    assert alone["replicas"] == 1 and alone["traces"] == 1 and alone["epochs"] == 4, alone
+    assert alone["loss"] == pytest.approx(one_device_and_mirrored["default_1_loss"],
+                                          rel=LOSS_ROUNDING)
