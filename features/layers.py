@@ -2,8 +2,10 @@
 string-id lookups and the per-user inputs an export bakes in."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
 
 import numpy as np
 import tensorflow as tf
@@ -166,6 +168,47 @@ def in_row_blocks(block, num_rows: tf.Tensor, block_rows: tf.Tensor | int,
     for output, spec in zip(outputs, specs):
         output.set_shape(spec.shape)
     return outputs
+
+
+_inference_tracing = threading.local()
+_installing = threading.Lock()
+
+
+@contextlib.contextmanager
+def inference_tracing():
+    """Traces Keras GRU and LSTM layers, in this thread, for inference alone: each call still
+    adds its cuDNN variant (for Grappler to swap in on a GPU) to the graph, but not the
+    gradient functions Keras also traces for it (tf_keras' `gru_lstm_utils.function_register`),
+    which only a graph that trains uses. An export spends about a third of its tracing on them,
+    and `save_servable` drops them from the SavedModel anyway. Without that private function
+    (another tf_keras) nothing changes."""
+    try:
+        from tf_keras.src.layers.rnn import gru_lstm_utils
+    except ImportError:
+        gru_lstm_utils = None
+    with _installing:
+        register = getattr(gru_lstm_utils, "function_register", None)
+        if register is not None and not getattr(register, "honours_inference_tracing", False):
+            gru_lstm_utils.function_register = _registering_gradients_unless_inference(register)
+    previous = getattr(_inference_tracing, "active", False)
+    _inference_tracing.active = True
+    try:
+        yield
+    finally:
+        _inference_tracing.active = previous
+
+
+def _registering_gradients_unless_inference(register):
+    """`register` (Keras's `function_register`), but inside `inference_tracing` only the
+    function itself is added to the graph."""
+    def function_register(func, *args, **kwargs):
+        if not getattr(_inference_tracing, "active", False):
+            return register(func, *args, **kwargs)
+        concrete = func.get_concrete_function(*args, **kwargs)
+        concrete.add_to_graph()
+        return concrete
+    function_register.honours_inference_tracing = True
+    return function_register
 
 
 def write_state(saved_model_dir: str, inputs) -> None:

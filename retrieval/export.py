@@ -39,7 +39,7 @@ import tensorflow as tf
 
 from tworec.features.inputs import ModelInputs
 from tworec.features.layers import (UserInputs, hold_model, id_lookup, in_row_blocks,
-                                    write_state)
+                                    inference_tracing, write_state)
 from tworec.features.vocab import FIRST, OOV, PAD
 from tworec.retrieval.index import ScannParams, build_index
 from tworec.retrieval.model import RetrievalModel
@@ -288,7 +288,8 @@ def export(model: RetrievalModel, data: ModelInputs, base_path: str, k: int,
     options = tf.saved_model.SaveOptions(namespace_whitelist=["Scann"] if scann else None)
 
     def write(path: str) -> None:
-        save_servable(module, path, signatures, options)
+        with inference_tracing():
+            save_servable(module, path, signatures, options)
         write_state(path, data)
         if warmup_users is not None:
             write_warmup_requests(path, os.path.basename(os.path.normpath(base_path)),
