@@ -13,10 +13,11 @@ $(STAMP): setup.py
 	$(PY) -m pip install -qq -e '.[test]'
 	touch $(STAMP)
 
-# Two workers, each given whole files (module fixtures are built once): most tests wait on
-# subprocesses, sockets or one core, so two at once take about 60% of the serial time.
+# Two workers, each given whole files (module fixtures are built once), the slowest files
+# first (tests/conftest.py): most tests wait on subprocesses, sockets or one core, so two at
+# once take about 60% of the serial time.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
 demo: $(STAMP)
 	$(PY) scripts/pipeline.py --data synthetic --out $(RUN) --overwrite
