@@ -38,7 +38,7 @@ setup(
     package_dir={"tworec": "tworec", **{f"tworec.{name}": name for name in PACKAGES}},
     install_requires=STACK,
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist>=3.6.1"],
+        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist>=3.8"],
         "gpu": ["tensorflow[and-cuda]~=2.20.0"],
     },
 )
