@@ -79,7 +79,10 @@ class TFRSModel(tfrs.Model):
         such step is skipped and the scale halved, the first 12 to 16 steps at batch 512 to
         4096. `train_step` scales the loss over these rows, as a mean, and multiplies the
         unscaled gradients back: the optimizer takes the summed loss's gradients, while the
-        float16 ones keep a mean's size, whatever the batch and the number of replicas."""
+        float16 ones keep about a mean's size, whatever the batch and the number of replicas
+        (not quite: a table row only one replica's rows touch gets up to the replica count
+        times one device's float16 gradient, so a mirrored step can overflow where one device's
+        does not; seen with the mean history encoder, a scale of 2048 against 4096)."""
         if not (self.summed_loss
                 and isinstance(self.optimizer, tf.keras.mixed_precision.LossScaleOptimizer)):
             return None

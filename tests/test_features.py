@@ -793,3 +793,39 @@ def test_a_release_says_what_its_missing_optional_files_leave_out(tmp_path, as_z
         "occupation"]
     for source in ("synthetic:tiny", "tfds:movielens/100k-ratings", str(tmp_path / "x.csv")):
         assert release_gaps(source) == []
+
+
+def test_inference_tracing_adds_a_grus_gpu_variant_without_its_gradient_functions():
+    """Inside `inference_tracing` a GRU's trace adds its cuDNN variant (for Grappler to swap
+    in on a GPU) without the gradient functions Keras adds for it elsewhere: in another
+    thread meanwhile, after it, and after it ended in an error (nested, the outer one still
+    holds)."""
+    import re
+    import threading
+    import tensorflow as tf
+    from tworec.features.layers import inference_tracing
+    gru = tf.keras.layers.GRU(4)
+    inputs = tf.random.stateless_normal([3, 5, 2], seed=[0, 1])                   # [b, t, d]
+
+    def traced() -> set[str]:
+        """The functions in the graph of a new trace of the GRU, their numbers dropped."""
+        graph = tf.function(lambda x: gru(x)).get_concrete_function(inputs).graph
+        return {re.sub(r"_\d+", "", function.signature.name)
+                for function in graph.as_graph_def().library.function}
+    gradients = {"__forward_gpu_gru_with_fallback", "__inference___backward_gpu_gru_with_fallback"}
+    plain, elsewhere = traced(), []
+    with inference_tracing():
+        inference = traced()
+        thread = threading.Thread(target=lambda: elsewhere.append(traced()))
+        thread.start()
+        thread.join()
+        with pytest.raises(ZeroDivisionError), inference_tracing():
+            1 / 0
+        nested = traced()
+    after = traced()
+    assert gradients <= plain and gradients <= elsewhere[0] and gradients <= after
+    assert inference == nested == plain - gradients
+    assert "__inference_gpu_gru_with_fallback" in inference
+    with pytest.raises(ZeroDivisionError), inference_tracing():
+        1 / 0
+    assert gradients <= traced()

@@ -15,7 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # one SGD step on one batch from the same weights, on one device and mirrored: the plain loss
 # on 128 rows (64 a replica), and logQ, accidental hits and hard negatives on 127 (64 and 63),
 # with the mean history encoder (the fits train the GRU; these steps took 20 s with it, 7.5 s
-# with the mean).
+# with the mean). The mixed-precision steps keep the GRU: with the mean encoder the mirrored
+# run overflowed once more (scale 2048 against 4096; `_loss_scale_rows` says why).
 MIRRORED = """
 import json, numpy as np, tensorflow as tf
 cpu = tf.config.list_physical_devices("CPU")[0]
@@ -130,7 +131,7 @@ def one_device_and_mirrored() -> dict:
 def test_one_sgd_step_under_mirrored_strategy_equals_one_device(one_device_and_mirrored):
     """Each replica scores its queries against the global batch's candidates: the update and
     the logged loss are one device's (each replica's softmax over its own half gave a 9.5%
-    other update of the plain loss, and half the logged loss)."""
+    other update of the plain loss, and half the logged loss, on the GRU model)."""
     for case in ("plain", "hits"):
         step = one_device_and_mirrored[f"step_{case}"]
         assert step["update_difference"] < 2e-6, (case, step)
@@ -140,8 +141,9 @@ def test_one_sgd_step_under_mirrored_strategy_equals_one_device(one_device_and_m
 def test_mixed_precision_steps_under_mirrored_strategy_follow_one_device(
         one_device_and_mirrored):
     """Each replica's summed loss is loss-scaled as a mean over its own rows: its float16
-    gradients are one device's size, so the replicas skip the steps one device skips (scaled
-    over the global batch they were half as large: other skips, updates 11 to 15% off)."""
+    gradients are about one device's size, so here the replicas skip the steps one device
+    skips (scaled over the global batch they were half as large: other skips, updates 11 to
+    15% off)."""
     steps = one_device_and_mirrored["mixed_precision"]
     assert steps["loss_scales"][0] == steps["loss_scales"][1], steps
     assert steps["update_difference"] < 0.02, steps
