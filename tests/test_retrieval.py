@@ -833,10 +833,10 @@ def test_an_export_of_more_items_than_the_catalogue_is_refused_before_it_traces(
 
 
 def test_an_export_traces_its_gru_for_inference_alone(trained, tmp_path, monkeypatch):
-    """The retrieval export traces the query tower inside `inference_tracing`: nothing for
-    `save_servable` to drop (a trace made outside it carries the GRU's gradient functions
-    into every later export of the model, 20 of them), and the cuDNN variant kept for a
-    GPU."""
+    """Every retrieval export traces the query tower inside `inference_tracing` (the trace is
+    kept on the model for its later exports): nothing for `save_servable` to drop (a trace made
+    outside it would carry the GRU's 20 gradient functions into every export of the model),
+    and the cuDNN variant kept for a GPU."""
     from tensorflow.core.protobuf import saved_model_pb2
     from tworec.retrieval.export import export
     from tworec.serving import layout
